@@ -1,0 +1,121 @@
+"""The ``molt`` command line (click): run | sft | plugins | recipes | serve.
+
+Every command validates the recipe and loads plugins before any compute starts, so a bad
+key, a wrong type or a broken plugin fails in a second with a message naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from molt_core import __version__
+from molt_core.config import RECIPES_DIR, ConfigError, RunConfig, load_config
+from molt_core.plugins import PluginError, PluginHost, load_plugins
+
+console = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True, soft_wrap=True)
+    sys.exit(code)
+
+
+def prepare(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...]) -> tuple[RunConfig, PluginHost]:
+    """Load and validate ``recipe`` with ``overrides``, then load plugins (recipe ``plugins``
+    plus ``--plugin``) and broadcast ``molt_configure``. Exits with code 2 on any error."""
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    specs = list(dict.fromkeys([*cfg.plugins, *plugin]))
+    cfg = cfg.model_copy(update={"plugins": specs})
+    try:
+        host = load_plugins(specs)
+    except PluginError as e:
+        _fail(str(e))
+    host.configure(cfg)
+    return cfg, host
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="molt-sdk")
+def main() -> None:
+    """molt-sdk: token-exact agentic RL for language models."""
+
+
+@main.command()
+@click.argument("recipe", required=False)
+@click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--out", "out", default=None, help="Run directory (default runs/<recipe>-<time>).")
+@click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent to train.")
+@click.option("--ray-address", default=None, help="Join an existing Ray cluster instead of starting a local one.")
+@click.option("--resume", "resume", default=None, type=click.Path(), help="Continue a killed run from its directory.")
+def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None,
+        agent: str | None, ray_address: str | None, resume: str | None) -> None:
+    """Train the agent of RECIPE (a TOML path or a shipped recipe name) with RL."""
+    if resume:
+        resume_dir = Path(resume)
+        if not (resume_dir / "config.toml").is_file():
+            _fail(f"--resume {resume}: no config.toml there; is it a run directory?")
+        recipe = str(resume_dir / "config.toml")
+        out = str(resume_dir)
+    if recipe is None:
+        _fail("give a RECIPE (see `molt recipes`) or --resume DIR")
+    extra = list(overrides)
+    if agent:
+        extra.append(f"agent.path={json.dumps(agent)}")
+    cfg, host = prepare(recipe, plugin, tuple(extra))
+    from molt_core import runtime
+
+    runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None, recipe_name=Path(recipe).stem)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
+def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
+    """List installed plugins: distribution, version, hooks and registered names."""
+    try:
+        host = load_plugins(plugin)
+    except PluginError as e:
+        _fail(str(e))
+    infos = host.plugin_infos()
+    if as_json:
+        click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
+        return
+    table = Table(title="molt plugins")
+    for col in ("plugin", "distribution", "version", "hooks", "registered"):
+        table.add_column(col)
+    for i in infos:
+        reg = "\n".join(f"{k}: {', '.join(v)}" for k, v in sorted(i.registered.items()))
+        table.add_row(i.name, i.distribution, i.version, "\n".join(i.hooks), reg)
+    Console().print(table)
+
+
+@main.command()
+def recipes() -> None:
+    """List the shipped recipes."""
+    import tomllib
+
+    table = Table(title=f"recipes ({RECIPES_DIR})")
+    table.add_column("name")
+    table.add_column("description")
+    for p in sorted(RECIPES_DIR.glob("*.toml")):
+        first = next((ln[1:].strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+        try:
+            tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            first = f"(invalid TOML: {e})"
+        table.add_row(p.stem, first)
+    Console().print(table)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,357 @@
+"""Run configuration: :class:`RunConfig` loaded from a TOML recipe plus ``--set`` overrides.
+
+Recipes are TOML files with one table per section below. Validation is strict: an unknown
+key, or a value of the wrong type (a string where an int belongs, say), is an error, and
+*every* bad field is reported at once with its dotted path and the expected type
+(:class:`ConfigError`). ``--set section.key=value`` values are parsed as TOML values (ints,
+floats, bools, lists, quoted strings); anything that is not a TOML value is taken as a bare
+string (``--set model.path=runs/x``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe"]
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """Invalid recipe or override; ``errors`` lists ``(dotted_path, message)`` pairs."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RunSection(_Section):
+    """``[run]``: ``name``, ``seed``, ``steps`` (optimizer steps), ``out_dir`` (default
+    ``runs/<name>-<time>``), ``threads`` (torch intra-op threads per process)."""
+
+    name: str = "run"
+    seed: int = 0
+    steps: int = Field(100, ge=0)
+    out_dir: str | None = None
+    threads: int = Field(1, ge=1)
+
+
+class ModelSection(_Section):
+    """``[model]``: ``path`` -- an HF model directory, or ``builtin:<name>`` for a model the
+    project builds from a config (``builtin:tiny-qwen3``); ``gguf_file`` for GGUF checkpoints;
+    ``dtype`` of the trainer (``float32`` on CPU); ``init_from`` a checkpoint to start from."""
+
+    path: str = "builtin:tiny-qwen3"
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineSection(_Section):
+    """``[engine]``: ``name`` of a registered engine (``transformers``, ``vllm``),
+    ``num_engines`` rollout workers, ``max_batch_size`` concurrent sequences per engine,
+    ``dtype`` of the engine's copy of the weights, ``num_cpus``/``num_gpus`` per worker."""
+
+    name: str = "transformers"
+    num_engines: int = Field(1, ge=1)
+    max_batch_size: int = Field(64, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AgentSection(_Section):
+    """``[agent]``: ``name`` of a registered env/agent, or ``path`` to a ``.py`` file defining
+    one; ``options`` validated by the agent's own options model."""
+
+    name: str | None = None
+    path: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutSection(_Section):
+    """``[rollout]``: ``prompts_per_step`` groups per optimizer step, ``n_samples_per_prompt``
+    rollouts per group, sampling (``temperature``, ``top_p``, ``top_k``), ``max_tokens`` per
+    turn, ``max_turns`` and ``max_total_tokens`` per episode, ``timeout_s`` per rollout,
+    ``dynamic_filter`` drops groups whose rewards are all equal."""
+
+    prompts_per_step: int = Field(8, ge=1)
+    n_samples_per_prompt: int = Field(8, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_tokens: int = Field(64, ge=1)
+    max_turns: int = Field(1, ge=1)
+    max_total_tokens: int = Field(1024, ge=1)
+    timeout_s: float = Field(60.0, gt=0)
+    dynamic_filter: bool = False
+
+
+class AlgoSection(_Section):
+    """``[algo]``: ``advantage`` estimator, policy ``loss``, clip band (PPO, arXiv 1707.06347;
+    dual clip, arXiv 1912.09729), KL to a frozen reference (``kl_coef`` 0 disables; estimator
+    k1/k2/k3, Schulman 2020 "Approximating KL divergence"; as a per-token reward or a loss
+    term), ``gamma``/``lam`` for discounted estimators and GAE."""
+
+    advantage: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"] = "grpo"
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = None
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_as_reward: bool = False
+    kl_target: float | None = None
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    distill_coef: float = 1.0
+
+
+class CorrectionSection(_Section):
+    """``[correction]``: importance correction of off-policy tokens (TIS, IcePop, MIS):
+    ``is_level`` (off/token/seq/geo), ``is_mode`` (mask/clip/trunc), band ``[low, high]``."""
+
+    is_level: Literal["off", "token", "seq", "geo"] = "token"
+    is_mode: Literal["mask", "clip", "trunc"] = "trunc"
+    low: float = Field(0.0, ge=0)
+    high: float = Field(2.0, gt=0)
+
+
+class AsyncSection(_Section):
+    """``[async]``: ``max_staleness`` -- how many policy versions rollout may run ahead of
+    the trainer (0 = synchronous); sequences staler than this are gated (dropped, counted)."""
+
+    max_staleness: int = Field(0, ge=0)
+
+
+class TrainerSection(_Section):
+    """``[trainer]``: AdamW (``lr``, ``betas``, ``eps``, ``weight_decay``), ``grad_clip``
+    (max global grad norm, 0 disables), ``warmup_steps``, ``lr_schedule``,
+    ``micro_batch_size`` sequences per forward, ``ppo_epochs`` passes over a step's batch."""
+
+    lr: float = Field(3e-4, gt=0)
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-8
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    micro_batch_size: int = Field(64, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class CheckpointSection(_Section):
+    """``[checkpoint]``: write every ``every`` steps (0 = only at the end), keep ``keep``."""
+
+    every: int = Field(50, ge=0)
+    keep: int = Field(2, ge=1)
+
+
+class EvalSection(_Section):
+    """``[eval]``: every ``every`` steps (0 = start and end only) on ``n_problems`` held-out
+    problems, ``k`` samples each at ``temperature`` (pass@1 and pass@k)."""
+
+    every: int = Field(0, ge=0)
+    n_problems: int = Field(64, ge=0)
+    k: int = Field(1, ge=1)
+    temperature: float = Field(1.0, ge=0)
+
+
+class SftSection(_Section):
+    """``[sft]``: warm start before RL (``steps`` 0 disables): ``lr``, ``batch_size``,
+    ``label_noise`` (fraction of deliberately wrong targets), ``seed``."""
+
+    steps: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(32, ge=1)
+    label_noise: float = Field(0.0, ge=0, le=1)
+    n_examples: int = Field(2000, ge=1)
+
+
+class RunConfig(_Section):
+    """The whole resolved configuration of a run (one field per recipe table).
+
+    ``plugins`` lists ``--plugin`` specs to load; ``rewards`` maps a registered reward name to
+    its options table; ``loggers`` names logger plugins besides JSONL.
+    """
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algo: AlgoSection = Field(default_factory=AlgoSection)
+    correction: CorrectionSection = Field(default_factory=CorrectionSection)
+    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    sft: SftSection = Field(default_factory=SftSection)
+    plugins: list[str] = Field(default_factory=list)
+    rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    loggers: list[str] = Field(default_factory=list)
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    def to_toml(self) -> str:
+        """Serialise to TOML (the form written into the run directory); ``None`` fields are
+        omitted, so the file loads back to an equal config."""
+        data = self.model_dump(by_alias=True, exclude_none=True)
+        return tomli_w.dumps(data)
+
+    def write(self, path: str | Path) -> Path:
+        """Write :meth:`to_toml` to ``path``; returns the path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(self.to_toml())
+        return p
+
+
+def _type_name(model: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    """The annotation of the field at ``loc`` (a pydantic error location), as text."""
+    cur: Any = model
+    ann: Any = None
+    for part in loc:
+        if isinstance(cur, type) and issubclass(cur, BaseModel):
+            fields = cur.model_fields
+            key = part
+            if key not in fields:
+                key = next((k for k, f in fields.items() if f.alias == part), None)
+                if key is None:
+                    return None
+            ann = fields[key].annotation
+            cur = ann
+        else:
+            return None
+    if ann is None:
+        return None
+    return getattr(ann, "__name__", None) if isinstance(ann, type) else str(ann).replace("typing.", "")
+
+
+def _suggest(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(cur, type) and issubclass(cur, BaseModel):
+            f = cur.model_fields.get(part) or next((f for f in cur.model_fields.values() if f.alias == part), None)
+            cur = f.annotation if f else None
+        else:
+            return ""
+    if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+        return ""
+    names = [f.alias or k for k, f in cur.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(names)})"
+
+
+def validate_config(data: dict[str, Any], source: str = "recipe") -> RunConfig:
+    """Validate a recipe dict into a :class:`RunConfig`.
+
+    Raises:
+        ConfigError: listing every bad field as ``path: problem (expected TYPE)``.
+    """
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        errors: list[tuple[str, str]] = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            path = ".".join(str(p) for p in loc)
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown key{_suggest(RunConfig, loc)}"
+            else:
+                expected = _type_name(RunConfig, loc)
+                got = err.get("input")
+                msg = f"{err['msg']}"
+                if expected:
+                    msg += f" (expected {expected}, got {type(got).__name__} {got!r})"
+            errors.append((path, msg))
+        lines = "\n".join(f"  {p}: {m}" for p, m in errors)
+        raise ConfigError(f"{source} has {len(errors)} invalid field(s):\n{lines}", errors) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` into (``["section", "key"]``, typed value).
+
+    The value is parsed as a TOML value (``8`` -> int, ``3e-4`` -> float, ``true`` -> bool,
+    ``[1, 2]`` -> list, ``"x"`` -> str); otherwise it is the bare string.
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set {item!r}: empty key")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``section.key=value`` override applied.
+
+    Raises:
+        ConfigError: an override is malformed or descends into a non-table value.
+    """
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        cur = out
+        for p in path[:-1]:
+            nxt = cur.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: {p!r} is not a table")
+            cur = nxt
+        cur[path[-1]] = value
+    return out
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """Resolve ``recipe``: a path to a TOML file, or the name of a shipped recipe.
+
+    Raises:
+        ConfigError: neither exists; lists the shipped recipes.
+    """
+    p = Path(recipe)
+    if p.is_file():
+        return p
+    for cand in (RECIPES_DIR / f"{recipe}.toml", RECIPES_DIR / str(recipe)):
+        if cand.is_file():
+            return cand
+    shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml"))) or "(none)"
+    raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe ({shipped})")
+
+
+def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a TOML recipe (path or shipped name), apply overrides, validate.
+
+    Raises:
+        ConfigError: file missing, TOML syntax error, or invalid fields (all listed).
+    """
+    path = find_recipe(recipe)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from None
+    data = apply_overrides(data, overrides)
+    return validate_config(data, source=str(path))

@@ -1,0 +1,6 @@
+"""Rollout engines: the :class:`~molt_core.engines.base.RolloutEngine` contract and
+implementations (embedded ``transformers`` default, scale-out ``vllm``)."""
+
+from molt_core.engines.base import GenerationOutput, RolloutEngine
+
+__all__ = ["GenerationOutput", "RolloutEngine"]

@@ -1,0 +1,94 @@
+"""The molt plugin API: pluggy hook specifications (entry-point group ``molt``).
+
+A plugin is any module or object with functions decorated by :data:`hookimpl` whose names
+are below. A hookimpl may accept fewer arguments than its spec (pluggy), so the API is
+versioned by *adding* arguments and hooks, never changing them; :data:`HOOK_API_VERSION`
+counts those additions.
+
+Registration hooks receive a ``register(name, obj)`` callback rather than returning values,
+so the host knows which plugin registered what and reports name collisions (pattern of
+simonw/llm). Lifecycle hooks are broadcasts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT = "molt"
+HOOK_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[str, Any], None]
+
+
+@hookspec
+def molt_register_rewards(register: Register) -> None:
+    """Register reward functions: ``register(name, fn_or_class)``.
+
+    A reward is called as ``reward(trajectory_text: str, task: dict, **options) -> float``
+    or an object with that ``__call__``; raising marks the trajectory ``failed``.
+    """
+
+
+@hookspec
+def molt_register_envs(register: Register) -> None:
+    """Register agents: ``register(name, cls)`` where ``cls`` is an ``Env`` or ``ChatAgent``
+    subclass (``molt_core.agents``), or a factory returning one."""
+
+
+@hookspec
+def molt_register_judges(register: Register) -> None:
+    """Register LLM-as-judge scorers: ``register(name, cls)``."""
+
+
+@hookspec
+def molt_register_teachers(register: Register) -> None:
+    """Register distillation teachers: ``register(name, cls)`` giving per-token teacher
+    logprobs on the student's sampled tokens."""
+
+
+@hookspec
+def molt_register_replay_backends(register: Register) -> None:
+    """Register MoE routing-replay (R3) backends: ``register(model_type, backend)``."""
+
+
+@hookspec
+def molt_register_engines(register: Register) -> None:
+    """Register rollout engines: ``register(name, factory)`` returning a ``RolloutEngine``."""
+
+
+@hookspec
+def molt_register_loggers(register: Register) -> None:
+    """Register metric loggers: ``register(name, cls)``; ``cls(run_dir, config)`` has
+    ``log(step: int, metrics: dict[str, float])`` and ``close()``."""
+
+
+@hookspec(historic=True)
+def molt_configure(config: Any) -> None:
+    """Called once with the resolved ``RunConfig`` before any compute starts (historic:
+    plugins registered later still receive it)."""
+
+
+@hookspec
+def molt_on_trajectory(trajectory: Any) -> None:
+    """Called with each finished ``Trajectory`` (after rewards), before it is queued."""
+
+
+@hookspec
+def molt_on_step_end(step: int, metrics: dict) -> None:
+    """Called after each optimizer step with the step's metrics (``dict[str, float]``)."""
+
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    "rewards": "molt_register_rewards",
+    "envs": "molt_register_envs",
+    "judges": "molt_register_judges",
+    "teachers": "molt_register_teachers",
+    "replay_backends": "molt_register_replay_backends",
+    "engines": "molt_register_engines",
+    "loggers": "molt_register_loggers",
+}

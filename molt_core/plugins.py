@@ -1,0 +1,266 @@
+"""Plugin manager: discovery, loading, validation and the registries plugins fill.
+
+Sources, in order: the ``molt`` entry-point group of every installed distribution (molt-sdk's
+own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
+path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
+name or distribution name. Everything is validated before any compute starts:
+
+* a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
+  naming its distribution, with the original exception chained;
+* a hookimpl whose arguments are not in its spec, or a ``molt_*`` function that is no hook
+  of this API version -> :class:`PluginError` naming plugin, distribution and cause;
+* two plugins registering the same name for the same kind -> :class:`PluginError` naming
+  both.
+
+Core code calls the typed methods of :class:`PluginHost`, never ``pm.hook.*`` directly.
+Ray workers rebuild the same host from the same ``--plugin`` list (installed entry points are
+identical there), so no registry is shipped between processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from molt_core import hookspecs
+from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
+
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins"]
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded or validated; the message names the plugin and cause."""
+
+
+@dataclass
+class Registration:
+    """One name registered by one plugin for one kind (``rewards``, ``envs``, ...)."""
+
+    kind: str
+    name: str
+    obj: Any
+    plugin: str
+    distribution: str
+
+
+@dataclass
+class PluginInfo:
+    """What ``molt plugins`` shows for one plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    source: str
+    hooks: list[str] = field(default_factory=list)
+    registered: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: ``{name, distribution, version, source, hooks, registered}``."""
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "source": self.source,
+            "hooks": self.hooks,
+            "registered": self.registered,
+        }
+
+
+def _disabled() -> set[str]:
+    raw = os.environ.get("MOLT_DISABLE_PLUGINS", "")
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+def _import_path(spec: str) -> ModuleType:
+    """Import ``spec``: a ``.py`` file path or a dotted module path."""
+    p = Path(spec)
+    if spec.endswith(".py") or p.is_file():
+        if not p.is_file():
+            raise FileNotFoundError(f"no such plugin file: {spec}")
+        modname = f"molt_local_plugin_{p.stem}_{abs(hash(str(p.resolve()))) % 10**8}"
+        mspec = importlib.util.spec_from_file_location(modname, p)
+        assert mspec is not None and mspec.loader is not None
+        mod = importlib.util.module_from_spec(mspec)
+        sys.modules[modname] = mod
+        try:
+            mspec.loader.exec_module(mod)
+        except BaseException:
+            sys.modules.pop(modname, None)
+            raise
+        return mod
+    return importlib.import_module(spec)
+
+
+class PluginHost:
+    """Holds the pluggy manager, plugin metadata and the registries.
+
+    Use :func:`load_plugins` to build one. Registries are ``{kind: {name: Registration}}``
+    for the kinds of :data:`molt_core.hookspecs.REGISTRATION_HOOKS`.
+    """
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+        self.registries: dict[str, dict[str, Registration]] = {k: {} for k in REGISTRATION_HOOKS}
+        self.local_specs: list[str] = []
+
+    # -- loading -----------------------------------------------------------------------
+    def _add(self, obj: Any, name: str, dist: str, version: str, source: str) -> None:
+        if name in self.infos:
+            other = self.infos[name]
+            raise PluginError(
+                f'plugin name "{name}" from {dist} is already taken by the plugin from '
+                f"{other.distribution} ({other.source}); rename one entry point"
+            )
+        unknown = [
+            a for a in dir(obj)
+            if a.startswith("molt_") and callable(getattr(obj, a, None))
+            and not hasattr(self.pm.hook, a)
+        ]
+        if unknown:
+            raise PluginError(
+                f'plugin "{name}" ({dist}) implements unknown hook(s) {", ".join(sorted(unknown))}; '
+                f"this molt-sdk speaks hook API version {hookspecs.HOOK_API_VERSION} "
+                f"(hooks: {', '.join(sorted(h for h in dir(self.pm.hook) if h.startswith('molt_')))})"
+            )
+        try:
+            self.pm.register(obj, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f'plugin "{name}" ({dist}) has an invalid hook implementation: {e}') from e
+        hooks = sorted(
+            c.name for c in (self.pm.get_hookcallers(obj) or [])
+        )
+        self.infos[name] = PluginInfo(name=name, distribution=dist, version=version, source=source, hooks=hooks)
+
+    def load_entry_points(self) -> None:
+        """Load every ``molt`` entry point not disabled by ``MOLT_DISABLE_PLUGINS``.
+
+        Raises:
+            PluginError: an entry point fails to import or is invalid.
+        """
+        disabled = _disabled()
+        eps = sorted(md.entry_points(group=PROJECT), key=lambda e: e.name)
+        for ep in eps:
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            if ep.name in disabled or dist in disabled:
+                continue
+            try:
+                obj = ep.load()
+            except Exception as e:
+                raise PluginError(
+                    f'Error importing plugin "{ep.name}" (distribution {dist} {version}, '
+                    f"{ep.value}): {type(e).__name__}: {e}"
+                ) from e
+            self._add(obj, ep.name, dist, version, ep.value)
+
+    def load_local(self, spec: str) -> None:
+        """Load an uninstalled plugin (``--plugin``): dotted module path or ``.py`` file path.
+
+        Raises:
+            PluginError: the module cannot be imported or is invalid.
+        """
+        try:
+            mod = _import_path(spec)
+        except Exception as e:
+            raise PluginError(f'Error importing plugin "{spec}" (--plugin): {type(e).__name__}: {e}') from e
+        self.local_specs.append(spec)
+        self._add(mod, spec, "(local)", "-", spec)
+
+    def collect(self) -> None:
+        """Call every registration hook, filling the registries.
+
+        Raises:
+            PluginError: two plugins register one name for one kind, or a hook raises.
+        """
+        for kind, hook_name in REGISTRATION_HOOKS.items():
+            caller = getattr(self.pm.hook, hook_name)
+            for impl in reversed(caller.get_hookimpls()):
+                plugin = impl.plugin_name
+                info = self.infos.get(plugin)
+                dist = info.distribution if info else "?"
+
+                def register(name: str, obj: Any, _plugin: str = plugin, _dist: str = dist, _kind: str = kind) -> None:
+                    if not isinstance(name, str) or not name:
+                        raise PluginError(f'plugin "{_plugin}" ({_dist}) registered a {_kind[:-1]} with an empty or non-string name')
+                    reg = self.registries[_kind]
+                    if name in reg:
+                        prev = reg[name]
+                        raise PluginError(
+                            f'{_kind[:-1]} name "{name}" is registered twice: by plugin "{prev.plugin}" '
+                            f'({prev.distribution}) and by plugin "{_plugin}" ({_dist}); '
+                            f"disable one with MOLT_DISABLE_PLUGINS"
+                        )
+                    reg[name] = Registration(_kind, name, obj, _plugin, _dist)
+                    if info is not None:
+                        info.registered.setdefault(_kind, []).append(name)
+
+                kwargs = {a: register for a in impl.argnames if a == "register"}
+                try:
+                    impl.function(**kwargs)
+                except PluginError:
+                    raise
+                except Exception as e:
+                    raise PluginError(f'plugin "{plugin}" ({dist}) failed in {hook_name}: {type(e).__name__}: {e}') from e
+
+    # -- typed access ------------------------------------------------------------------
+    def get(self, kind: str, name: str) -> Any:
+        """Return the object registered as ``name`` for ``kind``.
+
+        Raises:
+            KeyError: no such name; the message lists the registered names.
+        """
+        reg = self.registries[kind]
+        if name not in reg:
+            known = ", ".join(sorted(reg)) or "(none)"
+            raise KeyError(f"no {kind[:-1]} named {name!r}; registered: {known}")
+        return reg[name].obj
+
+    def names(self, kind: str) -> list[str]:
+        """Sorted registered names of ``kind``."""
+        return sorted(self.registries[kind])
+
+    def configure(self, config: Any) -> None:
+        """Broadcast ``molt_configure(config)`` (historic)."""
+        self.pm.hook.molt_configure.call_historic(kwargs={"config": config})
+
+    def on_trajectory(self, trajectory: Any) -> None:
+        """Broadcast ``molt_on_trajectory(trajectory)``."""
+        self.pm.hook.molt_on_trajectory(trajectory=trajectory)
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        """Broadcast ``molt_on_step_end(step, metrics)``."""
+        self.pm.hook.molt_on_step_end(step=step, metrics=metrics)
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        """Plugin metadata, sorted by name."""
+        return [self.infos[k] for k in sorted(self.infos)]
+
+
+def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = True) -> PluginHost:
+    """Build a :class:`PluginHost`: entry points, then ``local`` specs, then registries.
+
+    Args:
+        local: ``--plugin`` values (dotted module paths or ``.py`` file paths).
+        entry_points: load the installed ``molt`` entry points (False in isolated tests).
+
+    Raises:
+        PluginError: see the module docstring.
+    """
+    host = PluginHost()
+    if entry_points:
+        host.load_entry_points()
+    for spec in local:
+        host.load_local(spec)
+    host.collect()
+    return host

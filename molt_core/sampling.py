@@ -1,0 +1,61 @@
+"""The sampling transform shared by every engine and the trainer (forward consistency).
+
+The behaviour logprob of a sampled token is its log-probability under the distribution the
+engine *actually sampled from*: logits divided by temperature, restricted to the top-k
+tokens, then to the top-p nucleus, renormalised -- the order and convention of vLLM's
+``processed_logprobs`` and Hugging Face's logits warpers. The trainer recomputes logprobs
+through this same function, so with identical weights the importance ratio is exactly 1
+(B08, B09). ``temperature == 0`` (greedy) reports logprobs of the raw, unfiltered
+distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["processed_logits", "processed_logprobs"]
+
+
+def processed_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """Apply temperature, then top-k, then top-p to ``logits``; filtered entries become -inf.
+
+    Args:
+        logits: ``[..., V]`` float tensor (any float dtype; computed in float32).
+        temperature: > 0 divides the logits; 0 means greedy (no scaling, no filtering).
+        top_k: keep the ``top_k`` largest logits (<= 0 or >= V disables).
+        top_p: keep the smallest set of tokens whose probability mass reaches ``top_p``
+            (the top token is always kept); 1.0 disables.
+
+    Returns:
+        ``[..., V]`` float32 tensor of processed logits.
+
+    Source: Holtzman et al. 2019 (nucleus sampling, arXiv 1904.09751); vLLM sampler order
+    (temperature -> top-k -> top-p).
+    """
+    x = logits.float()
+    if temperature == 0:
+        return x
+    if temperature != 1.0:
+        x = x / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = (cum - probs) >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """``log_softmax`` of :func:`processed_logits`: ``[..., V]`` float32, -inf where filtered.
+
+    Example (B08): logits ``[2, 1, 0]``, T=0.5 -> logprob of token 0 is -0.142932.
+    """
+    return torch.log_softmax(processed_logits(logits, temperature, top_k, top_p), dim=-1)
