@@ -136,7 +136,8 @@ class PluginHost:
         try:
             self.pm.register(obj, name=name)
         except pluggy.PluginValidationError as e:
-            raise PluginError(f'plugin "{name}" ({dist}) has an invalid hook implementation: {e}') from e
+            detail = " ".join(str(e).split())
+            raise PluginError(f'plugin "{name}" ({dist}) has an invalid hook implementation: {detail}') from e
         hooks = sorted(
             c.name for c in (self.pm.get_hookcallers(obj) or [])
         )
@@ -175,7 +176,7 @@ class PluginHost:
         except Exception as e:
             raise PluginError(f'Error importing plugin "{spec}" (--plugin): {type(e).__name__}: {e}') from e
         self.local_specs.append(spec)
-        self._add(mod, spec, "(local)", "-", spec)
+        self._add(mod, spec, "not installed", "-", spec)
 
     def collect(self) -> None:
         """Call every registration hook, filling the registries.

@@ -1,0 +1,78 @@
+"""RunConfig loading, strict validation and --set overrides (issue 2, item 4)."""
+
+import pytest
+
+from molt_core.config import ConfigError, RunConfig, apply_overrides, load_config, parse_override
+
+
+def write(tmp_path, text):
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    return p
+
+
+def test_quickstart_recipe_loads():
+    cfg = load_config("quickstart")
+    assert cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.async_.max_staleness == 0
+
+
+def test_misspelled_key_and_wrong_type_reported_together(tmp_path):
+    p = write(tmp_path, '[rollout]\nn_sampels_per_prompt = 4\nmax_tokens = "eight"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "2 invalid field(s)" in msg
+    assert "rollout.n_sampels_per_prompt: unknown key (did you mean 'n_samples_per_prompt'?)" in msg
+    assert "rollout.max_tokens:" in msg and "expected int, got str 'eight'" in msg
+    assert sorted(p for p, _ in e.value.errors) == ["rollout.max_tokens", "rollout.n_sampels_per_prompt"]
+
+
+def test_numeric_string_is_still_a_type_error(tmp_path):
+    p = write(tmp_path, '[trainer]\nmicro_batch_size = "4"\n')
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size: .*expected int, got str '4'"):
+        load_config(p)
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="trainr: unknown key \\(did you mean 'trainer'\\?\\)"):
+        load_config(write(tmp_path, "[trainr]\nlr = 1.0\n"))
+
+
+@pytest.mark.parametrize(
+    "item,path,value",
+    [
+        ("rollout.n_samples_per_prompt=4", ["rollout", "n_samples_per_prompt"], 4),
+        ("trainer.lr=3e-4", ["trainer", "lr"], 3e-4),
+        ("rollout.dynamic_filter=true", ["rollout", "dynamic_filter"], True),
+        ("trainer.betas=[0.9, 0.95]", ["trainer", "betas"], [0.9, 0.95]),
+        ("model.path=runs/x/ckpt", ["model", "path"], "runs/x/ckpt"),
+        ('run.name="a b"', ["run", "name"], "a b"),
+    ],
+)
+def test_parse_override_types(item, path, value):
+    assert parse_override(item) == (path, value)
+
+
+def test_overrides_apply_and_validate(tmp_path):
+    cfg = load_config("quickstart", ["rollout.n_samples_per_prompt=4", "trainer.lr=1e-3", "async.max_staleness=1"])
+    assert cfg.rollout.n_samples_per_prompt == 4 and cfg.trainer.lr == 1e-3 and cfg.async_.max_staleness == 1
+    with pytest.raises(ConfigError, match="rollout.max_tokens"):
+        load_config("quickstart", ["rollout.max_tokens=many"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        apply_overrides({}, ["novalue"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("quickstart", ["trainer.lr=1e-3"])
+    path = cfg.write(tmp_path / "run" / "config.toml")
+    assert load_config(path) == cfg
+
+
+def test_missing_recipe_lists_shipped():
+    with pytest.raises(ConfigError, match="quickstart"):
+        load_config("no-such-recipe")
+
+
+def test_defaults_are_valid():
+    assert RunConfig().algo.advantage == "grpo"
