@@ -74,7 +74,7 @@ def test_hookimpl_with_wrong_arguments(tmp_path):
         def molt_on_step_end(step, metrics, extra):
             pass
     """)
-    with pytest.raises(PluginError, match=r'plugin ".*wrongargs.py" \(not installed\) has an invalid hook implementation: .*\{'extra'\} are declared in the hookimpl but can not be found in the hookspec'):
+    with pytest.raises(PluginError, match=r"""plugin ".*wrongargs.py" \(not installed\) has an invalid hook implementation: .*\{'extra'\} are declared in the hookimpl but can not be found in the hookspec"""):
         load_plugins([f], entry_points=False)
 
 
