@@ -34,6 +34,7 @@ __all__ = [
     "Trajectory",
     "Group",
     "Result",
+    "RewardFailed",
     "new_id",
 ]
 
@@ -287,6 +288,24 @@ class Group(_Strict):
     def usable(self) -> list[Trajectory]:
         """Trajectories with status ``ok`` and a reward."""
         return [t for t in self.trajectories if t.status == "ok" and t.reward is not None]
+
+
+class RewardFailed(RuntimeError):
+    """A reward (or an env's scorer) could not produce a score: the trajectory is marked
+    ``failed`` with ``str(exc)`` -- never scored 0.0.
+
+    ``reason`` is a short machine-readable cause (``timeout``, ``memory``, ``crash``,
+    ``parse``, ...); ``detail`` says what happened. ``str(exc)`` is ``"failed: <reason>"``
+    followed by ``" (<detail>)"`` when there is a detail.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"failed: {reason}" + (f" ({detail})" if detail else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (Ray) with reason and detail intact
+        return (RewardFailed, (self.reason, self.detail))
 
 
 class Result(_Strict):
