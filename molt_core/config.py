@@ -102,9 +102,15 @@ class AlgoSection(_Section):
     """``[algo]``: ``advantage`` estimator, policy ``loss``, clip band (PPO, arXiv 1707.06347;
     dual clip, arXiv 1912.09729), KL to a frozen reference (``kl_coef`` 0 disables; estimator
     k1/k2/k3, Schulman 2020 "Approximating KL divergence"; as a per-token reward or a loss
-    term), ``gamma``/``lam`` for discounted estimators and GAE."""
+    term), ``gamma``/``lam`` for discounted estimators and GAE. ``adv_eps`` is the epsilon of
+    std-normalised advantages (GRPO's ``std + eps``); ``std_tol`` is the std (computed in float64)
+    below which a group or batch counts as having zero spread, so rounding residues are never
+    divided by (issue 4, B14). ``kl_horizon`` is the adaptive KL controller's horizon (Ziegler et
+    al. 2019, arXiv 1909.08593), used when ``kl_target`` is set."""
 
-    advantage: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"] = "grpo"
+    advantage: Literal[
+        "reinforce", "reinforce_baseline", "rloo", "rloo_norm", "grpo", "dr_grpo", "gae", "on_policy_distill"
+    ] = "grpo"
     loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
@@ -116,6 +122,9 @@ class AlgoSection(_Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     distill_coef: float = 1.0
+    adv_eps: float = Field(1e-6, ge=0)
+    std_tol: float = Field(1e-6, ge=0)
+    kl_horizon: int = Field(10000, ge=1)
 
 
 class CorrectionSection(_Section):

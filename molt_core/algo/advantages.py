@@ -1,0 +1,435 @@
+"""Advantage estimators: one pure function each, and :func:`compute_advantages` to dispatch.
+
+Shapes used throughout:
+
+* ``R`` rollouts. ``rewards[r]`` (float) is the scalar reward of rollout ``r``;
+  ``group_index[r]`` (long) the group (prompt) it belongs to.
+* ``B`` rows, each one segment. ``rollout_index[b]`` (long, in ``[0, R)``) is the rollout that
+  row ``b`` belongs to; ``mask[b, t]`` (bool, ``[B, T]``) is True on sampled tokens. A rollout
+  with several segments has several rows, in order (lower row index = earlier segment).
+
+Group baselines (GRPO, RLOO, ...) count **one** reward per rollout however many segments it
+has; the rollout's advantage is broadcast to every sampled token of every one of its segments
+(0 on tokens that were not sampled). Group statistics are computed in float64, and a standard
+deviation below ``cfg.std_tol`` is treated as exactly zero: no rounding residue is ever divided
+by (issue 4, case B14).
+
+Token-level estimators (``reinforce``, ``gae``) place the rollout's reward on the last sampled
+token of its last segment, add the optional per-token ``token_rewards`` (e.g. a KL penalty),
+and run the recursion over the rollout's sampled tokens in order, across segment boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from molt_core.config import AlgoSection
+
+__all__ = [
+    "compute_advantages",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "rloo_norm",
+    "reinforce",
+    "reinforce_baseline",
+    "gae",
+    "on_policy_distill",
+    "broadcast_to_tokens",
+]
+
+_F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- checks / helpers
+
+
+def _check_inputs(rewards: Tensor, group_index: Tensor, rollout_index: Tensor, mask: Tensor) -> None:
+    """Validate the common arguments; raises ValueError naming the argument."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [R] (one reward per rollout), got shape {tuple(rewards.shape)}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contains NaN or inf; give failed rollouts a finite reward or drop them")
+    if group_index.shape != rewards.shape:
+        raise ValueError(f"group_index must have shape [R]={tuple(rewards.shape)}, got {tuple(group_index.shape)}")
+    if group_index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"group_index must be an integer tensor, got {group_index.dtype}")
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool [B, T] tensor, got {mask.dtype} shape {tuple(mask.shape)}")
+    if rollout_index.shape != (mask.shape[0],):
+        raise ValueError(f"rollout_index must have shape [B]=({mask.shape[0]},), got {tuple(rollout_index.shape)}")
+    if rollout_index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"rollout_index must be an integer tensor, got {rollout_index.dtype}")
+    R = rewards.shape[0]
+    if rollout_index.numel() and (int(rollout_index.min()) < 0 or int(rollout_index.max()) >= R):
+        raise ValueError(f"rollout_index values must lie in [0, R={R}), got range "
+                         f"[{int(rollout_index.min())}, {int(rollout_index.max())}]")
+
+
+def _check_token_tensor(name: str, x: Tensor | None, mask: Tensor) -> Tensor:
+    if x is None:
+        raise ValueError(f"{name} is required by this advantage estimator")
+    if x.shape != mask.shape:
+        raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(x.shape)}")
+    return x
+
+
+def broadcast_to_tokens(per_rollout: Tensor, rollout_index: Tensor, mask: Tensor) -> Tensor:
+    """Copy a per-rollout value to every sampled token of each of the rollout's segments.
+
+    Args:
+        per_rollout: ``[R]`` float, one value per rollout.
+        rollout_index: ``[B]`` long, the rollout of each row.
+        mask: ``[B, T]`` bool, sampled tokens.
+
+    Returns:
+        ``[B, T]`` float32: ``per_rollout[rollout_index[b]]`` where ``mask``, else 0.
+    """
+    vals = per_rollout.to(torch.float32)[rollout_index.long()]  # [B]
+    return torch.where(mask, vals[:, None], torch.zeros((), dtype=torch.float32))
+
+
+def _groups(group_index: Tensor) -> list[Tensor]:
+    """Indices of the rollouts of each group (groups in sorted id order)."""
+    return [torch.nonzero(group_index == g).flatten() for g in torch.unique(group_index)]
+
+
+def _std(x: Tensor, tol: float, unbiased: bool) -> float:
+    """Standard deviation of 1-D float64 ``x`` (two-pass), 0.0 when below ``tol`` or undefined."""
+    n = x.numel()
+    if n < (2 if unbiased else 1):
+        return 0.0
+    dev = x - x.mean()
+    s = float(torch.sqrt((dev * dev).sum() / (n - 1 if unbiased else n)))
+    return 0.0 if s < tol else s
+
+
+# ----------------------------------------------------------------------------- group estimators
+# Each returns one advantage per rollout, [R] float64.
+
+
+def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
+    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. in §4.1.2).
+
+    ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` with the **sample** std (ddof=1).
+    A singleton group, or a group whose std (float64) is below ``std_tol``, gets exactly 0.
+
+    Args:
+        rewards: ``[R]`` float, one reward per rollout.
+        group_index: ``[R]`` long, group of each rollout.
+        eps: added to the std.
+        std_tol: std below this counts as zero spread.
+
+    Returns:
+        ``[R]`` float64 advantages.
+    """
+    r = rewards.to(_F64)
+    out = torch.zeros_like(r)
+    for idx in _groups(group_index):
+        x = r[idx]
+        s = _std(x, std_tol, unbiased=True)
+        if s > 0.0:
+            out[idx] = (x - x.mean()) / (s + eps)
+    return out
+
+
+def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> Tensor:
+    """Dr. GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
+
+    ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards
+    too-easy/too-hard questions). A group whose std is below ``std_tol`` gets exactly 0.
+
+    Returns:
+        ``[R]`` float64 advantages.
+    """
+    r = rewards.to(_F64)
+    out = torch.zeros_like(r)
+    for idx in _groups(group_index):
+        x = r[idx]
+        if _std(x, std_tol, unbiased=False) > 0.0:
+            out[idx] = x - x.mean()
+    return out
+
+
+def _leave_one_out(x: Tensor, std_tol: float) -> tuple[Tensor, Tensor]:
+    """Per element ``i`` of 1-D float64 ``x``: mean and sample std of the other elements.
+
+    Computed explicitly (two-pass over the others, float64), so an exactly constant set of
+    others gives std exactly 0 -- never a cancellation residue. Std is 0 when fewer than two
+    others exist or when it is below ``std_tol``.
+    """
+    n = x.numel()
+    others = ~torch.eye(n, dtype=torch.bool)  # [n, n], row i = everyone but i
+    vals = x[None, :].expand(n, n)
+    cnt = n - 1
+    mean = torch.where(others, vals, 0.0).sum(1) / cnt
+    if cnt < 2:
+        return mean, torch.zeros_like(mean)
+    dev = torch.where(others, vals - mean[:, None], 0.0)
+    std = torch.sqrt((dev * dev).sum(1) / (cnt - 1))
+    return mean, torch.where(std < std_tol, torch.zeros_like(std), std)
+
+
+def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """RLOO advantage (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740; Kool et al. 2019).
+
+    ``A_i = r_i - mean_{j != i}(r_j)``, the leave-one-out baseline. A singleton group gets 0.
+
+    Returns:
+        ``[R]`` float64 advantages.
+    """
+    r = rewards.to(_F64)
+    out = torch.zeros_like(r)
+    for idx in _groups(group_index):
+        if idx.numel() < 2:
+            continue
+        x = r[idx]
+        out[idx] = x - (x.sum() - x) / (x.numel() - 1)
+    return out
+
+
+def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol: float = 1e-6) -> Tensor:
+    """Leave-one-out baseline with leave-one-out std normalisation.
+
+    ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the
+    others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
+    advantage is **not** divided: ``A_i = r_i - mean_{j != i} r_j``.
+
+    Issue 4, case B14: group ``[0.35]*7 + [0.0]``: the others of the singleton are all 0.35, so
+    its std is 0 in exact arithmetic and its advantage is exactly ``-0.35`` (a one-pass fp32
+    variance leaves a ~1e-4 residue that would blow it up to ~-3500); each 0.35 gets
+    ``0.05 / 0.1323 = 0.378``. Control ``[1.0]*7 + [0.0]`` → singleton ``-1.0``. A singleton
+    group gets 0.
+
+    Returns:
+        ``[R]`` float64 advantages.
+    """
+    r = rewards.to(_F64)
+    out = torch.zeros_like(r)
+    for idx in _groups(group_index):
+        if idx.numel() < 2:
+            continue
+        x = r[idx]
+        mean, std = _leave_one_out(x, std_tol)
+        dev = x - mean
+        out[idx] = torch.where(std > 0, dev / (std + eps), dev)
+    return out
+
+
+def reinforce_baseline(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, the group-baseline variant).
+
+    ``A_i = r_i - mean(r_group)``, then divided by the batch std of those ``A`` over all
+    rollouts (population std, one value per rollout; the batch mean of ``A`` is 0 by
+    construction): ``A_i / (std_batch(A) + eps)``. A batch std below ``std_tol`` means no
+    division.
+
+    Returns:
+        ``[R]`` float64 advantages.
+    """
+    a = dr_grpo(rewards, group_index, std_tol=std_tol)
+    s = _std(a, std_tol, unbiased=False)
+    return a / (s + eps) if s > 0.0 else a
+
+
+# ----------------------------------------------------------------------------- token estimators
+
+
+def _rollout_order(rollout_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Flatten each rollout's sampled tokens in order (segments by row, tokens by position).
+
+    Returns ``(flat_pos, roll, col, L)``: for every sampled token (in the order of
+    ``mask.nonzero()`` re-sorted stably by rollout), its flat index into ``[B*T]``, its
+    rollout, its position ``col`` within the rollout's token sequence, and the longest length.
+    """
+    B, T = mask.shape
+    flat_pos = torch.nonzero(mask.flatten()).flatten()  # row-major: (b, t) order
+    roll = rollout_index.long()[flat_pos // T]
+    roll, order = torch.sort(roll, stable=True)
+    flat_pos = flat_pos[order]
+    if flat_pos.numel() == 0:
+        return flat_pos, roll, flat_pos.clone(), 0
+    counts = torch.bincount(roll)
+    starts = torch.cumsum(counts, 0) - counts
+    col = torch.arange(flat_pos.numel()) - starts[roll]
+    return flat_pos, roll, col, int(counts.max())
+
+
+def _discounted_reverse(x: Tensor, valid: Tensor, factor: float) -> Tensor:
+    """``y[:, l] = x[:, l] + factor * y[:, l+1]`` over padded ``[N, L]`` float64 rows."""
+    y = torch.zeros_like(x)
+    nxt = torch.zeros(x.shape[0], dtype=x.dtype)
+    for col in range(x.shape[1] - 1, -1, -1):
+        nxt = torch.where(valid[:, col], x[:, col] + factor * nxt, nxt)
+        y[:, col] = nxt
+    return y
+
+
+def _per_token_rewards(rewards: Tensor, rollout_index: Tensor, mask: Tensor,
+                       token_rewards: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, int]]:
+    """Padded per-rollout reward sequences ``[R, L]`` float64 and the flattening used."""
+    flat_pos, roll, col, L = _rollout_order(rollout_index, mask)
+    R = rewards.shape[0]
+    rew = torch.zeros(R, L, dtype=_F64)
+    if token_rewards is not None:
+        rew[roll, col] = token_rewards.flatten().to(_F64)[flat_pos]
+    if flat_pos.numel():
+        last = torch.zeros(R, dtype=torch.long).scatter_reduce(0, roll, col, reduce="amax", include_self=False)
+        has = torch.bincount(roll, minlength=R) > 0
+        rr = torch.nonzero(has).flatten()
+        rew[rr, last[rr]] += rewards.to(_F64)[rr]
+    return rew, (flat_pos, roll, col, L)
+
+
+def _scatter_back(padded: Tensor, flat: tuple[Tensor, Tensor, Tensor, int], mask: Tensor) -> Tensor:
+    flat_pos, roll, col, _ = flat
+    out = torch.zeros(mask.numel(), dtype=torch.float32)
+    out[flat_pos] = padded[roll, col].to(torch.float32)
+    return out.view(mask.shape)
+
+
+def reinforce(rewards: Tensor, rollout_index: Tensor, mask: Tensor, *, gamma: float = 1.0,
+              token_rewards: Tensor | None = None, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
+    """REINFORCE++ advantage (Hu et al. 2025, arXiv 2501.03262): whitened discounted return.
+
+    Per-token reward ``rew_t = token_rewards_t + [t is the rollout's last sampled token] * r``;
+    return ``G_t = sum_{k >= t} gamma^(k-t) rew_k`` over the rollout's sampled tokens (across
+    its segments, in order); then whitened over every sampled token of the batch:
+    ``A_t = (G_t - mean(G)) / (std(G) + eps)`` (population std; a std below ``std_tol`` means
+    no division, only centring).
+
+    Args:
+        rewards: ``[R]`` float. rollout_index: ``[B]`` long. mask: ``[B, T]`` bool.
+        gamma: discount per sampled token.
+        token_rewards: optional ``[B, T]`` float per-token reward (e.g. ``-kl_coef * kl``).
+
+    Returns:
+        ``[B, T]`` float32, 0 where ``mask`` is False.
+    """
+    rew, flat = _per_token_rewards(rewards, rollout_index, mask, token_rewards)
+    valid = torch.zeros_like(rew, dtype=torch.bool)
+    valid[flat[1], flat[2]] = True
+    ret = _discounted_reverse(rew, valid, gamma)
+    g = ret[flat[1], flat[2]]
+    if g.numel():
+        s = _std(g, std_tol, unbiased=False)
+        g = (g - g.mean()) / (s + eps) if s > 0.0 else g - g.mean()
+        ret[flat[1], flat[2]] = g
+    return _scatter_back(ret, flat, mask)
+
+
+def gae(rewards: Tensor, rollout_index: Tensor, mask: Tensor, values: Tensor, *, gamma: float = 1.0,
+        lam: float = 1.0, token_rewards: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2015, arXiv 1506.02438, eq. 16).
+
+    Over a rollout's sampled tokens in order (across segments): per-token reward ``rew_t`` as in
+    :func:`reinforce`, ``delta_t = rew_t + gamma * V_{t+1} - V_t`` with ``V`` after the last
+    token = 0, ``A_t = delta_t + gamma * lam * A_{t+1}``, and returns ``G_t = A_t + V_t`` (the
+    critic's regression target). Advantages are not whitened.
+
+    Args:
+        values: ``[B, T]`` float, the critic's value at each token (read on sampled tokens).
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]`` float32, 0 where ``mask`` is False.
+    """
+    rew, flat = _per_token_rewards(rewards, rollout_index, mask, token_rewards)
+    flat_pos, roll, col, L = flat
+    v = torch.zeros_like(rew)
+    v[roll, col] = values.detach().flatten().to(_F64)[flat_pos]
+    valid = torch.zeros_like(rew, dtype=torch.bool)
+    valid[roll, col] = True
+    v_next = torch.zeros_like(v)
+    if L > 1:
+        v_next[:, :-1] = torch.where(valid[:, 1:], v[:, 1:], 0.0)
+    delta = rew + gamma * v_next - v
+    adv = _discounted_reverse(delta, valid, gamma * lam)
+    return _scatter_back(adv, flat, mask), _scatter_back(adv + v, flat, mask)
+
+
+def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coef: float = 1.0) -> Tensor:
+    """On-policy distillation advantage: ``A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))``.
+
+    The per-token reverse-KL signal on the student's own samples (Agarwal et al. 2024, GKD,
+    arXiv 2306.13649; Thinking Machines 2025 "On-Policy Distillation"); no baseline.
+
+    Args:
+        student_logprobs, teacher_logprobs: ``[B, T]`` float, logprob of the sampled token.
+
+    Returns:
+        ``[B, T]`` float32, 0 where ``mask`` is False.
+    """
+    a = -coef * (student_logprobs.detach().to(_F64) - teacher_logprobs.detach().to(_F64))
+    return torch.where(mask, a, 0.0).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+_GROUP: dict[str, Callable[[AlgoSection, Tensor, Tensor], Tensor]] = {
+    "grpo": lambda c, r, g: grpo(r, g, eps=c.adv_eps, std_tol=c.std_tol),
+    "dr_grpo": lambda c, r, g: dr_grpo(r, g, std_tol=c.std_tol),
+    "rloo": lambda c, r, g: rloo(r, g),
+    "rloo_norm": lambda c, r, g: rloo_norm(r, g, eps=c.adv_eps, std_tol=c.std_tol),
+    "reinforce_baseline": lambda c, r, g: reinforce_baseline(r, g, eps=c.adv_eps, std_tol=c.std_tol),
+}
+
+
+def compute_advantages(
+    cfg: AlgoSection,
+    rewards: Tensor,
+    group_index: Tensor,
+    rollout_index: Tensor,
+    mask: Tensor,
+    *,
+    values: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    student_logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Advantages of every sampled token for the estimator ``cfg.advantage``.
+
+    Args:
+        cfg: ``[algo]`` section (``advantage``, ``gamma``, ``lam``, ``adv_eps``, ``std_tol``,
+            ``distill_coef``).
+        rewards: ``[R]`` float32, one reward per rollout.
+        group_index: ``[R]`` long, group of each rollout.
+        rollout_index: ``[B]`` long, rollout of each row (segment).
+        mask: ``[B, T]`` bool, sampled tokens.
+        values: ``[B, T]`` critic values (``gae`` only, required there).
+        token_rewards: ``[B, T]`` per-token rewards, e.g. ``-kl_coef * kl`` (``reinforce`` and
+            ``gae`` only).
+        student_logprobs, teacher_logprobs: ``[B, T]`` (``on_policy_distill`` only, required).
+
+    Returns:
+        ``(advantages [B, T] float32, returns [B, T] float32 or None)``; both 0 where ``mask``
+        is False; ``returns`` only for ``gae``.
+
+    Raises:
+        ValueError: malformed shapes/dtypes/indices (naming the argument), a missing input the
+            estimator needs, or ``token_rewards`` given to an estimator that would ignore it.
+    """
+    _check_inputs(rewards, group_index, rollout_index, mask)
+    name = cfg.advantage
+    if token_rewards is not None:
+        if name not in ("reinforce", "gae"):
+            raise ValueError(f"token_rewards (KL as reward) is only used by algo.advantage 'reinforce' or 'gae', "
+                             f"not {name!r}; set algo.kl_as_reward=false or switch estimator")
+        _check_token_tensor("token_rewards", token_rewards, mask)
+    if name in _GROUP:
+        per_rollout = _GROUP[name](cfg, rewards, group_index)
+        return broadcast_to_tokens(per_rollout, rollout_index, mask), None
+    if name == "reinforce":
+        return reinforce(rewards, rollout_index, mask, gamma=cfg.gamma, token_rewards=token_rewards,
+                         eps=cfg.adv_eps, std_tol=cfg.std_tol), None
+    if name == "gae":
+        values = _check_token_tensor("values", values, mask)
+        return gae(rewards, rollout_index, mask, values, gamma=cfg.gamma, lam=cfg.lam, token_rewards=token_rewards)
+    if name == "on_policy_distill":
+        s = _check_token_tensor("student_logprobs", student_logprobs, mask)
+        t = _check_token_tensor("teacher_logprobs", teacher_logprobs, mask)
+        return on_policy_distill(s, t, mask, coef=cfg.distill_coef), None
+    raise ValueError(f"algo.advantage {name!r} is not known; choose one of "
+                     f"{sorted([*_GROUP, 'reinforce', 'gae', 'on_policy_distill'])}")

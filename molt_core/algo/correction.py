@@ -1,0 +1,211 @@
+"""Policy-version semantics: the single enforcement site (sequence gate + importance correction).
+
+Every sampled token carries the behaviour logprob and the policy version it was sampled under
+(a request may span several versions when a weight sync lands mid-generation). Before the
+loss, :func:`apply_correction` does two things, and nothing else in the project does them:
+
+(a) **Sequence gate.** ``staleness[b] = current_version - min(version of b's sampled tokens)``
+    -- the *oldest* token decides (issue 4, B10: tokens at v7 and v8 trained at v9 have
+    staleness 2, not 1). A row with ``staleness > max_staleness`` is dropped (``keep`` False,
+    weights 0) and counted in ``correction/gate_dropped``; nothing is dropped silently.
+
+(b) **Importance correction** of behaviour → proximal (the trainer's logprobs at the current
+    version before the update), ``rho = pi_prox / pi_behaviour``, at level
+
+    * ``off``   -- weight 1 on every kept sampled token;
+    * ``token`` -- per-token ``rho_t``;
+    * ``seq``   -- the sequence product ``prod_t rho_t`` on every token of the row;
+    * ``geo``   -- the geometric mean ``exp(mean_t log rho_t)`` on every token of the row;
+
+    and mode, with band ``[low, high]``:
+
+    * ``trunc`` -- ``min(rho, high)`` (one-sided; ``low`` unused);
+    * ``clip``  -- ``clamp(rho, low, high)``;
+    * ``mask``  -- ``rho`` inside the band, 0 outside (the token, or the whole row for
+      seq/geo, is rejected).
+
+    Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
+    https://fengyao.notion.site/off-policy-rl); **IcePop** = ``token`` + ``mask`` (Ling Team,
+    inclusionAI, 2025, introduced with the Ring-1T model: tokens whose train/infer probability
+    ratio leaves ``[alpha, beta]`` are excluded from the gradient); sequence-level masked IS,
+    **Seq-MIS** = ``seq`` + ``mask`` (J. Liu, Y. Li et al. 2025, "When Speed Kills Stability:
+    Demystifying RL Collapse from the Training-Inference Mismatch", blog); ``geo`` + ``mask`` is
+    its length-normalised (geometric-mean) form.
+
+Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from molt_core.config import CorrectionSection
+
+__all__ = ["Correction", "apply_correction"]
+
+
+@dataclass
+class Correction:
+    """Result of :func:`apply_correction`.
+
+    Attributes:
+        keep: ``[B]`` bool, rows that passed the staleness gate.
+        weights: ``[B, T]`` float32, detached importance weights; 0 on tokens that are not
+            sampled, on dropped rows, and on tokens rejected by ``is_mode = "mask"``.
+        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` (0 for a
+            row without sampled tokens).
+        metrics: ``invariants/staleness_max`` (over kept rows), ``correction/staleness_max_seen``
+            (all rows), ``correction/staleness_hist/<k>`` (row counts, all rows with sampled
+            tokens), ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
+            ``correction/tokens`` (sampled tokens of kept rows), ``correction/masked_frac`` and
+            ``correction/clipped_frac`` (fractions of those tokens), ``correction/is_weight_mean``,
+            ``_min``, ``_max`` (over ``loss_mask`` tokens), ``correction/log_ratio_abs_mean``
+            (mean ``|log pi_prox - log pi_behaviour|`` over kept tokens, before the band).
+        loss_mask: ``[B, T]`` bool, tokens that carry a (non-zero) weight: sampled, kept by the
+            gate, not rejected by mask mode. Count ``num_tokens`` over this to keep rejected
+            tokens out of the loss denominator.
+    """
+
+    keep: Tensor
+    weights: Tensor
+    staleness: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    loss_mask: Tensor | None = None
+
+
+def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor, proximal_logprobs: Tensor,
+           mask: Tensor, current_version: int, max_staleness: int) -> None:
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool [B, T] tensor, got {mask.dtype} shape {tuple(mask.shape)}")
+    for name, x in (("behaviour_logprobs", behaviour_logprobs), ("versions", versions),
+                    ("proximal_logprobs", proximal_logprobs)):
+        if x.shape != mask.shape:
+            raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(x.shape)}")
+    if versions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"versions must be an integer tensor (-1 where not sampled), got {versions.dtype}")
+    if current_version < 0:
+        raise ValueError(f"current_version must be >= 0, got {current_version}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness (async.max_staleness) must be >= 0, got {max_staleness}")
+    if cfg.is_level != "off":
+        if cfg.high < 1.0:
+            raise ValueError(f"correction.high must be >= 1 (a weight of 1 = on-policy must pass), got {cfg.high}")
+        if cfg.is_mode != "trunc" and not 0.0 <= cfg.low <= 1.0:
+            raise ValueError(f"correction.low must lie in [0, 1] (a weight of 1 = on-policy must pass), got {cfg.low}")
+    v = versions[mask]
+    if v.numel():
+        if int(v.min()) < 0:
+            b, t = torch.nonzero(mask & (versions < 0))[0].tolist()
+            raise ValueError(f"versions[{b}, {t}] = {int(versions[b, t])} on a sampled token (mask True); every "
+                             f"sampled token must carry the policy version that sampled it")
+        if int(v.max()) > current_version:
+            b, t = torch.nonzero(mask & (versions > current_version))[0].tolist()
+            raise ValueError(f"versions[{b}, {t}] = {int(versions[b, t])} is newer than current_version="
+                             f"{current_version}; the trainer's version must be the latest published one")
+        bl, pl = behaviour_logprobs[mask], proximal_logprobs[mask]
+        if not (torch.isfinite(bl).all() and torch.isfinite(pl).all()):
+            raise ValueError("behaviour_logprobs and proximal_logprobs must be finite on sampled tokens")
+
+
+def apply_correction(
+    cfg: CorrectionSection,
+    behaviour_logprobs: Tensor,
+    versions: Tensor,
+    proximal_logprobs: Tensor,
+    mask: Tensor,
+    current_version: int,
+    max_staleness: int,
+) -> Correction:
+    """Staleness gate and behaviour→proximal importance correction (see module docstring).
+
+    Args:
+        cfg: ``[correction]`` section: ``is_level``, ``is_mode``, ``low``, ``high``.
+        behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
+        versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
+        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at ``current_version`` (before
+            the update); detached here.
+        mask: ``[B, T]`` bool, sampled tokens.
+        current_version: the trainer's policy version (latest published).
+        max_staleness: largest accepted staleness (``async.max_staleness``).
+
+    Returns:
+        :class:`Correction`.
+
+    Raises:
+        ValueError: shape/dtype mismatch; a sampled token with version -1 or newer than
+            ``current_version``; non-finite logprobs on sampled tokens; a band that rejects
+            weight 1 (``high < 1``, or ``low`` outside ``[0, 1]`` for clip/mask).
+    """
+    _check(cfg, behaviour_logprobs, versions, proximal_logprobs, mask, current_version, max_staleness)
+    B, T = mask.shape
+    has_tok = mask.any(-1)
+
+    # (a) sequence gate on the OLDEST sampled-token version
+    big = torch.iinfo(torch.int64).max
+    oldest = torch.where(mask, versions.long(), big).min(-1).values if T else torch.full((B,), big)
+    staleness = torch.where(has_tok, current_version - oldest, torch.zeros((), dtype=torch.long))
+    keep = staleness <= max_staleness
+    live = mask & keep[:, None]  # sampled tokens of kept rows
+
+    # (b) importance weights, float64
+    log_rho = torch.where(mask, proximal_logprobs.detach().double() - behaviour_logprobs.detach().double(), 0.0)
+    n_tok = mask.sum(-1, keepdim=True)
+    if cfg.is_level == "off":
+        log_w = torch.zeros_like(log_rho)
+    elif cfg.is_level == "token":
+        log_w = log_rho
+    elif cfg.is_level == "seq":
+        log_w = log_rho.sum(-1, keepdim=True).expand(B, T)
+    elif cfg.is_level == "geo":
+        log_w = (log_rho.sum(-1, keepdim=True) / n_tok.clamp(min=1)).expand(B, T)
+    else:
+        raise ValueError(f"correction.is_level must be off/token/seq/geo, got {cfg.is_level!r}")
+
+    rejected = torch.zeros_like(mask)
+    changed = torch.zeros_like(mask)
+    if cfg.is_level == "off":
+        w = torch.ones_like(log_w)
+    else:
+        log_hi = math.log(cfg.high)
+        log_lo = math.log(cfg.low) if cfg.low > 0 else -math.inf
+        w = torch.exp(log_w)  # may be inf for a long seq product; every mode bounds it below
+        if cfg.is_mode == "trunc":
+            changed = log_w > log_hi
+            w = torch.where(changed, cfg.high, w)
+        elif cfg.is_mode == "clip":
+            changed = (log_w > log_hi) | (log_w < log_lo)
+            w = w.clamp(min=cfg.low, max=cfg.high)
+        elif cfg.is_mode == "mask":
+            rejected = (log_w > log_hi) | (log_w < log_lo)
+            w = torch.where(rejected, 0.0, w)
+        else:
+            raise ValueError(f"correction.is_mode must be mask/clip/trunc, got {cfg.is_mode!r}")
+    loss_mask = live & ~rejected
+    weights = torch.where(loss_mask, w, 0.0).to(torch.float32)
+
+    # metrics
+    n_live = int(live.sum())
+    aw = weights[loss_mask].double()
+    st_all = staleness[has_tok]
+    st_kept = staleness[has_tok & keep]
+    m: dict[str, float] = {
+        "invariants/staleness_max": float(st_kept.max()) if st_kept.numel() else 0.0,
+        "correction/staleness_max_seen": float(st_all.max()) if st_all.numel() else 0.0,
+        "correction/gate_dropped": float((~keep).sum()),
+        "correction/gate_dropped_tokens": float((mask & ~keep[:, None]).sum()),
+        "correction/tokens": float(n_live),
+        "correction/masked_frac": float((rejected & live).sum()) / n_live if n_live else 0.0,
+        "correction/clipped_frac": float((changed & live).sum()) / n_live if n_live else 0.0,
+        "correction/is_weight_mean": float(aw.mean()) if aw.numel() else 0.0,
+        "correction/is_weight_min": float(aw.min()) if aw.numel() else 0.0,
+        "correction/is_weight_max": float(aw.max()) if aw.numel() else 0.0,
+        "correction/log_ratio_abs_mean": float(log_rho[live].abs().mean()) if n_live else 0.0,
+    }
+    for k, c in zip(*torch.unique(st_all, return_counts=True)):
+        m[f"correction/staleness_hist/{int(k)}"] = float(c)
+    return Correction(keep=keep, weights=weights, staleness=staleness, metrics=m, loss_mask=loss_mask)

@@ -1,0 +1,221 @@
+"""Policy-gradient losses (PPO clip with dual clip, GSPO, CISPO) with global-token aggregation.
+
+All losses are per-token terms ``l[b, t]`` on sampled tokens, multiplied by the detached
+importance weight ``is_weights[b, t]`` from :mod:`molt_core.algo.correction`, and aggregated as
+
+    loss = sum_{b, t in mask} l[b, t] * w[b, t] / num_tokens
+
+where ``num_tokens`` is the number of action tokens in the **whole optimizer step** (all
+micro-batches, later all data-parallel ranks). Summing the micro-batch losses (gradient
+accumulation) then gives each token the gradient weight ``1 / num_tokens`` however the batch is
+cut (issue 4, case B15). The importance ratio is taken against the *proximal* policy -- the
+trainer's own logprobs at the current version before the update (decoupled PPO, Hilton et al.
+2021, arXiv 2110.00641) -- while behaviour→proximal off-policyness is handled by ``is_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from molt_core.config import AlgoSection
+
+__all__ = ["policy_loss", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
+
+
+def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
+    """``sum(per_token[mask]) / num_tokens`` -- the global-token-mean aggregation.
+
+    Args:
+        per_token: ``[B, T]`` float per-token loss.
+        mask: ``[B, T]`` bool, tokens that count.
+        num_tokens: global count of action tokens in the optimizer step (>= 1, and at least
+            ``mask.sum()``).
+
+    Returns:
+        Scalar tensor (differentiable through ``per_token``).
+
+    Raises:
+        ValueError: ``num_tokens`` < 1 or smaller than this micro-batch's own token count.
+    """
+    n_local = int(mask.sum())
+    if not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be a positive int (the optimizer step's global action-token count), "
+                         f"got {num_tokens!r}")
+    if n_local > num_tokens:
+        raise ValueError(f"num_tokens={num_tokens} is smaller than this micro-batch's {n_local} masked tokens; "
+                         f"pass the GLOBAL action-token count of the whole optimizer step")
+    return torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype)).sum() / num_tokens
+
+
+def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, *, clip_low: float,
+                   clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347, eq. 7).
+
+    ``r = exp(logprobs - proximal_logprobs)``,
+    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (asymmetric band, "clip-higher"
+    of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729, eq. 5): for
+    ``A < 0`` the loss is capped at ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio on
+    a negative-advantage token cannot blow up the update.
+
+    Returns:
+        ``(l [B, T], flags)`` where ``flags`` holds bool ``[B, T]`` tensors ``clipped_low``,
+        ``clipped_high`` (the clipped branch is active: zero gradient) and ``dual_clipped``,
+        plus the ``ratio``.
+    """
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    surr1 = ratio * advantages
+    surr2 = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(surr1, surr2)
+    r = ratio.detach()
+    flags = {
+        "ratio": r,
+        "clipped_high": (advantages > 0) & (r > 1.0 + clip_high),
+        "clipped_low": (advantages < 0) & (r < 1.0 - clip_low),
+    }
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss.detach() > cap)
+        loss = torch.where(dual, cap, loss)
+        flags["dual_clipped"] = dual
+    else:
+        flags["dual_clipped"] = torch.zeros_like(r, dtype=torch.bool)
+    return loss, flags
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Per-row mean of ``x`` over ``mask`` (0 for rows with no tokens); ``[B]``."""
+    n = mask.sum(-1).clamp(min=1)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype)).sum(-1) / n
+
+
+def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                    clip_low: float, clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO per token (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071).
+
+    Sequence ratio = geometric mean of token ratios over the row's sampled tokens,
+    ``s_b = exp(mean_t (logprobs - proximal_logprobs))``. The GSPO-token form (§4.3) is used so
+    per-token advantages are allowed: ``s_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)]`` (value
+    ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A, clip(s_bt, 1 - clip_low,
+    1 + clip_high) A)``. Each row (segment) is one sequence. Note: aggregation here is the
+    global token mean of the module docstring, so longer sequences weigh more than in the
+    paper's per-sequence mean.
+
+    Returns:
+        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
+    """
+    log_r = logprobs - proximal_logprobs
+    log_s = _seq_mean(log_r.detach(), mask)[:, None]  # [B, 1]
+    s = torch.exp(log_s + logprobs - logprobs.detach())
+    surr1 = s * advantages
+    surr2 = torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(surr1, surr2)
+    r = s.detach().expand_as(log_r)
+    return loss, {
+        "ratio": r,
+        "clipped_high": (advantages > 0) & (r > 1.0 + clip_high),
+        "clipped_low": (advantages < 0) & (r < 1.0 - clip_low),
+        "dual_clipped": torch.zeros_like(r, dtype=torch.bool),
+    }
+
+
+def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, *, clip_low: float,
+                     clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4-5).
+
+    ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` with
+    ``r = exp(logprobs - proximal_logprobs)``: the importance weight is clipped and
+    stop-gradiented, so every token keeps a gradient ``-clip(r) A grad log pi`` (no token is
+    dropped, unlike PPO's clip).
+
+    Returns:
+        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
+    """
+    r = torch.exp(logprobs.detach() - proximal_logprobs)
+    w = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
+    loss = -w * advantages * logprobs
+    return loss, {
+        "ratio": r,
+        "clipped_high": r > 1.0 + clip_high,
+        "clipped_low": r < 1.0 - clip_low,
+        "dual_clipped": torch.zeros_like(r, dtype=torch.bool),
+    }
+
+
+def policy_loss(
+    cfg: AlgoSection,
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    is_weights: Tensor,
+    num_tokens: int,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy loss ``cfg.loss`` (``ppo`` | ``gspo`` | ``cispo``) of one micro-batch.
+
+    Args:
+        cfg: ``[algo]`` section: ``loss``, ``clip_low``, ``clip_high``, ``dual_clip``.
+        logprobs: ``[B, T]`` float, current-policy logprob of each sampled token (requires grad).
+        proximal_logprobs: ``[B, T]`` float, logprob at the current version before the update
+            (treated as a constant: detached here).
+        advantages: ``[B, T]`` float (treated as a constant).
+        mask: ``[B, T]`` bool, tokens that count (sampled, kept by the gate).
+        is_weights: ``[B, T]`` float, detached importance weights from correction (1 = none).
+        num_tokens: global action-token count of the optimizer step (see module docstring).
+
+    Returns:
+        ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``;
+        metrics over this micro-batch's masked tokens: ``loss/pg`` (the loss value),
+        ``loss/tokens``, ``loss/clip_frac`` (= ``clip_frac_low + clip_frac_high``),
+        ``loss/clip_frac_low``, ``loss/clip_frac_high``, ``loss/dual_clip_frac``,
+        ``loss/ratio_mean``, ``loss/ratio_min``, ``loss/ratio_max``, ``loss/approx_kl``
+        (k3 of proximal vs current, Schulman 2020).
+
+    Raises:
+        ValueError: unknown ``cfg.loss``, ``dual_clip <= 1``, mismatched shapes, bad
+            ``num_tokens``.
+    """
+    shape = logprobs.shape
+    for name, x in (("proximal_logprobs", proximal_logprobs), ("advantages", advantages), ("mask", mask),
+                    ("is_weights", is_weights)):
+        if x.shape != shape:
+            raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(x.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
+        raise ValueError(f"algo.dual_clip must be > 1 (Ye et al. use 3), got {cfg.dual_clip}")
+    prox = proximal_logprobs.detach()
+    adv = advantages.detach()
+    if cfg.loss == "ppo":
+        per_tok, flags = ppo_token_loss(logprobs, prox, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                        dual_clip=cfg.dual_clip)
+    elif cfg.loss == "gspo":
+        per_tok, flags = gspo_token_loss(logprobs, prox, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    elif cfg.loss == "cispo":
+        per_tok, flags = cispo_token_loss(logprobs, prox, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    else:
+        raise ValueError(f"algo.loss {cfg.loss!r} is not known; choose 'ppo', 'gspo' or 'cispo'")
+    loss = aggregate_tokens(per_tok * is_weights.detach(), mask, num_tokens)
+
+    n = int(mask.sum())
+    metrics: dict[str, float] = {"loss/pg": float(loss.detach()), "loss/tokens": float(n)}
+    if n == 0:
+        metrics.update({k: 0.0 for k in ("loss/clip_frac", "loss/clip_frac_low", "loss/clip_frac_high",
+                                          "loss/dual_clip_frac", "loss/approx_kl")})
+        metrics.update({"loss/ratio_mean": 1.0, "loss/ratio_min": 1.0, "loss/ratio_max": 1.0})
+        return loss, metrics
+    lo = float(flags["clipped_low"][mask].float().mean())
+    hi = float(flags["clipped_high"][mask].float().mean())
+    r = flags["ratio"][mask].double()
+    log_r = (logprobs.detach() - prox)[mask].double()
+    metrics.update({
+        "loss/clip_frac": lo + hi,
+        "loss/clip_frac_low": lo,
+        "loss/clip_frac_high": hi,
+        "loss/dual_clip_frac": float(flags["dual_clipped"][mask].float().mean()),
+        "loss/ratio_mean": float(r.mean()),
+        "loss/ratio_min": float(r.min()),
+        "loss/ratio_max": float(r.max()),
+        "loss/approx_kl": float((torch.exp(-log_r) - 1.0 + log_r).mean()),
+    })
+    return loss, metrics
