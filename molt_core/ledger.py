@@ -1,0 +1,552 @@
+"""The session ledger: the single place where trajectories are assembled, token-exactly.
+
+Token identity (DESIGN.md, invariant 1): the trainer trains on the ids the engine sampled,
+never on a re-tokenized transcript. Per session (one rollout) the :class:`Ledger` holds the
+token context the engine actually saw and produced. Each request of the session is decided
+by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
+
+* **extend** -- the request repeats, message for message, the history the ledger committed
+  (the earlier requests plus the assistant messages it returned), and the chat template does
+  not rewrite that history once the new messages follow. The engine prompt is then the exact
+  ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
+  *tail*: the template's close of the last assistant turn after the sampled stop token (the
+  ``"\\n"`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when the generation ended
+  without it) followed by the rendering of every new message and the generation prompt.
+  Only template and new-message text is tokenized.
+* **rewrite** -- anything else (context compaction, an edited history, a template that
+  re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
+  follows, B03): the open segment is sealed and a new one starts from the full render.
+* **start** -- the first request of the session.
+* **retry** -- the same messages, tools and sampling settings as the last committed request:
+  answered from the cached turn, nothing recorded twice.
+
+Template/prompt tokens carry ``loss_mask=False``; sampled tokens ``True``, their behaviour
+logprob, policy version and a :class:`~molt_core.types.SampledSpan` with the sampling
+transform. All segments share the session's ``rollout_id``. ``tokens_retokenized`` counts
+generated tokens that had to be re-encoded from text; no normal path does (only
+:meth:`Ledger.commit_text`, for a text-only backend), so it stays 0 and the trainer reports it.
+
+The framework-owned Env loop calls ``prepare`` / ``engine.generate`` / ``commit`` directly;
+the loopback server (:mod:`molt_core.server`) does the same per HTTP request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from molt_core.engines.base import GenerationOutput
+from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
+
+__all__ = ["Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "normalize_messages"]
+
+_PROBE_USER = "molt-ledger-probe-user"
+_PROBE_ASSISTANT = "molt-ledger-probe-assistant"
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class LedgerConflict(RuntimeError):
+    """A :class:`Prepared` was committed after another request changed the ledger."""
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+        return "".join(out)
+    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _arguments(args: Any, where: str) -> dict[str, Any]:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.arguments is not valid JSON ({e.msg}); send the JSON object the model produced") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.arguments must be a JSON object, got {type(args).__name__}")
+    return args
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Canonical OpenAI-style chat messages for rendering and comparison.
+
+    Each message becomes ``{"role", "content": str}`` plus, where present, ``tool_calls``
+    (``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``; string
+    arguments are parsed), ``tool_call_id``, ``name`` and ``reasoning_content``. Content
+    parts are joined when all are text.
+
+    Raises:
+        ValueError: naming ``messages[i].<field>`` -- not a list of objects, unknown role,
+            non-text content, a tool call without a name, arguments that are not a JSON object.
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)}
+        calls = m.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list):
+                raise ValueError(f"{where}.tool_calls must be a list and only on assistant messages")
+            norm = []
+            for j, c in enumerate(calls):
+                w = f"{where}.tool_calls[{j}]"
+                fn = c.get("function", c) if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise ValueError(f"{w}.function.name must be a non-empty string")
+                norm.append({"id": str(c.get("id") or ""), "type": "function",
+                             "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments", {}), f"{w}.function")}})
+            msg["tool_calls"] = norm
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _visible(text: str, think: tuple[str, str]) -> str:
+    if think[1] in text:
+        text = text.split(think[1])[-1]
+    return text.strip()
+
+
+def _same_message(a: dict[str, Any], b: dict[str, Any], think: tuple[str, str]) -> bool:
+    """Message-level equality: role, content text (assistant: outside the think block, outer
+    whitespace ignored), tool-call names and parsed arguments. Ids are ignored."""
+    if a["role"] != b["role"]:
+        return False
+    if a["role"] == "assistant":
+        if _visible(a["content"], think) != _visible(b["content"], think):
+            return False
+        ca = [(c["function"]["name"], c["function"]["arguments"]) for c in a.get("tool_calls", [])]
+        cb = [(c["function"]["name"], c["function"]["arguments"]) for c in b.get("tool_calls", [])]
+        return ca == cb
+    return a["content"] == b["content"]
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class AssistantTurn:
+    """One generation, parsed into a chat message; ``token_ids`` / ``logprobs`` are exact.
+
+    ``content``: visible text (no think block, no tool-call blocks, stop string/token
+    removed). ``reasoning``: the think block's text or None. ``tool_calls``: ``[{"id",
+    "name", "arguments": dict}]`` parsed from the model's ``<tool_call>{json}</tool_call>``
+    blocks (blocks that are not valid JSON stay in ``content``). ``raw``: the assistant
+    turn's body as the model produced it (generation-prompt body prefix + sampled text,
+    tool-call blocks removed) -- what the ledger's history holds. ``finish_reason``:
+    ``stop`` / ``length`` / ``abort`` / ``tool_calls``. ``stop_sequence``: the stop string
+    that ended it. ``prompt_len``: engine prompt length in tokens.
+    """
+
+    content: str
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]]
+    raw: str
+    finish_reason: str
+    stop_sequence: str | None
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_len: int
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message in canonical OpenAI form (as stored in the ledger history)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.raw}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in self.tool_calls]
+        return msg
+
+
+@dataclass
+class Prepared:
+    """The plan for one request (from :meth:`Ledger.prepare`; nothing mutated yet).
+
+    ``mode``: start / extend / rewrite / retry. ``prompt_ids``: the ids to send to the engine
+    (extend: the open segment's exact ids + ``tail_ids``). ``tail_ids``: what is appended to
+    the segment before the sampled ids (start/rewrite: the whole prompt). ``cached``: the
+    earlier :class:`AssistantTurn` on retry.
+    """
+
+    mode: Literal["start", "extend", "rewrite", "retry"]
+    prompt_ids: list[int]
+    tail_ids: list[int]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_text: str
+    key: str
+    epoch: int
+    cached: AssistantTurn | None = None
+
+
+@dataclass
+class _Open:
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    spans: list[SampledSpan] = field(default_factory=list)
+    routed: list[Any] | None = None
+    routed_ok: bool = True
+    finish_reason: str | None = None
+
+    def segment(self) -> Segment:
+        routed = self.routed if (self.routed_ok and self.routed is not None and len(self.routed) == len(self.token_ids)) else None
+        return Segment(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
+                       versions=list(self.versions), routed_experts=routed, spans=list(self.spans),
+                       finish_reason=self.finish_reason)
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+class Ledger:
+    """Token-exact accumulation of one session (one rollout); thread-safe.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template (``apply_chat_template``,
+            ``encode``, ``decode``).
+        rollout_id: shared by every segment's trajectory (default: a fresh ``r-<hex>``).
+        group_id: the group (prompt) this rollout belongs to.
+        chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
+        think_tags / tool_call_tags: the model's reasoning and tool-call delimiters.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+
+    def __init__(self, tokenizer: Any, rollout_id: str | None = None, group_id: str = "",
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 think_tags: tuple[str, str] = ("<think>", "</think>"),
+                 tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
+        self.tokenizer = tokenizer
+        self.rollout_id = rollout_id or new_id("r")
+        self.group_id = group_id
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.think = think_tags
+        self._tool_re = re.compile(re.escape(tool_call_tags[0]) + r"\s*(.*?)\s*" + re.escape(tool_call_tags[1]), re.S)
+        self.tokens_retokenized = 0
+        self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
+        self._lock = threading.RLock()
+        self._sealed: list[Segment] = []
+        self._open = _Open()
+        self._history: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] | None = None
+        self._last_prompt_text = ""
+        self._last_key: str | None = None
+        self._last_turn: AssistantTurn | None = None
+        self._epoch = 0
+        self._probe()
+
+    # ---------------------------------------------------------------- template facts
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (with ``tools`` and the session's template kwargs)."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **self.template_kwargs)
+
+    def _probe(self) -> None:
+        """Derive the assistant-turn header, close and generation-prompt body prefix by
+        rendering a probe conversation (no hard-coded ChatML)."""
+        u = [{"role": "user", "content": _PROBE_USER}]
+        ua = u + [{"role": "assistant", "content": _PROBE_ASSISTANT}]
+        r_u, r_ug, r_ua = self.render(u, add_generation_prompt=False), self.render(u), self.render(ua, add_generation_prompt=False)
+        self.turn_close: str | None = None
+        self.body_prefix = ""
+        if r_ua.startswith(r_u) and _PROBE_ASSISTANT in r_ua[len(r_u):]:
+            turn = r_ua[len(r_u):]
+            i = turn.index(_PROBE_ASSISTANT)
+            header, self.turn_close = turn[:i], turn[i + len(_PROBE_ASSISTANT):]
+            gen = r_ug[len(r_u):] if r_ug.startswith(r_u) else ""
+            if gen.startswith(header):
+                self.body_prefix = gen[len(header):]
+        tok = self.tokenizer
+        stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        if self.turn_close:
+            first = self._encode(self.turn_close)[:1]
+            if first and first[0] in set(getattr(tok, "all_special_ids", [])):
+                stops.add(first[0])
+        #: token ids that end an assistant turn (pass them to the engine as ``stop_token_ids``)
+        self.stop_token_ids = sorted(stops)
+
+    def _encode(self, text: str) -> list[int]:
+        """Tokenize template / new-message text (never generated text)."""
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _encode_generated(self, text: str) -> list[int]:
+        """The one place generated text is ever re-encoded; counts every id it yields."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        self.tokens_retokenized += len(ids)
+        return ids
+
+    # ---------------------------------------------------------------- prepare / commit
+
+    def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                params: SamplingParams | None = None) -> Prepared:
+        """Plan a request without changing the ledger (see the module doc for the modes).
+
+        Args:
+            messages: the request's chat messages (OpenAI form; normalized here).
+            tools: OpenAI-form tool schemas (``[{"type": "function", "function": {...}}]``).
+            params: sampling settings (part of the retry key only).
+
+        Returns:
+            A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
+
+        Raises:
+            ValueError: malformed messages (see :func:`normalize_messages`) or no messages.
+        """
+        msgs = normalize_messages(messages)
+        if not msgs:
+            raise ValueError("messages is empty; send at least one message")
+        tools = tools or None
+        key = json.dumps([msgs, tools, params.model_dump() if params else None], sort_keys=True, default=str)
+        with self._lock:
+            epoch = self._epoch
+            if self._last_turn is not None and key == self._last_key:
+                return Prepared("retry", [], [], msgs, tools, self._last_prompt_text, key, epoch, cached=self._last_turn)
+            ext = self._try_extend(msgs, tools)
+            if ext is not None:
+                text, tail = ext
+                return Prepared("extend", self._open.token_ids + tail, tail, self._history + msgs[len(self._history):],
+                                tools, text, key, epoch)
+            text = self.render(msgs, tools)
+            ids = self._encode(text)
+            mode = "rewrite" if self._open.token_ids else "start"
+            return Prepared(mode, ids, list(ids), msgs, tools, text, key, epoch)
+
+    def _try_extend(self, msgs: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]] | None:
+        hist = self._history
+        k = len(hist)
+        if not k or len(msgs) < k or self.turn_close is None or tools != self._tools:
+            return None
+        if not all(_same_message(a, b, self.think) for a, b in zip(hist, msgs)):
+            return None
+        # render with the committed history (it holds what the model really produced, e.g. a
+        # think block a client did not echo), then require the template to keep it verbatim
+        full = self.render(hist + msgs[k:], tools)
+        held = self.render(hist, tools, add_generation_prompt=False)
+        if not (full.startswith(held) and held.startswith(self._last_prompt_text) and held.endswith(self.turn_close)):
+            return None
+        close = self.turn_close
+        o = self._open
+        if o.finish_reason == "stop" and o.token_ids and o.loss_mask[-1] and self._last_stop_token:
+            last = self.tokenizer.decode([o.token_ids[-1]], skip_special_tokens=False)
+            if last and close.startswith(last):
+                close = close[len(last):]
+        return full, self._encode(close + full[len(held):])
+
+    def commit(self, prepared: Prepared, output: GenerationOutput, params: SamplingParams | None = None) -> AssistantTurn:
+        """Record one successful generation atomically and return it parsed.
+
+        Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids``
+        (``loss_mask`` True, with ``output.logprobs`` / ``output.versions`` and a
+        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p). The mask
+        comes from the engine's reported tokens only -- nothing scans for an EOS id (B06/B07).
+        A ``retry`` plan records nothing and returns the cached turn. A failed request simply
+        never calls ``commit``.
+
+        Raises:
+            LedgerConflict: another request was committed after ``prepared`` was made.
+        """
+        params = params or SamplingParams()
+        with self._lock:
+            if prepared.mode == "retry":
+                self.counts["retry"] += 1
+                assert prepared.cached is not None
+                return prepared.cached
+            if prepared.epoch != self._epoch:
+                raise LedgerConflict("the session changed between prepare() and commit(); serialize its requests")
+            turn = self.parse(prepared, output)
+            if prepared.mode == "rewrite":
+                self._sealed.append(self._open.segment())
+                self._open = _Open()
+            o = self._open
+            n0 = len(o.token_ids)
+            o.token_ids += prepared.tail_ids
+            o.loss_mask += [False] * len(prepared.tail_ids)
+            o.logprobs += [None] * len(prepared.tail_ids)
+            o.versions += [None] * len(prepared.tail_ids)
+            start = len(o.token_ids)
+            o.token_ids += output.token_ids
+            o.loss_mask += [True] * len(output.token_ids)
+            o.logprobs += [float(x) for x in output.logprobs]
+            o.versions += [int(v) for v in output.versions]
+            if output.token_ids:
+                o.spans.append(SampledSpan(start=start, end=len(o.token_ids), temperature=params.temperature,
+                                           top_p=params.top_p, top_k=params.top_k))
+            o.finish_reason = output.finish_reason
+            self._routed(o, n0, output)
+            self._last_stop_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
+            self._history = prepared.messages + [turn.message()]
+            self._tools = prepared.tools
+            self._last_prompt_text = prepared.prompt_text
+            self._last_key, self._last_turn = prepared.key, turn
+            self.counts[prepared.mode] += 1
+            self._epoch += 1
+            return turn
+
+    _last_stop_token = False
+
+    @staticmethod
+    def _routed(o: _Open, n0: int, output: GenerationOutput) -> None:
+        # routed_experts covers prompt + sampled positions of this request; keep the rows we
+        # already hold for the segment's earlier positions and add the new ones
+        if output.routed_experts is None:
+            if output.token_ids:
+                o.routed_ok = False
+            return
+        if n0 == 0:
+            o.routed = list(output.routed_experts)
+        elif o.routed is not None:
+            o.routed += list(output.routed_experts[n0:])
+        else:
+            o.routed_ok = False
+
+    def commit_text(self, prepared: Prepared, text: str) -> AssistantTurn:
+        """Record a completion known only as text (a text-only backend, never a molt engine).
+
+        The text must be re-encoded, so every id counts in ``tokens_retokenized``; the ids are
+        stored with ``loss_mask`` False (no behaviour logprob exists, they cannot be trained).
+
+        Raises:
+            LedgerConflict: as :meth:`commit`.
+        """
+        with self._lock:
+            if prepared.epoch != self._epoch:
+                raise LedgerConflict("the session changed between prepare() and commit_text()")
+            ids = self._encode_generated(text)
+            out = GenerationOutput(token_ids=[], logprobs=[], versions=[], finish_reason="stop", prompt_len=len(prepared.prompt_ids))
+            turn = self.commit(prepared, out)
+            o = self._open
+            o.token_ids += ids
+            o.loss_mask += [False] * len(ids)
+            o.logprobs += [None] * len(ids)
+            o.versions += [None] * len(ids)
+            o.routed_ok = False
+            self._last_stop_token = False
+            turn.raw = turn.content = text
+            self._history[-1] = turn.message()
+            return turn
+
+    # ---------------------------------------------------------------- parsing
+
+    def parse(self, prepared: Prepared, output: GenerationOutput) -> AssistantTurn:
+        """Turn a generation into an :class:`AssistantTurn` (decoding only; ids stay exact).
+
+        Removes the stop token (``finish_reason == "stop"`` with a token stop reason, or an
+        id in :attr:`stop_token_ids`) or cuts the text at the stop string, splits the think
+        block (a generation prompt that opened ``<think>`` counts, B04) and extracts
+        ``<tool_call>{"name", "arguments"}</tool_call>`` blocks.
+        """
+        ids = list(output.token_ids)
+        stop_seq = output.stop_reason if isinstance(output.stop_reason, str) else None
+        if output.finish_reason == "stop" and ids and stop_seq is None and (
+                output.stop_reason == ids[-1] or ids[-1] in self.stop_token_ids):
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        if stop_seq and stop_seq in text:
+            text = text[: text.index(stop_seq)]
+        prefix = self.body_prefix if prepared.prompt_text.endswith(self.body_prefix) else ""
+        body = prefix + text
+        calls, spans = [], []
+        open_t, close_t = self.think
+        visible_from = body.rfind(close_t) + len(close_t) if close_t in body else (len(body) if open_t in body else 0)
+        for m in self._tool_re.finditer(body, visible_from):
+            try:
+                obj = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+                continue
+            args = obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    continue
+            if not isinstance(args, dict):
+                continue
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": obj["name"], "arguments": args})
+            spans.append(m.span())
+        raw = body
+        for a, b in reversed(spans):
+            raw = raw[:a] + raw[b:]
+        raw = raw.rstrip() if spans else raw
+        reasoning = None
+        if close_t in raw:
+            head, _, vis = raw.rpartition(close_t)
+            reasoning = head.split(open_t)[-1].strip("\n")
+        elif open_t in raw:
+            reasoning, vis = raw.split(open_t, 1)[1].strip("\n"), ""
+        else:
+            vis = raw
+        finish = output.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return AssistantTurn(content=vis.strip(), reasoning=reasoning or None, tool_calls=calls, raw=raw,
+                             finish_reason=finish, stop_sequence=stop_seq, token_ids=list(output.token_ids),
+                             logprobs=list(output.logprobs), prompt_len=len(prepared.prompt_ids))
+
+    # ---------------------------------------------------------------- read out
+
+    def segments(self) -> list[Segment]:
+        """The sealed segments and the open one (if it holds tokens), validated."""
+        with self._lock:
+            out = list(self._sealed)
+            if self._open.token_ids:
+                out.append(self._open.segment())
+            return out
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The committed conversation (last request's messages + the assistant message returned)."""
+        with self._lock:
+            return [dict(m) for m in self._history]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held in the open segment."""
+        return len(self._open.token_ids)
+
+    def trajectory(self, reward: float | None = None, score: float | None = None, info: dict[str, Any] | None = None,
+                   status: Literal["ok", "failed"] = "ok", error: str | None = None, task: dict[str, Any] | None = None,
+                   truncated: bool = False) -> Trajectory:
+        """The session's :class:`Trajectory`: every segment, one ``rollout_id`` and ``reward``.
+
+        ``info`` gains ``tokens_retokenized`` and the request counts per mode.
+        """
+        with self._lock:
+            inf = {"tokens_retokenized": self.tokens_retokenized, "requests": dict(self.counts), **(info or {})}
+            return Trajectory(rollout_id=self.rollout_id, group_id=self.group_id, segments=self.segments(), reward=reward,
+                              score=score, info=inf, status=status, error=error, task=task or {}, truncated=truncated)
