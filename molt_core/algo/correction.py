@@ -29,9 +29,9 @@ loss, :func:`apply_correction` does two things, and nothing else in the project 
     https://fengyao.notion.site/off-policy-rl); **IcePop** = ``token`` + ``mask`` (Ling Team,
     inclusionAI, 2025, introduced with the Ring-1T model: tokens whose train/infer probability
     ratio leaves ``[alpha, beta]`` are excluded from the gradient); sequence-level masked IS,
-    **Seq-MIS** = ``seq`` + ``mask`` (J. Liu, Y. Li et al. 2025, "When Speed Kills Stability:
-    Demystifying RL Collapse from the Training-Inference Mismatch", blog); ``geo`` + ``mask`` is
-    its length-normalised (geometric-mean) form.
+    **Seq-MIS** = ``seq`` + ``mask`` ("When Speed Kills Stability: Demystifying RL Collapse from
+    the Training-Inference Mismatch", Yingru Li and co-authors, 2025 blog,
+    https://yingru.notion.site); ``geo`` + ``mask`` is its length-normalised (geometric-mean) form.
 
 Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens.
 """

@@ -67,7 +67,7 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: in
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv 1909.08593, §2.2).
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv 1909.08593).
 
     ``e = clip(KL / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e * n_steps / horizon)``:
     the coefficient grows when the measured KL is above ``target`` and shrinks below it, by at

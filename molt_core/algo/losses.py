@@ -54,7 +54,7 @@ def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tens
 
     ``r = exp(logprobs - proximal_logprobs)``,
     ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (asymmetric band, "clip-higher"
-    of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729, eq. 5): for
+    of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729): for
     ``A < 0`` the loss is capped at ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio on
     a negative-advantage token cannot blow up the update.
 
@@ -121,7 +121,7 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
 
 def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, *, clip_low: float,
                      clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, eq. 4-5).
+    """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585).
 
     ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` with
     ``r = exp(logprobs - proximal_logprobs)``: the importance weight is clipped and
