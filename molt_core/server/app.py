@@ -1,0 +1,417 @@
+"""The loopback server: OpenAI and Anthropic wires into one :class:`~molt_core.ledger.Ledger`
+per session, session admin, and a background-thread runner on 127.0.0.1 with a random port.
+
+Routes (``{sid}`` is a session id from ``POST /sessions``):
+
+* ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not).
+* ``POST /s/{sid}/v1/messages`` -- Anthropic Messages (stream or not).
+* ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
+* ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
+  ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON;
+  ``DELETE /sessions/{sid}`` (admin key).
+
+Session routes take the session's key (``Authorization: Bearer`` or ``x-api-key``), admin
+routes the admin key. Every client error is a 4xx in the wire's own error shape; the
+requests of one session are serialized by a per-session lock, and a request that fails
+appends nothing to the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from molt_core.ledger import AssistantTurn, Ledger
+from molt_core.server.wires import (
+    ChatCompletionRequest,
+    MessagesRequest,
+    WireError,
+    anthropic_error,
+    anthropic_response,
+    anthropic_stream,
+    openai_error,
+    openai_response,
+    openai_stream,
+    validation_message,
+)
+from molt_core.types import SamplingParams, Trajectory
+
+__all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class SessionInfo(BaseModel):
+    """What a client needs to talk to one session (both wires share its ledger)."""
+
+    session_id: str
+    openai_base_url: str
+    anthropic_base_url: str
+    api_key: str
+    rollout_id: str
+
+
+@dataclass
+class _Session:
+    id: str
+    api_key: str
+    ledger: Ledger
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SessionStore:
+    """Sessions of one server: the Python API the runtime uses without HTTP.
+
+    Args:
+        tokenizer: the served model's tokenizer (with a chat template).
+        base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
+        chat_template_kwargs: default template variables for new sessions.
+    """
+
+    def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.base_url = base_url
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    def create(self, rollout_id: str | None = None, group_id: str = "",
+               chat_template_kwargs: dict[str, Any] | None = None) -> SessionInfo:
+        """Open a session (one rollout): a fresh ledger and API key.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        sid = "s" + secrets.token_hex(12)
+        kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
+        ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs)
+        s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger)
+        with self._lock:
+            self._sessions[sid] = s
+        return self.info(sid)
+
+    def info(self, sid: str) -> SessionInfo:
+        """URLs and key of session ``sid``. Raises: KeyError for an unknown session."""
+        s = self._get(sid)
+        return SessionInfo(session_id=sid, openai_base_url=f"{self.base_url}/s/{sid}/v1",
+                           anthropic_base_url=f"{self.base_url}/s/{sid}", api_key=s.api_key,
+                           rollout_id=s.ledger.rollout_id)
+
+    def _get(self, sid: str) -> _Session:
+        with self._lock:
+            s = self._sessions.get(sid)
+        if s is None:
+            raise KeyError(f"unknown session {sid!r}; create one with POST /sessions")
+        return s
+
+    def ledger(self, sid: str) -> Ledger:
+        """The session's ledger. Raises: KeyError for an unknown session."""
+        return self._get(sid).ledger
+
+    def trajectory(self, sid: str, reward: float | None = None, **kwargs: Any) -> Trajectory:
+        """The session's :class:`Trajectory` so far (``kwargs`` as :meth:`Ledger.trajectory`).
+
+        Raises:
+            KeyError: unknown session.
+        """
+        return self._get(sid).ledger.trajectory(reward=reward, **kwargs)
+
+    def close(self, sid: str) -> Trajectory:
+        """Remove session ``sid`` and return its final :class:`Trajectory`. Raises: KeyError."""
+        traj = self.trajectory(sid)
+        with self._lock:
+            self._sessions.pop(sid, None)
+        return traj
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+def _key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
+               max_model_len: int | None = None, default_max_tokens: int = 1024,
+               chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
+    """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
+
+    Args:
+        engine: generates from prompt ids; its ``tokenizer`` is used when ``tokenizer`` is None.
+        admin_key: key for ``/sessions`` routes (random when None; read ``app.state.admin_key``).
+        model_name: the served model id (requests may name any model).
+        max_model_len: context length in tokens (default: ``engine.max_model_len`` or the
+            tokenizer's ``model_max_length`` when below 10**6); longer prompts get a 400.
+        default_max_tokens: new-token budget when a request gives none (capped by the context).
+        chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
+
+    Returns:
+        A FastAPI app; ``app.state.sessions`` is its :class:`SessionStore`.
+    """
+    tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+    if max_model_len is None:
+        max_model_len = getattr(engine, "max_model_len", None)
+        tml = getattr(tokenizer, "model_max_length", None)
+        if max_model_len is None and isinstance(tml, int) and tml < 10**6:
+            max_model_len = tml
+    app = FastAPI(title="molt loopback server", docs_url=None, redoc_url=None, openapi_url=None)
+    store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs)
+    app.state.sessions = store
+    app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
+    app.state.engine = engine
+
+    def error(wire: str, e: WireError) -> JSONResponse:
+        body = (anthropic_error if wire == "anthropic" else openai_error)(e.status, e.message, e.param, e.code)
+        return JSONResponse(body, status_code=e.status)
+
+    async def body_of(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise WireError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise WireError(400, f"request body is not valid JSON: {e}") from None
+
+    def session_for(request: Request, sid: str) -> _Session:
+        try:
+            s = store._get(sid)
+        except KeyError as e:
+            raise WireError(404, e.args[0], code="session_not_found") from None
+        key = _key_of(request)
+        if key is None or not secrets.compare_digest(key.encode(), s.api_key.encode()):
+            raise WireError(401, f"missing or wrong API key for session {sid}: send the session's api_key as "
+                                 "'Authorization: Bearer <key>' or 'x-api-key: <key>'", code="invalid_api_key")
+        return s
+
+    def check_admin(request: Request) -> None:
+        key = _key_of(request)
+        if key is None or not secrets.compare_digest(key.encode(), app.state.admin_key.encode()):
+            raise WireError(401, "missing or wrong admin key: send it as 'Authorization: Bearer <key>' or "
+                                 "'x-api-key: <key>'", code="invalid_api_key")
+
+    async def run_turn(s: _Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       params: SamplingParams, max_tokens: int | None) -> AssistantTurn:
+        async with s.lock:
+            led = s.ledger
+            try:
+                prepared = led.prepare(messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}))
+            except ValueError as e:
+                raise WireError(400, str(e), "messages") from None
+            if prepared.mode == "retry":
+                return led.commit(prepared, None)  # type: ignore[arg-type]
+            n = len(prepared.prompt_ids)
+            budget = default_max_tokens if max_tokens is None else max_tokens
+            if max_model_len is not None:
+                if n >= max_model_len:
+                    raise WireError(400, f"the prompt is {n} tokens; the model's context is {max_model_len} tokens. "
+                                         "Shorten the conversation (or compact it)", "messages", "context_length_exceeded")
+                budget = min(budget, max_model_len - n)
+            params = params.model_copy(update={"max_tokens": budget,
+                                               "stop_token_ids": sorted(set(params.stop_token_ids) | set(led.stop_token_ids))})
+            try:
+                out = await engine.generate(prepared.prompt_ids, params)
+            except Exception as e:  # the engine failed: nothing is recorded
+                raise WireError(503, f"the engine failed: {type(e).__name__}: {e}") from None
+            return led.commit(prepared, out, params)
+
+    def params_of(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+                  stop: list[str]) -> SamplingParams:
+        return SamplingParams(temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+                              top_k=-1 if top_k is None else top_k, stop=stop, seed=seed)
+
+    async def guarded(wire: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return await fn()
+        except WireError as e:
+            return error(wire, e)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            return error(wire, WireError(400, msg, param))
+
+    @app.post("/s/{sid}/v1/chat/completions")
+    async def chat_completions(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            s = session_for(request, sid)
+            body = await body_of(request)
+            if not isinstance(body, dict):
+                raise WireError(400, "request body must be a JSON object")
+            req = ChatCompletionRequest.model_validate(body)
+            req.check()
+            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
+            turn = await run_turn(s, req.messages, req.tools_openai(), params, req.max_completion_tokens or req.max_tokens)
+            if req.stream:
+                usage = bool((req.stream_options or {}).get("include_usage"))
+                return StreamingResponse(openai_stream(turn, tokenizer, model_name, usage), media_type="text/event-stream")
+            return openai_response(turn, tokenizer, model_name)
+
+        return await guarded("openai", handle)
+
+    @app.post("/s/{sid}/v1/messages")
+    async def messages(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            s = session_for(request, sid)
+            body = await body_of(request)
+            if not isinstance(body, dict):
+                raise WireError(400, "request body must be a JSON object")
+            req = MessagesRequest.model_validate(body)
+            req.check()
+            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
+            turn = await run_turn(s, req.openai_messages(), req.tools_openai(), params, req.max_tokens)
+            if req.stream:
+                return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
+            return anthropic_response(turn, model_name)
+
+        return await guarded("anthropic", handle)
+
+    @app.get("/s/{sid}/v1/models")
+    async def models(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            session_for(request, sid)
+            entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
+                     "display_name": model_name, "created_at": "1970-01-01T00:00:00Z"}
+            return {"object": "list", "data": [entry], "has_more": False, "first_id": model_name, "last_id": model_name}
+
+        return await guarded("openai", handle)
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> Any:
+        async def handle() -> Any:
+            check_admin(request)
+            raw = await request.body()
+            body = {}
+            if raw.strip():
+                body = await body_of(request)
+                if not isinstance(body, dict):
+                    raise WireError(400, "request body must be a JSON object (or empty)")
+            unknown = set(body) - {"rollout_id", "group_id", "chat_template_kwargs"}
+            if unknown:
+                raise WireError(400, f"unknown field(s) {sorted(unknown)}; allowed: rollout_id, group_id, chat_template_kwargs")
+            for k in ("rollout_id", "group_id"):
+                if k in body and not isinstance(body[k], str):
+                    raise WireError(400, f"{k} must be a string", k)
+            if not isinstance(body.get("chat_template_kwargs", {}), dict):
+                raise WireError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+            try:
+                info = store.create(body.get("rollout_id"), body.get("group_id", ""), body.get("chat_template_kwargs"))
+            except Exception as e:  # a template that cannot render the probe, bad kwargs
+                raise WireError(400, f"cannot open a session: {e}") from None
+            return info.model_dump()
+
+        return await guarded("openai", handle)
+
+    @app.get("/sessions/{sid}/trajectory")
+    async def get_trajectory(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            check_admin(request)
+            try:
+                return store.trajectory(sid).model_dump(mode="json")
+            except KeyError as e:
+                raise WireError(404, e.args[0], code="session_not_found") from None
+
+        return await guarded("openai", handle)
+
+    @app.delete("/sessions/{sid}")
+    async def delete_session(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            check_admin(request)
+            try:
+                store.close(sid)
+            except KeyError as e:
+                raise WireError(404, e.args[0], code="session_not_found") from None
+            return {"session_id": sid, "deleted": True}
+
+        return await guarded("openai", handle)
+
+    return app
+
+
+class ServerHandle:
+    """A running loopback server (see :func:`start_server`).
+
+    Attributes: ``base_url`` (``http://127.0.0.1:PORT``), ``admin_key``, ``app``, ``sessions``
+    (:class:`SessionStore`), ``loop`` (the server's event loop, where the engine is called).
+    """
+
+    def __init__(self, app: FastAPI, server: Any, thread: threading.Thread, base_url: str) -> None:
+        self.app, self._server, self._thread, self.base_url = app, server, thread, base_url
+        self.admin_key: str = app.state.admin_key
+        self.sessions: SessionStore = app.state.sessions
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return getattr(self._server, "molt_loop", None)
+
+    def create_session(self, rollout_id: str | None = None, group_id: str = "",
+                       chat_template_kwargs: dict[str, Any] | None = None) -> SessionInfo:
+        """Open a session (Python API, no HTTP); see :meth:`SessionStore.create`."""
+        return self.sessions.create(rollout_id, group_id, chat_template_kwargs)
+
+    def trajectory(self, session_id: str, reward: float | None = None, **kwargs: Any) -> Trajectory:
+        """The session's :class:`Trajectory`. Raises: KeyError for an unknown session."""
+        return self.sessions.trajectory(session_id, reward, **kwargs)
+
+    def close_session(self, session_id: str) -> Trajectory:
+        """Remove the session; returns its final trajectory. Raises: KeyError."""
+        return self.sessions.close(session_id)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and join the server thread (idempotent)."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
+                 port: int = 0, host: str = "127.0.0.1", **app_kwargs: Any) -> ServerHandle:
+    """Serve :func:`create_app` on ``host:port`` (port 0: a free random port) in a daemon
+    thread with its own event loop; returns once the server accepts connections.
+
+    Raises:
+        OSError: the port cannot be bound.
+        RuntimeError: the server did not start within 30 s.
+    """
+    import uvicorn
+
+    app = create_app(engine, tokenizer, admin_key=admin_key, model_name=model_name, **app_kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    base_url = f"http://{host}:{sock.getsockname()[1]}"
+    app.state.sessions.base_url = base_url
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30, backlog=2048)
+    server = uvicorn.Server(config)
+
+    def run() -> None:
+        async def main() -> None:
+            server.molt_loop = asyncio.get_running_loop()  # type: ignore[attr-defined]
+            await server.serve(sockets=[sock])
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run, name="molt-server", daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - t0 > 30:
+            raise RuntimeError(f"the loopback server did not start on {base_url}")
+        time.sleep(0.01)
+    return ServerHandle(app, server, thread, base_url)

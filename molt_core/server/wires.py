@@ -1,0 +1,381 @@
+"""The two wire formats: request validation, conversion to the ledger's chat messages, and
+responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropic Messages.
+
+Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
+schemas and :class:`~molt_core.types.SamplingParams` -- and both encode an
+:class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
+``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from molt_core.ledger import AssistantTurn
+
+__all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
+           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
+
+
+class WireError(Exception):
+    """A client error: ``status`` (4xx), ``message``, ``param`` (the offending field) and an
+    OpenAI ``code``. Rendered in each wire's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 413: "invalid_request_error", 409: "conflict_error", 500: "server_error", 503: "server_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 409: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
+def anthropic_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """Anthropic error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
+
+
+def validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """One readable line per Pydantic error (``field: problem``) and the first field's name."""
+    parts, first = [], None
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        first = first or loc
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts), first
+
+
+class _Req(BaseModel):
+    # strict: a wrong-typed field is an error (no "1" -> 1 coercion); unknown fields are ignored
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+_SEED = Field(None, ge=0, lt=2**63)
+
+
+# ------------------------------------------------------------------------------ OpenAI
+
+
+class OpenAIFunction(_Req):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class OpenAITool(_Req):
+    type: str = "function"
+    function: OpenAIFunction
+
+
+class ChatCompletionRequest(_Req):
+    """``POST /v1/chat/completions`` body (fields the server honours; others are ignored)."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[OpenAITool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    seed: int | None = _SEED
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Refuse what the server cannot honour without changing the sampling distribution.
+
+        Raises:
+            WireError: 400 naming the field (``n`` > 1, penalties, logit_bias, forced tool choice).
+        """
+        if self.n not in (None, 1):
+            raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
+                                 "(or omit it) and make one request per sample", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise WireError(400, f"{name} is not supported (it would change the behaviour distribution); "
+                                     "omit it or send 0", name)
+        if self.logit_bias:
+            raise WireError(400, "logit_bias is not supported (it would change the behaviour distribution); omit it",
+                            "logit_bias")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise WireError(400, "tool_choice may only be 'auto' or 'none' here (forcing a tool is not supported)",
+                            "tool_choice")
+        if isinstance(self.stop, list) and not all(s for s in self.stop):
+            raise WireError(400, "stop strings must be non-empty", "stop")
+
+    def tools_openai(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) and self.stop else [s for s in self.stop if s] if isinstance(self.stop, list) else []
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
+    out = []
+    for tid, lp in zip(turn.token_ids, turn.logprobs):
+        s = tokenizer.decode([tid], skip_special_tokens=False)
+        out.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+    return out
+
+
+def _openai_calls(turn: AssistantTurn) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in turn.tool_calls]
+
+
+def _openai_finish(turn: AssistantTurn) -> str:
+    return {"abort": "stop"}.get(turn.finish_reason, turn.finish_reason)
+
+
+def _usage(turn: AssistantTurn) -> dict[str, int]:
+    n = len(turn.token_ids)
+    return {"prompt_tokens": turn.prompt_len, "completion_tokens": n, "total_tokens": turn.prompt_len + n}
+
+
+def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str, Any]:
+    """A ``chat.completion`` object for ``turn`` (one choice with ``token_ids`` and
+    ``logprobs.content``; ``message.reasoning_content`` holds the think text)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
+    if turn.tool_calls:
+        msg["tool_calls"] = _openai_calls(turn)
+    if turn.reasoning is not None:
+        msg["reasoning_content"] = turn.reasoning
+    return {
+        "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": _now(), "model": model,
+        "choices": [{"index": 0, "message": msg, "finish_reason": _openai_finish(turn),
+                     "logprobs": {"content": _token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
+        "usage": _usage(turn),
+    }
+
+
+def _sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return head + "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
+
+
+def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage: bool = False) -> Iterator[str]:
+    """``chat.completion.chunk`` server-sent events for ``turn`` (generated in full first):
+    role, reasoning, content (with ``token_ids`` and ``logprobs``), tool calls, finish,
+    optional usage, ``[DONE]``."""
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    if turn.reasoning is not None:
+        yield chunk({"reasoning_content": turn.reasoning})
+    yield chunk({"content": turn.content}, logprobs={"content": _token_logprobs(tokenizer, turn)},
+                token_ids=list(turn.token_ids))
+    for i, c in enumerate(_openai_calls(turn)):
+        yield chunk({"tool_calls": [{"index": i, **c}]})
+    yield chunk({}, _openai_finish(turn))
+    if include_usage:
+        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                    "usage": _usage(turn)})
+    yield _sse("[DONE]")
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+class AnthropicTool(_Req):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class AnthropicMessage(_Req):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Req):
+    """``POST /v1/messages`` body (fields the server honours; others are ignored)."""
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stream: bool | None = False
+    seed: int | None = _SEED
+
+    def check(self) -> None:
+        """Raises: WireError (400) for a forced tool choice or empty stop sequences."""
+        if self.tool_choice and self.tool_choice.get("type") not in ("auto", "none"):
+            raise WireError(400, "tool_choice.type may only be 'auto' or 'none' here (forcing a tool is not supported)",
+                            "tool_choice")
+        if self.stop_sequences is not None and not all(self.stop_sequences):
+            raise WireError(400, "stop_sequences must be non-empty strings", "stop_sequences")
+
+    def tools_openai(self) -> list[dict[str, Any]] | None:
+        if not self.tools or (self.tool_choice or {}).get("type") == "none":
+            return None
+        out = []
+        for t in self.tools:
+            fn: dict[str, Any] = {"name": t.name}
+            if t.description is not None:
+                fn["description"] = t.description
+            fn["parameters"] = t.input_schema
+            out.append({"type": "function", "function": fn})
+        return out
+
+    def openai_messages(self) -> list[dict[str, Any]]:
+        """Convert to OpenAI-style messages: ``system`` first; ``tool_result`` blocks become
+        ``role: tool`` messages (in order, before the user text of the same turn);
+        ``thinking`` / ``text`` / ``tool_use`` assistant blocks become reasoning, content
+        and ``tool_calls``.
+
+        Raises:
+            WireError: 400 naming ``messages[i].content[j]`` for an unsupported or malformed block.
+        """
+        out: list[dict[str, Any]] = []
+        if self.system:
+            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
+                        else _block_text(self.system, "system")})
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role not in ("user", "assistant"):
+                raise WireError(400, f"{where}.role must be 'user' or 'assistant', got {m.role!r}", f"{where}.role")
+            if isinstance(m.content, str):
+                out.append({"role": m.role, "content": m.content})
+                continue
+            if m.role == "user":
+                texts: list[str] = []
+                for j, b in enumerate(m.content):
+                    kind = b.get("type")
+                    if kind == "text" and isinstance(b.get("text"), str):
+                        texts.append(b["text"])
+                    elif kind == "tool_result":
+                        c = b.get("content", "")
+                        text = c if isinstance(c, str) else _block_text(c, f"{where}.content[{j}].content")
+                        out.append({"role": "tool", "content": text, "tool_call_id": str(b.get("tool_use_id", ""))})
+                    else:
+                        raise WireError(400, f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
+                                             "(text and tool_result are supported)", f"{where}.content")
+                if texts or not any(b.get("type") == "tool_result" for b in m.content):
+                    out.append({"role": "user", "content": "".join(texts)})
+            else:
+                text, reasoning, calls = [], None, []
+                for j, b in enumerate(m.content):
+                    kind = b.get("type")
+                    if kind == "text" and isinstance(b.get("text"), str):
+                        text.append(b["text"])
+                    elif kind == "thinking" and isinstance(b.get("thinking"), str):
+                        reasoning = b["thinking"]
+                    elif kind == "redacted_thinking":
+                        continue
+                    elif kind == "tool_use" and isinstance(b.get("name"), str) and isinstance(b.get("input", {}), dict):
+                        calls.append({"id": str(b.get("id", "")), "type": "function",
+                                      "function": {"name": b["name"], "arguments": b.get("input", {})}})
+                    else:
+                        raise WireError(400, f"{where}.content[{j}]: unsupported or malformed block {kind!r} in an "
+                                             "assistant turn (text, thinking and tool_use are supported)", f"{where}.content")
+                msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+                if reasoning is not None:
+                    msg["reasoning_content"] = reasoning
+                if calls:
+                    msg["tool_calls"] = calls
+                out.append(msg)
+        return out
+
+
+def _block_text(blocks: list[dict[str, Any]], where: str) -> str:
+    parts = []
+    for j, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise WireError(400, f"{where}[{j}] must be a text block {{'type': 'text', 'text': ...}}", where)
+        parts.append(b["text"])
+    return "".join(parts)
+
+
+def _anthropic_stop(turn: AssistantTurn) -> str:
+    if turn.tool_calls:
+        return "tool_use"
+    if turn.stop_sequence is not None:
+        return "stop_sequence"
+    return "max_tokens" if turn.finish_reason == "length" else "end_turn"
+
+
+def _anthropic_blocks(turn: AssistantTurn) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if turn.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.content or not turn.tool_calls:
+        blocks.append({"type": "text", "text": turn.content})
+    for c in turn.tool_calls:
+        blocks.append({"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]})
+    return blocks
+
+
+def anthropic_response(turn: AssistantTurn, model: str) -> dict[str, Any]:
+    """An Anthropic ``message`` object for ``turn`` with a top-level ``token_ids``."""
+    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(turn), "stop_reason": _anthropic_stop(turn),
+            "stop_sequence": turn.stop_sequence,
+            "usage": {"input_tokens": turn.prompt_len, "output_tokens": len(turn.token_ids)},
+            "token_ids": list(turn.token_ids)}
+
+
+def anthropic_stream(turn: AssistantTurn, model: str) -> Iterator[str]:
+    """Anthropic streaming events for ``turn``: ``message_start`` (its message carries
+    ``token_ids``), a start/delta/stop triple per content block, ``message_delta``,
+    ``message_stop``."""
+    full = anthropic_response(turn, model)
+    start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": turn.prompt_len, "output_tokens": 0}}
+    yield _sse({"type": "message_start", "message": start}, "message_start")
+    for i, b in enumerate(full["content"]):
+        if b["type"] == "thinking":
+            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}, "content_block_start")
+            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": b["thinking"]}}, "content_block_delta")
+            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
+        elif b["type"] == "text":
+            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": b["text"]}}, "content_block_delta")
+        else:
+            yield _sse({"type": "content_block_start", "index": i,
+                        "content_block": {"type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}, "content_block_start")
+            yield _sse({"type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}, "content_block_delta")
+        yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
+    yield _sse({"type": "message_delta", "delta": {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
+                "usage": {"output_tokens": len(turn.token_ids)}}, "message_delta")
+    yield _sse({"type": "message_stop"}, "message_stop")
