@@ -1,0 +1,230 @@
+"""Supervised fine-tuning (SFT) on the trainer's model: the warm start before RL.
+
+A tiny model from a random init never samples a correct answer, so RL gets no reward; a
+short SFT on (prompt, completion) pairs gives it one. Examples are rendered with the same
+chat template the engine uses (``tokenizer.apply_chat_template(..., add_generation_prompt=
+True)`` for the prompt), and only the completion tokens -- the reply and its end-of-turn
+token, exactly what the engine would have to sample -- enter the loss.
+
+Loss: token-mean cross-entropy over the completion tokens of the whole batch (global token
+count, so it does not depend on the micro-batch cut), AdamW with the ``[trainer]`` betas /
+eps / weight decay at ``sft.lr``, grad-norm clip ``trainer.grad_clip``.
+
+:func:`examples_from_agent` draws examples from an agent's ``tasks("train", seed)`` (dicts
+with ``question`` / ``answer``), optionally with deliberately wrong labels (``label_noise``)
+so the warm start is imperfect and RL has something to improve.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["Example", "render_example", "sft", "examples_from_agent", "noisy_answer"]
+
+#: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
+Example = tuple[list[dict[str, Any]], str]
+
+
+def _end_of_turn_ids(tokenizer: Any) -> set[int]:
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if isinstance(im_end, int) and im_end != unk:
+        ids.add(im_end)
+    return ids
+
+
+def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: str,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of one example: ``(prompt_ids, completion_ids)``.
+
+    ``prompt_ids`` is the chat template of ``messages`` with the generation prompt (what the
+    engine is given); ``completion_ids`` is the continuation of the template rendering of
+    ``messages + [assistant: completion]`` up to and including the end-of-turn token
+    (``eos_token`` / ``<|im_end|>``) -- what the engine must sample, nothing after it.
+
+    Raises:
+        ValueError: the full rendering does not start with the prompt rendering (a template
+            that rewrites earlier turns), or the completion renders to no token.
+    """
+    kw = dict(chat_template_kwargs or {})
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    full_text = tokenizer.apply_chat_template(
+        [*messages, {"role": "assistant", "content": completion}], tokenize=False, **kw)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            "chat template: rendering the prompt plus the reply does not start with the rendered prompt; "
+            "SFT cannot tell which tokens are the completion"
+        )
+    prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+    full_ids = tokenizer.encode(full_text, add_special_tokens=False)
+    if full_ids[: len(prompt_ids)] != prompt_ids:  # a BPE merge across the boundary
+        full_ids = prompt_ids + tokenizer.encode(full_text[len(prompt_text):], add_special_tokens=False)
+    comp = full_ids[len(prompt_ids):]
+    stops = _end_of_turn_ids(tokenizer)
+    cut = next((i for i, t in enumerate(comp) if t in stops), None)
+    if cut is not None:
+        comp = comp[: cut + 1]
+    if not comp:
+        raise ValueError(f"completion {completion!r} renders to no token")
+    return prompt_ids, comp
+
+
+def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
+        log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
+    """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps.
+
+    Batches of ``batch_size`` examples are drawn without replacement from a seeded shuffle
+    (reshuffled each pass); each batch is cut into micro-batches of
+    ``trainer.cfg.trainer.micro_batch_size`` rows with gradient accumulation.
+
+    Loss of a step: ``-(1/N) sum log p(y_t | y_<t, prompt)`` over the ``N`` completion tokens
+    of the batch (raw distribution, T = 1).
+
+    Args:
+        trainer: a :class:`molt_core.trainer.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
+        examples: ``(messages, completion)`` pairs.
+        steps: optimizer steps (0 returns at once).
+        batch_size: examples per step.
+        lr: AdamW learning rate (constant).
+        seed: shuffle seed.
+        log: called as ``log(step, {"sft/loss", "sft/tokens", "sft/grad_norm", "time/step"})``.
+
+    Returns:
+        The loss of each step (floats, nats per completion token).
+
+    Side effects: the trainer's frozen reference (if any) is re-snapshotted to the fine-tuned
+    weights; ``trainer.version`` is unchanged (the runtime publishes the warm-started weights
+    as the initial policy).
+
+    Raises:
+        ValueError: no examples, or the trainer has no tokenizer.
+    """
+    if steps <= 0:
+        return []
+    if not examples:
+        raise ValueError("sft: no examples; sft.steps > 0 needs (messages, completion) pairs")
+    tok = trainer.tokenizer
+    if tok is None:
+        raise ValueError("sft: the trainer has no tokenizer to render examples with")
+    cfg = trainer.cfg
+    kw = cfg.model.chat_template_kwargs
+    rendered = [render_example(tok, m, c, kw) for m, c in examples]
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    tc = cfg.trainer
+    opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    mb = tc.micro_batch_size
+    dev = trainer.device
+    pad = trainer.pad_id
+    for step in range(steps):
+        t0 = time.perf_counter()
+        idx = []
+        while len(idx) < batch_size:
+            if not order:
+                order = list(range(len(rendered)))
+                rng.shuffle(order)
+            idx.append(order.pop())
+        seqs = [rendered[i] for i in idx]
+        n_tok = sum(len(c) for _, c in seqs)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for s in range(0, len(seqs), mb):
+            part = seqs[s: s + mb]
+            T = max(len(p) + len(c) for p, c in part)
+            ids = torch.full((len(part), T), pad, dtype=torch.long)
+            labels = torch.full((len(part), T), -100, dtype=torch.long)
+            for b, (p, c) in enumerate(part):
+                ids[b, : len(p) + len(c)] = torch.tensor(p + c)
+                labels[b, len(p): len(p) + len(c)] = torch.tensor(c)
+            ids, labels = ids.to(dev), labels.to(dev)
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                ignore_index=-100, reduction="sum") / n_tok
+            loss.backward()
+            total += float(loss.detach())
+        gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        opt.step()
+        losses.append(total)
+        if log is not None:
+            log(step, {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn),
+                       "time/step": time.perf_counter() - t0})
+    model.zero_grad(set_to_none=True)
+    if trainer.ref_model is not None:
+        trainer.reset_reference()
+    return losses
+
+
+def noisy_answer(answer: str, rng: random.Random, pool: Sequence[str] = ()) -> str:
+    """A deliberately wrong version of ``answer``.
+
+    An integer answer moves by a random non-zero offset in [-10, 10] (so it stays plausible);
+    any other answer is replaced by a different one drawn from ``pool``, or gets a ``" x"``
+    suffix when the pool has no different answer.
+    """
+    a = answer.strip()
+    try:
+        v = int(a)
+    except ValueError:
+        others = [p for p in pool if p.strip() != a]
+        return rng.choice(others) if others else a + " x"
+    off = 0
+    while off == 0:
+        off = rng.randint(-10, 10)
+    return str(v + off)
+
+
+def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0) -> list[Example]:
+    """Draw ``n`` SFT examples from ``agent.tasks("train", seed)``.
+
+    Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the
+    agent would be shown: for an :class:`~molt_core.agents.Env`, its ``system_prompt`` (if
+    any) and ``reset(task)`` as the user message; otherwise ``task["question"]`` as the user
+    message. A fraction ``label_noise`` of the completions (chosen with a ``seed``-ed RNG) is
+    replaced by :func:`noisy_answer`.
+
+    Raises:
+        ValueError: a task without ``answer`` (or, for a non-Env agent, without ``question``),
+            or fewer than ``n`` tasks.
+    """
+    from molt_core.agents import Env
+
+    rng = random.Random(seed + 7919)
+    out: list[tuple[list[dict[str, Any]], str]] = []
+    answers: list[str] = []
+    it = iter(agent.tasks("train", seed))
+    for i in range(n):
+        try:
+            task = next(it)
+        except StopIteration:
+            raise ValueError(f"sft: the agent's train split has only {i} tasks, sft.n_examples asks for {n}") from None
+        if "answer" not in task:
+            raise ValueError(f"sft: task {i} has no 'answer' field (keys: {sorted(task)}); SFT needs a target")
+        if isinstance(agent, Env):
+            msgs: list[dict[str, Any]] = []
+            sp = getattr(getattr(agent, "options", None), "system_prompt", None) or agent.system_prompt
+            if sp:
+                msgs.append({"role": "system", "content": sp})
+            msgs.append({"role": "user", "content": agent.reset(task)})
+        else:
+            if "question" not in task:
+                raise ValueError(f"sft: task {i} has no 'question' field (keys: {sorted(task)})")
+            msgs = [{"role": "user", "content": str(task["question"])}]
+        answers.append(str(task["answer"]))
+        out.append((msgs, answers[-1]))
+    if label_noise > 0:
+        k = int(math.floor(label_noise * n + 0.5))
+        for i in rng.sample(range(n), k):
+            out[i] = (out[i][0], noisy_answer(out[i][1], rng, answers))
+    return out

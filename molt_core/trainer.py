@@ -1,0 +1,844 @@
+"""The single trainable actor: logprob recompute, correction, loss, optimizer, weight export.
+
+One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM`` (plain PyTorch, no
+framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finished
+:class:`~molt_core.types.Trajectory` objects into one policy update:
+
+1. **Ingress** (:func:`build_batch`): rows are segments (a rollout with a rewritten context
+   has several rows sharing one reward), right-padded; per-token lengths, sampled-token
+   spans and token ids are re-checked (token identity), and each row points at its rollout,
+   each rollout at its group (one reward per rollout).
+2. **Recompute** (no grad): the log-probability of every sampled token under the current
+   weights, through :func:`molt_core.sampling.processed_logprobs` with the temperature /
+   top-k / top-p of the span that sampled it -- the transform the engine used, so with
+   identical weights the importance ratio is exactly 1 (forward consistency, B08/B09).
+3. **Correction** (:func:`molt_core.algo.correction.apply_correction`): the staleness gate
+   and per-token importance weights -- the single policy-version site.
+4. **Advantages** (:func:`molt_core.algo.advantages.compute_advantages`).
+5. **Update**: micro-batches of ``trainer.micro_batch_size`` rows with gradient
+   accumulation; the policy loss of each micro-batch is already normalised by the *global*
+   action-token count of the optimizer step, so micro-batch losses are summed (B15);
+   optional KL to a frozen reference as a loss term or a per-token reward; AdamW, global
+   grad-norm clip, LR warmup + constant/linear/cosine schedule; ``ppo_epochs`` passes; then
+   ``version += 1`` (the :class:`~molt_core.types.PolicyVersion` the next publish carries).
+
+Checkpoints (:meth:`Trainer.save_checkpoint`) are Hugging Face-loadable directories
+(``save_pretrained``, safetensors, tokenizer) plus optimizer, scheduler, RNG states, step,
+version and the caller's data cursor, written atomically (temp dir + rename) and pruned to
+``checkpoint.keep``.
+
+Dropout is disabled (the model stays in ``eval()`` mode while training): an importance ratio
+is only exactly 1 on-policy if the recompute and the loss forward are the same function.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from molt_core.config import RunConfig
+from molt_core.sampling import processed_logprobs
+from molt_core.types import Trajectory
+
+__all__ = [
+    "Batch",
+    "IngressError",
+    "Trainer",
+    "build_batch",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "lr_factor",
+    "token_logprobs",
+]
+
+CHECKPOINT_DIR = "checkpoints"
+_CKPT_PREFIX = "step_"
+
+
+class IngressError(ValueError):
+    """A trajectory handed to the trainer is malformed (token identity would be violated).
+
+    The message names the rollout, the segment index and the field.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# batch construction (trainer ingress)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """A padded training batch; rows are segments, ``B`` rows of ``T`` tokens (right-padded).
+
+    Per-token tensors index *tokens* (position ``t`` is token ``t``; its logprob comes from
+    the logits at ``t - 1``, so position 0 is never sampled):
+
+    * ``input_ids`` ``[B, T]`` int64 -- token ids, ``pad_id`` past each row's length.
+    * ``mask`` ``[B, T]`` bool -- True exactly on sampled tokens.
+    * ``behaviour_logprobs`` ``[B, T]`` float32 -- the engine's logprob, 0 where not sampled.
+    * ``versions`` ``[B, T]`` int64 -- policy version that sampled the token, -1 elsewhere.
+    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of the sampling transform of
+      each sampled token, -1 elsewhere.
+    * ``params`` -- distinct ``(temperature, top_k, top_p)`` transforms.
+    * ``lengths`` ``[B]`` int64 -- unpadded row lengths.
+    * ``rollout_index`` ``[B]`` int64 -- row -> rollout (index into ``rewards``).
+    * ``rewards`` ``[R]`` float32 -- one reward per rollout.
+    * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
+      ``group_id`` is a group of its own).
+    * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
+    * ``tokens_retokenized`` -- sum of ``info["tokens_retokenized"]`` over the rollouts.
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    versions: torch.Tensor
+    param_ids: torch.Tensor
+    params: list[tuple[float, int, float]]
+    lengths: torch.Tensor
+    rollout_index: torch.Tensor
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    teacher_logprobs: torch.Tensor | None
+    tokens_retokenized: int
+
+    @property
+    def size(self) -> int:
+        """Number of rows ``B``."""
+        return int(self.input_ids.shape[0])
+
+
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    need_teacher: bool = False,
+) -> Batch:
+    """Collate usable trajectories into a :class:`Batch` (trainer ingress).
+
+    Trajectories with ``status == "failed"`` are skipped (excluded, never scored 0); the
+    rest must carry a reward. Re-checks what the :class:`~molt_core.types.Segment`
+    validators check (the objects may have been mutated or built with ``model_construct``)
+    plus what only the trainer knows: ids below ``vocab_size``, no sampled token at position
+    0 (it has no context to be predicted from), and every sampled token inside exactly one
+    sampled span.
+
+    Args:
+        trajectories: finished rollouts.
+        pad_id: id used for right padding (never attended to by a causal model).
+        vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
+        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
+            with one per-token list per segment, a float on each sampled token.
+
+    Returns:
+        The padded :class:`Batch`.
+
+    Raises:
+        IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
+            rollout without sampled tokens, misaligned per-token fields, an id out of range,
+            a sampled token at position 0, a sampled token outside every span, conflicting
+            overlapping spans, or missing/misaligned teacher logprobs.
+    """
+    usable = [t for t in trajectories if t.status == "ok"]
+    if not usable:
+        raise IngressError(
+            f"no usable trajectory: all {len(trajectories)} are failed or the list is empty; "
+            "the trainer needs at least one ok trajectory with a reward"
+        )
+    rows: list[tuple[int, Any, int]] = []  # (rollout idx, segment, segment idx)
+    rewards: list[float] = []
+    group_of: list[int] = []
+    groups: dict[str, int] = {}
+    seen: set[str] = set()
+    retok = 0
+    for traj in usable:
+        rid = traj.rollout_id
+        if rid in seen:
+            raise IngressError(f"rollout_id {rid!r} appears twice; each rollout is one Trajectory (its segments share it)")
+        seen.add(rid)
+        if traj.reward is None:
+            raise IngressError(f"rollout {rid}: reward is None; score it (or mark it failed) before training")
+        if not math.isfinite(traj.reward):
+            raise IngressError(f"rollout {rid}: reward {traj.reward} is not finite")
+        if not traj.segments:
+            raise IngressError(f"rollout {rid}: no segments")
+        if traj.num_sampled == 0:
+            raise IngressError(f"rollout {rid}: no sampled token in any segment (loss_mask is all False); nothing to train on")
+        retok += int(traj.info.get("tokens_retokenized", 0) or 0)
+        r = len(rewards)
+        rewards.append(float(traj.reward))
+        if traj.group_id:
+            group_of.append(groups.setdefault(traj.group_id, len(groups)))
+        else:
+            group_of.append(groups.setdefault(f"\0{rid}", len(groups)))
+        for j, seg in enumerate(traj.segments):
+            rows.append((r, seg, j))
+
+    B = len(rows)
+    T = max(len(seg.token_ids) for _, seg, _ in rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    beh = torch.zeros((B, T), dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
+    param_ids = torch.full((B, T), -1, dtype=torch.long)
+    lengths = torch.zeros(B, dtype=torch.long)
+    rollout_index = torch.zeros(B, dtype=torch.long)
+    teacher = torch.zeros((B, T), dtype=torch.float32) if need_teacher else None
+    params: list[tuple[float, int, float]] = []
+    pindex: dict[tuple[float, int, float], int] = {}
+
+    for b, (r, seg, j) in enumerate(rows):
+        where = f"rollout {usable[r].rollout_id}, segment {j}"
+        n = len(seg.token_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(seg, name)) != n:
+                raise IngressError(f"{where}: {name} has length {len(getattr(seg, name))}, token_ids has {n}")
+        if n == 0:
+            raise IngressError(f"{where}: empty segment (no token_ids)")
+        ids = torch.tensor(seg.token_ids, dtype=torch.long)
+        if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+            bad = next(i for i, t in enumerate(seg.token_ids) if t < 0 or (vocab_size is not None and t >= vocab_size))
+            raise IngressError(f"{where}: token_ids[{bad}] = {seg.token_ids[bad]} is outside the vocabulary [0, {vocab_size})")
+        m = torch.tensor(seg.loss_mask, dtype=torch.bool)
+        if bool(m[0]):
+            raise IngressError(f"{where}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
+        lp_t = torch.tensor([math.nan if x is None else x for x in seg.logprobs], dtype=torch.float64)
+        v_t = torch.tensor([-1 if x is None else x for x in seg.versions], dtype=torch.long)
+        bad = m & (~torch.isfinite(lp_t) | (lp_t > 0) | (v_t < 0))
+        bad |= ~m & (~torch.isnan(lp_t) | (v_t != -1))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise IngressError(
+                f"{where}: token {i} (loss_mask {bool(m[i])}) has logprob {seg.logprobs[i]!r} and version "
+                f"{seg.versions[i]!r}; a sampled token needs a finite logprob <= 0 and a version >= 0, "
+                "a non-sampled token neither"
+            )
+        pid = torch.full((n,), -1, dtype=torch.long)
+        for k, sp in enumerate(seg.span_params()):
+            if sp.end > n:
+                raise IngressError(f"{where}: spans[{k}] ends at {sp.end} beyond the {n} tokens")
+            key = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+            c = pindex.setdefault(key, len(params))
+            if c == len(params):
+                params.append(key)
+            sl = slice(sp.start, sp.end)
+            span_sampled = m[sl]
+            prev = pid[sl][span_sampled]
+            if bool(((prev != -1) & (prev != c)).any()):
+                raise IngressError(f"{where}: spans[{k}] overlaps another span with different sampling settings")
+            seg_pid = pid[sl]
+            seg_pid[span_sampled] = c
+            pid[sl] = seg_pid
+        uncovered = (m & (pid == -1)).nonzero().flatten()
+        if len(uncovered):
+            raise IngressError(
+                f"{where}: sampled token {int(uncovered[0])} lies in no sampled span; the trainer "
+                "cannot know which temperature/top-k/top-p sampled it"
+            )
+        input_ids[b, :n] = ids
+        mask[b, :n] = m
+        beh[b, :n] = torch.nan_to_num(lp_t, nan=0.0).float()
+        versions[b, :n] = v_t
+        param_ids[b, :n] = pid
+        lengths[b] = n
+        rollout_index[b] = r
+        if teacher is not None:
+            traj = usable[r]
+            tl = traj.info.get("teacher_logprobs")
+            if not isinstance(tl, list) or len(tl) != len(traj.segments) or len(tl[j]) != n:
+                raise IngressError(
+                    f"{where}: info['teacher_logprobs'] must hold one per-token list per segment "
+                    f"(length {n} here) for advantage 'on_policy_distill'"
+                )
+            for i in m.nonzero().flatten().tolist():
+                x = tl[j][i]
+                if x is None or not math.isfinite(x):
+                    raise IngressError(f"{where}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
+                teacher[b, i] = float(x)
+
+    return Batch(
+        input_ids=input_ids,
+        mask=mask,
+        behaviour_logprobs=beh,
+        versions=versions,
+        param_ids=param_ids,
+        params=params,
+        lengths=lengths,
+        rollout_index=rollout_index,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_index=torch.tensor(group_of, dtype=torch.long),
+        teacher_logprobs=teacher,
+        tokens_retokenized=retok,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the recompute: logprobs of sampled tokens under the engine's sampling transform
+# ---------------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    param_ids: torch.Tensor,
+    params: Sequence[tuple[float, int, float]],
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each sampled token under its span's processed distribution.
+
+    Args:
+        logits: ``[B, T, V]`` model outputs (logits at ``t - 1`` predict token ``t``).
+        input_ids: ``[B, T]`` int64 token ids.
+        param_ids: ``[B, T]`` int64, index into ``params`` for sampled tokens, -1 elsewhere
+            (position 0 must be -1).
+        params: ``(temperature, top_k, top_p)`` per index, applied by
+            :func:`molt_core.sampling.processed_logprobs` (temperature -> top-k -> top-p).
+        with_entropy: also return the entropy (nats) of the processed distribution at each
+            sampled position (computed without grad).
+
+    Returns:
+        ``(logprobs, entropy)``: ``[B, T]`` float32 (0 where not sampled; differentiable
+        w.r.t. ``logits``), and ``[B, T]`` float32 or None.
+
+    Example (B08): logits ``[2, 1, 0]``, T = 0.5 -> logprob of token 0 = -0.142932.
+    """
+    B, T = input_ids.shape
+    out = torch.zeros((B, T), dtype=torch.float32, device=logits.device)
+    ent = torch.zeros((B, T), dtype=torch.float32, device=logits.device) if with_entropy else None
+    for c, (temp, top_k, top_p) in enumerate(params):
+        bi, ti = (param_ids == c).nonzero(as_tuple=True)
+        if bi.numel() == 0:
+            continue
+        lp = processed_logprobs(logits[bi, ti - 1], temp, top_k, top_p)  # [N, V]
+        tok = lp.gather(-1, input_ids[bi, ti].unsqueeze(-1)).squeeze(-1)
+        out = out.index_put((bi, ti), tok)
+        if ent is not None:
+            with torch.no_grad():
+                ent[bi, ti] = torch.special.entr(lp.detach().exp()).sum(-1)
+    return out, ent
+
+
+# ---------------------------------------------------------------------------------------
+# LR schedule
+# ---------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the base LR for optimizer step ``step`` (0-based).
+
+    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first
+    step is not wasted at LR 0). After it, with ``p = (step - warmup) / max(1, total - warmup)``
+    clamped to [0, 1]: ``constant`` -> 1; ``linear`` -> ``1 - p``; ``cosine`` ->
+    ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, without restarts).
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    p = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1.0 - p
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"trainer.lr_schedule {schedule!r} is unknown; use constant, linear or cosine")
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoints on disk
+# ---------------------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``run_dir/checkpoints``, oldest first (by step).
+
+    A checkpoint is complete once its directory carries its final name (it is written under
+    a temporary name and renamed); temporary directories of a killed writer are ignored.
+    """
+    d = Path(run_dir) / CHECKPOINT_DIR
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        if p.is_dir() and p.name.startswith(_CKPT_PREFIX) and (p / "state.json").is_file():
+            try:
+                out.append((int(p.name[len(_CKPT_PREFIX):]), p))
+            except ValueError:
+                continue
+    return [p for _, p in sorted(out)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory of ``run_dir``, or None if there is none."""
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+# ---------------------------------------------------------------------------------------
+# the trainer
+# ---------------------------------------------------------------------------------------
+
+
+def _model_vocab(model: torch.nn.Module) -> int | None:
+    emb = getattr(model, "get_output_embeddings", lambda: None)()
+    if emb is not None and hasattr(emb, "weight"):
+        return int(emb.weight.shape[0])
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "vocab_size", None)
+
+
+class Trainer:
+    """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
+
+    Args:
+        cfg: the run configuration (sections ``model``, ``trainer``, ``algo``,
+            ``correction``, ``async``, ``checkpoint``, ``run``).
+        model: a causal LM whose ``forward(input_ids=...)`` returns an object with
+            ``.logits`` ``[B, T, V]``; loaded with ``molt_core.models.load_model`` from
+            ``cfg.model`` when None.
+        tokenizer: saved with checkpoints; loaded with ``molt_core.models.load_tokenizer``
+            when None and ``model`` is None.
+        ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0`` a
+            frozen copy of the initial policy is made (:meth:`reset_reference` re-snapshots
+            it, e.g. after an SFT warm start).
+
+    Attributes:
+        version: the policy version of the current weights (0 = initial; +1 per
+            :meth:`train_step` that updated them).
+        step: optimizer steps taken (the LR schedule position).
+
+    Raises:
+        ValueError: ``algo.advantage = "gae"`` (needs a critic, not provided yet) or a bad
+            option combination.
+    """
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
+                 ref_model: torch.nn.Module | None = None) -> None:
+        self.cfg = cfg
+        torch.manual_seed(cfg.run.seed)
+        if model is None:
+            from molt_core.models import load_model, load_tokenizer
+
+            model = load_model(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(cfg.model.path)
+        self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        self.model = model.to(self.device)
+        self.model.eval()  # no dropout: on-policy ratios are exactly 1
+        self.tokenizer = tokenizer
+        if cfg.algo.advantage == "gae":
+            raise ValueError(
+                "algo.advantage = 'gae' needs a critic (value head), which this trainer does not "
+                "provide yet; use grpo, dr_grpo, rloo, reinforce or reinforce_baseline"
+            )
+        self.kl_coef = float(cfg.algo.kl_coef)
+        self.ref_model = ref_model
+        if self.ref_model is None and self.kl_coef > 0:
+            self.reset_reference()
+        elif self.ref_model is not None:
+            self.ref_model.to(self.device).eval().requires_grad_(False)
+        self.kl_controller = None
+        if cfg.algo.kl_target is not None and self.kl_coef > 0:
+            from molt_core.algo.kl import AdaptiveKLController
+
+            self.kl_controller = AdaptiveKLController(self.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+        if cfg.algo.kl_as_reward and cfg.algo.advantage not in ("reinforce", "gae"):
+            raise ValueError(
+                f"algo.kl_as_reward = true works with algo.advantage 'reinforce' or 'gae' (per-token "
+                f"rewards), not {cfg.algo.advantage!r}; set algo.kl_as_reward = false to use KL as a loss term"
+            )
+        tc = cfg.trainer
+        if len(tc.betas) != 2:
+            raise ValueError(f"trainer.betas must have 2 entries, got {tc.betas}")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps,
+                                           weight_decay=tc.weight_decay)
+        total = max(1, cfg.run.steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.lr_schedule))
+        self.version = 0
+        self.step = 0
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_id = int(pad) if pad is not None else 0
+        self.vocab_size = _model_vocab(self.model)
+
+    # -- reference ------------------------------------------------------------------------
+    def reset_reference(self) -> None:
+        """Make the frozen reference a copy of the current policy weights (no grad)."""
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    # -- forward --------------------------------------------------------------------------
+    def _forward(self, model: torch.nn.Module, batch: Batch, rows: slice, with_entropy: bool = False):
+        T = int(batch.lengths[rows].max())
+        ids = batch.input_ids[rows, :T].to(self.device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        return token_logprobs(logits, ids, batch.param_ids[rows, :T].to(self.device), batch.params, with_entropy)
+
+    def _micro_batches(self, batch: Batch) -> list[slice]:
+        mb = self.cfg.trainer.micro_batch_size
+        return [slice(i, min(i + mb, batch.size)) for i in range(0, batch.size, mb)]
+
+    def _pad_to(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        if x.shape[1] == T:
+            return x
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+    @torch.no_grad()
+    def recompute_logprobs(self, batch: Batch, model: torch.nn.Module | None = None,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs ``[B, T]`` float32 (CPU) of the batch's sampled tokens under ``model``
+        (default: the policy), in the same micro-batches the update uses; 0 where not
+        sampled. Also the entropy ``[B, T]`` when ``with_entropy``."""
+        model = model if model is not None else self.model
+        T = batch.input_ids.shape[1]
+        lps, ents = [], []
+        for rows in self._micro_batches(batch):
+            lp, ent = self._forward(model, batch, rows, with_entropy)
+            lps.append(self._pad_to(lp.float().cpu(), T))
+            if ent is not None:
+                ents.append(self._pad_to(ent.cpu(), T))
+        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+    # -- the RL step ----------------------------------------------------------------------
+    def train_step(self, trajectories: Sequence[Trajectory], tokens_retokenized: int | None = None) -> dict[str, float]:
+        """One policy update from ``trajectories``; returns the step's metrics.
+
+        Failed trajectories are skipped. When the gate drops every sequence, no optimizer
+        step is taken, ``version`` and ``step`` stay, and ``train/skipped`` is 1.
+
+        Args:
+            trajectories: finished, scored rollouts (see :func:`build_batch`).
+            tokens_retokenized: the ledger's count for this batch; default: the sum of
+                ``info["tokens_retokenized"]`` over the trajectories.
+
+        Returns:
+            ``dict[str, float]`` with ``invariants/tokens_retokenized``,
+            ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
+            sampled tokens, before the update), ``invariants/logprob_absdiff_max_onpolicy``
+            (tokens sampled at the current version; omitted if none),
+            ``invariants/staleness_max`` (over the rows the gate kept; see
+            :func:`molt_core.algo.correction.apply_correction`), ``correction/*``, ``loss/*`` (``loss/total``,
+            ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
+            (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
+            0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
+            ``entropy`` (mean over sampled tokens, nats, of the processed distribution),
+            ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts,
+            ``time/recompute``, ``time/train``, ``time/step`` (seconds).
+
+        Raises:
+            IngressError: malformed trajectories (see :func:`build_batch`).
+        """
+        from molt_core.algo.advantages import compute_advantages
+        from molt_core.algo.correction import apply_correction
+        from molt_core.algo.kl import kl_estimate, kl_loss
+        from molt_core.algo.losses import policy_loss
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        batch = build_batch(trajectories, self.pad_id, self.vocab_size,
+                            need_teacher=cfg.algo.advantage == "on_policy_distill")
+        mask = batch.mask
+        n_sampled = int(mask.sum())
+
+        # 1. recompute (no grad): proximal logprobs, entropy, reference logprobs
+        t0 = time.perf_counter()
+        prox, ent = self.recompute_logprobs(batch, with_entropy=True)
+        ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
+        t_recompute = time.perf_counter() - t0
+
+        metrics: dict[str, float] = {}
+        diff = (batch.behaviour_logprobs - prox).abs()[mask]
+        metrics["invariants/tokens_retokenized"] = float(
+            batch.tokens_retokenized if tokens_retokenized is None else tokens_retokenized)
+        metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if n_sampled else 0.0
+        metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if n_sampled else 0.0
+        onpol = mask & (batch.versions == self.version)
+        if bool(onpol.any()):
+            metrics["invariants/logprob_absdiff_max_onpolicy"] = float(
+                (batch.behaviour_logprobs - prox).abs()[onpol].max())
+        metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
+        metrics["kl/behaviour_k3"] = float(kl_estimate(prox, batch.behaviour_logprobs, "k3")[mask].mean()) if n_sampled else 0.0
+
+        # 2. correction: staleness gate + importance weights (the policy-version site)
+        corr = apply_correction(cfg.correction, batch.behaviour_logprobs, batch.versions, prox, mask,
+                                self.version, cfg.async_.max_staleness)
+        metrics.update({k: float(v) for k, v in corr.metrics.items()})  # incl. invariants/staleness_max
+        keep = corr.keep.to(torch.bool)
+        train_mask = corr.loss_mask if corr.loss_mask is not None else mask & keep[:, None]
+        num_tokens = int(train_mask.sum())
+
+        # 3. KL to the reference, advantages
+        kl_tok = None
+        if ref_lp is not None:
+            kl_tok = kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)
+            metrics["kl"] = float(kl_tok[mask].mean()) if n_sampled else 0.0
+        else:
+            metrics["kl"] = 0.0
+        metrics["kl_coef"] = self.kl_coef
+        token_rewards = None
+        if kl_tok is not None and cfg.algo.kl_as_reward:
+            token_rewards = (-self.kl_coef * kl_tok) * mask
+        distill = cfg.algo.advantage == "on_policy_distill"
+        adv, _returns = compute_advantages(
+            cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask,
+            token_rewards=token_rewards, student_logprobs=prox if distill else None,
+            teacher_logprobs=batch.teacher_logprobs if distill else None)
+
+        metrics["train/sequences"] = float(batch.size)
+        metrics["train/rollouts"] = float(batch.rewards.numel())
+        metrics["train/action_tokens"] = float(num_tokens)
+        metrics["train/gated_sequences"] = float((~keep).sum())
+        metrics["reward/batch_mean"] = float(batch.rewards.mean())
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+
+        # 4. update
+        t1 = time.perf_counter()
+        if num_tokens == 0:
+            metrics["train/skipped"] = 1.0
+            metrics.update({"loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0, "grad_norm": 0.0})
+        else:
+            metrics["train/skipped"] = 0.0
+            metrics.update(self._update(batch, prox, ref_lp, adv, train_mask, corr.weights, num_tokens, policy_loss,
+                                        kl_loss))
+            self.scheduler.step()
+            self.step += 1
+            self.version += 1
+            if self.kl_controller is not None and ref_lp is not None:
+                self.kl_controller.update(metrics["kl"], n_steps=1)
+                self.kl_coef = float(self.kl_controller.value)
+        t_train = time.perf_counter() - t1
+        wall = time.perf_counter() - t_start
+        metrics["time/recompute"] = t_recompute
+        metrics["time/train"] = t_train
+        metrics["time/step"] = wall
+        metrics["tokens_per_s"] = float(batch.lengths.sum()) / max(wall, 1e-9)
+        metrics["train/step"] = float(self.step)
+        return metrics
+
+    def _update(self, batch, prox, ref_lp, adv, train_mask, is_weights, num_tokens, policy_loss, kl_loss):
+        """``ppo_epochs`` optimizer steps over the batch's micro-batches; returns loss metrics
+        averaged over epochs."""
+        cfg = self.cfg
+        clip = cfg.trainer.grad_clip
+        mbs = [rows for rows in self._micro_batches(batch) if bool(train_mask[rows].any())]
+        sums: dict[str, float] = {}
+        for _epoch in range(cfg.trainer.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            tot = pol = klv = 0.0
+            extra: dict[str, float] = {}
+            for rows in mbs:
+                lp, _ = self._forward(self.model, batch, rows)
+                T = lp.shape[1]
+                dev = self.device
+                m = train_mask[rows, :T].to(dev)
+                loss, lm = policy_loss(cfg.algo, lp, prox[rows, :T].to(dev), adv[rows, :T].to(dev), m,
+                                       is_weights[rows, :T].to(dev), num_tokens)
+                pol += float(loss.detach())
+                _merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
+                if ref_lp is not None and not cfg.algo.kl_as_reward and self.kl_coef > 0:
+                    kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), m, num_tokens, cfg.algo.kl_estimator)
+                    klv += float(kl_term.detach())
+                    loss = loss + self.kl_coef * kl_term
+                tot += float(loss.detach())
+                loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+            self.optimizer.step()
+            ep = {(k if k.startswith("loss/") else f"loss/{k}"): v for k, v in extra.items()}
+            ep.update({"loss/total": tot, "loss/policy": pol, "loss/kl": klv, "grad_norm": float(gn)})
+            for k, v in ep.items():
+                sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
+        return sums
+
+    # -- weights out ----------------------------------------------------------------------
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's state dict (name -> tensor) for ``engine.load_weights(state, version)``.
+
+        The tensors are the live parameters (no copy): an engine must copy them (as
+        ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
+        """
+        return self.model.state_dict()
+
+    def publish(self, engines: Iterable[Any]) -> int:
+        """Call ``engine.load_weights(self.weights(), self.version)`` on each engine; returns
+        the version published."""
+        state = self.weights()
+        for e in engines:
+            e.load_weights(state, self.version)
+        return self.version
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
+
+        Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
+        with ``AutoModelForCausalLM.from_pretrained``), ``ref/`` (the frozen reference, if
+        any), ``trainer_state.pt`` (optimizer, scheduler, KL controller, RNG states of torch,
+        numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
+        into a temporary directory and renamed, so a kill leaves either the complete
+        checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
+
+        Args:
+            run_dir: the run directory.
+            data_cursor: JSON-able position of the data stream, returned by
+                :meth:`load_checkpoint`.
+
+        Returns:
+            The checkpoint directory.
+
+        Raises:
+            TypeError: ``data_cursor`` is not JSON-serialisable.
+        """
+        cursor = dict(data_cursor or {})
+        try:
+            cursor_json = json.dumps(cursor)
+        except TypeError as e:
+            raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
+        root = Path(run_dir) / CHECKPOINT_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{_CKPT_PREFIX}{self.step:08d}"
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _save_model(self.model, tmp / "model")
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(tmp / "model")
+        if self.ref_model is not None:
+            _save_model(self.ref_model, tmp / "ref")
+        torch.save({
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_coef": self.kl_coef,
+            "kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }, tmp / "trainer_state.pt")
+        (tmp / "state.json").write_text(json.dumps(
+            {"step": self.step, "version": self.version, "data_cursor": json.loads(cursor_json),
+             "time": time.time()}, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(run_dir)[:-self.cfg.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):  # left by a writer killed mid-save
+            if stale != tmp:
+                shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore weights, reference, optimizer, scheduler, RNG states, step and version
+        from a checkpoint directory (or from the latest checkpoint of a run directory).
+
+        Returns:
+            The ``data_cursor`` saved with it.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+        """
+        p = Path(path)
+        if not (p / "state.json").is_file():
+            latest = latest_checkpoint(p)
+            if latest is None:
+                raise FileNotFoundError(f"{p}: not a checkpoint directory and holds no checkpoints/step_* in it")
+            p = latest
+        _load_model(self.model, p / "model")
+        if (p / "ref").is_dir():
+            if self.ref_model is None:
+                self.reset_reference()
+            _load_model(self.ref_model, p / "ref")
+        st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.kl_coef = float(st["kl_coef"])
+        if self.kl_controller is not None and st.get("kl_controller") is not None:
+            self.kl_controller.load_state_dict(st["kl_controller"])
+        rng = st["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        meta = json.loads((p / "state.json").read_text())
+        self.step = int(meta["step"])
+        self.version = int(meta["version"])
+        return meta["data_cursor"]
+
+
+def _merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: float) -> None:
+    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by
+    min/max, the loss value and token count by sum, the rest (per-token means) weighted by
+    the micro-batch's ``share`` of the step's action tokens."""
+    for k, v in mb.items():
+        v = float(v)
+        if k.endswith("_min"):
+            acc[k] = min(acc.get(k, v), v)
+        elif k.endswith("_max"):
+            acc[k] = max(acc.get(k, v), v)
+        elif k in ("loss/pg", "loss/tokens"):
+            acc[k] = acc.get(k, 0.0) + v
+        else:
+            acc[k] = acc.get(k, 0.0) + v * share
+
+
+def _save_model(model: torch.nn.Module, d: Path) -> None:
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(d, safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+
+
+def _load_model(model: torch.nn.Module, d: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
+    # keys dropped by save_pretrained are tied to a saved parameter (e.g. lm_head <- embed_tokens)
+    live = model.state_dict()
+    saved_ptrs = {live[k].data_ptr() for k in state if k in live}
+    untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
+    if untied:
+        raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

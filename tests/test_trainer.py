@@ -1,0 +1,336 @@
+"""Trainer: recompute with the engine's transform (B08), ratio/IS weight exactly 1 on-policy,
+the version gate from the trainer side (B10), micro-batch invariance (B15), ingress errors,
+LR schedule, KL to a frozen reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from molt_core.models import load_model, load_tokenizer
+from molt_core.trainer import IngressError, Trainer, build_batch, lr_factor, token_logprobs
+from molt_core.types import SampledSpan, Segment, Trajectory
+from trainer_utils import clone_params, resample_completions, set_behaviour, synthetic_rollouts, tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_model("builtin:tiny-qwen3", seed=0), load_tokenizer("builtin:tiny-qwen3")
+
+
+def make(base, **sections) -> Trainer:
+    model, tok = base
+    return Trainer(tiny_cfg(**sections), model=copy.deepcopy(model), tokenizer=tok)
+
+
+class BiasLM(torch.nn.Module):
+    """Logits = a learnable bias, the same at every position: ``[B, T, V]``."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+
+    def forward(self, input_ids, use_cache=False):
+        B, T = input_ids.shape
+        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
+
+
+def _b08_traj(rid, reward, lp=None):
+    # token 0 at T=0.5 after one context token; token 1 at T=0.5 after it
+    lps = lp if lp is not None else [None, -0.5, -0.5]
+    return Trajectory(rollout_id=rid, group_id="g", reward=reward, segments=[Segment(
+        token_ids=[2, 0, 1], loss_mask=[False, True, True], logprobs=lps, versions=[None, 0, 0],
+        spans=[SampledSpan(start=1, end=3, temperature=0.5)])])
+
+
+# -- B08 from the trainer side ----------------------------------------------------------
+
+def test_b08_recompute_uses_span_temperature():
+    logits = torch.tensor([[[2.0, 1.0, 0.0]] * 3])
+    ids = torch.tensor([[2, 0, 1]])
+    pid = torch.tensor([[-1, 0, 0]])
+    lp, ent = token_logprobs(logits, ids, pid, [(0.5, -1, 1.0)], with_entropy=True)
+    # log softmax([4, 2, 0])[0] = 4 - log(e^4 + e^2 + 1)
+    want0 = 4 - math.log(math.exp(4) + math.exp(2) + 1)
+    assert lp[0, 1].item() == pytest.approx(-0.142932, abs=5e-7)
+    assert lp[0, 1].item() == pytest.approx(want0, abs=1e-6)
+    assert lp[0, 2].item() == pytest.approx(2 - math.log(math.exp(4) + math.exp(2) + 1), abs=1e-6)
+    assert lp[0, 0].item() == 0.0
+    p = torch.softmax(torch.tensor([4.0, 2.0, 0.0]), 0)
+    assert ent[0, 1].item() == pytest.approx(float(-(p * p.log()).sum()), abs=1e-6)
+
+
+def test_b08_ratio_exactly_one_and_hand_gradient():
+    """Identical weights: the PPO ratio and IS weights are exactly 1, and the gradient on the
+    bias equals the hand-derived GRPO/PPO gradient."""
+    cfg = tiny_cfg(trainer={"grad_clip": 0.0, "lr": 1e-3})
+    tr = Trainer(cfg, model=BiasLM([2.0, 1.0, 0.0]))
+    exact = token_logprobs(torch.tensor([[[2.0, 1.0, 0.0]] * 3]), torch.tensor([[2, 0, 1]]),
+                           torch.tensor([[-1, 0, 0]]), [(0.5, -1, 1.0)])[0][0]
+    lps = [None, float(exact[1]), float(exact[2])]
+    m = tr.train_step([_b08_traj("a", 1.0, lps), _b08_traj("b", 0.0, lps)])
+    assert m["invariants/logprob_absdiff_max"] == 0.0
+    assert m["loss/ratio_min"] == 1.0 and m["loss/ratio_max"] == 1.0
+    assert m["correction/is_weight_min"] == 1.0 and m["correction/is_weight_max"] == 1.0
+    # GRPO: rewards [1, 0], sample std sqrt(1/2): A = +-0.5 / (0.7071068 + 1e-6)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    # loss = -(1/4) sum_r A_r sum_t logp_t; d logp(tok)/d bias = (e_tok - p) / T, T = 0.5.
+    # Both rollouts sample tokens 0 and 1, with A = +a and -a: the gradient cancels to 0.
+    assert tr.model.bias.grad.tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-7)
+
+    # one rollout samples token 0 twice, the other token 1 twice -> grad = -(a/2)(e0 - e1)/0.5
+    tr2 = Trainer(cfg, model=BiasLM([2.0, 1.0, 0.0]))
+    ta = Trajectory(rollout_id="a", group_id="g", reward=1.0, segments=[Segment(
+        token_ids=[2, 0, 0], loss_mask=[False, True, True], logprobs=[None, float(exact[1]), float(exact[1])],
+        versions=[None, 0, 0], spans=[SampledSpan(start=1, end=3, temperature=0.5)])])
+    tb = Trajectory(rollout_id="b", group_id="g", reward=0.0, segments=[Segment(
+        token_ids=[2, 1, 1], loss_mask=[False, True, True], logprobs=[None, float(exact[2]), float(exact[2])],
+        versions=[None, 0, 0], spans=[SampledSpan(start=1, end=3, temperature=0.5)])])
+    m2 = tr2.train_step([ta, tb])
+    assert m2["loss/ratio_min"] == 1.0 and m2["loss/ratio_max"] == 1.0
+    g = tr2.model.bias.grad
+    # -(1/4) * [a * 2 (e0 - p) - a * 2 (e1 - p)] / 0.5 = -a (e0 - e1)
+    assert g.tolist() == pytest.approx([-a, a, 0.0], abs=1e-6)
+    assert m2["grad_norm"] == pytest.approx(a * math.sqrt(2), abs=1e-6)
+    assert tr2.version == 1 and tr2.step == 1
+
+
+# -- on-policy: IS weights 1, ratio 1, nothing gated (property) -------------------------
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), mb=st.integers(1, 7), temp=st.sampled_from([1.0, 0.7]),
+       top_k=st.sampled_from([-1, 50]), top_p=st.sampled_from([1.0, 0.9]), two=st.sampled_from([0, 3]))
+def test_on_policy_weights_are_one_and_nothing_gated(base, seed, mb, temp, top_k, top_p, two):
+    tr = make(base, trainer={"micro_batch_size": mb})
+    trajs = synthetic_rollouts(seed, n_groups=2, n_per_group=3, temperature=temp, top_k=top_k, top_p=top_p,
+                               two_segments_every=two)
+    resample_completions(tr.model, trajs, seed)
+    set_behaviour(tr, trajs)
+    m = tr.train_step(trajs)
+    assert m["invariants/logprob_absdiff_max"] == 0.0
+    assert m["correction/is_weight_min"] == 1.0 and m["correction/is_weight_max"] == 1.0
+    assert m["loss/ratio_min"] == 1.0 and m["loss/ratio_max"] == 1.0
+    assert m["correction/gate_dropped"] == 0.0 and m["train/gated_sequences"] == 0.0
+    assert m["invariants/staleness_max"] == 0.0
+    assert m["train/action_tokens"] == sum(t.num_sampled for t in trajs)
+    assert tr.version == 1
+
+
+def test_top_k_filtered_token_logprob_matches_renormalised_distribution(base):
+    """B09-style: with top-k the recompute renormalises over the k kept tokens."""
+    tr = make(base)
+    trajs = synthetic_rollouts(5, n_groups=1, n_per_group=1, top_k=3)
+    batch = build_batch(trajs, tr.pad_id, tr.vocab_size)
+    lp, _ = tr.recompute_logprobs(batch)
+    with torch.no_grad():
+        logits = tr.model(input_ids=batch.input_ids).logits[0]
+    seg = trajs[0].segments[0]
+    for t, m in enumerate(seg.loss_mask):
+        if not m:
+            continue
+        row = logits[t - 1]
+        top = torch.topk(row, 3).values
+        tok = seg.token_ids[t]
+        want = float(torch.log_softmax(top, 0)[(top == row[tok]).nonzero()[0, 0]]) if row[tok] >= top[-1] else -math.inf
+        assert lp[0, t].item() == pytest.approx(want, abs=1e-5)
+
+
+# -- B10 from the trainer side ------------------------------------------------------------
+
+def _b10_traj():
+    n = 140
+    p = 12
+    ids = [1] + [3 + (i * 7) % 400 for i in range(n - 1)]
+    sampled = [i >= p for i in range(n)]
+    # request dispatched at v7: generated tokens [0, 57) at v7, [57, 128) at v8
+    vers = [None if i < p else (7 if i - p < 57 else 8) for i in range(n)]
+    return Trajectory(rollout_id="b10", group_id="g", reward=1.0, segments=[Segment(
+        token_ids=ids, loss_mask=sampled, logprobs=[-2.0 if s else None for s in sampled], versions=vers)])
+
+
+def test_b10_staleness_is_two_and_gated(base):
+    tr = make(base, **{"async": {"max_staleness": 1}})
+    tr.version = 9
+    other = Trajectory(rollout_id="ok", group_id="g", reward=0.0, segments=[Segment(
+        token_ids=[1, 5, 6, 7], loss_mask=[False, True, True, True], logprobs=[None, -1.0, -1.0, -1.0],
+        versions=[None, 8, 9, 9])])
+    before = clone_params(tr.model)
+    m = tr.train_step([_b10_traj(), other])
+    assert m["correction/staleness_max_seen"] == 2.0
+    assert m["correction/staleness_hist/2"] == 1.0
+    assert m["correction/gate_dropped"] == 1.0 and m["train/gated_sequences"] == 1.0
+    assert m["invariants/staleness_max"] == 1.0  # over the rows trained on
+    assert m["train/action_tokens"] == 3.0
+    assert tr.version == 10
+    assert any(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())
+
+
+def test_everything_gated_skips_the_step(base):
+    tr = make(base, **{"async": {"max_staleness": 1}})
+    tr.version = 9
+    before = clone_params(tr.model)
+    m = tr.train_step([_b10_traj()])
+    assert m["train/skipped"] == 1.0 and m["train/action_tokens"] == 0.0
+    assert tr.version == 9 and tr.step == 0
+    assert all(torch.equal(before[k], v) for k, v in tr.model.named_parameters())
+
+
+# -- micro-batch invariance (B15 through the whole trainer) -------------------------------
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+def test_micro_batch_invariance(base, loss):
+    trajs = synthetic_rollouts(11, n_groups=3, n_per_group=4, two_segments_every=5)
+    grads, metrics = [], []
+    for mb in (64, 5, 1):
+        tr = make(base, trainer={"micro_batch_size": mb, "ppo_epochs": 1, "grad_clip": 0.0},
+                  algo={"loss": loss, "kl_coef": 0.1})
+        t2 = [t.model_copy(deep=True) for t in trajs]
+        set_behaviour(tr, t2)
+        for seg in t2[0].segments:  # make one rollout off-policy so IS weights are not all 1
+            seg.logprobs = [None if x is None else x - 0.05 for x in seg.logprobs]
+        metrics.append(tr.train_step(t2))
+        grads.append({k: p.grad.clone() for k, p in tr.model.named_parameters() if p.grad is not None})
+    for g, m in zip(grads[1:], metrics[1:]):
+        assert m["loss/total"] == pytest.approx(metrics[0]["loss/total"], abs=1e-7)
+        assert m["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
+        for k in grads[0]:
+            torch.testing.assert_close(g[k], grads[0][k], rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_epochs_two_second_epoch_is_off_proximal(base):
+    tr = make(base, trainer={"ppo_epochs": 2, "lr": 1e-2})
+    trajs = synthetic_rollouts(3)
+    set_behaviour(tr, trajs)
+    m = tr.train_step(trajs)
+    # the mean over epochs of ratio_max: epoch 1 is exactly 1, epoch 2 moved
+    assert m["loss/ratio_max"] > 1.0
+    assert tr.version == 1 and tr.step == 1
+
+
+# -- KL to a frozen reference -------------------------------------------------------------
+
+def test_kl_reference_term(base):
+    tr = make(base, algo={"kl_coef": 0.5, "kl_estimator": "k3"}, trainer={"lr": 1e-2})
+    assert tr.ref_model is not None
+    trajs = synthetic_rollouts(4)
+    set_behaviour(tr, trajs)
+    m1 = tr.train_step(trajs)
+    assert m1["kl"] == 0.0 and m1["loss/kl"] == 0.0  # the reference is the initial policy
+    trajs = synthetic_rollouts(5)
+    set_behaviour(tr, trajs)
+    m2 = tr.train_step(trajs)
+    assert m2["kl"] > 0.0 and m2["loss/kl"] > 0.0
+    assert m2["loss/total"] == pytest.approx(m2["loss/policy"] + 0.5 * m2["loss/kl"], abs=1e-6)
+    assert all(not p.requires_grad for p in tr.ref_model.parameters())
+
+
+def test_kl_as_reward_needs_token_level_estimator(base):
+    with pytest.raises(ValueError, match="kl_as_reward"):
+        make(base, algo={"kl_coef": 0.1, "kl_as_reward": True, "advantage": "grpo"})
+
+
+# -- ingress --------------------------------------------------------------------------------
+
+def _seg(ids, mask, lps=None, vers=None, spans=None):
+    lps = lps or [-1.0 if m else None for m in mask]
+    vers = vers or [0 if m else None for m in mask]
+    return Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, spans=spans or [])
+
+
+def test_ingress_errors(base):
+    tr = make(base)
+    ok = _seg([1, 5, 6], [False, True, True])
+    with pytest.raises(IngressError, match="no usable trajectory"):
+        tr.train_step([Trajectory(segments=[ok], reward=1.0, status="failed", error="boom")])
+    with pytest.raises(IngressError, match="reward is None"):
+        tr.train_step([Trajectory(segments=[ok])])
+    with pytest.raises(IngressError, match="appears twice"):
+        tr.train_step([Trajectory(rollout_id="x", segments=[ok], reward=1.0),
+                       Trajectory(rollout_id="x", segments=[ok], reward=0.0)])
+    with pytest.raises(IngressError, match=r"loss_mask\[0\] is True"):
+        tr.train_step([Trajectory(segments=[_seg([1, 5], [True, True])], reward=1.0)])
+    with pytest.raises(IngressError, match="outside the vocabulary"):
+        tr.train_step([Trajectory(segments=[_seg([1, 5, 512], [False, True, True])], reward=1.0)])
+    with pytest.raises(IngressError, match="lies in no sampled span"):
+        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True],
+                                                 spans=[SampledSpan(start=1, end=2)])], reward=1.0)])
+    with pytest.raises(IngressError, match="overlaps another span"):
+        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True], spans=[
+            SampledSpan(start=1, end=3), SampledSpan(start=2, end=3, temperature=0.5)])], reward=1.0)])
+    with pytest.raises(IngressError, match="no sampled token"):
+        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, False, False])], reward=1.0)])
+    # a segment mutated after validation (validate_assignment is off): lengths re-checked
+    bad = Trajectory(segments=[_seg([1, 5, 6], [False, True, True])], reward=1.0)
+    bad.segments[0].logprobs = [None, -1.0]
+    with pytest.raises(IngressError, match="logprobs has length 2, token_ids has 3"):
+        tr.train_step([bad])
+    bad = Trajectory(segments=[_seg([1, 5, 6], [False, True, True])], reward=1.0)
+    bad.segments[0].logprobs = [None, 0.5, -1.0]
+    with pytest.raises(IngressError, match="finite logprob <= 0"):
+        tr.train_step([bad])
+    assert tr.version == 0
+
+
+def test_failed_trajectories_are_skipped_and_counts(base):
+    tr = make(base)
+    trajs = synthetic_rollouts(8, n_groups=1, n_per_group=4)
+    set_behaviour(tr, trajs)
+    trajs[1] = trajs[1].fail("agent raised")
+    trajs[0].info["tokens_retokenized"] = 0
+    m = tr.train_step(trajs)
+    assert m["train/rollouts"] == 3.0
+    assert m["train/action_tokens"] == sum(t.num_sampled for t in trajs if t.status == "ok")
+    assert m["invariants/tokens_retokenized"] == 0.0
+    assert tr.train_step(trajs, tokens_retokenized=3)["invariants/tokens_retokenized"] == 3.0
+
+
+def test_multi_segment_rollout_counts_one_reward():
+    trajs = synthetic_rollouts(2, n_groups=1, n_per_group=3, two_segments_every=2)
+    b = build_batch(trajs)
+    assert b.size == 5 and b.rewards.tolist() == [t.reward for t in trajs]
+    assert b.rollout_index.tolist() == [0, 0, 1, 2, 2]
+    assert b.group_index.tolist() == [0, 0, 0]
+
+
+# -- LR schedule ------------------------------------------------------------------------------
+
+def test_lr_factor_values():
+    assert [lr_factor(s, 4, 10, "constant") for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(5, 0, 10, "linear") == 0.5
+    assert lr_factor(0, 0, 10, "linear") == 1.0
+    assert lr_factor(5, 0, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(7, 2, 12, "cosine") == pytest.approx(0.5)  # halfway through the decay
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_factor(0, 0, 1, "exp")
+
+
+def test_trainer_lr_follows_schedule(base):
+    tr = make(base, trainer={"lr": 1e-3, "warmup_steps": 2, "lr_schedule": "linear"}, run={"steps": 6})
+    lrs = []
+    for s in range(4):
+        trajs = synthetic_rollouts(s)
+        set_behaviour(tr, trajs)
+        lrs.append(tr.train_step(trajs)["lr"])
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 0.75e-3])
+
+
+def test_publish_calls_load_weights_with_version(base):
+    tr = make(base)
+    calls = []
+
+    class Eng:
+        def load_weights(self, state, version):
+            calls.append((set(state), version))
+
+    trajs = synthetic_rollouts(1)
+    set_behaviour(tr, trajs)
+    tr.train_step(trajs)
+    assert tr.publish([Eng(), Eng()]) == 1
+    assert [v for _, v in calls] == [1, 1]
+    assert "model.embed_tokens.weight" in calls[0][0]

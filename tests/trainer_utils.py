@@ -1,0 +1,88 @@
+"""Shared helpers of the trainer tests: a tiny config, deterministic synthetic rollouts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from molt_core.config import RunConfig
+from molt_core.types import SampledSpan, Segment, Trajectory
+
+
+def tiny_cfg(**sections) -> RunConfig:
+    """A RunConfig on builtin:tiny-qwen3 with section overrides, e.g. ``trainer={"lr": 1e-3}``."""
+    data = {k: v for k, v in sections.items()}
+    return RunConfig.model_validate(data)
+
+
+def synthetic_rollouts(seed: int, n_groups: int = 3, n_per_group: int = 4, vocab: int = 500,
+                       version: int = 0, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                       two_segments_every: int = 0) -> list[Trajectory]:
+    """Deterministic rollouts with varied prompt/completion lengths and 0/1 rewards.
+
+    Behaviour logprobs are placeholders (-1.0); use :func:`set_behaviour` to make them the
+    trainer's own (on-policy). With ``two_segments_every = k`` every k-th rollout has two
+    segments (a rewritten context).
+    """
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        for k in range(n_per_group):
+            segs = []
+            n_segs = 2 if two_segments_every and (g * n_per_group + k) % two_segments_every == 0 else 1
+            for _ in range(n_segs):
+                p = rng.randint(3, 9)
+                c = rng.randint(2, 8)
+                ids = [1] + [rng.randrange(3, vocab) for _ in range(p - 1 + c)]
+                n = len(ids)
+                segs.append(Segment(
+                    token_ids=ids,
+                    loss_mask=[i >= p for i in range(n)],
+                    logprobs=[-1.0 if i >= p else None for i in range(n)],
+                    versions=[version if i >= p else None for i in range(n)],
+                    spans=[SampledSpan(start=p, end=n, temperature=temperature, top_k=top_k, top_p=top_p)],
+                ))
+            out.append(Trajectory(rollout_id=f"r{seed}-{g}-{k}", group_id=f"g{seed}-{g}", segments=segs,
+                                  reward=float(rng.random() < 0.5)))
+    return out
+
+
+def set_behaviour(trainer, trajectories: list[Trajectory], version: int | None = None) -> None:
+    """Overwrite behaviour logprobs (and versions) with the trainer's own recompute."""
+    from molt_core.trainer import build_batch
+
+    batch = build_batch(trajectories, trainer.pad_id, trainer.vocab_size)
+    lp, _ = trainer.recompute_logprobs(batch)
+    v = trainer.version if version is None else version
+    b = 0
+    for t in trajectories:
+        for seg in t.segments:
+            seg.logprobs = [float(lp[b, i]) if m else None for i, m in enumerate(seg.loss_mask)]
+            seg.versions = [v if m else None for m in seg.loss_mask]
+            b += 1
+
+
+def clone_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of every parameter."""
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@torch.no_grad()
+def resample_completions(model: torch.nn.Module, trajectories: list[Trajectory], seed: int = 0) -> None:
+    """Replace every sampled token by one drawn from ``model`` under its span's transform
+    (so no sampled token lies outside a top-k / top-p filter), token by token."""
+    from molt_core.sampling import processed_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    for t in trajectories:
+        for seg in t.segments:
+            ids = list(seg.token_ids)
+            for sp in seg.span_params():
+                for i in range(sp.start, sp.end):
+                    if not seg.loss_mask[i]:
+                        continue
+                    logits = model(input_ids=torch.tensor([ids[:i]])).logits[0, -1]
+                    probs = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p).exp()
+                    ids[i] = int(torch.multinomial(probs, 1, generator=g))
+            seg.token_ids = ids
