@@ -1,0 +1,310 @@
+"""Token identity at the ledger: cases B01-B04, B06/B07 of issue 3, tool round trips,
+compaction, retries, failed requests and the tokens_retokenized counter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from fake_engine import ScriptedEngine
+from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
+from molt_core.engines.base import GenerationOutput
+from molt_core.ledger import Ledger, LedgerConflict
+from molt_core.models import load_tokenizer
+from molt_core.types import SamplingParams
+
+torch.set_num_threads(1)
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two ints",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny-qwen3")
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def turn(led, eng, msgs, tools=None, params=None):
+    params = params or SamplingParams()
+    p = led.prepare(msgs, tools, params)
+    out = asyncio.run(eng.generate(p.prompt_ids, params))
+    return p, led.commit(p, out, params)
+
+
+def ab_tokenizer():
+    """A byte-level BPE where "a" = 1, "b" = 2 and the merge "ab" = 3 (case B02)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in ("a", "b")]
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "ab": 3}
+    for c in sorted(alphabet):
+        vocab[c] = len(vocab)
+    vocab["<|im_start|>"], vocab["<|im_end|>"] = len(vocab), len(vocab) + 1
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE)
+
+
+def test_b02_sampled_ids_are_never_reencoded():
+    tok = ab_tokenizer()
+    assert tok.encode(tok.decode([1, 2]), add_special_tokens=False) == [3]  # the premise of B02
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "x"}]
+    p1 = led.prepare(msgs)
+    out = GenerationOutput(token_ids=[1, 2], logprobs=[-0.5, -0.25], versions=[7, 7], finish_reason="length")
+    t1 = led.commit(p1, out, SamplingParams(max_tokens=2))
+    (seg,) = led.segments()
+    n = len(p1.prompt_ids)
+    assert seg.token_ids == p1.prompt_ids + [1, 2]
+    assert seg.loss_mask[n:] == [True, True] and seg.loss_mask[:n] == [False] * n
+    assert seg.logprobs[n:] == [-0.5, -0.25] and seg.versions[n:] == [7, 7]
+    assert t1.content == "ab"
+    p2 = led.prepare(msgs + [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "y"}])
+    assert p2.mode == "extend"
+    assert p2.prompt_ids[: n + 2] == p1.prompt_ids + [1, 2]
+    # the generation stopped by length: the template's whole close "<|im_end|>\n" follows
+    assert p2.tail_ids == tok.encode("<|im_end|>\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+    assert led.tokens_retokenized == 0
+
+
+def test_b01_separator_once_and_stitched_equals_render(tok):
+    led, eng = Ledger(tok), ScriptedEngine(tok, ["Hello there", "Fine"])
+    im_start, im_end, nl = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>"), enc(tok, "\n")
+    assert len(nl) == 1
+    msgs = [{"role": "user", "content": "hi"}]
+    p1, t1 = turn(led, eng, msgs)
+    msgs += [{"role": "assistant", "content": t1.content}, {"role": "user", "content": "more"}]
+    p2, _ = turn(led, eng, msgs)
+    assert p2.mode == "extend"
+    s1 = enc(tok, "Hello there") + [im_end]
+    assert p2.prompt_ids == p1.prompt_ids + s1 + enc(tok, "\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+    # the separator between <|im_end|> and the next <|im_start|> is there exactly once
+    ids = p2.prompt_ids
+    pairs = [i for i in range(len(ids) - 2) if ids[i] == im_end and ids[i + 2] == im_start]
+    assert len(pairs) == ids.count(im_end) == 3 and all(ids[i + 1] == nl[0] for i in pairs)
+    assert [ids[i + 1] for i in range(len(ids) - 1) if ids[i] == im_end] == nl * 3
+    # equals the full render (tokenized) except for the sampled span, which is exact
+    full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids) == full
+    assert enc(tok, full) == ids  # here the sampled span happens to match its re-encoding too
+
+
+def test_b03_think_stripping_seals_segment(tok):
+    led = Ledger(tok)
+    eng = ScriptedEngine(tok, ["<think>\nplan it\n</think>\n\nFour.", "<think>\nagain\n</think>\n\nFive."])
+    think, unthink = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    msgs = [{"role": "user", "content": "2+2?"}]
+    p1, t1 = turn(led, eng, msgs)
+    assert (t1.content, t1.reasoning) == ("Four.", "plan it")
+    msgs += [{"role": "assistant", "content": t1.content, "reasoning_content": t1.reasoning}, {"role": "user", "content": "2+3?"}]
+    p2, _ = turn(led, eng, msgs)
+    assert p2.mode == "rewrite"
+    seg1, seg2 = led.segments()
+    # segment 1 keeps the think tokens the model sampled in it, as sampled tokens
+    n1 = len(p1.prompt_ids)
+    assert seg1.token_ids[:n1] == p1.prompt_ids
+    assert seg1.token_ids[n1] == think and seg1.loss_mask[n1] and unthink in seg1.token_ids[n1:]
+    # segment 2 starts from the re-rendered prompt: turn 1's think block is gone there...
+    assert seg2.token_ids[: len(p2.prompt_ids)] == enc(tok, tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    assert think not in seg2.token_ids[: len(p2.prompt_ids)]
+    # ...and the think tokens sampled within segment 2 are in it
+    assert seg2.token_ids[len(p2.prompt_ids)] == think and all(seg2.loss_mask[len(p2.prompt_ids):])
+    traj = led.trajectory(reward=1.0)
+    assert [len(s) for s in traj.segments] == [len(seg1), len(seg2)] and traj.reward == 1.0
+    assert traj.info["requests"] == {"start": 1, "extend": 0, "rewrite": 1, "retry": 0}
+
+
+def test_b04_generation_prompt_opens_think(tok):
+    tok2 = load_tokenizer("builtin:tiny-qwen3")
+    gen = "'<|im_start|>assistant\\n'"
+    i = CHAT_TEMPLATE.rfind(gen)
+    tok2.chat_template = CHAT_TEMPLATE[:i] + "'<|im_start|>assistant\\n<think>\\n'" + CHAT_TEMPLATE[i + len(gen):]
+    led = Ledger(tok2)
+    assert led.body_prefix == "<think>\n"
+    think, unthink, im_end = (tok2.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<|im_end|>"))
+    completion = [unthink] + enc(tok2, "\n\nSeven.") + [im_end]
+    eng = ScriptedEngine(tok2, [completion, "</think>\n\nEight."])
+    msgs = [{"role": "user", "content": "3+4?"}]
+    p1, t1 = turn(led, eng, msgs)
+    assert p1.prompt_ids[-2:] == [think] + enc(tok2, "\n")
+    (seg,) = led.segments()
+    assert seg.token_ids == p1.prompt_ids + completion
+    assert seg.token_ids.count(think) == 1 and seg.token_ids.count(unthink) == 1
+    assert (t1.content, t1.reasoning, t1.raw) == ("Seven.", None, "<think>\n</think>\n\nSeven.")
+    # a tool-less follow-up without a new user turn keeps extending: one think per turn
+    p2, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "Seven."}, {"role": "tool", "content": "ok"}])
+    assert p2.mode == "extend"
+    (seg,) = led.segments()
+    assert seg.token_ids.count(think) == 2 and seg.token_ids.count(unthink) == 2
+
+
+def test_b06_b07_mask_from_reported_length(tok):
+    S = tok.convert_tokens_to_ids("<|im_end|>")
+    row = [101, 102, 103, S, S, S]  # an engine's padded batch row (pad id == stop id)
+    reported = 4  # the engine's reported length: the first S is the real stop
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "go"}]
+    p1 = led.prepare(msgs)
+    led.commit(p1, GenerationOutput(token_ids=row[:reported], logprobs=[-1.0] * 4, versions=[0] * 4, finish_reason="stop",
+                                    stop_reason=S))
+    p2 = led.prepare(msgs + [{"role": "assistant", "content": tok.decode([101, 102, 103])}, {"role": "user", "content": "on"}])
+    led.commit(p2, GenerationOutput(token_ids=[S], logprobs=[-0.5], versions=[0], finish_reason="stop", stop_reason=S))
+    (seg,) = led.segments()
+    n = len(p1.prompt_ids)
+    assert seg.token_ids[n:n + 4] == [101, 102, 103, S]
+    assert [int(m) for m in seg.loss_mask[n:n + 6]] == [1, 1, 1, 1, 0, 0]
+    # S occurs as a prompt/template token too; only the sampled occurrences are masked in
+    assert [seg.loss_mask[i] for i, t in enumerate(seg.token_ids) if t == S] == [False, True, False, True]
+    # a pad/eos-like id sampled mid-sequence (not a stop for this request) stays sampled
+    pad = tok.pad_token_id
+    led2 = Ledger(tok)
+    q = led2.prepare(msgs)
+    led2.commit(q, GenerationOutput(token_ids=[101, pad, 103, S], logprobs=[-1.0] * 4, versions=[0] * 4, finish_reason="stop",
+                                    stop_reason=S))
+    assert led2.segments()[0].loss_mask[-4:] == [True] * 4
+
+
+def test_tool_round_trip_several_results_one_turn(tok):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    eng = ScriptedEngine(tok, [f"Two calls.\n{call}\n{call}", "Both done."])
+    led = Ledger(tok)
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "add"}]
+    p1, t1 = turn(led, eng, msgs, TOOLS)
+    assert t1.finish_reason == "tool_calls" and t1.content == "Two calls."
+    assert [(c["name"], c["arguments"]) for c in t1.tool_calls] == [("add", {"a": 1})] * 2
+    # the client echoes arguments re-serialized without spaces: still the same message
+    echo = {"role": "assistant", "content": "Two calls.", "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": "add", "arguments": json.dumps(c["arguments"], separators=(",", ":"))}}
+        for c in t1.tool_calls]}
+    msgs += [echo, {"role": "tool", "tool_call_id": "1", "content": "r1"}, {"role": "tool", "tool_call_id": "2", "content": "r2"}]
+    p2, t2 = turn(led, eng, msgs, TOOLS)
+    assert p2.mode == "extend"
+    assert p2.tail_ids == enc(tok, "\n<|im_start|>user\n<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n"
+                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    (seg,) = led.segments()
+    s1 = eng.output(f"Two calls.\n{call}\n{call}", SamplingParams(), 0).token_ids
+    s2 = eng.output("Both done.", SamplingParams(), 0).token_ids
+    assert seg.token_ids == p1.prompt_ids + s1 + p2.tail_ids + s2
+    assert seg.loss_mask == [False] * len(p1.prompt_ids) + [True] * len(s1) + [False] * len(p2.tail_ids) + [True] * len(s2)
+    assert [(sp.start, sp.end) for sp in seg.spans] == [(len(p1.prompt_ids), len(p1.prompt_ids) + len(s1)),
+                                                        (len(p2.prompt_ids), len(seg))]
+    assert led.tokens_retokenized == 0
+
+
+def test_edited_history_and_compaction_rewrite(tok):
+    eng = ScriptedEngine(tok, ["One.", "Two.", "Three."])
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    turn(led, eng, msgs)
+    edited = msgs + [{"role": "assistant", "content": "Uno."}, {"role": "user", "content": "b"}]
+    p2, _ = turn(led, eng, edited)
+    assert p2.mode == "rewrite"
+    compact = [{"role": "system", "content": "summary: a, b"}, {"role": "user", "content": "c"}]
+    p3, _ = turn(led, eng, compact)
+    assert p3.mode == "rewrite" and len(led.segments()) == 3
+    traj = led.trajectory(reward=0.5)
+    assert {s.num_sampled for s in traj.segments} == {len(enc(tok, "Two.")) + 1, len(enc(tok, "One.")) + 1}
+    assert traj.segments[2].token_ids[: len(p3.prompt_ids)] == enc(tok, tok.apply_chat_template(compact, add_generation_prompt=True, tokenize=False))
+
+
+def test_retry_is_not_recorded_twice_and_failures_append_nothing(tok):
+    eng = ScriptedEngine(tok, ["Once.", "Twice."])
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    _, t1 = turn(led, eng, msgs)
+    before = led.segments()
+    p = led.prepare(msgs, None, SamplingParams())
+    assert p.mode == "retry" and led.commit(p, None) is t1
+    assert led.segments() == before and eng.calls == 1
+    # a different sampling setting is a new request (one more generation from the same prompt)
+    assert led.prepare(msgs, None, SamplingParams(temperature=0.5)).mode == "rewrite"
+    # a prepared request whose generation failed never commits: nothing changes
+    led.prepare(msgs + [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "b"}])
+    assert led.segments() == before
+    # two plans on one state: the second commit is refused
+    q1 = led.prepare(msgs + [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "b"}])
+    q2 = led.prepare(msgs + [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "c"}])
+    led.commit(q1, asyncio.run(eng.generate(q1.prompt_ids, SamplingParams())))
+    with pytest.raises(LedgerConflict):
+        led.commit(q2, asyncio.run(eng.generate(q2.prompt_ids, SamplingParams())))
+    assert len(led.segments()) == 1
+
+
+def test_stop_string_and_length_close(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    p1 = led.prepare(msgs)
+    ids = enc(tok, "Answer: 5 END more")
+    t = led.commit(p1, GenerationOutput(token_ids=ids, logprobs=[-1.0] * len(ids), versions=[3] * len(ids),
+                                        finish_reason="stop", stop_reason="END"))
+    assert t.content == "Answer: 5" and t.stop_sequence == "END"
+    p2 = led.prepare(msgs + [{"role": "assistant", "content": "Answer: 5"}, {"role": "user", "content": "b"}])
+    assert p2.mode == "extend" and p2.tail_ids[0] == im_end  # no stop token sampled: the close is whole
+    assert p2.prompt_ids[: len(p1.prompt_ids) + len(ids)] == p1.prompt_ids + ids
+
+
+def test_enable_thinking_false_body_prefix(tok):
+    led = Ledger(tok, chat_template_kwargs={"enable_thinking": False})
+    assert led.body_prefix == "<think>\n\n</think>\n\n"
+    eng = ScriptedEngine(tok, ["Hi.", "Ok.", "Bye."])
+    msgs = [{"role": "user", "content": "a"}]
+    _, t1 = turn(led, eng, msgs)
+    assert (t1.content, t1.reasoning) == ("Hi.", None)
+    msgs += [{"role": "assistant", "content": "Hi."}, {"role": "tool", "content": "x"}]
+    p2, _ = turn(led, eng, msgs)
+    assert p2.mode == "extend"
+    p3, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "b"}])
+    assert p3.mode == "rewrite"  # the template drops the (empty) think blocks of earlier turns
+
+
+def test_tokens_retokenized_counts_when_forced(tok):
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    turn(led, ScriptedEngine(tok, ["x"]), msgs)
+    assert led.tokens_retokenized == 0
+    p = led.prepare(msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "b"}])
+    led.commit_text(p, "text from a text-only backend")
+    n = len(enc(tok, "text from a text-only backend"))
+    assert led.tokens_retokenized == n
+    seg = led.segments()[0]
+    assert seg.loss_mask[-n:] == [False] * n  # no behaviour logprob: never trained
+    assert led.trajectory().info["tokens_retokenized"] == n
+
+
+def test_routed_experts_follow_tokens(tok):
+    led = Ledger(tok)
+    msgs = [{"role": "user", "content": "a"}]
+    p1 = led.prepare(msgs)
+    n1 = len(p1.prompt_ids) + 2
+    led.commit(p1, GenerationOutput(token_ids=[101, 2], logprobs=[-1.0, -1.0], versions=[0, 0], finish_reason="stop",
+                                    stop_reason=2, routed_experts=[[[1, 2]]] * n1))
+    p2 = led.prepare(msgs + [{"role": "assistant", "content": tok.decode([101])}, {"role": "user", "content": "b"}])
+    n2 = len(p2.prompt_ids) + 1
+    led.commit(p2, GenerationOutput(token_ids=[2], logprobs=[-1.0], versions=[1], finish_reason="stop", stop_reason=2,
+                                    routed_experts=[[[3, 0]]] * n2))
+    (seg,) = led.segments()
+    assert seg.routed_experts == [[[1, 2]]] * n1 + [[[3, 0]]] * (n2 - n1)
+    assert seg.versions[-1] == 1 and seg.oldest_version() == 0
+
+
+def test_bad_messages_raise_and_change_nothing(tok):
+    led = Ledger(tok)
+    for bad, where in [([], "empty"), ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+                       ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+                        "messages[0].tool_calls[0].function.arguments")]:
+        with pytest.raises(ValueError, match=where.replace("[", r"\[").replace("]", r"\]")):
+            led.prepare(bad)
+    assert led.segments() == []
