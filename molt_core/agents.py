@@ -17,14 +17,16 @@ validated through it and passed as ``self.options``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from molt_core.types import Result, SamplingParams
 
-__all__ = ["AgentOptions", "Agent", "Env", "ChatAgent", "EpisodeState", "AgentContext", "make_agent"]
+__all__ = ["AgentOptions", "Agent", "Env", "ChatAgent", "EpisodeState", "AgentContext", "make_agent",
+           "GymnasiumEnv", "from_gymnasium"]
 
 
 class AgentOptions(BaseModel):
@@ -116,3 +118,173 @@ def make_agent(obj: Any, options: dict[str, Any]) -> Agent:
     if not isinstance(agent, (Env, ChatAgent)):
         raise TypeError(f"{obj!r} produced {type(agent).__name__}, expected an Env or ChatAgent subclass")
     return agent
+
+
+# -- gymnasium adapter -------------------------------------------------------------------------
+#: Eval episodes use gymnasium reset seeds ``seed + GYM_EVAL_SEED_OFFSET + i``; train episodes
+#: use ``seed + i`` with ``i < GYM_EVAL_SEED_OFFSET``, so the splits never share a seed.
+GYM_EVAL_SEED_OFFSET = 1_000_000_007
+
+
+_ANSI_SPAN = re.compile(r"\x1b\[[0-9;]*m(.*?)\x1b\[0m", re.DOTALL)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _default_obs_to_text(obs: Any, env: Any) -> str:
+    """The observation if it is text, else ``env.render()`` for ``render_mode="ansi"`` with
+    colour codes removed and each highlighted span shown as ``[X]`` (e.g. FrozenLake's
+    position), else ``str(obs)``."""
+    if isinstance(obs, str):
+        return obs
+    if getattr(env, "render_mode", None) == "ansi":
+        return _ANSI.sub("", _ANSI_SPAN.sub(r"[\1]", str(env.render())))
+    return str(obs)
+
+
+def _default_text_to_action(text: str, env: Any, action_names: list[str] | None = None) -> Any:
+    from gymnasium import spaces
+
+    space = env.action_space
+    t = text.strip()
+    if isinstance(space, spaces.Text):
+        if not space.contains(t):
+            raise ValueError(f"{t!r} is not in the action space {space}")
+        return t
+    if isinstance(space, spaces.Discrete):
+        if action_names:
+            low = [a.lower() for a in action_names]
+            if t.lower() in low:
+                return space.start + low.index(t.lower())
+            raise ValueError(f"{t!r} is not one of the actions {action_names}")
+        try:
+            a = int(t)
+        except ValueError:
+            raise ValueError(f"{t!r} is not an integer action in {space}") from None
+        if not space.contains(a):
+            raise ValueError(f"{a} is outside the action space {space}")
+        return a
+    raise ValueError(f"cannot map text to an action of {space}; pass text_to_action=")
+
+
+class GymnasiumEnv(Env):
+    """An :class:`Env` over a text ``gymnasium.Env`` (built by :func:`from_gymnasium`).
+
+    Each episode owns a fresh gymnasium env made by ``make()`` and reset with the task's
+    ``seed``; ``reset(task)`` returns the first observation as text (it builds and closes
+    a throw-away env with the same seed; gymnasium envs are deterministic given the reset
+    seed), and the first ``step`` builds the episode's env in ``state.scratch["gym_env"]``.
+    Each ``step`` maps the reply to an action (``text_to_action``), steps the env and
+    returns its reward, ``terminated`` and ``truncated``; a reply that is no valid action
+    costs a turn, scores ``invalid_action_reward`` and is told why in the observation.
+    Tasks: ``{"seed": int}``; train seeds ``seed + i``, eval seeds ``seed +
+    GYM_EVAL_SEED_OFFSET + i`` for ``i < eval_size`` (disjoint). ``options`` is validated by
+    the (subclass's) ``Options`` model, as for every agent.
+    """
+
+    def __init__(self, make: Callable[[], Any], obs_to_text: Callable[[Any, Any], str] | None = None,
+                 text_to_action: Callable[[str, Any], Any] | None = None, action_names: list[str] | None = None,
+                 eval_size: int = 64, invalid_action_reward: float = 0.0, system_prompt: str | None = None,
+                 options: dict[str, Any] | None = None) -> None:
+        super().__init__(**(options or {}))
+        self._make = make
+        self._obs_to_text = obs_to_text or _default_obs_to_text
+        self._text_to_action = text_to_action or (lambda text, env: _default_text_to_action(text, env, action_names))
+        self.eval_size = eval_size
+        self.invalid_action_reward = invalid_action_reward
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+
+    def tasks(self, split: str, seed: int) -> Iterator[dict[str, Any]]:
+        """``{"seed": s}`` dicts: ``"train"`` endless from ``seed``, ``"eval"`` ``eval_size`` of them.
+
+        Raises:
+            ValueError: unknown split.
+        """
+        if split == "eval":
+            for i in range(self.eval_size):
+                yield {"seed": seed + GYM_EVAL_SEED_OFFSET + i}
+            return
+        if split != "train":
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        i = 0
+        while i < GYM_EVAL_SEED_OFFSET:
+            yield {"seed": seed + i}
+            i += 1
+
+    def reset(self, task: dict[str, Any]) -> str:
+        """First observation (text) of the episode seeded ``task["seed"]``."""
+        env = self._make()
+        try:
+            obs, _ = env.reset(seed=task.get("seed"))
+            return self._obs_to_text(obs, env)
+        finally:
+            env.close()
+
+    def step(self, action_text: str, state: EpisodeState) -> Result:
+        """Apply the reply as an action; see the class docstring."""
+        env = state.scratch.get("gym_env")
+        if env is None:
+            env = self._make()
+            env.reset(seed=state.task.get("seed"))
+            state.scratch["gym_env"] = env
+        try:
+            action = self._text_to_action(action_text, env)
+        except ValueError as e:
+            return Result(reward=self.invalid_action_reward, observation=f"Invalid action: {e}. Try again.",
+                          info={"invalid_action": True})
+        obs, reward, terminated, truncated, info = env.step(action)
+        done = bool(terminated or truncated)
+        text = None if done else self._obs_to_text(obs, env)
+        if done:
+            env.close()
+            state.scratch.pop("gym_env", None)
+        plain = {k: v for k, v in (info or {}).items() if isinstance(v, (str, int, float, bool)) or v is None}
+        return Result(reward=float(reward), observation=text, terminated=bool(terminated), truncated=bool(truncated),
+                      info=plain)
+
+
+def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
+                   obs_to_text: Callable[[Any, Any], str] | None = None,
+                   text_to_action: Callable[[str, Any], Any] | None = None,
+                   action_names: list[str] | None = None, eval_size: int = 64,
+                   invalid_action_reward: float = 0.0, system_prompt: str | None = None) -> GymnasiumEnv:
+    """Wrap a text ``gymnasium.Env`` as an :class:`Env`.
+
+    Args:
+        env: a registered env id (``gymnasium.make(env, **make_kwargs)`` per episode), a
+            zero-argument factory returning an env, or an env instance (deep-copied per
+            episode).
+        obs_to_text: ``(obs, env) -> str``; default: the observation if it is a string, else
+            ``env.render()`` for ``render_mode="ansi"`` (colour removed, highlights as
+            ``[X]``), else ``str(obs)``.
+        text_to_action: ``(reply, env) -> action``, raising ``ValueError`` for an invalid
+            reply; default: the stripped text for a ``Text`` action space, an integer (or a
+            name from ``action_names``) for ``Discrete``.
+        eval_size: number of held-out eval episodes; invalid_action_reward: reward of a turn
+            whose reply is not an action; system_prompt: optional system message.
+
+    Raises:
+        gymnasium.error.Error: ``env`` is an unknown id (raised here, not at the first rollout).
+        TypeError: ``env`` is none of the accepted kinds.
+    """
+    import copy
+
+    import gymnasium
+
+    if isinstance(env, str):
+        kw = dict(make_kwargs or {})
+        gymnasium.make(env, **kw).close()  # fail now on an unknown id or bad kwargs
+
+        def make() -> Any:
+            return gymnasium.make(env, **kw)
+    elif isinstance(env, gymnasium.Env):
+        proto = env
+
+        def make() -> Any:
+            return copy.deepcopy(proto)
+    elif callable(env):
+        make = env
+    else:
+        raise TypeError(f"from_gymnasium: expected an env id, a gymnasium.Env or a factory, got {type(env).__name__}")
+    return GymnasiumEnv(make, obs_to_text=obs_to_text, text_to_action=text_to_action, action_names=action_names,
+                        eval_size=eval_size, invalid_action_reward=invalid_action_reward, system_prompt=system_prompt)

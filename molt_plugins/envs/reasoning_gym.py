@@ -115,7 +115,7 @@ class ReasoningGymEnv(Env):
             close = difflib.get_close_matches(o.task, list(DATASETS), n=3)
             hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"known: {', '.join(sorted(DATASETS))}"
             raise ValueError(f"agent.options.task = {o.task!r} is not a reasoning-gym task; {hint}")
-        self.system_prompt = o.system_prompt
+        self.system_prompt = o.system_prompt or None
         self._datasets: dict[tuple[int, int], Any] = {}
         self._dataset(0, 1)  # validate the config now, not at the first rollout
 
