@@ -1,0 +1,487 @@
+"""The embedded rollout engine: a Hugging Face causal LM served with continuous batching.
+
+One background worker thread owns the model. Each loop iteration it
+
+1. applies a pending weight update (``load_weights``) -- so a swap lands *between* decode
+   steps, and every token sampled afterwards carries the new policy version (partial
+   rollout: an in-flight generation keeps its KV cache and continues under the new weights);
+2. admits waiting requests (up to ``max_batch_size`` running rows): their prompts are
+   prefilled as one left-padded batch, and their KV caches are left-padded to the running
+   batch's length and concatenated to it (continuous batching: requests join and leave at
+   any step, nobody waits for a whole batch to finish);
+3. runs one decode step for every running row and samples one token per row.
+
+Exactness: padding slots carry ``attention_mask = 0`` and zeroed keys/values, and each row's
+``position_ids`` count only its real tokens, so a row's logits equal those of an unpadded
+forward over its own tokens (to float rounding; tested at 1e-5 in fp32).
+
+Sampling uses :func:`molt_core.sampling.processed_logprobs` -- the same transform the
+trainer uses -- so each reported logprob is the log-probability under the distribution the
+token was actually drawn from (temperature, then top-k, then top-p, renormalised; greedy
+when ``temperature == 0`` reports the raw distribution). Each request owns a
+``torch.Generator`` seeded from ``params.seed`` (or from the engine's seed stream), so a
+seeded request yields the same tokens alone or batched with others.
+
+Stops: a sampled id in ``eos_token_ids`` (default: the tokenizer's eos, ``<|im_end|>`` and
+``<|endoftext|>`` where present) or in ``params.stop_token_ids`` ends the generation with
+``finish_reason="stop"`` and that id included as the last token; a string in ``params.stop``
+found in the *decoded* completion (never re-encoded) ends it likewise, the tokens through the
+one that completed the string kept. ``max_tokens`` or the model's context limit gives
+``"length"``. The reported token count is the single source of the loss mask downstream
+(cases B06/B07: a pad id equal to a stop id is never scanned for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from molt_core.engines.base import GenerationOutput
+from molt_core.sampling import processed_logprobs
+from molt_core.types import SamplingParams
+
+__all__ = ["TransformersEngine"]
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    next_pos: int = 0  # real tokens already in this row's KV cache
+
+
+class TransformersEngine:
+    """Continuous-batching rollout engine over a ``transformers`` causal LM (CPU or one GPU).
+
+    Implements :class:`molt_core.engines.base.RolloutEngine`.
+
+    Args:
+        model: a ``PreTrainedModel`` whose forward accepts ``input_ids`` ``[B, T]`` int64,
+            ``attention_mask`` ``[B, past + T]``, ``position_ids`` ``[B, T]``,
+            ``past_key_values`` (a ``DynamicCache`` of plain layers) and returns ``logits``
+            ``[B, T', V]`` and ``past_key_values``; or a model path (``builtin:<name>`` or an
+            HF directory) loaded with :func:`molt_core.models.load_model`.
+        tokenizer: tokenizer used to decode completions for stop strings and to find eos ids;
+            loaded from ``model`` when that is a path. May be None if ``eos_token_ids`` is
+            given and no request uses stop strings.
+        max_batch_size: most sequences decoded together (>= 1).
+        version: policy version of the initial weights (>= 0).
+        eos_token_ids: ids that always end a generation; default from the tokenizer.
+        seed: seeds the stream of per-request seeds for requests without ``params.seed``.
+        dtype, gguf_file, model_seed, device: used only when ``model`` is a path
+            (``model_seed`` is the builtin model's init seed).
+
+    Raises:
+        ValueError: ``max_batch_size < 1``, ``version < 0``, or neither ``tokenizer`` nor
+            ``eos_token_ids`` given.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str,
+        tokenizer: Any = None,
+        *,
+        max_batch_size: int = 64,
+        version: int = 0,
+        eos_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        dtype: str = "float32",
+        gguf_file: str | None = None,
+        model_seed: int = 0,
+        device: str | None = None,
+    ) -> None:
+        if isinstance(model, str):
+            from molt_core.models import load_model, load_tokenizer
+
+            path = model
+            model = load_model(path, dtype=dtype, gguf_file=gguf_file, seed=model_seed)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(path, gguf_file=gguf_file)
+        if device is not None:
+            model = model.to(device)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.version = int(version)
+        self.max_batch_size = int(max_batch_size)
+        if eos_token_ids is None:
+            if tokenizer is None:
+                raise ValueError("give a tokenizer or eos_token_ids: the engine must know its stop ids")
+            eos_token_ids = _default_eos_ids(tokenizer)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        cfg = getattr(model, "config", None)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.vocab_size = int(out_emb.weight.shape[0]) if out_emb is not None else int(getattr(cfg, "vocab_size", 1 << 62))
+        self._seeds = random.Random(seed)
+        self.num_steps = 0  # decode/prefill forwards run so far
+
+        self._cv = threading.Condition()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._pending_weights: list[tuple[dict[str, torch.Tensor], int, threading.Event, list]] = []
+        self._paused = False
+        self._closed = False
+        self._n_prefill = 0  # admitted requests being prefilled (neither waiting nor running)
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, L] int64, 1 on real tokens
+        # every state_dict name (tied aliases such as lm_head.weight included) -> live tensor
+        self._params = dict(model.state_dict(keep_vars=True))
+        # transformers >= 5.x names the KV cache argument ``cache``; earlier ``past_key_values``
+        fwd = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._worker = threading.Thread(target=self._loop, name="molt-transformers-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> TransformersEngine:
+        """Build an engine from a model path (``builtin:<name>`` or an HF directory); ``kwargs``
+        as in the constructor."""
+        return cls(path, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def load(self) -> int:
+        """Requests in flight (running + waiting): the router's load measure."""
+        with self._cv:
+            return len(self._running) + len(self._waiting) + self._n_prefill
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None) -> GenerationOutput:
+        """Sample a continuation of ``prompt_ids`` under ``params``.
+
+        Args:
+            prompt_ids: ``[P]`` token ids, ``1 <= P < max_position_embeddings``, each in
+                ``[0, vocab_size)``.
+            params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
+
+        Returns:
+            :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
+            (natural log), per-token policy versions, ``finish_reason`` ``stop``/``length``
+            and ``stop_reason`` (the stop id or string), ``prompt_len = P``.
+
+        Raises:
+            ValueError: empty/too long/out-of-range ``prompt_ids``, or stop strings without a
+                tokenizer.
+            RuntimeError: the engine is closed, or the forward pass failed.
+        """
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.model_validate(params)
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty; give at least one token id")
+        if len(ids) >= self.max_positions:
+            raise ValueError(
+                f"prompt_ids has {len(ids)} tokens but the model's context is {self.max_positions}; "
+                f"shorten the prompt"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("params.stop needs a tokenizer to decode completions; the engine has none")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        loop = asyncio.get_running_loop()
+        req = _Request(ids, params, self.eos_token_ids | frozenset(params.stop_token_ids), gen, loop.create_future(), loop)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting.append(req)
+            self._cv.notify_all()
+        return await req.future
+
+    def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Copy ``state_dict`` (parameter/buffer name -> tensor, any float dtype) into the model
+        between decode steps and stamp later tokens with ``version``. Blocks until applied.
+
+        A partial ``state_dict`` updates only the named tensors. Safe to call from any thread
+        except the engine's worker.
+
+        Raises:
+            KeyError: a name that the model does not have.
+            ValueError: a tensor whose shape differs from the model's, or ``version < 0``.
+            RuntimeError: the engine is closed.
+        """
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        for name, t in state_dict.items():
+            if name not in self._params:
+                raise KeyError(f"load_weights: the model has no parameter or buffer named {name!r}")
+            if tuple(t.shape) != tuple(self._params[name].shape):
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(t.shape)}, the model expects {tuple(self._params[name].shape)}"
+                )
+        done, err = threading.Event(), []
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending_weights.append((state_dict, int(version), done, err))
+            self._cv.notify_all()
+        done.wait()
+        if err:
+            raise err[0]
+
+    def pause(self) -> None:
+        """Stop stepping after the current decode step; in-flight generations keep their state.
+        Weight updates are still applied while paused."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Resume decoding after :meth:`pause`."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the worker; in-flight and waiting requests fail with ``RuntimeError``."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=30)
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._pending_weights and (
+                    self._paused or (not self._waiting and not self._running)
+                ):
+                    self._cv.wait()
+                if self._closed:
+                    pending = self._waiting + self._running
+                    self._waiting, self._running = [], []
+                    weights = self._pending_weights
+                    self._pending_weights = []
+                    break
+                weights = self._pending_weights
+                self._pending_weights = []
+                admit: list[_Request] = []
+                if not self._paused:
+                    room = self.max_batch_size - len(self._running)
+                    admit, self._waiting = self._waiting[:room], self._waiting[room:]
+                    self._n_prefill = len(admit)
+            for sd, version, done, err in weights:
+                try:
+                    with torch.no_grad():
+                        for name, t in sd.items():
+                            self._params[name].copy_(t)
+                    self.version = version
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    err.append(e)
+                done.set()
+            if weights and self._paused:
+                continue
+            try:
+                with torch.inference_mode():
+                    admit = [r for r in admit if not r.future.cancelled()]
+                    if admit:
+                        self._prefill(admit)
+                    self._n_prefill = 0
+                    if self._running:
+                        self._decode()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                with self._cv:
+                    failed = self._running + [r for r in admit if r not in self._running]
+                    self._running = []
+                self._cache, self._mask, self._n_prefill = None, None, 0
+                for r in failed:
+                    self._deliver(r, RuntimeError(f"generation failed in the engine: {e!r}"))
+        for sd, version, done, err in weights:
+            err.append(RuntimeError("the engine is closed"))
+            done.set()
+        for r in pending:
+            self._deliver(r, RuntimeError("the engine was closed before this generation finished"))
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        """One forward: ``[B, T]`` ids -> last-position logits ``[B, V]`` and the grown cache."""
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+        )
+        self.num_steps += 1
+        new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits[:, -1, :], new_cache
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Prefill ``reqs`` as one left-padded batch, sample their first token, and merge their
+        KV caches into the running batch."""
+        n = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.zeros(len(reqs), n, dtype=torch.long)
+        mask = torch.zeros(len(reqs), n, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            p = len(r.prompt_ids)
+            ids[i, n - p:] = torch.tensor(r.prompt_ids)
+            mask[i, n - p:] = 1
+            r.next_pos = p
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, cache = self._forward(ids, mask, pos, None)
+        layers = _layers(cache)
+        for layer in layers:  # padded slots hold garbage (possibly NaN): zero them
+            pad = mask[:, None, :, None] == 0
+            layer.keys = layer.keys.masked_fill(pad, 0.0)
+            layer.values = layer.values.masked_fill(pad, 0.0)
+        self._sample(reqs, logits)
+        keep = [i for i, r in enumerate(reqs) if r.finish_reason is None]
+        self._deliver_finished(reqs)
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            idx = torch.tensor(keep, device=self.device)
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            mask = mask[idx]
+        new_rows = [reqs[i] for i in keep]
+        if self._cache is None:
+            self._cache, self._mask = cache, mask
+        else:
+            old = _layers(self._cache)
+            L = max(self._mask.shape[1], mask.shape[1])
+            for a, b in zip(old, layers):
+                a.keys = torch.cat([_lpad(a.keys, L, -2), _lpad(b.keys, L, -2)], 0)
+                a.values = torch.cat([_lpad(a.values, L, -2), _lpad(b.values, L, -2)], 0)
+            self._mask = torch.cat([_lpad(self._mask, L, -1), _lpad(mask, L, -1)], 0)
+        with self._cv:
+            self._running.extend(new_rows)
+
+    def _decode(self) -> None:
+        """One decode step for every running row, then drop finished rows."""
+        rows = self._running
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
+        pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
+        self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
+        logits, self._cache = self._forward(ids, self._mask, pos, self._cache)
+        for r in rows:
+            r.next_pos += 1
+        self._sample(rows, logits)
+        keep = [i for i, r in enumerate(rows) if r.finish_reason is None and not r.future.cancelled()]
+        if len(keep) == len(rows):
+            return
+        with self._cv:
+            self._running = [rows[i] for i in keep]
+        self._deliver_finished(rows)
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self._mask[idx]
+        first = int(mask.any(0).float().argmax())  # leading columns that are padding for every row
+        self._mask = mask[:, first:]
+        for layer in _layers(self._cache):
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+
+    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per row from ``logits`` ``[B, V]`` with each row's transform,
+        record it, and finish rows that hit a stop or a length limit."""
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for i, r in enumerate(rows):
+            p = r.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+        version = self.version
+        for (temp, top_k, top_p), idx in groups.items():
+            lp = processed_logprobs(logits[idx], temp, top_k, top_p)  # [g, V] float32
+            greedy = lp.argmax(-1).tolist() if temp == 0 else None
+            for j, i in enumerate(idx):
+                r = rows[i]
+                if greedy is not None:
+                    tok = greedy[j]
+                else:
+                    tok = int(torch.multinomial(lp[j].exp(), 1, generator=r.generator))
+                r.tokens.append(tok)
+                r.logprobs.append(float(lp[j, tok]))
+                r.versions.append(version)
+                self._check_stop(r, tok)
+
+    def _check_stop(self, r: _Request, tok: int) -> None:
+        p = r.params
+        if tok in r.stop_ids:
+            r.finish_reason, r.stop_reason = "stop", tok
+        elif p.stop:
+            text = self.tokenizer.decode(r.tokens, skip_special_tokens=False)
+            hit = next((s for s in p.stop if s and s in text), None)
+            if hit is not None:
+                r.finish_reason, r.stop_reason = "stop", hit
+        if r.finish_reason is None and (
+            len(r.tokens) >= p.max_tokens or len(r.prompt_ids) + len(r.tokens) >= self.max_positions
+        ):
+            r.finish_reason = "length"
+
+    def _deliver_finished(self, rows: list[_Request]) -> None:
+        """Hand each finished row its :class:`GenerationOutput` (after it left ``_running``)."""
+        for r in rows:
+            if r.finish_reason is not None:
+                self._deliver(r, GenerationOutput(
+                    token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason, prompt_len=len(r.prompt_ids),
+                ))
+
+    @staticmethod
+    def _deliver(r: _Request, result: GenerationOutput | BaseException) -> None:
+        def _set() -> None:
+            if r.future.done():
+                return
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+
+        try:
+            r.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+
+def _default_eos_ids(tokenizer: Any) -> list[int]:
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for s in ("<|im_end|>", "<|endoftext|>"):
+        if s in vocab:
+            ids.add(int(vocab[s]))
+    return sorted(ids)
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = list(getattr(cache, "layers", []))
+    for layer in layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(
+                f"TransformersEngine batches plain DynamicLayer KV caches; this model uses {type(layer).__name__}"
+            )
+    return layers
+
+
+def _lpad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Left-pad ``t`` with zeros along ``dim`` (-1 or -2) to ``length``."""
+    extra = length - t.shape[dim]
+    if extra == 0:
+        return t
+    pad = (extra, 0) if dim == -1 else (0, 0, extra, 0)
+    return F.pad(t, pad)
