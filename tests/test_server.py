@@ -1,0 +1,323 @@
+"""The loopback server driven by the real openai and anthropic SDKs (sync, async, streaming),
+multi-turn with tools and a compaction step: the trajectory equals the concatenation of the
+sampled ids (as returned on the wire) and the template deltas, id for id. Plus errors in
+each wire's shape, retries, failures, admin routes and a load test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from fake_engine import EchoEngine, FailingEngine, ScriptedEngine
+from molt_core.models import load_tokenizer
+from molt_core.server import create_app, start_server
+
+torch.set_num_threads(1)
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add a and b",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+A_TOOLS = [{"name": "add", "description": "add a and b",
+            "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny-qwen3")
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def render(tok, msgs, tools=None, gen=True):
+    return tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
+
+
+def delta(tok, before, after, tools=None):
+    """Template ids between a committed conversation ``before`` (ending in the assistant turn,
+    whose sampled ids ended with <|im_end|>) and the next request ``after``: the "\\n" that
+    closes the turn, then the new messages and the generation prompt."""
+    held = render(tok, before, tools, gen=False)
+    full = render(tok, after, tools)
+    assert full.startswith(held)
+    return enc(tok, "\n" + full[len(held):])
+
+
+@pytest.fixture()
+def served(tok):
+    handles = []
+
+    def make(engine, **kw):
+        h = start_server(engine, tok, **kw)
+        handles.append(h)
+        return h
+
+    yield make
+    for h in handles:
+        h.stop()
+
+
+def test_openai_sdk_multiturn_tools_compaction(tok, served):
+    eng = ScriptedEngine(tok, ["Hello.", f"Let me add.\n{CALL}", "It is 5.", "Summary noted."])
+    h = served(eng)
+    info = h.create_session(group_id="g1")
+    c = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+    msgs = [{"role": "system", "content": "You add."}, {"role": "user", "content": "hi"}]
+    r1 = c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, temperature=0.7, seed=1)
+    ids1 = r1.choices[0].token_ids
+    assert r1.choices[0].message.content == "Hello." and ids1 == enc(tok, "Hello.") + [2]
+    assert [x.logprob for x in r1.choices[0].logprobs.content] == pytest.approx([-0.1 - j / 1000 for j in range(len(ids1))])
+    seg = enc(tok, render(tok, msgs, TOOLS)) + ids1
+    before = msgs + [{"role": "assistant", "content": "Hello."}]
+    msgs = before + [{"role": "user", "content": "add 2 and 3"}]
+    r2 = c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, max_completion_tokens=200)
+    m2 = r2.choices[0].message
+    assert r2.choices[0].finish_reason == "tool_calls" and m2.content == "Let me add."
+    assert m2.tool_calls[0].function.name == "add" and json.loads(m2.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+    seg += delta(tok, before, msgs, TOOLS) + r2.choices[0].token_ids
+    before = msgs + [m2.model_dump(exclude_none=True)]
+    msgs = before + [{"role": "tool", "tool_call_id": m2.tool_calls[0].id, "content": "5"}]
+    r3 = c.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+    assert r3.choices[0].message.content == "It is 5."
+    seg += delta(tok, before, msgs, TOOLS) + r3.choices[0].token_ids
+    # compaction: the agent replaces its history by a summary -> a second segment
+    compact = [{"role": "system", "content": "You add. Earlier: 2+3=5."}, {"role": "user", "content": "thanks"}]
+    r4 = c.chat.completions.create(model="policy", messages=compact, tools=TOOLS)
+    seg2 = enc(tok, render(tok, compact, TOOLS)) + r4.choices[0].token_ids
+
+    traj = h.trajectory(info.session_id, reward=1.0)
+    assert [s.token_ids for s in traj.segments] == [seg, seg2]
+    assert traj.rollout_id == info.rollout_id and traj.group_id == "g1" and traj.reward == 1.0
+    assert traj.info["tokens_retokenized"] == 0
+    assert traj.info["requests"] == {"start": 1, "extend": 2, "rewrite": 1, "retry": 0}
+    sampled = [t for s in traj.segments for t, m in zip(s.token_ids, s.loss_mask) if m]
+    assert sampled == ids1 + r2.choices[0].token_ids + r3.choices[0].token_ids + r4.choices[0].token_ids
+    assert traj.segments[0].spans[0].temperature == 0.7 and eng.params[0].seed == 1
+    assert eng.prompts[1] == seg[: len(eng.prompts[1])]  # the engine saw exactly the ledger's ids
+
+
+def test_anthropic_sdk_multiturn_tool_use(tok, served):
+    eng = ScriptedEngine(tok, [f"<think>\nneed a tool\n</think>\n\nCalling.\n{CALL}", "Five."])
+    h = served(eng)
+    info = h.create_session()
+    c = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "add 2 and 3"}]
+    r1 = c.messages.create(model="policy", max_tokens=200, system="You add.", tools=A_TOOLS, messages=msgs)
+    assert r1.stop_reason == "tool_use"
+    assert [b.type for b in r1.content] == ["thinking", "text", "tool_use"]
+    assert r1.content[0].thinking == "need a tool" and r1.content[2].input == {"a": 2, "b": 3}
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]}}
+             for t in A_TOOLS]
+    sys_msgs = [{"role": "system", "content": "You add."}, *msgs]
+    seg = enc(tok, render(tok, sys_msgs, tools)) + r1.token_ids
+    msgs = msgs + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r1.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r1.content[2].id, "content": "5"}]}]
+    r2 = c.messages.create(model="policy", max_tokens=50, system="You add.", tools=A_TOOLS, messages=msgs)
+    assert r2.content[0].text == "Five." and r2.stop_reason == "end_turn"
+    before = sys_msgs + [{"role": "assistant", "content": f"<think>\nneed a tool\n</think>\n\nCalling.",
+                          "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+    after = before + [{"role": "tool", "content": "5"}]
+    seg += delta(tok, before, after, tools) + r2.token_ids
+    (s,) = h.trajectory(info.session_id).segments
+    assert s.token_ids == seg
+
+
+def test_async_and_streaming_both_wires(tok, served):
+    eng = ScriptedEngine(tok, [f"Adding.\n{CALL}", "Done: 5.", "<think>\nhm\n</think>\n\nYes.", f"{CALL}"])
+    h = served(eng)
+    info = h.create_session()
+
+    async def main():
+        oc = openai.AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "add"}]
+        stream = await oc.chat.completions.create(model="policy", messages=msgs, tools=TOOLS, stream=True,
+                                                  stream_options={"include_usage": True})
+        text, calls, ids, finish, usage = "", {}, [], None, None
+        async for ch in stream:
+            if ch.usage:
+                usage = ch.usage
+            for ce in ch.choices:
+                text += ce.delta.content or ""
+                ids += (ce.model_extra or {}).get("token_ids", [])
+                for tc in ce.delta.tool_calls or []:
+                    calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+                    calls[tc.index]["arguments"] += tc.function.arguments or ""
+                finish = ce.finish_reason or finish
+        assert (text, finish) == ("Adding.", "tool_calls") and usage.completion_tokens == len(ids)
+        assert ids == eng.output(f"Adding.\n{CALL}", __import__("molt_core.types").types.SamplingParams(), 0).token_ids
+        msgs += [{"role": "assistant", "content": text, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls.values()]},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5"}]
+        r = await oc.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        assert r.choices[0].message.content == "Done: 5."
+        ac = anthropic.AsyncAnthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0)
+        amsgs = [{"role": "user", "content": "add"},
+                 {"role": "assistant", "content": [{"type": "text", "text": "Adding."},
+                                                   {"type": "tool_use", "id": calls[0]["id"], "name": "add", "input": {"a": 2, "b": 3}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0]["id"], "content": "5"}]},
+                 {"role": "assistant", "content": "Done: 5."},
+                 {"role": "user", "content": "sure?"}]
+        async with ac.messages.stream(model="policy", max_tokens=64, messages=amsgs, tools=A_TOOLS) as st:
+            final = await st.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == "Yes."
+        amsgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]},
+                  {"role": "user", "content": "again"}]
+        async with ac.messages.stream(model="policy", max_tokens=64, messages=amsgs, tools=A_TOOLS) as st:
+            final2 = await st.get_final_message()
+        assert final2.content[0].type == "tool_use" and final2.content[0].input == {"a": 2, "b": 3}
+        return final, final2
+
+    final, final2 = asyncio.run(main())
+    traj = h.trajectory(info.session_id)
+    # one wire's history continues on the other (extend); the last request follows a turn
+    # with a think block by a new user turn, so the template drops it: a new segment (B03)
+    assert traj.info["requests"] == {"start": 1, "extend": 2, "rewrite": 1, "retry": 0}
+    seg1, seg2 = traj.segments
+    ids1, ids2 = final.model_extra["token_ids"], final2.model_extra["token_ids"]
+    assert seg1.token_ids[-len(ids1):] == ids1 and all(seg1.loss_mask[-len(ids1):])
+    assert seg2.token_ids[-len(ids2):] == ids2 and sum(seg2.loss_mask) == len(ids2)
+    assert "<think>" in tok.decode(seg1.token_ids) and "<think>" not in tok.decode(seg2.token_ids)
+
+
+def test_retry_answered_from_cache(tok, served):
+    eng = ScriptedEngine(tok, ["First.", "Second."])
+    h = served(eng)
+    info = h.create_session()
+    c = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    r1 = c.chat.completions.create(model="m", messages=msgs, seed=3)
+    t1 = h.trajectory(info.session_id)
+    r2 = c.chat.completions.create(model="m", messages=msgs, seed=3)
+    assert r2.choices[0].token_ids == r1.choices[0].token_ids and eng.calls == 1
+    assert h.trajectory(info.session_id).segments == t1.segments
+
+
+@pytest.fixture()
+def client(tok):
+    eng = ScriptedEngine(tok, ["A."] * 100)
+    app = create_app(eng, tok, admin_key="adm", max_model_len=128)
+    with TestClient(app) as tc:
+        info = tc.post("/sessions", headers={"Authorization": "Bearer adm"}).json()
+        yield tc, info, app, eng
+
+
+def test_errors_have_each_wires_shape(client):
+    tc, info, app, eng = client
+    sid, key = info["session_id"], info["api_key"]
+    oa, an = f"/s/{sid}/v1/chat/completions", f"/s/{sid}/v1/messages"
+    ok_oa = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    ok_an = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    bearer = {"Authorization": f"Bearer {key}"}
+
+    r = tc.post("/s/nope/v1/chat/completions", json=ok_oa, headers=bearer)
+    assert r.status_code == 404 and "unknown session" in r.json()["error"]["message"]
+    r = tc.post("/s/nope/v1/messages", json=ok_an, headers={"x-api-key": key})
+    assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    r = tc.post(oa, json=ok_oa, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = tc.post(an, json=ok_an)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = tc.post(oa, content=b"{not json", headers=bearer)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = tc.post(oa, json={**ok_oa, "temperature": "hot"}, headers=bearer)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = tc.post(oa, json={**ok_oa, "n": 2}, headers=bearer)
+    assert r.status_code == 400 and "n=2 is not supported" in r.json()["error"]["message"]
+    r = tc.post(oa, json={**ok_oa, "max_tokens": True}, headers=bearer)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    r = tc.post(oa, json={"model": "m", "messages": [{"role": "robot", "content": "x"}]}, headers=bearer)
+    assert r.status_code == 400 and "messages[0].role" in r.json()["error"]["message"]
+    r = tc.post(an, json={"model": "m", "messages": ok_an["messages"]}, headers={"x-api-key": key})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"] and r.json()["type"] == "error"
+    r = tc.post(an, json={**ok_an, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, headers=bearer)
+    assert r.status_code == 400 and "unsupported block type 'image'" in r.json()["error"]["message"]
+    long = {"model": "m", "messages": [{"role": "user", "content": "word " * 400}]}
+    r = tc.post(oa, json=long, headers=bearer)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "the model's context is 128 tokens" in r.json()["error"]["message"]
+    assert app.state.sessions.trajectory(sid).segments == [] and eng.calls == 0
+    # the server still answers, and a good request works
+    r = tc.post(oa, json=ok_oa, headers=bearer)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "A."
+    assert tc.get(f"/s/{sid}/v1/models", headers=bearer).json()["data"][0]["id"] == "policy"
+
+
+def test_admin_routes(client):
+    tc, info, app, _ = client
+    sid = info["session_id"]
+    assert info["openai_base_url"].endswith(f"/s/{sid}/v1") and info["anthropic_base_url"].endswith(f"/s/{sid}")
+    assert tc.post("/sessions").status_code == 401
+    assert tc.post("/sessions", headers={"x-api-key": "adm"}, json={"rollout_id": 5}).status_code == 400
+    assert tc.get(f"/sessions/{sid}/trajectory", headers={"x-api-key": info["api_key"]}).status_code == 401
+    r = tc.post("/sessions", headers={"x-api-key": "adm"}, json={"rollout_id": "r-x", "group_id": "g"})
+    assert r.json()["rollout_id"] == "r-x"
+    tc.post(f"/s/{sid}/v1/chat/completions", headers={"x-api-key": info["api_key"]},
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    t = tc.get(f"/sessions/{sid}/trajectory", headers={"Authorization": "Bearer adm"}).json()
+    assert t["rollout_id"] == info["rollout_id"] and t["segments"][0]["token_ids"][-3:] == enc(app.state.sessions.tokenizer, "A.") + [2]
+    assert t["segments"][0]["loss_mask"].count(True) == 3
+    assert tc.delete(f"/sessions/{sid}", headers={"x-api-key": "adm"}).json() == {"session_id": sid, "deleted": True}
+    assert tc.get(f"/sessions/{sid}/trajectory", headers={"x-api-key": "adm"}).status_code == 404
+    assert tc.delete(f"/sessions/{sid}", headers={"x-api-key": "adm"}).status_code == 404
+
+
+def test_engine_failure_appends_nothing(tok):
+    app = create_app(FailingEngine(tok), tok, admin_key="adm")
+    with TestClient(app) as tc:
+        info = tc.post("/sessions", headers={"x-api-key": "adm"}).json()
+        r = tc.post(f"/s/{info['session_id']}/v1/messages", headers={"x-api-key": info["api_key"]},
+                    json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "engine exploded" in r.json()["error"]["message"]
+        assert app.state.sessions.trajectory(info["session_id"]).segments == []
+
+
+def _load(tok, h, n_sessions, n_turns):
+    infos = [h.create_session() for _ in range(n_sessions)]
+
+    async def session(i, info):
+        oc = openai.AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0, timeout=120)
+        ac = anthropic.AsyncAnthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0, timeout=120)
+        msgs, replies = [], []
+        for t in range(n_turns):
+            msgs.append({"role": "user", "content": f"session {i} turn {t}"})
+            if t % 2 == 0:
+                r = await oc.chat.completions.create(model="m", messages=msgs, max_tokens=32)
+                text, ids = r.choices[0].message.content, r.choices[0].token_ids
+            else:
+                r = await ac.messages.create(model="m", max_tokens=32, messages=msgs)
+                text, ids = r.content[0].text, r.token_ids
+            msgs.append({"role": "assistant", "content": text})
+            replies.append(ids)
+        return replies
+
+    async def main():
+        return await asyncio.gather(*(session(i, info) for i, info in enumerate(infos)))
+
+    all_replies = asyncio.run(main())
+    for i, (info, replies) in enumerate(zip(infos, all_replies)):
+        traj = h.trajectory(info.session_id)
+        (seg,) = traj.segments  # every turn extended the one segment
+        text = tok.decode(seg.token_ids)
+        assert all(f"session {i} turn {t}" in text for t in range(n_turns))
+        assert "session" not in text.replace(f"session {i} turn", "")  # none mixed up
+        sampled = [t for t, m in zip(seg.token_ids, seg.loss_mask) if m]
+        assert sampled == [t for r in replies for t in r]
+        for sp in seg.spans:  # each reply names its own prompt: length and checksum
+            assert tok.decode(seg.token_ids[sp.start:sp.end]) == f"len {sp.start} sum {sum(seg.token_ids[:sp.start]) % 9973}<|im_end|>"
+        assert traj.info["tokens_retokenized"] == 0
+    # the server still answers
+    info = h.create_session()
+    r = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "still there?"}])
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_load_64_sessions_5_turns_both_wires(tok, served):
+    _load(tok, served(EchoEngine(tok)), 64, 5)
