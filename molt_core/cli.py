@@ -78,6 +78,28 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 
 
 @main.command()
+@click.argument("recipe")
+@click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--out", "out", default=None, help="Output directory (default runs/<recipe>-sft-<time>).")
+@click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent whose tasks to learn.")
+def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None) -> None:
+    """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks ([sft] table)
+    and write OUT/model, a Hugging Face directory to use as model.path."""
+    extra = list(overrides)
+    if agent:
+        extra.append(f"agent.path={json.dumps(agent)}")
+    cfg, host = prepare(recipe, plugin, tuple(extra))
+    from molt_core.sft import run_sft
+
+    try:
+        path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
+    except ValueError as e:
+        _fail(str(e))
+    console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
 def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Example", "render_example", "sft", "examples_from_agent", "noisy_answer"]
+__all__ = ["Example", "render_example", "sft", "examples_from_agent", "noisy_answer", "warm_start", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
@@ -212,7 +212,7 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
         if "answer" not in task:
             raise ValueError(f"sft: task {i} has no 'answer' field (keys: {sorted(task)}); SFT needs a target")
         if isinstance(agent, Env):
-            msgs: list[dict[str, Any]] = []
+            msgs: list[dict[str, Any]] = []  # as the runtime's Env runner renders the first turn
             sp = getattr(getattr(agent, "options", None), "system_prompt", None) or agent.system_prompt
             if sp:
                 msgs.append({"role": "system", "content": sp})
@@ -228,3 +228,65 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
         for i in rng.sample(range(n), k):
             out[i] = (out[i][0], noisy_answer(out[i][1], rng, answers))
     return out
+
+
+#: Offset of the example-drawing seed from ``run.seed`` (examples differ from RL's task stream).
+EXAMPLE_SEED_OFFSET = 17
+
+
+def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
+    """The recipe's SFT warm start on ``trainer``: ``sft.n_examples`` examples from ``agent``
+    (seed ``run.seed + 17``, ``sft.label_noise`` wrong), then :func:`sft` for ``sft.steps``
+    steps of ``sft.batch_size`` at ``sft.lr`` (shuffle seed ``run.seed``).
+
+    Returns:
+        Per-step losses (empty when ``sft.steps == 0``).
+    """
+    cfg = trainer.cfg
+    s = cfg.sft
+    if s.steps <= 0:
+        return []
+    examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
+                                   label_noise=s.label_noise)
+    return sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed, log=log)
+
+
+def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:
+    """``molt sft``: warm-start the recipe's model and write it as a Hugging Face directory.
+
+    Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per
+    step: ``step``, ``sft/loss``, ``sft/tokens``, ``sft/grad_norm``, ``time/step``) and
+    ``OUT/model/`` (``save_pretrained`` + tokenizer; use it as ``model.path``).
+    ``OUT`` defaults to ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
+
+    Returns:
+        The ``OUT/model`` path.
+
+    Raises:
+        ValueError: ``sft.steps`` is 0, or the agent cannot be built / has no answers.
+    """
+    import json
+    from datetime import datetime
+    from pathlib import Path
+
+    from molt_core.runtime import load_agent
+    from molt_core.trainer import Trainer
+
+    if cfg.sft.steps <= 0:
+        raise ValueError("sft.steps is 0: nothing to do; set it in the recipe's [sft] table or --set sft.steps=N")
+    torch.set_num_threads(cfg.run.threads)
+    out = Path(out_dir) if out_dir else Path("runs") / f"{recipe_name}-sft-{datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.write(out / "config.toml")
+    agent = load_agent(cfg, host)
+    trainer = Trainer(cfg)
+    with open(out / "sft_metrics.jsonl", "w") as f:
+        def log(step: int, m: dict[str, float]) -> None:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+            f.flush()
+
+        warm_start(trainer, agent, log=log)
+    trainer.model.save_pretrained(out / "model", safe_serialization=True)
+    if trainer.tokenizer is not None:
+        trainer.tokenizer.save_pretrained(out / "model")
+    return out / "model"

@@ -1,0 +1,144 @@
+"""SFT warm start: chat-template rendering (only completion tokens in the loss), the loss
+falls on a tiny task, micro-batch invariance, label noise, and `molt sft`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from molt_core.agents import Env
+from molt_core.models import load_model, load_tokenizer
+from molt_core.sft import examples_from_agent, noisy_answer, render_example, sft
+from molt_core.trainer import Trainer
+from molt_core.types import Result
+from trainer_utils import tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_model("builtin:tiny-qwen3", seed=0), load_tokenizer("builtin:tiny-qwen3")
+
+
+def add_examples(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(10, 49), rng.randint(10, 49)
+        out.append(([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)))
+    return out
+
+
+def test_render_example_matches_ledger_and_engine_stop(base):
+    from molt_core.ledger import Ledger
+
+    _, tok = base
+    msgs = [{"role": "user", "content": "What is 12 + 34?"}]
+    p, c = render_example(tok, msgs, "46")
+    assert p == Ledger(tok).prepare(msgs).prompt_ids  # what the engine is given
+    # the reply "46" is digits one per token, then <|im_end|> (id 2); the "\n" after it is not
+    assert c == tok.encode("46", add_special_tokens=False) + [2]
+    assert len(c) == 3 and tok.decode(c) == "46<|im_end|>"
+
+
+def test_sft_loss_falls_on_tiny_task(base):
+    model, tok = base
+    tr = Trainer(tiny_cfg(trainer={"micro_batch_size": 16}), model=copy.deepcopy(model), tokenizer=tok)
+    ex = add_examples(16)
+    losses = sft(tr, ex, steps=40, batch_size=16, lr=3e-3, seed=0)
+    assert len(losses) == 40
+    # random init: ~ln(512) = 6.24 nats per completion token
+    assert losses[0] == pytest.approx(6.24, abs=0.3)
+    assert losses[-1] < 0.35 * losses[0]
+    assert tr.version == 0
+
+
+def test_sft_micro_batch_invariance(base):
+    model, tok = base
+    ex = add_examples(6, seed=1)
+    out = []
+    for mb in (6, 4, 1):
+        tr = Trainer(tiny_cfg(trainer={"micro_batch_size": mb}), model=copy.deepcopy(model), tokenizer=tok)
+        out.append((sft(tr, ex, steps=2, batch_size=6, lr=1e-3), copy.deepcopy(tr.model.state_dict())))
+    for losses, state in out[1:]:
+        assert losses == pytest.approx(out[0][0], abs=1e-6)
+        for k in state:
+            torch.testing.assert_close(state[k], out[0][1][k], rtol=1e-4, atol=1e-6)
+
+
+class AddEnv(Env):
+    system_prompt = "Answer with the number."
+
+    def tasks(self, split, seed):
+        rng = random.Random(seed)
+        while True:
+            a, b = rng.randint(10, 49), rng.randint(10, 49)
+            yield {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+
+    def reset(self, task):
+        return task["question"]
+
+    def step(self, action_text, state):
+        return Result(reward=float(action_text.strip() == state.task["answer"]), terminated=True)
+
+
+def test_examples_from_agent_and_label_noise():
+    env = AddEnv()
+    clean = examples_from_agent(env, 20, seed=3)
+    assert clean[0][0][0] == {"role": "system", "content": "Answer with the number."}
+    assert clean[0][0][1]["content"].startswith("What is ")
+    noisy = examples_from_agent(env, 20, seed=3, label_noise=0.3)
+    wrong = [i for i in range(20) if noisy[i][1] != clean[i][1]]
+    assert len(wrong) == 6  # round(0.3 * 20)
+    assert all(1 <= abs(int(noisy[i][1]) - int(clean[i][1])) <= 10 for i in wrong)
+    assert examples_from_agent(env, 20, seed=3, label_noise=0.3) == noisy  # deterministic
+    assert noisy_answer("cat", random.Random(0), ["cat", "dog"]) == "dog"
+    with pytest.raises(ValueError, match="only 0 tasks"):
+        examples_from_agent(type("E", (AddEnv,), {"tasks": lambda s, sp, sd: iter(())})(), 1, 0)
+
+
+AGENT_FILE = textwrap.dedent('''
+    import random
+    from molt_core.agents import Env
+    from molt_core.types import Result
+
+    class AddEnv(Env):
+        def tasks(self, split, seed):
+            rng = random.Random(seed)
+            while True:
+                a, b = rng.randint(10, 49), rng.randint(10, 49)
+                yield {"question": f"What is {a} + {b}?", "answer": str(a + b)}
+
+        def reset(self, task):
+            return task["question"]
+
+        def step(self, action_text, state):
+            return Result(reward=float(action_text.strip() == state.task["answer"]), terminated=True)
+''')
+
+
+def test_molt_sft_command(tmp_path):
+    from molt_core.cli import main
+
+    (tmp_path / "agent.py").write_text(AGENT_FILE)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[sft]\nsteps = 3\nbatch_size = 4\nn_examples = 8\nlr = 1e-3\n')
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["sft", str(recipe), "--agent", str(tmp_path / "agent.py"), "--out", str(out),
+                                    "--set", "sft.label_noise=0.25"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2] and all(x["sft/loss"] > 0 for x in lines)
+    assert "label_noise = 0.25" in (out / "config.toml").read_text()
+    m = load_model(str(out / "model"))
+    assert type(m).__name__ == "Qwen3ForCausalLM"
+    assert load_tokenizer(str(out / "model")).eos_token == "<|im_end|>"
+    # sft.steps = 0 is refused with a message naming the field
+    res = CliRunner().invoke(main, ["sft", str(recipe), "--agent", str(tmp_path / "agent.py"), "--out", str(out),
+                                    "--set", "sft.steps=0"])
+    assert res.exit_code == 2 and "sft.steps" in res.output
