@@ -110,15 +110,46 @@ def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
         _fail(str(e))
     infos = host.plugin_infos()
     if as_json:
-        click.echo(json.dumps([i.as_dict() for i in infos], indent=2))
+        rows = []
+        for i in infos:
+            d = i.as_dict()
+            d["options"] = {k: {n: _options_schema(host.get(k, n)) for n in names} for k, names in i.registered.items()}
+            rows.append(d)
+        click.echo(json.dumps(rows, indent=2))
         return
     table = Table(title="molt plugins")
-    for col in ("plugin", "distribution", "version", "hooks", "registered"):
+    for col in ("plugin", "distribution", "version", "hooks", "registered (options)"):
         table.add_column(col)
     for i in infos:
-        reg = "\n".join(f"{k}: {', '.join(v)}" for k, v in sorted(i.registered.items()))
+        reg = "\n".join(
+            f"{k}: " + "; ".join(f"{n}({_options_brief(host.get(k, n))})" for n in v) for k, v in sorted(i.registered.items())
+        )
         table.add_row(i.name, i.distribution, i.version, "\n".join(i.hooks), reg)
     Console().print(table)
+
+
+def _options_schema(obj: object) -> dict | None:
+    """JSON schema of a registered object's ``Options`` Pydantic model, or None if it has none."""
+    from pydantic import BaseModel
+
+    model = getattr(obj, "Options", None)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return model.model_json_schema()
+    return None
+
+
+def _options_brief(obj: object) -> str:
+    """``field: type = default, ...`` of a registered object's options (``*`` marks required)."""
+    schema = _options_schema(obj)
+    if not schema:
+        return ""
+    req = set(schema.get("required", []))
+    parts = []
+    for name, f in schema.get("properties", {}).items():
+        t = f.get("type") or "|".join(x.get("type", "?") for x in f.get("anyOf", [])) or "?"
+        d = json.dumps(f["default"]) if "default" in f else "..."
+        parts.append(f"{name}*: {t}" if name in req else f"{name}: {t} = {d if len(d) <= 24 else d[:20] + '...'}")
+    return ", ".join(parts)
 
 
 @main.command()
