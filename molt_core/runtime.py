@@ -1,0 +1,632 @@
+"""The main job on Ray: rollout workers, the trainer, the async loop, weight sync, checkpoints.
+
+Data flow of one step (DESIGN.md): tasks from the agent's ``train`` split -> rollout workers
+(engine + ledger [+ loopback server for ChatAgents] + agent runner) -> version-stamped
+:class:`~molt_core.types.Trajectory` objects -> reward plugins -> groups (failed rollouts
+excluded, groups with < 2 usable rollouts dropped, optional dynamic filter) -> the trainer
+(recompute, gate + IS correction, advantages, loss, optimizer step) -> weights published to
+every engine as version v+1 -> checkpoint every N steps -> metrics to every logger.
+
+Asynchrony: rollout runs up to ``async.max_staleness`` steps ahead of training (0 =
+synchronous). A weight sync reaches engines between decode steps, so in-flight generations
+continue under the new weights (partial rollout) and every token records the version that
+sampled it; the trainer's gate sees the true staleness.
+
+Ray: ``molt run`` starts a local cluster unless ``--ray-address`` joins one. Rollout workers
+and the trainer are Ray actors placed by their declared ``num_cpus`` / ``num_gpus``. With
+several engines, groups go to the least-loaded worker and every request of a session stays
+on the worker (and engine) that opened it (session affinity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
+from molt_core.config import RunConfig
+from molt_core.plugins import PluginHost, load_plugins
+from molt_core.types import Group, RewardFailed, SamplingParams, Trajectory, new_id
+
+__all__ = ["load_agent", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
+
+
+# --------------------------------------------------------------------------- agents
+
+
+def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
+    """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
+    registered env), with ``agent.options``.
+
+    A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
+    ``ChatAgent`` subclass.
+
+    Raises:
+        ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
+            a file defining no agent or several, or invalid options.
+    """
+    a = cfg.agent
+    if bool(a.name) == bool(a.path):
+        raise ValueError("set exactly one of agent.name (a registered env, see `molt plugins`) or agent.path (a .py file) / --agent")
+    if a.name:
+        try:
+            obj = host.get("envs", a.name)
+        except KeyError as e:
+            raise ValueError(f"agent.name: {e.args[0]}") from None
+        return make_agent(obj, a.options)
+    path = Path(a.path)
+    if not path.is_file():
+        raise ValueError(f"agent.path: no such file {a.path!r}")
+    modname = f"molt_agent_{path.stem}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
+    spec.loader.exec_module(mod)
+    if hasattr(mod, "agent"):
+        obj = mod.agent
+        if isinstance(obj, (Env, ChatAgent)):
+            return obj
+        return make_agent(obj, a.options)
+    found = [v for v in vars(mod).values()
+             if isinstance(v, type) and issubclass(v, (Env, ChatAgent)) and v not in (Env, ChatAgent)
+             and v.__module__ == modname]
+    if len(found) != 1:
+        names = ", ".join(c.__name__ for c in found) or "none"
+        raise ValueError(f"agent.path {a.path!r} must define `agent` or exactly one Env/ChatAgent subclass (found {names})")
+    return make_agent(found[0], a.options)
+
+
+def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | None = None) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                          top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=list(stop_token_ids))
+
+
+def _success(t: Trajectory) -> float:
+    """1.0 when a finished rollout solved its task (score, else reward, >= 1), else 0.0."""
+    if t.status != "ok":
+        return 0.0
+    v = t.score if t.score is not None else t.reward
+    return 1.0 if v is not None and v >= 1.0 - 1e-9 else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al. 2021, arXiv 2107.03374, eq. 1). Raises: ValueError if k > n."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# --------------------------------------------------------------------------- rollout worker
+
+
+class RolloutWorker:
+    """One engine with its agent runners; a Ray actor in ``molt run`` (usable in-process).
+
+    Args:
+        cfg: the run config (a ``RunConfig`` or its dict).
+        index: worker index (seeds differ per worker).
+
+    Raises:
+        ValueError / PluginError: bad agent or engine config (raised in the constructor, i.e.
+            before any rollout).
+    """
+
+    def __init__(self, cfg: RunConfig | dict, index: int = 0) -> None:
+        import torch
+
+        self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
+        torch.set_num_threads(self.cfg.run.threads)
+        self.host = load_plugins(self.cfg.plugins)
+        self.agent = load_agent(self.cfg, self.host)
+        factory = self.host.get("engines", self.cfg.engine.name)
+        e = self.cfg.engine
+        self.engine = factory(model=self.cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                              gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
+                              seed=self.cfg.run.seed * 1000 + index, **e.options)
+        self.tokenizer = self.engine.tokenizer
+        self.rewards = [(name, self.host.get("rewards", name), opts) for name, opts in self.cfg.rewards.items()]
+        self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
+        self.server = None
+        self.inflight = 0
+        from molt_core.ledger import Ledger
+
+        self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
+
+    # -- episodes -------------------------------------------------------------------------
+    def _ledger(self, group_id: str):
+        from molt_core.ledger import Ledger
+
+        return Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
+
+    async def _env_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
+        env: Env = self.agent  # type: ignore[assignment]
+        r = self.cfg.rollout
+        ledger = self._ledger(group_id)
+        messages: list[dict[str, Any]] = []
+        sp = getattr(getattr(env, "options", None), "system_prompt", None) or env.system_prompt
+        if sp:
+            messages.append({"role": "system", "content": sp})
+        messages.append({"role": "user", "content": env.reset(task)})
+        state = EpisodeState(task=task)
+        reward, score, truncated, info = 0.0, None, False, {}
+        action = ""
+        for turn in range(r.max_turns):
+            prep = ledger.prepare(messages, params=params)
+            room = r.max_total_tokens - len(prep.prompt_ids)
+            if room <= 0:
+                truncated = True
+                break
+            p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
+            out = await self.engine.generate(prep.prompt_ids, p)
+            ledger.commit(prep, out, p)
+            ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
+            action = self.tokenizer.decode(ids, skip_special_tokens=False)
+            messages = ledger.history
+            state.turn, state.messages = turn, messages
+            res = env.step(action, state)
+            reward += res.reward
+            score = res.score if res.score is not None else score
+            info.update(res.info)
+            if res.sampling_params is not None:
+                params = res.sampling_params.model_copy(update={"stop_token_ids": params.stop_token_ids})
+            if res.terminated or res.truncated:
+                truncated = truncated or res.truncated or (out.finish_reason == "length" and not res.terminated)
+                break
+            if res.observation is None:
+                break
+            messages = messages + [{"role": "user", "content": res.observation}]
+        else:
+            truncated = True
+        traj = ledger.trajectory(reward=reward, score=score, info=info, task=task, truncated=truncated)
+        return traj, action
+
+    async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
+        if self.server is None:
+            from molt_core.server.app import start_server
+
+            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs)
+        sess = self.server.create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        ctx = AgentContext(task=task, openai_base_url=sess.openai_base_url, anthropic_base_url=sess.anthropic_base_url,
+                           api_key=sess.api_key, sampling=params)
+        try:
+            res = await self.agent.run(ctx)  # type: ignore[union-attr]
+        finally:
+            traj = self.server.close_session(sess.session_id)
+        hist = [m for m in traj.info.get("history", []) if m.get("role") == "assistant"]
+        action = str(hist[-1].get("content", "")) if hist else ""
+        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
+                                       "info": {**traj.info, **res.info}})
+        return traj, action
+
+    async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> Trajectory:
+        try:
+            run = self._env_episode if isinstance(self.agent, Env) else self._chat_episode
+            traj, action = await asyncio.wait_for(run(task, group_id, params), self.cfg.rollout.timeout_s)
+            extra = 0.0
+            for name, fn, opts in self.rewards:
+                try:
+                    extra += float(fn(action, task, **opts))
+                except RewardFailed as e:
+                    return traj.fail(f"reward {name}: {e}")
+                except Exception as e:  # a failing reward marks the trajectory failed
+                    return traj.fail(f"reward {name} raised {type(e).__name__}: {e}")
+            if self.rewards:
+                traj = traj.model_copy(update={"reward": (traj.reward or 0.0) + extra})
+            if not traj.segments or traj.num_sampled == 0:
+                return traj.fail("the rollout sampled no token")
+            return traj
+        except asyncio.TimeoutError:
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"timeout after {self.cfg.rollout.timeout_s} s")
+        except RewardFailed as e:
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}")
+        except Exception as e:  # the agent raised: that rollout fails, the run continues
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}")
+
+    async def rollout(self, tasks: list[dict], n: int) -> list[Group]:
+        """Run ``n`` rollouts of each task concurrently (the engine batches them).
+
+        Returns:
+            One :class:`Group` per task, trajectories in completion-independent order.
+        """
+        self.inflight += len(tasks) * n
+        try:
+            params = _sampling(self.cfg, self._stop_ids)
+            groups = [Group(task=t) for t in tasks]
+            coros = [self._episode(g.task, g.group_id, params) for g in groups for _ in range(n)]
+            trajs = await asyncio.gather(*coros)
+            for i, g in enumerate(groups):
+                g.trajectories = list(trajs[i * n:(i + 1) * n])
+            return groups
+        finally:
+            self.inflight -= len(tasks) * n
+
+    async def evaluate(self, tasks: list[dict], k: int, temperature: float) -> dict[str, float]:
+        """Sample ``k`` rollouts per task at ``temperature`` (no training); returns
+        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
+        ``eval/failed``."""
+        params = _sampling(self.cfg, self._stop_ids, temperature=temperature)
+        coros = [self._episode(t, new_id("eval"), params) for t in tasks for _ in range(k)]
+        trajs = await asyncio.gather(*coros)
+        p1, pk, rewards, failed = [], [], [], 0
+        for i in range(len(tasks)):
+            ts = trajs[i * k:(i + 1) * k]
+            c = int(sum(_success(t) for t in ts))
+            p1.append(pass_at_k(k, c, 1))
+            pk.append(pass_at_k(k, c, k))
+            rewards += [t.reward for t in ts if t.status == "ok" and t.reward is not None]
+            failed += sum(t.status != "ok" for t in ts)
+        out = {"eval/pass@1": sum(p1) / max(1, len(p1)), f"eval/pass@{k}": sum(pk) / max(1, len(pk)),
+               "eval/reward": sum(rewards) / max(1, len(rewards)), "eval/failed": float(failed)}
+        return out
+
+    async def load_weights(self, state: dict, version: int) -> int:
+        """Hand new weights to the engine (applied between decode steps); returns ``version``."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, state, version)
+        return version
+
+    def load(self) -> int:
+        """Rollouts in flight on this worker (the router's load measure)."""
+        return self.inflight
+
+
+# --------------------------------------------------------------------------- trainer actor
+
+
+class TrainerWorker:
+    """The single trainable actor wrapped for Ray (see :class:`molt_core.trainer.Trainer`)."""
+
+    def __init__(self, cfg: RunConfig | dict) -> None:
+        import torch
+
+        from molt_core.trainer import Trainer
+
+        self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
+        torch.set_num_threads(self.cfg.run.threads)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
+        self.trainer = Trainer(self.cfg)
+
+    def sft(self) -> dict[str, float]:
+        """Warm start: ``sft.steps`` of supervised fine-tuning on the agent's train tasks
+        (``sft.label_noise`` of the targets deliberately wrong). Returns first/last loss."""
+        from molt_core.sft import examples_from_agent, sft
+
+        s = self.cfg.sft
+        host = load_plugins(self.cfg.plugins)
+        agent = load_agent(self.cfg, host)
+        examples = examples_from_agent(agent, s.n_examples, seed=self.cfg.run.seed + 17, label_noise=s.label_noise)
+        losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed)
+        return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step; returns the trainer's metrics and ``policy_version``."""
+        m = self.trainer.train_step(trajectories)
+        m["policy_version"] = float(self.trainer.version)
+        return m
+
+    def weights(self) -> tuple[dict, int]:
+        """``(state_dict, version)`` to publish."""
+        return {k: v.detach().clone() for k, v in self.trainer.weights().items()}, self.trainer.version
+
+    def save(self, run_dir: str, cursor: dict) -> str:
+        """Write a checkpoint (atomic, retention per ``checkpoint.keep``); returns its path."""
+        return str(self.trainer.save_checkpoint(run_dir, cursor))
+
+    def restore(self, path: str) -> dict:
+        """Load a checkpoint; returns its data cursor."""
+        return self.trainer.load_checkpoint(path)
+
+
+# --------------------------------------------------------------------------- batch assembly
+
+
+def assemble_batch(groups: list[Group], dynamic_filter: bool) -> tuple[list[Trajectory], dict[str, float]]:
+    """Turn finished groups into the step's training trajectories.
+
+    Failed rollouts are excluded (never scored 0); a group with fewer than 2 usable rollouts
+    is dropped; with ``dynamic_filter`` a group whose rewards are all equal is dropped (its
+    advantages would all be 0; DAPO, arXiv 2503.14476). Returns the trajectories and counts
+    (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
+    ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts).
+    """
+    out: list[Trajectory] = []
+    failed = truncated = dropped = filtered = 0
+    rewards: list[float] = []
+    for g in groups:
+        failed += sum(t.status != "ok" for t in g.trajectories)
+        truncated += sum(t.truncated for t in g.trajectories)
+        usable = g.usable()
+        rewards += [float(t.reward) for t in usable]  # type: ignore[arg-type]
+        if len(usable) < 2:
+            dropped += 1
+            continue
+        if dynamic_filter and len({t.reward for t in usable}) == 1:
+            filtered += 1
+            continue
+        out += usable
+    n = sum(len(g.trajectories) for g in groups)
+    m = {"rollout/failed": float(failed), "rollout/truncated": float(truncated), "rollout/groups_dropped": float(dropped),
+         "rollout/groups_filtered": float(filtered), "rollout/trajectories": float(n),
+         "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan")}
+    return out, m
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+class RunLog:
+    """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
+    logger plugins."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, host: PluginHost, resume_step: int | None) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.rows: list[dict] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if resume_step is None or row.get("step", 0) <= resume_step:
+                        self.rows.append(row)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.host = host
+        self.loggers = []
+        for name in cfg.loggers:
+            if name == "jsonl":
+                continue
+            self.loggers.append(host.get("loggers", name)(run_dir, cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one row (step + metrics) and forward it to logger plugins and hooks."""
+        row = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for lg in self.loggers:
+            lg.log(step, metrics)
+        self.host.on_step_end(step, metrics)
+
+    def trajectories(self, step: int, trajs: list[Trajectory], tokenizer: Any = None) -> None:
+        """Append a sample of trajectories (JSON) to ``trajectories.jsonl``."""
+        with (self.run_dir / "trajectories.jsonl").open("a") as f:
+            for t in trajs:
+                f.write(json.dumps({"step": step, **t.model_dump(mode="json")}) + "\n")
+
+    def plot(self) -> Path | None:
+        """Redraw ``reward.png``: mean reward per step (and 20-step moving average) and eval
+        pass@1. Returns the path, or None when matplotlib is missing."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover
+            return None
+        xs = [r["step"] for r in self.rows if r.get("reward/mean") is not None]
+        ys = [r["reward/mean"] for r in self.rows if r.get("reward/mean") is not None]
+        ev = [(r["step"], r["eval/pass@1"]) for r in self.rows if r.get("eval/pass@1") is not None]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if xs:
+            ax.plot(xs, ys, color="tab:blue", alpha=0.35, label="reward/mean")
+            w = 20
+            ma = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+            ax.plot(xs, ma, color="tab:blue", label=f"reward ({w}-step avg)")
+        if ev:
+            ax.plot([e[0] for e in ev], [e[1] for e in ev], "o-", color="tab:orange", label="eval pass@1 (held-out)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(self.run_dir.name)
+        fig.tight_layout()
+        out = self.run_dir / "reward.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        """Close logger plugins."""
+        for lg in self.loggers:
+            lg.close()
+
+
+# --------------------------------------------------------------------------- the main job
+
+
+def _absolute(cfg: RunConfig) -> RunConfig:
+    """Make file paths in the config absolute so Ray workers resolve them identically."""
+    plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+    agent = cfg.agent
+    if agent.path:
+        agent = agent.model_copy(update={"path": str(Path(agent.path).resolve())})
+    model = cfg.model
+    if not model.path.startswith("builtin:") and Path(model.path).exists():
+        model = model.model_copy(update={"path": str(Path(model.path).resolve())})
+    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model})
+
+
+def _init_ray(cfg: RunConfig, ray_address: str | None):
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if ray.is_initialized():
+        return ray
+    env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.run.threads), "TOKENIZERS_PARALLELISM": "false",
+                        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}}
+    if ray_address:
+        ray.init(address=ray_address, runtime_env=env, log_to_driver=True, logging_level="warning")
+    else:
+        need = cfg.trainer.num_cpus + cfg.engine.num_cpus * cfg.engine.num_engines
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, runtime_env=env,
+                 log_to_driver=True, logging_level="warning")
+    return ray
+
+
+def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
+             resume: bool = False, recipe_name: str = "run") -> Path:
+    """Run RL training end to end; returns the run directory.
+
+    Writes ``config.toml``, ``metrics.jsonl`` (one row per step), ``trajectories.jsonl``
+    (a sample), ``checkpoints/`` and ``reward.png``. With ``resume`` it continues from the
+    run directory's latest checkpoint: weights, optimizer, RNG, version and data cursor.
+
+    Raises:
+        ValueError: bad agent configuration (before any compute).
+        FileNotFoundError: ``resume`` without a checkpoint.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from molt_core.trainer import latest_checkpoint
+
+    console = Console(stderr=True)
+    cfg = _absolute(cfg)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        cfg.write(run_dir / "config.toml")
+    agent = load_agent(cfg, host)  # validates the agent before any compute
+    ray = _init_ray(cfg, ray_address)
+    cfg_dict = cfg.model_dump(by_alias=True)
+    t_start = time.perf_counter()
+    Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
+    Worker_ = ray.remote(RolloutWorker).options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus,
+                                                max_concurrency=1000)
+    trainer = Trainer_.remote(cfg_dict)
+    workers = [Worker_.remote(cfg_dict, i) for i in range(cfg.engine.num_engines)]
+
+    cursor = {"step": 0, "tasks": 0}
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume:
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
+        cursor = dict(ray.get(trainer.restore.remote(str(ckpt))))
+        console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} (step {cursor['step']})")
+    log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
+    if not resume and cfg.sft.steps > 0:
+        with console.status(f"SFT warm start: {cfg.sft.steps} steps"):
+            sft_m = ray.get(trainer.sft.remote())
+        console.print(f"SFT warm start: loss {sft_m['sft/loss_first']:.3f} -> {sft_m['sft/loss_last']:.3f}")
+
+    def publish() -> int:
+        # two object refs, resolved inside each worker: weights never pass through the driver
+        state_ref, version_ref = trainer.weights.options(num_returns=2).remote()
+        versions = ray.get([w.load_weights.remote(state_ref, version_ref) for w in workers])
+        return int(versions[0])
+
+    version = publish()
+
+    eval_tasks = list(agent.tasks("eval", cfg.run.seed))[: cfg.eval.n_problems] if cfg.eval.n_problems else []
+
+    def evaluate() -> dict[str, float]:
+        if not eval_tasks:
+            return {}
+        shards = [eval_tasks[i::len(workers)] for i in range(len(workers))]
+        res = ray.get([w.evaluate.remote(s, cfg.eval.k, cfg.eval.temperature) for w, s in zip(workers, shards) if s])
+        sizes = [len(s) for s in shards if s]
+        return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
+                for k in res[0]}
+
+    train_iter: Iterator[dict] = agent.tasks("train", cfg.run.seed)
+    for _ in range(cursor["tasks"]):
+        next(train_iter)
+    start_step = cursor["step"]
+    if start_step == 0:
+        m0 = evaluate()
+        if m0:
+            log.log(0, {"policy_version": float(version), **m0})
+            console.print(f"eval at start: pass@1 {m0['eval/pass@1']:.3f}")
+
+    P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
+    pending: deque = deque()
+    launched = start_step
+    tasks_done = cursor["tasks"]
+
+    def launch() -> None:
+        nonlocal launched
+        tasks = [next(train_iter) for _ in range(P)]
+        loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
+        order = sorted(range(len(workers)), key=lambda i: loads[i])
+        shards = [tasks[i::len(workers)] for i in range(len(workers))]
+        refs = [workers[order[i]].rollout.remote(s, n) for i, s in enumerate(shards) if s]
+        pending.append((launched, refs, len(tasks)))
+        launched += 1
+
+    columns = [TextColumn("[bold]molt run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    last_eval: dict[str, float] = {}
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
+        for step in range(start_step, cfg.run.steps):
+            t0 = time.perf_counter()
+            while len(pending) < 1 + cfg.async_.max_staleness and launched < cfg.run.steps:
+                launch()
+            _, refs, ntasks = pending.popleft()
+            groups = [g for part in ray.get(refs) for g in part]
+            t1 = time.perf_counter()
+            trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter)
+            for g in groups:
+                for t in g.trajectories:
+                    host.on_trajectory(t)
+            if trajs:
+                tm = ray.get(trainer.train_step.remote(trajs))
+            else:
+                tm = {"train/skipped": 1.0}
+            t2 = time.perf_counter()
+            version = publish()
+            t3 = time.perf_counter()
+            tasks_done += ntasks
+            metrics = {"policy_version": float(version), **rm, **tm,
+                       "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+                       "time/elapsed": t3 - t_start}
+            s1 = step + 1
+            if cfg.eval.every and s1 % cfg.eval.every == 0 and s1 < cfg.run.steps:
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            if s1 == cfg.run.steps:
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            log.log(s1, metrics)
+            if s1 == 1 or s1 % 10 == 0:
+                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories])
+            if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
+                # in-flight rollouts past this step are regenerated after a resume
+                ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": tasks_done}))
+            if s1 % 10 == 0 or s1 == cfg.run.steps:
+                log.plot()
+            info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
+            if last_eval:
+                info += f"  eval pass@1 {last_eval.get('eval/pass@1', float('nan')):.3f}"
+            progress.update(bar, advance=1, info=info)
+    log.plot()
+    log.close()
+    first = next((r for r in log.rows if r.get("eval/pass@1") is not None), None)
+    final = next((r for r in reversed(log.rows) if r.get("eval/pass@1") is not None), None)
+    if first and final:
+        console.print(f"eval pass@1 (held-out, T={cfg.eval.temperature}): {first['eval/pass@1']:.3f} -> {final['eval/pass@1']:.3f}")
+    console.print(f"run directory: {run_dir}  ({time.perf_counter() - t_start:.0f} s)")
+    if not ray_address:
+        ray.shutdown()
+    return run_dir
+
