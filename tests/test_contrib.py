@@ -1,0 +1,69 @@
+"""The contrib examples: a reward package installed into the venv appears in
+``molt plugins --json``; the env package loads as a plugin and runs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REWARD_PKG = ROOT / "contrib" / "molt-reward-example"
+ENV_FILE = ROOT / "contrib" / "molt-env-example" / "molt_env_example" / "__init__.py"
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+
+
+def _plugins_json() -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "molt_core.cli", "plugins", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def installed_reward_example():
+    r = _pip("install", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-e", str(REWARD_PKG))
+    assert r.returncode == 0, r.stdout + r.stderr
+    yield
+    _pip("uninstall", "-y", "-q", "molt-reward-example")
+
+
+def test_reward_example_installed_is_listed(installed_reward_example):
+    rows = {r["name"]: r for r in _plugins_json()}
+    row = rows["molt_reward_example"]
+    assert row["distribution"] == "molt-reward-example" and row["version"] == "0.1.0"
+    assert row["registered"] == {"rewards": ["brevity"]}
+    assert set(row["options"]["rewards"]["brevity"]["properties"]) == {"max_chars", "weight"}
+    assert "exact_match" in rows["molt_rewards"]["registered"]["rewards"]  # first-party still there
+
+
+def test_reward_example_values(installed_reward_example):
+    code = ("from molt_core.plugins import load_plugins; f = load_plugins().get('rewards', 'brevity'); "
+            "print(f('12345678', {}, max_chars=4), f(' ab ', {}, max_chars=4), f('abcdef', {}, max_chars=3, weight=0.1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0.5", "1.0", "0.05"]
+
+
+def test_env_example_as_a_plugin_file():
+    from molt_core.agents import EpisodeState, make_agent
+    from molt_core.plugins import load_plugins
+
+    host = load_plugins([str(ENV_FILE)], entry_points=False)
+    env = make_agent(host.get("envs", "reverse_word"), {"min_len": 3, "max_len": 4, "eval_size": 16})
+    ev = list(env.tasks("eval", 0))
+    tr = list(itertools.islice(env.tasks("train", 0), 500))
+    assert len(ev) == 16 and not ({t["word"] for t in ev} & {t["word"] for t in tr})
+    t = tr[0]
+    assert env.reset(t) == f"Reverse: {t['word']}"
+    assert env.step(t["word"][::-1] + "\n", EpisodeState(task=t)).reward == 1.0
+    assert env.step(t["word"], EpisodeState(task=t)).reward == (1.0 if t["word"] == t["word"][::-1] else 0.0)
+    with pytest.raises(ValueError, match=r"agent.options.*max_len \(2\) must be >= min_len \(3\)"):
+        make_agent(host.get("envs", "reverse_word"), {"min_len": 3, "max_len": 2})
