@@ -62,6 +62,15 @@ def test_binary_reward_keeps_raw_score():
     assert _step(e, t, t["answer"]).reward == 1.0
 
 
+def test_reward_weight_scales_reward_not_score():
+    e = ReasoningGymEnv(task="basic_arithmetic", config=ADD2, reward_weight=0.0, size=10, eval_size=4)
+    t = next(e.tasks("eval", 0))
+    r = _step(e, t, t["answer"])
+    assert (r.reward, r.score) == (0.0, 1.0)
+    e2 = ReasoningGymEnv(task="basic_arithmetic", config=ADD2, reward_weight=0.5, size=10, eval_size=4)
+    assert _step(e2, t, t["answer"]).reward == 0.5
+
+
 def test_uses_the_tasks_own_score_answer():
     # chain_sum's verifier compares decimals: "+01,000.00" == "1000" (reasoning_gym/arithmetic/chain_sum.py)
     e = ReasoningGymEnv(task="chain_sum", size=10, eval_size=4)

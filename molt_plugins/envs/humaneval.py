@@ -42,6 +42,8 @@ class HumanEvalOptions(BaseModel):
     * ``timeout_s`` / ``memory_mb`` -- sandbox limits of one grading run.
     * ``limit_exceeded`` -- ``fail``: a timeout / memory kill raises ``RewardFailed`` (the
       trajectory is excluded); ``zero``: it scores 0.0.
+    * ``reward_weight`` -- the env's reward is ``reward_weight * score`` (0 leaves the reward
+      to ``[rewards.*]`` plugins; ``score`` still drives eval pass@k).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +54,7 @@ class HumanEvalOptions(BaseModel):
     timeout_s: float = Field(10.0, gt=0)
     memory_mb: int = Field(1024, ge=64)
     limit_exceeded: Literal["fail", "zero"] = "fail"
+    reward_weight: float = 1.0
 
 
 def _imports(prompt: str) -> str:
@@ -148,4 +151,4 @@ class HumanEvalEnv(Env):
     def step(self, action_text: str, state: EpisodeState) -> Result:
         """Grade the reply; the episode ends."""
         s = self.score(action_text, state.task)
-        return Result(reward=s, score=s, terminated=True, info={"task_id": state.task.get("task_id")})
+        return Result(reward=self.options.reward_weight * s, score=s, terminated=True, info={"task_id": state.task.get("task_id")})

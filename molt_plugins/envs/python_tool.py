@@ -152,7 +152,7 @@ class PythonToolEnv(ReasoningGymEnv):
             obs = "\n".join(f"<tool_response>\n{x}\n</tool_response>" for x in outs)
             return Result(reward=0.0, observation=obs, info={"tool_calls": len(calls)})
         s = self.score(_final_text(action_text), state.task)
-        r = (1.0 if s == 1.0 else 0.0) if o.binary else s
+        r = o.reward_weight * ((1.0 if s == 1.0 else 0.0) if o.binary else s)
         return Result(reward=r, score=s, terminated=not calls, truncated=bool(calls),
                       info={"tool_calls": len(calls), "turns": state.turn + 1})
 
@@ -203,7 +203,8 @@ class PythonToolChatAgent(ChatAgent):
                 calls = list(msg.tool_calls or [])
                 if not calls:
                     s = self._rg.score(content, ctx.task)
-                    return Result(reward=(1.0 if s == 1.0 else 0.0) if o.binary else s, score=s, terminated=True,
+                    return Result(reward=o.reward_weight * ((1.0 if s == 1.0 else 0.0) if o.binary else s), score=s,
+                                  terminated=True,
                                   info={"tool_calls": n_calls, "turns": turn + 1})
                 messages.append({
                     "role": "assistant", "content": msg.content,
@@ -223,5 +224,5 @@ class PythonToolChatAgent(ChatAgent):
         finally:
             await client.close()
         s = self._rg.score(_final_text(content), ctx.task)
-        return Result(reward=(1.0 if s == 1.0 else 0.0) if o.binary else s, score=s, truncated=True,
+        return Result(reward=o.reward_weight * ((1.0 if s == 1.0 else 0.0) if o.binary else s), score=s, truncated=True,
                       info={"tool_calls": n_calls, "turns": o.max_turns})

@@ -59,6 +59,8 @@ class ReasoningGymOptions(BaseModel):
       default scorer gives partial credit ``len(gold)/len(reply)`` when the gold answer is a
       substring of the reply, e.g. 0.75 for ``"1101"`` against ``"110"``); ``score`` keeps
       the raw value either way.
+    * ``reward_weight`` -- the env's reward is ``reward_weight * score`` (0 leaves the reward
+      to ``[rewards.*]`` plugins while ``score`` still drives eval pass@k).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -73,6 +75,7 @@ class ReasoningGymOptions(BaseModel):
     strip_suffixes: list[str] = Field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     answer_tag: str | None = None
     binary: bool = False
+    reward_weight: float = 1.0
 
 
 def _jsonable(x: Any) -> Any:
@@ -250,8 +253,8 @@ class ReasoningGymEnv(Env):
             raise RewardFailed("crash", f"{self.options.task}.score_answer raised {type(e).__name__}: {e}") from e
 
     def step(self, action_text: str, state: EpisodeState) -> Result:
-        """Score the single reply; the episode ends (``terminated=True``). ``reward`` is the
-        score (or its 0/1 form with ``binary``)."""
+        """Score the single reply; the episode ends (``terminated=True``). ``reward`` is
+        ``reward_weight`` times the score (or its 0/1 form with ``binary``)."""
         s = self.score(action_text, state.task)
-        r = (1.0 if s == 1.0 else 0.0) if self.options.binary else s
+        r = self.options.reward_weight * ((1.0 if s == 1.0 else 0.0) if self.options.binary else s)
         return Result(reward=r, score=s, terminated=True, info={"task": self.options.task})

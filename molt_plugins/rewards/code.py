@@ -31,6 +31,8 @@ class CodeTestsOptions(RewardOptions):
     """Options of :func:`code_tests`.
 
     * ``tests_field`` -- task key holding test code (asserts) run after the solution.
+    * ``tests_template`` -- instead of ``tests_field``: a ``str.format`` template over the
+      task's fields, e.g. ``"{test}\ncheck({entry_point})"`` for HumanEval-style tasks.
     * ``prefix_field`` -- optional task key whose text is put before the solution (e.g. a
       function signature the response completes).
     * ``extract`` -- ``last_block`` / ``first_block`` fenced code block, or ``raw``.
@@ -40,6 +42,7 @@ class CodeTestsOptions(RewardOptions):
     """
 
     tests_field: str = "tests"
+    tests_template: str | None = None
     prefix_field: str | None = None
     extract: Literal["last_block", "first_block", "raw"] = "last_block"
     timeout_s: float = Field(5.0, gt=0)
@@ -58,12 +61,19 @@ def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> f
             sandbox limit (unless ``limit_exceeded = "zero"``); ``crash`` when the sandbox
             could not start.
     """
-    for f in (opts.tests_field, opts.prefix_field):
+    for f in (None if opts.tests_template else opts.tests_field, opts.prefix_field):
         if f is not None and f not in task:
             raise KeyError(f"code_tests needs task[{f!r}]; the task has {sorted(task)}")
+    if opts.tests_template:
+        try:
+            tests = opts.tests_template.format(**task)
+        except (KeyError, IndexError) as e:
+            raise KeyError(f"rewards.code_tests.tests_template refers to {e}, not a field of the task {sorted(task)}") from None
+    else:
+        tests = str(task[opts.tests_field])
     code = extract_code(response, opts.extract)
     prefix = str(task[opts.prefix_field]) if opts.prefix_field else ""
-    program = f"{prefix}{code}\n\n{task[opts.tests_field]}\n"
+    program = f"{prefix}{code}\n\n{tests}\n"
     try:
         res = run_python(program, timeout_s=opts.timeout_s, memory_mb=opts.memory_mb)
     except OSError as e:
