@@ -170,5 +170,54 @@ def recipes() -> None:
     Console().print(table)
 
 
+@main.command()
+@click.option("--model", "model", required=True, help="A local Hugging Face model directory or builtin:<name> (e.g. builtin:tiny-qwen3).")
+@click.option("--port", default=0, type=click.IntRange(0, 65535), help="Port on 127.0.0.1 (0: a free random port).")
+@click.option("--admin-key", envvar="MOLT_ADMIN_KEY", default=None, help="Key for the /sessions admin routes (env MOLT_ADMIN_KEY; random when unset).")
+@click.option("--max-batch-size", default=16, type=click.IntRange(1), help="Sequences the engine decodes together.")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Parameter dtype.")
+@click.option("--enable-thinking/--disable-thinking", default=None, help="Set the chat template's enable_thinking for every session.")
+def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str, enable_thinking: bool | None) -> None:
+    """Serve MODEL on 127.0.0.1 for any OpenAI or Anthropic SDK, recording every session token-exactly.
+
+    Prints one JSON line on stdout -- base_url, admin_key and a ready-made session
+    (openai_base_url, anthropic_base_url, api_key) -- then serves until interrupted.
+    """
+    import time
+
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.server import start_server
+
+    try:
+        engine = TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(f"--model {model}: {e}")
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    try:
+        handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, model_name=model,
+                              chat_template_kwargs=kwargs)
+    except OSError as e:
+        _fail(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e})")
+    info = handle.create_session()
+    click.echo(json.dumps({"base_url": handle.base_url, "admin_key": handle.admin_key, "model": model,
+                           "session": info.model_dump()}), nl=True)
+    sys.stdout.flush()
+    console.print(f"[bold]molt serve[/] {model} at {handle.base_url}\n"
+                  f"  admin key: {handle.admin_key}   (POST /sessions, GET /sessions/<id>/trajectory)\n"
+                  f"  session {info.session_id}: OpenAI base_url={info.openai_base_url}  "
+                  f"Anthropic base_url={info.anthropic_base_url}  api_key={info.api_key}\n"
+                  f"  Ctrl-C to stop.", highlight=False)
+    try:
+        while handle.running:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+        close = getattr(engine, "close", None)
+        if close:
+            close()
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -153,8 +153,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         engine: generates from prompt ids; its ``tokenizer`` is used when ``tokenizer`` is None.
         admin_key: key for ``/sessions`` routes (random when None; read ``app.state.admin_key``).
         model_name: the served model id (requests may name any model).
-        max_model_len: context length in tokens (default: ``engine.max_model_len`` or the
-            tokenizer's ``model_max_length`` when below 10**6); longer prompts get a 400.
+        max_model_len: context length in tokens (default: the first of ``engine.max_model_len``,
+            ``engine.max_positions``, the tokenizer's ``model_max_length`` below 10**7); a
+            prompt that fills it gets a 400, and ``max_tokens`` is capped to what is left.
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
 
@@ -163,10 +164,11 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     """
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
     if max_model_len is None:
-        max_model_len = getattr(engine, "max_model_len", None)
-        tml = getattr(tokenizer, "model_max_length", None)
-        if max_model_len is None and isinstance(tml, int) and tml < 10**6:
-            max_model_len = tml
+        for cand in (getattr(engine, "max_model_len", None), getattr(engine, "max_positions", None),
+                     getattr(tokenizer, "model_max_length", None)):
+            if isinstance(cand, int) and 0 < cand < 10**7:
+                max_model_len = cand
+                break
     app = FastAPI(title="molt loopback server", docs_url=None, redoc_url=None, openapi_url=None)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs)
     app.state.sessions = store
@@ -367,6 +369,11 @@ class ServerHandle:
     def close_session(self, session_id: str) -> Trajectory:
         """Remove the session; returns its final trajectory. Raises: KeyError."""
         return self.sessions.close(session_id)
+
+    @property
+    def running(self) -> bool:
+        """True while the server thread is serving."""
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and join the server thread (idempotent)."""
