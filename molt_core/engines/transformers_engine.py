@@ -29,6 +29,13 @@ found in the *decoded* completion (never re-encoded) ends it likewise, the token
 one that completed the string kept. ``max_tokens`` or the model's context limit gives
 ``"length"``. The reported token count is the single source of the loss mask downstream
 (cases B06/B07: a pad id equal to a stop id is never scanned for).
+
+Routing (R3, arXiv 2510.11370): for an MoE model (one with ``*TopKRouter`` modules, see
+:mod:`molt_core.routing`) forward hooks record the top-k expert ids every MoE layer chose at
+every position the engine ran -- the prompt's positions in prefill (padding columns dropped)
+and each fed-back token in decode -- and ``GenerationOutput.routed_experts`` returns them as
+``[P + N, num_moe_layers, top_k]`` by absolute position. The last sampled token was never fed
+through the model, so its row is ``-1`` (the next turn's prefill supplies it).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class _Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     next_pos: int = 0  # real tokens already in this row's KV cache
+    routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, L, K] chunks, by position
 
 
 class TransformersEngine:
@@ -151,6 +159,10 @@ class TransformersEngine:
         # transformers >= 5.x names the KV cache argument ``cache``; earlier ``past_key_values``
         fwd = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        from molt_core.routing import RoutingRecorder, is_moe
+
+        self._routing = RoutingRecorder(model).attach() if is_moe(model) else None
+        self._last_route: torch.Tensor | None = None  # [B * T, L, K] of the last forward
         self._worker = threading.Thread(target=self._loop, name="molt-transformers-engine", daemon=True)
         self._worker.start()
 
@@ -178,7 +190,8 @@ class TransformersEngine:
         Returns:
             :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
             (natural log), per-token policy versions, ``finish_reason`` ``stop``/``length``
-            and ``stop_reason`` (the stop id or string), ``prompt_len = P``.
+            and ``stop_reason`` (the stop id or string), ``prompt_len = P``; for an MoE model
+            ``routed_experts`` ``[P + N, num_moe_layers, top_k]`` (-1 on the last token).
 
         Raises:
             ValueError: empty/too long/out-of-range ``prompt_ids``, or stop strings without a
@@ -318,12 +331,16 @@ class TransformersEngine:
             self._deliver(r, RuntimeError("the engine was closed before this generation finished"))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
-        """One forward: ``[B, T]`` ids -> last-position logits ``[B, V]`` and the grown cache."""
+        """One forward: ``[B, T]`` ids -> last-position logits ``[B, V]`` and the grown cache;
+        for MoE models ``self._last_route`` gets the routing ``[B * T, L, K]``."""
+        if self._routing is not None:
+            self._routing.clear()
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
         )
         self.num_steps += 1
+        self._last_route = self._routing.take() if self._routing is not None else None
         new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
         return out.logits[:, -1, :], new_cache
 
@@ -341,6 +358,10 @@ class TransformersEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward(ids, mask, pos, None)
+        if self._last_route is not None:  # [B * n, L, K] -> each row's real (right-aligned) columns
+            rt = self._last_route.view(len(reqs), n, *self._last_route.shape[1:])
+            for i, r in enumerate(reqs):
+                r.routed.append(rt[i, n - len(r.prompt_ids):])
         layers = _layers(cache)
         for layer in layers:  # padded slots hold garbage (possibly NaN): zero them
             pad = mask[:, None, :, None] == 0
@@ -376,8 +397,10 @@ class TransformersEngine:
         pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
         self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
         logits, self._cache = self._forward(ids, self._mask, pos, self._cache)
-        for r in rows:
+        for i, r in enumerate(rows):
             r.next_pos += 1
+            if self._last_route is not None:
+                r.routed.append(self._last_route[i:i + 1])
         self._sample(rows, logits)
         keep = [i for i, r in enumerate(rows) if r.finish_reason is None and not r.future.cancelled()]
         if len(keep) == len(rows):
@@ -438,8 +461,20 @@ class TransformersEngine:
             if r.finish_reason is not None:
                 self._deliver(r, GenerationOutput(
                     token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
-                    stop_reason=r.stop_reason, prompt_len=len(r.prompt_ids),
+                    stop_reason=r.stop_reason, prompt_len=len(r.prompt_ids), routed_experts=self._routed_rows(r),
                 ))
+
+    def _routed_rows(self, r: _Request) -> list[list[list[int]]] | None:
+        """``[P + N, L, K]`` routed experts of ``r`` by absolute position (-1 rows where the
+        engine ran no forward: the last sampled token), or None for a dense model."""
+        if self._routing is None:
+            return None
+        rows = torch.cat(r.routed).cpu() if r.routed else torch.empty(0, self._routing.num_layers, self._routing.top_k, dtype=torch.long)
+        total = len(r.prompt_ids) + len(r.tokens)
+        if rows.shape[0] > total:
+            raise RuntimeError(f"recorded routing for {rows.shape[0]} positions, but the sequence has {total}")
+        pad = torch.full((total - rows.shape[0], *rows.shape[1:]), -1, dtype=torch.long)
+        return torch.cat([rows.long(), pad]).tolist()
 
     @staticmethod
     def _deliver(r: _Request, result: GenerationOutput | BaseException) -> None:

@@ -1,0 +1,242 @@
+"""MoE routing record (engine) and replay (trainer backends): issue 7 items 1-2, case B11."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from molt_core.routing import RoutingRecorder, find_routers, flip_mask, get_replay_backend, routing_shape
+from molt_core.types import SamplingParams
+from molt_plugins.replay.topk import MixtralReplay, OlmoeReplay, Qwen3MoeReplay
+
+torch.set_num_threads(1)
+
+B11_LOGITS = [2.0, 1.0, 0.5, 0.0]
+
+
+# ------------------------------------------------------------------ B11 on a bare router
+def _router(kind: str, norm: bool = True) -> torch.nn.Module:
+    """A router over 4 experts, top-2, hidden size 4, weight = identity (logits = input)."""
+    if kind == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+        r = MixtralTopKRouter(MixtralConfig(hidden_size=4, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        r = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=4, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm))
+    with torch.no_grad():
+        r.weight.copy_(torch.eye(4))
+    holder = torch.nn.Module()
+    holder.gate = r
+    return holder
+
+
+def _b11(kind: str, norm: bool, recorded: list[int]):
+    holder = _router(kind, norm)
+    backend = {"mixtral": MixtralReplay(), "qwen3": Qwen3MoeReplay()}[kind]
+    x = torch.tensor([B11_LOGITS], requires_grad=True)  # logits == x (identity router weight)
+    with backend.replay(holder, torch.tensor(recorded).view(1, 1, 1, 2)):
+        logits, w, idx = holder.gate(x)
+    assert torch.equal(logits.detach(), torch.tensor([B11_LOGITS]))
+    return x, w, idx
+
+
+@pytest.mark.parametrize("kind,norm,expected", [
+    ("qwen3", False, [0.579259, 0.129250]),  # softmax over all experts, gathered at {0, 2}
+    ("qwen3", True, [0.817574, 0.182426]),  # ... renormalised over the top-k (norm_topk_prob)
+    ("mixtral", True, [0.817574, 0.182426]),  # Mixtral always renormalises
+])
+def test_b11_replayed_weights(kind, norm, expected):
+    holder = _router(kind, norm)
+    _, w_nat, idx_nat = holder.gate(torch.tensor([B11_LOGITS]))
+    assert sorted(idx_nat[0].tolist()) == [0, 1]  # the trainer's natural top-2
+    x, w, idx = _b11(kind, norm, [0, 2])
+    assert idx[0].tolist() == [0, 2]
+    assert w[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert bool((w > 0).all())  # never a zero weight
+    # gradient: loss = w0 - 0.5 w2
+    (w[0, 0] - 0.5 * w[0, 1]).backward()
+    g = x.grad[0]
+    assert g[0] != 0 and g[2] != 0
+    if norm:
+        # w = softmax([l0, l2]): dL/dl0 = 1.5 w0 w2 = 1.5 * 0.817574 * 0.182426 = 0.223719, dL/dl2 = -dL/dl0;
+        # logits 1 and 3 are outside the renormalised pair: exactly 0
+        assert g.tolist() == pytest.approx([0.223719, 0.0, -0.223719, 0.0], abs=1e-6)
+    else:
+        # w_i = p_i (full softmax p): dL/dl_j = p0(d0j - pj) - 0.5 p2(d2j - pj)
+        # with p = [0.579259, 0.213097, 0.129250, 0.078394]: every logit moves (the softmax
+        # denominator), the replayed pair most
+        assert g.tolist() == pytest.approx([0.281153, -0.109667, -0.131141, -0.040344], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
+def test_unrecorded_row_keeps_natural_routing(kind):
+    holder = _router(kind, True)
+    x = torch.tensor([B11_LOGITS, [0.0, 0.3, 0.2, 3.0], B11_LOGITS])
+    nat_logits, nat_w, nat_idx = holder.gate(x)
+    backend = MixtralReplay() if kind == "mixtral" else Qwen3MoeReplay()
+    rec = torch.tensor([[-1, -1], [1, 2], [0, -1]]).view(1, 3, 1, 2)  # padding, recorded, incomplete
+    with backend.replay(holder, rec):
+        _, w, idx = holder.gate(x)
+    assert torch.equal(idx[0], nat_idx[0]) and torch.equal(w[0], nat_w[0])  # never expert 0 by default
+    assert torch.equal(idx[2], nat_idx[2]) and torch.equal(w[2], nat_w[2])
+    assert idx[1].tolist() == [1, 2] and bool((w[1] > 0).all())
+    # outside the block the router is natural again
+    _, _, idx2 = holder.gate(x)
+    assert torch.equal(idx2, nat_idx)
+
+
+def test_replay_input_errors():
+    holder = _router("qwen3")
+    be = Qwen3MoeReplay()
+    with pytest.raises(ValueError, match=r"expected \[B, T, 1, 2\]"):
+        with be.replay(holder, torch.zeros(1, 1, 2, 2, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match="expert id 4, but the model has 4 experts"):
+        with be.replay(holder, torch.tensor([0, 4]).view(1, 1, 1, 2)):
+            pass
+    with pytest.raises(ValueError, match="repeats an expert id"):
+        with be.replay(holder, torch.tensor([3, 3]).view(1, 1, 1, 2)):
+            pass
+    with pytest.raises(ValueError, match="got 2 tokens but routed_experts covers 1"):
+        with be.replay(holder, torch.tensor([0, 1]).view(1, 1, 1, 2)):
+            holder.gate(torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="replays MixtralTopKRouter"):
+        with MixtralReplay().replay(holder, torch.tensor([0, 1]).view(1, 1, 1, 2)):
+            pass
+    assert "forward" not in holder.gate.__dict__  # patch removed after an error inside the block
+
+
+def test_flip_mask():
+    sel = torch.tensor([[[0, 1]], [[1, 0]], [[2, 3]], [[0, 1]]])
+    rec = torch.tensor([[[1, 0]], [[1, 0]], [[2, 1]], [[-1, -1]]])
+    flipped, valid = flip_mask(sel, rec)
+    assert flipped[:, 0].tolist() == [False, False, True, False]  # order within top-k ignored
+    assert valid[:, 0].tolist() == [True, True, True, False]
+
+
+# ------------------------------------------------------------------ whole models
+def _tiny(model_type: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig
+
+    from molt_core.models import load_model
+
+    if model_type == "qwen3_moe":
+        return load_model("builtin:tiny-qwen3-moe")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = MixtralConfig(**common, num_local_experts=4) if model_type == "mixtral" else OlmoeConfig(**common, num_experts=4)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_model_replay(model_type):
+    model = _tiny(model_type)
+    backend = get_replay_backend(model)  # selected by config.model_type through the plugin
+    assert type(backend) is {"qwen3_moe": Qwen3MoeReplay, "mixtral": MixtralReplay, "olmoe": OlmoeReplay}[model_type]
+    L, K = routing_shape(model)
+    assert (L, K) == ((4, 2) if model_type == "qwen3_moe" else (2, 2))
+    ids = torch.randint(0, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        ref = model(input_ids=ids).logits
+        nat = rec.take().view(2, 6, L, K)
+        # replaying the natural selection is the natural forward, bit for bit
+        with backend.replay(model, nat):
+            same = model(input_ids=ids).logits
+            assert torch.equal(rec.take().view(2, 6, L, K), nat)
+    assert torch.equal(same, ref)
+    # an arbitrary selection (the opposite pair of experts), padding rows -1
+    other = torch.stack([torch.tensor([e for e in range(4) if e not in row]) for row in nat.view(-1, K).tolist()])
+    forced = other.view(2, 6, L, K).clone()
+    forced[1, :2] = -1
+    model.zero_grad()
+    with RoutingRecorder(model) as rec, backend.replay(model, forced):
+        out = model(input_ids=ids).logits
+        used = rec.take().view(2, 6, L, K)
+    flipped, valid = flip_mask(used, forced)
+    assert not bool(flipped.any()) and int(valid.sum()) == (12 - 2) * L
+    assert torch.equal(used[1, :2], nat[1, :2])  # -1 rows keep the natural routing
+    assert not torch.allclose(out, ref)
+    out.float().pow(2).mean().backward()
+    for r in find_routers(model):
+        assert r.weight.grad is not None and bool((r.weight.grad != 0).any())  # the router keeps learning
+
+
+# ------------------------------------------------------------------ engine recording
+@pytest.fixture(scope="module")
+def moe_engine():
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=4, seed=0)
+    yield eng
+    eng.close()
+
+
+def _natural(model, seq):
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        model(input_ids=torch.tensor([seq]))
+        return rec.take()
+
+
+def test_engine_records_routing_by_position(moe_engine):
+    """Concurrent requests of different prompt lengths (left padding), finishing at different
+    steps (row trimming), more requests than batch rows (joining mid-decode): every row's
+    routing equals that of an unbatched forward over its own tokens, by absolute position."""
+    prompts = [[1] + list(range(10, 10 + k)) for k in (3, 11, 5, 17, 2, 8)]
+
+    async def go():
+        return await asyncio.gather(*[moe_engine.generate(p, SamplingParams(max_tokens=4 + 3 * i, seed=i))
+                                      for i, p in enumerate(prompts)])
+
+    outs = asyncio.run(go())
+    for p, o in zip(prompts, outs):
+        seq = p + o.token_ids
+        r = torch.tensor(o.routed_experts)
+        assert r.shape == (len(seq), 4, 2)
+        assert bool((r[-1] == -1).all())  # the last sampled token never ran through the model
+        assert bool((r[:-1] >= 0).all())
+        assert torch.equal(r[:-1].sort(-1).values, _natural(moe_engine.model, seq[:-1]).sort(-1).values)
+
+
+def test_engine_two_turns_fill_last_token(moe_engine):
+    """Across turns the ledger keeps earlier rows and the next prefill supplies the previous
+    turn's last token (its -1 row)."""
+    from molt_core.ledger import Ledger
+
+    led = Ledger(moe_engine.tokenizer)
+    msgs = [{"role": "user", "content": "hi"}]
+    p1 = led.prepare(msgs)
+    o1 = asyncio.run(moe_engine.generate(p1.prompt_ids, SamplingParams(max_tokens=3, seed=3)))
+    led.commit(p1, o1)
+    n1 = len(led.segments()[0].token_ids)
+    assert led.segments()[0].routed_experts[n1 - 1] == [[-1, -1]] * 4
+    msgs2 = led.history + [{"role": "user", "content": "more"}]
+    p2 = led.prepare(msgs2)
+    o2 = asyncio.run(moe_engine.generate(p2.prompt_ids, SamplingParams(max_tokens=3, seed=4)))
+    led.commit(p2, o2)
+    (seg,) = led.segments()
+    r = torch.tensor(seg.routed_experts)
+    assert r.shape[0] == len(seg.token_ids)
+    assert bool((r[:-1] >= 0).all()) and bool((r[-1] == -1).all())
+    assert r[:n1 - 1].tolist() == o1.routed_experts[:n1 - 1]  # turn 1's own rows kept
+    assert r[n1 - 1].tolist() == o2.routed_experts[n1 - 1]  # filled by turn 2's prefill
+
+
+def test_dense_engine_returns_no_routing():
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine("builtin:tiny-qwen3", max_batch_size=2, seed=0)
+    try:
+        o = asyncio.run(eng.generate([1, 20, 30], SamplingParams(max_tokens=2, seed=0)))
+        assert o.routed_experts is None
+    finally:
+        eng.close()
