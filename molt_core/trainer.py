@@ -8,10 +8,13 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
    has several rows sharing one reward), right-padded; per-token lengths, sampled-token
    spans and token ids are re-checked (token identity), and each row points at its rollout,
    each rollout at its group (one reward per rollout).
-2. **Recompute** (no grad): the log-probability of every sampled token under the current
-   weights, through :func:`molt_core.sampling.processed_logprobs` with the temperature /
-   top-k / top-p of the span that sampled it -- the transform the engine used, so with
-   identical weights the importance ratio is exactly 1 (forward consistency, B08/B09).
+2. **Recompute**: the log-probability of every sampled token under the current weights
+   (the *proximal* policy), through :func:`molt_core.sampling.processed_logprobs` with the
+   temperature / top-k / top-p of the span that sampled it -- the transform the engine used,
+   so with identical weights the importance ratio is exactly 1 (forward consistency,
+   B08/B09). A separate no-grad pass, or -- with one PPO epoch, where the proximal policy is
+   the policy being differentiated -- the loss forward itself (``lp.detach()``, bit-identical;
+   see :meth:`Trainer.fused_recompute_ok`).
 3. **Correction** (:func:`molt_core.algo.correction.apply_correction`): the staleness gate
    and per-token importance weights -- the single policy-version site.
 4. **Advantages** (:func:`molt_core.algo.advantages.compute_advantages`).
@@ -40,6 +43,7 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -99,6 +103,8 @@ class Batch:
       ``group_id`` is a group of its own).
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
     * ``tokens_retokenized`` -- sum of ``info["tokens_retokenized"]`` over the rollouts.
+    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
+      per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
     """
 
     input_ids: torch.Tensor
@@ -113,6 +119,7 @@ class Batch:
     group_index: torch.Tensor
     teacher_logprobs: torch.Tensor | None
     tokens_retokenized: int
+    routed_experts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -186,88 +193,124 @@ def build_batch(
         for j, seg in enumerate(traj.segments):
             rows.append((r, seg, j))
 
+    # flatten every per-token field once; check and pad vectorised
     B = len(rows)
-    T = max(len(seg.token_ids) for _, seg, _ in rows)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.bool)
-    beh = torch.zeros((B, T), dtype=torch.float32)
-    versions = torch.full((B, T), -1, dtype=torch.long)
-    param_ids = torch.full((B, T), -1, dtype=torch.long)
-    lengths = torch.zeros(B, dtype=torch.long)
-    rollout_index = torch.zeros(B, dtype=torch.long)
-    teacher = torch.zeros((B, T), dtype=torch.float32) if need_teacher else None
-    params: list[tuple[float, int, float]] = []
-    pindex: dict[tuple[float, int, float], int] = {}
-
+    where = [f"rollout {usable[r].rollout_id}, segment {j}" for r, _, j in rows]
+    flat_ids: list[int] = []
+    flat_mask: list[bool] = []
+    flat_lp: list[float] = []
+    flat_v: list[int] = []
+    lens: list[int] = []
     for b, (r, seg, j) in enumerate(rows):
-        where = f"rollout {usable[r].rollout_id}, segment {j}"
         n = len(seg.token_ids)
+        if n == 0:
+            raise IngressError(f"{where[b]}: empty segment (no token_ids)")
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(seg, name)) != n:
-                raise IngressError(f"{where}: {name} has length {len(getattr(seg, name))}, token_ids has {n}")
-        if n == 0:
-            raise IngressError(f"{where}: empty segment (no token_ids)")
-        ids = torch.tensor(seg.token_ids, dtype=torch.long)
-        if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
-            bad = next(i for i, t in enumerate(seg.token_ids) if t < 0 or (vocab_size is not None and t >= vocab_size))
-            raise IngressError(f"{where}: token_ids[{bad}] = {seg.token_ids[bad]} is outside the vocabulary [0, {vocab_size})")
-        m = torch.tensor(seg.loss_mask, dtype=torch.bool)
-        if bool(m[0]):
-            raise IngressError(f"{where}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
-        lp_t = torch.tensor([math.nan if x is None else x for x in seg.logprobs], dtype=torch.float64)
-        v_t = torch.tensor([-1 if x is None else x for x in seg.versions], dtype=torch.long)
-        bad = m & (~torch.isfinite(lp_t) | (lp_t > 0) | (v_t < 0))
-        bad |= ~m & (~torch.isnan(lp_t) | (v_t != -1))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise IngressError(
-                f"{where}: token {i} (loss_mask {bool(m[i])}) has logprob {seg.logprobs[i]!r} and version "
-                f"{seg.versions[i]!r}; a sampled token needs a finite logprob <= 0 and a version >= 0, "
-                "a non-sampled token neither"
-            )
-        pid = torch.full((n,), -1, dtype=torch.long)
+                raise IngressError(f"{where[b]}: {name} has length {len(getattr(seg, name))}, token_ids has {n}")
+        lens.append(n)
+        flat_ids += seg.token_ids
+        flat_mask += seg.loss_mask
+        flat_lp += [math.nan if x is None else x for x in seg.logprobs]
+        flat_v += [-1 if x is None else x for x in seg.versions]
+    lengths = torch.tensor(lens, dtype=torch.long)
+    T = max(lens)
+    ids = torch.tensor(flat_ids, dtype=torch.long)
+    m = torch.tensor(flat_mask, dtype=torch.bool)
+    lp = torch.tensor(flat_lp, dtype=torch.float64)
+    v = torch.tensor(flat_v, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(B), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(len(flat_ids)) - starts[row]
+
+    def first_bad(bad: torch.Tensor) -> tuple[int, int, int] | None:
+        if not bool(bad.any()):
+            return None
+        k = int(bad.nonzero()[0])
+        return int(row[k]), int(pos[k]), k
+
+    hi = vocab_size if vocab_size is not None else None
+    bad = first_bad((ids < 0) | (ids >= hi) if hi is not None else ids < 0)
+    if bad:
+        b, i, k = bad
+        raise IngressError(f"{where[b]}: token_ids[{i}] = {flat_ids[k]} is outside the vocabulary [0, {vocab_size})")
+    bad = first_bad(m & (pos == 0))
+    if bad:
+        raise IngressError(f"{where[bad[0]]}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
+    bad = first_bad((m & (~torch.isfinite(lp) | (lp > 0) | (v < 0))) | (~m & (~torch.isnan(lp) | (v != -1))))
+    if bad:
+        b, i, k = bad
+        seg = rows[b][1]
+        raise IngressError(
+            f"{where[b]}: token {i} (loss_mask {flat_mask[k]}) has logprob {seg.logprobs[i]!r} and version "
+            f"{seg.versions[i]!r}; a sampled token needs a finite logprob <= 0 and a version >= 0, "
+            "a non-sampled token neither"
+        )
+
+    # sampling transform of each sampled token, from the spans
+    params: list[tuple[float, int, float]] = []
+    pindex: dict[tuple[float, int, float], int] = {}
+    pid = torch.full((len(flat_ids),), -1, dtype=torch.long)
+    for b, (r, seg, j) in enumerate(rows):
+        off = int(starts[b])
         for k, sp in enumerate(seg.span_params()):
-            if sp.end > n:
-                raise IngressError(f"{where}: spans[{k}] ends at {sp.end} beyond the {n} tokens")
+            if sp.end > lens[b]:
+                raise IngressError(f"{where[b]}: spans[{k}] ends at {sp.end} beyond the {lens[b]} tokens")
             key = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
             c = pindex.setdefault(key, len(params))
             if c == len(params):
                 params.append(key)
-            sl = slice(sp.start, sp.end)
-            span_sampled = m[sl]
-            prev = pid[sl][span_sampled]
+            view = pid[off + sp.start: off + sp.end]  # a view: writes land in pid
+            sampled = m[off + sp.start: off + sp.end]
+            prev = view[sampled]
             if bool(((prev != -1) & (prev != c)).any()):
-                raise IngressError(f"{where}: spans[{k}] overlaps another span with different sampling settings")
-            seg_pid = pid[sl]
-            seg_pid[span_sampled] = c
-            pid[sl] = seg_pid
-        uncovered = (m & (pid == -1)).nonzero().flatten()
-        if len(uncovered):
-            raise IngressError(
-                f"{where}: sampled token {int(uncovered[0])} lies in no sampled span; the trainer "
-                "cannot know which temperature/top-k/top-p sampled it"
-            )
-        input_ids[b, :n] = ids
-        mask[b, :n] = m
-        beh[b, :n] = torch.nan_to_num(lp_t, nan=0.0).float()
-        versions[b, :n] = v_t
-        param_ids[b, :n] = pid
-        lengths[b] = n
-        rollout_index[b] = r
-        if teacher is not None:
+                raise IngressError(f"{where[b]}: spans[{k}] overlaps another span with different sampling settings")
+            view[sampled] = c
+    bad = first_bad(m & (pid == -1))
+    if bad:
+        raise IngressError(
+            f"{where[bad[0]]}: sampled token {bad[1]} lies in no sampled span; the trainer "
+            "cannot know which temperature/top-k/top-p sampled it"
+        )
+
+    def pad(x: torch.Tensor, fill: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((B, T), fill, dtype=dtype)
+        out[row, pos] = x.to(dtype)
+        return out
+
+    input_ids = pad(ids, pad_id, torch.long)
+    mask = pad(m, False, torch.bool)
+    beh = pad(torch.nan_to_num(lp, nan=0.0), 0.0, torch.float32)
+    versions = pad(v, -1, torch.long)
+    param_ids = pad(pid, -1, torch.long)
+    rollout_index = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
+
+    teacher = None
+    if need_teacher:
+        teacher = torch.zeros((B, T), dtype=torch.float32)
+        for b, (r, seg, j) in enumerate(rows):
             traj = usable[r]
+            n = lens[b]
             tl = traj.info.get("teacher_logprobs")
             if not isinstance(tl, list) or len(tl) != len(traj.segments) or len(tl[j]) != n:
                 raise IngressError(
-                    f"{where}: info['teacher_logprobs'] must hold one per-token list per segment "
+                    f"{where[b]}: info['teacher_logprobs'] must hold one per-token list per segment "
                     f"(length {n} here) for advantage 'on_policy_distill'"
                 )
-            for i in m.nonzero().flatten().tolist():
+            for i, sampled in enumerate(seg.loss_mask):
+                if not sampled:
+                    continue
                 x = tl[j][i]
                 if x is None or not math.isfinite(x):
-                    raise IngressError(f"{where}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
+                    raise IngressError(f"{where[b]}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
                 teacher[b, i] = float(x)
 
+    from molt_core.routing import batch_routed_experts
+
+    try:
+        routed = batch_routed_experts([seg.routed_experts for _, seg, _ in rows], T, where)
+    except ValueError as e:
+        raise IngressError(str(e)) from None
     return Batch(
         input_ids=input_ids,
         mask=mask,
@@ -281,6 +324,7 @@ def build_batch(
         group_index=torch.tensor(group_of, dtype=torch.long),
         teacher_logprobs=teacher,
         tokens_retokenized=retok,
+        routed_experts=routed,
     )
 
 
@@ -295,11 +339,14 @@ def token_logprobs(
     param_ids: torch.Tensor,
     params: Sequence[tuple[float, int, float]],
     with_entropy: bool = False,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each sampled token under its span's processed distribution.
 
     Args:
-        logits: ``[B, T, V]`` model outputs (logits at ``t - 1`` predict token ``t``).
+        logits: ``[B, K, V]`` model outputs for positions ``offset .. offset + K - 1``
+            (logits at position ``t - 1`` predict token ``t``; ``K = T``, ``offset = 0`` for a
+            full forward).
         input_ids: ``[B, T]`` int64 token ids.
         param_ids: ``[B, T]`` int64, index into ``params`` for sampled tokens, -1 elsewhere
             (position 0 must be -1).
@@ -321,7 +368,7 @@ def token_logprobs(
         bi, ti = (param_ids == c).nonzero(as_tuple=True)
         if bi.numel() == 0:
             continue
-        lp = processed_logprobs(logits[bi, ti - 1], temp, top_k, top_p)  # [N, V]
+        lp = processed_logprobs(logits[bi, ti - 1 - offset], temp, top_k, top_p)  # [N, V]
         tok = lp.gather(-1, input_ids[bi, ti].unsqueeze(-1)).squeeze(-1)
         out = out.index_put((bi, ti), tok)
         if ent is not None:
@@ -393,6 +440,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------
 
 
+def _accepts(model: torch.nn.Module, arg: str) -> bool:
+    """Whether ``model.forward`` takes keyword ``arg`` (cached per model class)."""
+    cls = type(model)
+    cache = _ACCEPTS.setdefault(cls, {})
+    if arg not in cache:
+        import inspect
+
+        try:
+            cache[arg] = arg in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            cache[arg] = False
+    return cache[arg]
+
+
+_ACCEPTS: dict[type, dict[str, bool]] = {}
+
+
 def _model_vocab(model: torch.nn.Module) -> int | None:
     emb = getattr(model, "get_output_embeddings", lambda: None)()
     if emb is not None and hasattr(emb, "weight"):
@@ -427,7 +491,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 ref_model: torch.nn.Module | None = None) -> None:
+                 ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:
         self.cfg = cfg
         torch.manual_seed(cfg.run.seed)
         if model is None:
@@ -475,6 +539,9 @@ class Trainer:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
         self.vocab_size = _model_vocab(self.model)
+        self._init_routing(replay_backend)
+        #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
+        self.fuse_recompute = True
 
     # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
@@ -483,10 +550,106 @@ class Trainer:
 
     # -- forward --------------------------------------------------------------------------
     def _forward(self, model: torch.nn.Module, batch: Batch, rows: slice, with_entropy: bool = False):
+        """Logprobs (and entropy) ``[b, T_rows]`` of the sampled tokens of ``rows``; right
+        padding needs no attention mask (a causal model never attends to later positions).
+        Logits are only computed at the positions that predict a sampled token
+        (``logits_to_keep`` as column indices, when the model accepts it)."""
         T = int(batch.lengths[rows].max())
         ids = batch.input_ids[rows, :T].to(self.device)
-        logits = model(input_ids=ids, use_cache=False).logits
-        return token_logprobs(logits, ids, batch.param_ids[rows, :T].to(self.device), batch.params, with_entropy)
+        pids = batch.param_ids[rows, :T]
+        kw: dict[str, Any] = {}
+        offset = 0
+        if _accepts(model, "logits_to_keep"):
+            cols = (pids >= 0).any(0).nonzero().flatten()
+            if cols.numel():
+                offset = int(cols[0]) - 1
+                kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=self.device)
+        with self._routing(model, batch, rows, T):
+            logits = model(input_ids=ids, use_cache=False, **kw).logits
+        return token_logprobs(logits, ids, pids.to(self.device), batch.params, with_entropy, offset=offset)
+
+    # -- MoE routing replay (R3, arXiv 2510.11370) ---------------------------------------------
+    def _init_routing(self, backend: Any) -> None:
+        """Set up routing record/replay for an MoE policy (nothing for a dense one).
+
+        Raises:
+            ValueError: ``model.routing_replay`` is on and no backend is registered for the
+                model's ``config.model_type``.
+        """
+        from molt_core.routing import RoutingRecorder, get_replay_backend, is_moe
+
+        self.replay_backend = None
+        self._route_recorder = RoutingRecorder(self.model) if is_moe(self.model) else None
+        self._routing_used: dict[int, torch.Tensor] = {}  # first row -> selection of its first forward
+        self._replaying = True
+        if self._route_recorder is None or not self.cfg.model.routing_replay:
+            return
+        self.replay_backend = backend if backend is not None else get_replay_backend(self.model, plugins=self.cfg.plugins)
+        if self.replay_backend is None:
+            mt = getattr(self.model.config, "model_type", "?")
+            raise ValueError(
+                f"model.routing_replay is true but no routing-replay backend is registered for model type "
+                f"{mt!r}; register one with molt_register_replay_backends, or set model.routing_replay = false"
+            )
+
+    @contextmanager
+    def _routing(self, model: torch.nn.Module, batch: Batch, rows: slice, T: int):
+        """Around a policy forward over ``rows``: replay ``batch.routed_experts`` (when a
+        backend is active) and record the selection actually used (first forward per row
+        block in a step)."""
+        rec = batch.routed_experts
+        if model is not self.model or self._route_recorder is None or rec is None:
+            yield
+            return
+        rec = rec[rows, :T]
+        replay = self.replay_backend.replay(model, rec) if self.replay_backend is not None and self._replaying else nullcontext()
+        with self._route_recorder, replay:
+            yield
+            used = self._route_recorder.take()
+        self._routing_used.setdefault(int(rows.start or 0), used.view(rec.shape).cpu())
+
+    @torch.no_grad()
+    def _routing_noreplay(self, batch: Batch) -> dict[str, Any]:
+        """The no-replay diagnostic (before the update): logprobs ``[B, T]`` and routing of a
+        natural forward, when a replay backend is active and the batch carries routing."""
+        if self.replay_backend is None or batch.routed_experts is None:
+            return {}
+        self._replaying, saved, self._routing_used = False, self._routing_used, {}
+        try:
+            lp, _ = self.recompute_logprobs(batch)
+            return {"logprobs": lp, "used": self._routing_used}
+        finally:
+            self._replaying, self._routing_used = True, saved
+
+    def _routing_metrics(self, batch: Batch, prox: torch.Tensor, noreplay: dict[str, Any]) -> dict[str, float]:
+        """R3 metrics of a step (empty for a dense policy or a batch without routing).
+
+        Flip rates count (position, MoE layer) pairs at the positions whose logits score a
+        sampled token (``t - 1`` for a sampled ``t``) that have a recorded selection:
+
+        * ``invariants/routing_flip_rate`` -- the forward the loss used (0 under replay);
+        * ``invariants/routing_flip_rate_noreplay`` -- the natural routing of the same weights;
+        * ``invariants/logprob_absdiff_mean_noreplay`` / ``_max_noreplay`` -- |behaviour -
+          recomputed| without replay (``invariants/logprob_absdiff_*`` are with it);
+        * ``invariants/routing_replay`` -- 1 when replay was applied, ``routing/positions``.
+        """
+        from molt_core.routing import flip_rate
+
+        rec = batch.routed_experts
+        if self._route_recorder is None or rec is None:
+            return {}
+        mask = batch.mask
+        pos = torch.zeros_like(mask)
+        pos[:, :-1] = mask[:, 1:]
+        rate, count = flip_rate(self._routing_used, rec, pos)
+        out = {"invariants/routing_replay": float(self.replay_backend is not None),
+               "invariants/routing_flip_rate": rate, "routing/positions": float(count)}
+        lp_nat = noreplay.get("logprobs", prox)
+        out["invariants/routing_flip_rate_noreplay"] = flip_rate(noreplay["used"], rec, pos)[0] if noreplay else rate
+        diff = (batch.behaviour_logprobs - lp_nat).abs()[mask]
+        out["invariants/logprob_absdiff_mean_noreplay"] = float(diff.mean()) if diff.numel() else 0.0
+        out["invariants/logprob_absdiff_max_noreplay"] = float(diff.max()) if diff.numel() else 0.0
+        return out
 
     def _micro_batches(self, batch: Batch) -> list[slice]:
         mb = self.cfg.trainer.micro_batch_size
@@ -530,22 +693,25 @@ class Trainer:
             ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
             sampled tokens, before the update), ``invariants/logprob_absdiff_max_onpolicy``
             (tokens sampled at the current version; omitted if none),
+            for an MoE policy with recorded routing the R3 metrics of
+            :meth:`_routing_metrics` (``invariants/routing_flip_rate``, ``_noreplay`` variants),
             ``invariants/staleness_max`` (over the rows the gate kept; see
             :func:`molt_core.algo.correction.apply_correction`), ``correction/*``, ``loss/*`` (``loss/total``,
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
             (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
             0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
             ``entropy`` (mean over sampled tokens, nats, of the processed distribution),
-            ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts,
-            ``time/recompute``, ``time/train``, ``time/step`` (seconds).
+            ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
+            (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
+            forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
+            ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 
         Raises:
             IngressError: malformed trajectories (see :func:`build_batch`).
         """
         from molt_core.algo.advantages import compute_advantages
         from molt_core.algo.correction import apply_correction
-        from molt_core.algo.kl import kl_estimate, kl_loss
-        from molt_core.algo.losses import policy_loss
+        from molt_core.algo.kl import kl_estimate
 
         cfg = self.cfg
         t_start = time.perf_counter()
@@ -553,74 +719,93 @@ class Trainer:
                             need_teacher=cfg.algo.advantage == "on_policy_distill")
         mask = batch.mask
         n_sampled = int(mask.sum())
+        beh = batch.behaviour_logprobs
+        self._routing_used = {}
+        noreplay = self._routing_noreplay(batch)  # R3 diagnostic, before any weight change
 
-        # 1. recompute (no grad): proximal logprobs, entropy, reference logprobs
+        def correct(prox: torch.Tensor, rows: slice = slice(None)):
+            T = prox.shape[1]
+            return apply_correction(cfg.correction, beh[rows, :T], batch.versions[rows, :T], prox, mask[rows, :T],
+                                    self.version, cfg.async_.max_staleness)
+
+        # 1. recompute (no grad): reference logprobs; proximal logprobs unless fused
+        fused = self.fused_recompute_ok()
         t0 = time.perf_counter()
-        prox, ent = self.recompute_logprobs(batch, with_entropy=True)
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
+        if fused:
+            # the gate depends on versions only: with proximal = behaviour it yields keep / loss mask
+            prox = ent = weights = None
+            train_mask = correct(beh).loss_mask
+        else:
+            prox, ent = self.recompute_logprobs(batch, with_entropy=True)
+            corr = correct(prox)
+            train_mask, weights = corr.loss_mask, corr.weights
         t_recompute = time.perf_counter() - t0
-
-        metrics: dict[str, float] = {}
-        diff = (batch.behaviour_logprobs - prox).abs()[mask]
-        metrics["invariants/tokens_retokenized"] = float(
-            batch.tokens_retokenized if tokens_retokenized is None else tokens_retokenized)
-        metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if n_sampled else 0.0
-        metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if n_sampled else 0.0
-        onpol = mask & (batch.versions == self.version)
-        if bool(onpol.any()):
-            metrics["invariants/logprob_absdiff_max_onpolicy"] = float(
-                (batch.behaviour_logprobs - prox).abs()[onpol].max())
-        metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
-        metrics["kl/behaviour_k3"] = float(kl_estimate(prox, batch.behaviour_logprobs, "k3")[mask].mean()) if n_sampled else 0.0
-
-        # 2. correction: staleness gate + importance weights (the policy-version site)
-        corr = apply_correction(cfg.correction, batch.behaviour_logprobs, batch.versions, prox, mask,
-                                self.version, cfg.async_.max_staleness)
-        metrics.update({k: float(v) for k, v in corr.metrics.items()})  # incl. invariants/staleness_max
-        keep = corr.keep.to(torch.bool)
-        train_mask = corr.loss_mask if corr.loss_mask is not None else mask & keep[:, None]
         num_tokens = int(train_mask.sum())
 
-        # 3. KL to the reference, advantages
-        kl_tok = None
-        if ref_lp is not None:
-            kl_tok = kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)
-            metrics["kl"] = float(kl_tok[mask].mean()) if n_sampled else 0.0
-        else:
-            metrics["kl"] = 0.0
-        metrics["kl_coef"] = self.kl_coef
+        # 2. advantages (KL to the reference as a per-token reward when configured)
+        metrics: dict[str, float] = {}
         token_rewards = None
-        if kl_tok is not None and cfg.algo.kl_as_reward:
-            token_rewards = (-self.kl_coef * kl_tok) * mask
+        if ref_lp is not None and cfg.algo.kl_as_reward:
+            token_rewards = (-self.kl_coef * kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)) * mask
         distill = cfg.algo.advantage == "on_policy_distill"
         adv, _returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask,
             token_rewards=token_rewards, student_logprobs=prox if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
+        # 3. update
+        t1 = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if num_tokens == 0:
+            metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
+                            "grad_norm": 0.0})
+            if prox is None:
+                prox, ent = self.recompute_logprobs(batch, with_entropy=True)
+        else:
+            metrics["train/skipped"] = 0.0
+            upd, fused_prox, fused_ent = self._update(batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
+                                                      correct if fused else None)
+            metrics.update(upd)
+            if fused:
+                prox, ent = fused_prox, fused_ent
+        t_train = time.perf_counter() - t1
+
+        # 4. metrics of the step's batch (before the update)
+        corr = correct(prox)  # the correction the update used (per row, so identical per micro-batch)
+        if fused and not torch.equal(corr.loss_mask, train_mask):
+            raise RuntimeError("internal: the fused recompute changed the gate's loss mask; report this bug")
+        metrics.update({k: float(v) for k, v in corr.metrics.items()})  # incl. invariants/staleness_max
+        diff = (beh - prox).abs()[mask]
+        metrics["invariants/tokens_retokenized"] = float(
+            batch.tokens_retokenized if tokens_retokenized is None else tokens_retokenized)
+        metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if n_sampled else 0.0
+        metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if n_sampled else 0.0
+        onpol = mask & (batch.versions == self.version)
+        if bool(onpol.any()):
+            metrics["invariants/logprob_absdiff_max_onpolicy"] = float((beh - prox).abs()[onpol].max())
+        metrics.update(self._routing_metrics(batch, prox, noreplay))
+        metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
+        metrics["kl/behaviour_k3"] = float(kl_estimate(prox, beh, "k3")[mask].mean()) if n_sampled else 0.0
+        kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[mask].mean()) if ref_lp is not None else 0.0
+        metrics["kl"] = kl_ref
+        metrics["kl_coef"] = self.kl_coef
+        keep = corr.keep.to(torch.bool)
         metrics["train/sequences"] = float(batch.size)
         metrics["train/rollouts"] = float(batch.rewards.numel())
         metrics["train/action_tokens"] = float(num_tokens)
         metrics["train/gated_sequences"] = float((~keep).sum())
+        metrics["train/fused_recompute"] = float(fused)
         metrics["reward/batch_mean"] = float(batch.rewards.mean())
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = lr
 
-        # 4. update
-        t1 = time.perf_counter()
-        if num_tokens == 0:
-            metrics["train/skipped"] = 1.0
-            metrics.update({"loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0, "grad_norm": 0.0})
-        else:
-            metrics["train/skipped"] = 0.0
-            metrics.update(self._update(batch, prox, ref_lp, adv, train_mask, corr.weights, num_tokens, policy_loss,
-                                        kl_loss))
+        if num_tokens > 0:
             self.scheduler.step()
             self.step += 1
             self.version += 1
             if self.kl_controller is not None and ref_lp is not None:
-                self.kl_controller.update(metrics["kl"], n_steps=1)
+                self.kl_controller.update(kl_ref, n_steps=1)
                 self.kl_coef = float(self.kl_controller.value)
-        t_train = time.perf_counter() - t1
         wall = time.perf_counter() - t_start
         metrics["time/recompute"] = t_recompute
         metrics["time/train"] = t_train
@@ -629,24 +814,67 @@ class Trainer:
         metrics["train/step"] = float(self.step)
         return metrics
 
-    def _update(self, batch, prox, ref_lp, adv, train_mask, is_weights, num_tokens, policy_loss, kl_loss):
-        """``ppo_epochs`` optimizer steps over the batch's micro-batches; returns loss metrics
-        averaged over epochs."""
+    def fused_recompute_ok(self) -> bool:
+        """Whether this step can take the proximal logprobs from the loss forward itself.
+
+        With one PPO epoch the proximal policy *is* the policy being differentiated, so the
+        separate no-grad recompute pass is skipped and ``lp.detach()`` of the loss forward
+        (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
+        Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
+        (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
+        on them (not ``is_mode = "mask"``, which can reject tokens). ``fuse_recompute = False``
+        on the instance forces the separate pass.
+        """
+        cfg = self.cfg
+        return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1
+                and cfg.algo.advantage != "on_policy_distill"
+                and not (cfg.algo.kl_as_reward and self.ref_model is not None)
+                and not (cfg.correction.is_mode == "mask" and cfg.correction.is_level != "off"))
+
+    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct):
+        """``ppo_epochs`` optimizer steps over the batch's micro-batches.
+
+        With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
+        micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``.
+
+        Returns:
+            ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
+            -- the last two only when fused.
+        """
+        from molt_core.algo.kl import kl_loss
+        from molt_core.algo.losses import policy_loss
+
         cfg = self.cfg
         clip = cfg.trainer.grad_clip
-        mbs = [rows for rows in self._micro_batches(batch) if bool(train_mask[rows].any())]
+        dev = self.device
+        fused = correct is not None
+        B, Tfull = batch.input_ids.shape
+        if fused:
+            prox = torch.zeros((B, Tfull), dtype=torch.float32)
+            ent_all = torch.zeros((B, Tfull), dtype=torch.float32)
         sums: dict[str, float] = {}
         for _epoch in range(cfg.trainer.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             tot = pol = klv = 0.0
             extra: dict[str, float] = {}
-            for rows in mbs:
-                lp, _ = self._forward(self.model, batch, rows)
+            for rows in self._micro_batches(batch):
+                active = bool(train_mask[rows].any())
+                if not active and not fused:
+                    continue
+                with torch.set_grad_enabled(active):
+                    lp, ent = self._forward(self.model, batch, rows, with_entropy=fused)
                 T = lp.shape[1]
-                dev = self.device
+                if fused:
+                    prox[rows, :T] = lp.detach().float().cpu()
+                    ent_all[rows, :T] = ent.cpu()
+                    w = correct(prox[rows, :T], rows).weights
+                else:
+                    w = weights[rows, :T]
+                if not active:
+                    continue
                 m = train_mask[rows, :T].to(dev)
-                loss, lm = policy_loss(cfg.algo, lp, prox[rows, :T].to(dev), adv[rows, :T].to(dev), m,
-                                       is_weights[rows, :T].to(dev), num_tokens)
+                loss, lm = policy_loss(cfg.algo, lp, prox[rows, :T].to(dev), adv[rows, :T].to(dev), m, w.to(dev),
+                                       num_tokens)
                 pol += float(loss.detach())
                 _merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
                 if ref_lp is not None and not cfg.algo.kl_as_reward and self.kl_coef > 0:
@@ -661,7 +889,7 @@ class Trainer:
             ep.update({"loss/total": tot, "loss/policy": pol, "loss/kl": klv, "grad_norm": float(gn)})
             for k, v in ep.items():
                 sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
-        return sums
+        return sums, (prox if fused else None), (ent_all if fused else None)
 
     # -- weights out ----------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:

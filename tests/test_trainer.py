@@ -386,3 +386,72 @@ def test_engine_and_trainer_logprobs_agree_and_publish(base):
         assert m["invariants/staleness_max"] == 0.0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("sections", [
+    {},
+    {"algo": {"kl_coef": 0.1}, "trainer": {"micro_batch_size": 4}},
+    {"async": {"max_staleness": 1}, "correction": {"is_level": "geo", "is_mode": "clip", "low": 0.5, "high": 1.5}},
+])
+def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections):
+    """With one PPO epoch the proximal logprobs taken from the loss forward equal a separate
+    no-grad recompute bit for bit: same weights, metrics and correction after two steps."""
+    runs = []
+    for fuse in (True, False):
+        tr = make(base, trainer={"lr": 1e-2, **sections.get("trainer", {})},
+                  **{k: v for k, v in sections.items() if k != "trainer"})
+        tr.fuse_recompute = fuse
+        ms = []
+        for i in range(2):
+            trajs = synthetic_rollouts(40 + i, two_segments_every=4)
+            set_behaviour(tr, trajs, version=max(0, tr.version - i))  # step 2: one version stale
+            for seg in trajs[0].segments:
+                seg.logprobs = [None if x is None else x - 0.3 for x in seg.logprobs]
+            ms.append(tr.train_step(trajs))
+        runs.append((ms, tr.model.state_dict()))
+    (mf, sf), (mu, su) = runs
+    assert [m["train/fused_recompute"] for m in mf] == [1.0, 1.0]
+    assert [m["train/fused_recompute"] for m in mu] == [0.0, 0.0]
+    for a, b in zip(mf, mu):
+        for k in a:
+            if not k.startswith(("time/", "tokens_per_s", "train/fused")):
+                assert a[k] == b[k], k
+    for k in sf:
+        assert torch.equal(sf[k], su[k]), k
+
+
+def test_mask_mode_uses_separate_recompute(base):
+    tr = make(base, correction={"is_level": "token", "is_mode": "mask", "low": 0.5, "high": 2.0})
+    assert not tr.fused_recompute_ok()
+    assert not make(base, trainer={"ppo_epochs": 2}).fused_recompute_ok()
+    assert make(base).fused_recompute_ok()
+
+
+def test_on_policy_distill_hand_gradient():
+    """A_t = -coef (log pi_student - log pi_teacher) per token, no baseline: with the
+    teacher 0.5 nats above the student on token 0, A = +0.5 and the gradient on the
+    bias logits is -(A / N) (e_0 - p) with N = 1."""
+    cfg = tiny_cfg(algo={"advantage": "on_policy_distill", "distill_coef": 1.0}, trainer={"grad_clip": 0.0})
+    tr = Trainer(cfg, model=BiasLM([2.0, 1.0, 0.0]))
+    assert not tr.fused_recompute_ok()
+    p = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), 0)
+    s = float(torch.log(p[0]))
+    t = Trajectory(rollout_id="d", reward=0.0, info={"teacher_logprobs": [[None, s + 0.5]]}, segments=[Segment(
+        token_ids=[2, 0], loss_mask=[False, True], logprobs=[None, s], versions=[None, 0])])
+    m = tr.train_step([t])
+    assert m["loss/ratio_max"] == 1.0
+    want = (-0.5 * (torch.tensor([1.0, 0.0, 0.0]) - p)).tolist()
+    assert tr.model.bias.grad.tolist() == pytest.approx(want, abs=1e-6)
+    bad = t.model_copy(deep=True, update={"info": {}})
+    with pytest.raises(IngressError, match="teacher_logprobs"):
+        tr.train_step([bad])
+
+
+def test_kl_as_reward_with_reinforce(base):
+    tr = make(base, algo={"advantage": "reinforce", "kl_coef": 0.2, "kl_as_reward": True}, trainer={"lr": 1e-2})
+    assert not tr.fused_recompute_ok()
+    for i in range(2):
+        trajs = synthetic_rollouts(60 + i)
+        set_behaviour(tr, trajs)
+        m = tr.train_step(trajs)
+    assert m["kl"] > 0 and m["loss/kl"] == 0.0  # KL went into the rewards, not the loss
