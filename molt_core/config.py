@@ -106,7 +106,8 @@ class AlgoSection(_Section):
     std-normalised advantages (GRPO's ``std + eps``); ``std_tol`` is the std (computed in float64)
     below which a group or batch counts as having zero spread, so rounding residues are never
     divided by (issue 4, B14). ``kl_horizon`` is the adaptive KL controller's horizon (Ziegler et
-    al. 2019, arXiv 1909.08593), used when ``kl_target`` is set."""
+    al. 2019, arXiv 1909.08593), used when ``kl_target`` is set. ``value_clip`` clips the GAE
+    critic's new value to ``old +- value_clip`` in its loss (PPO value clipping; None disables)."""
 
     advantage: Literal[
         "reinforce", "reinforce_baseline", "rloo", "rloo_norm", "grpo", "dr_grpo", "gae", "on_policy_distill"
@@ -125,6 +126,7 @@ class AlgoSection(_Section):
     adv_eps: float = Field(1e-6, ge=0)
     std_tol: float = Field(1e-6, ge=0)
     kl_horizon: int = Field(10000, ge=1)
+    value_clip: float | None = Field(0.2, gt=0)
 
 
 class CorrectionSection(_Section):
@@ -147,7 +149,8 @@ class AsyncSection(_Section):
 class TrainerSection(_Section):
     """``[trainer]``: AdamW (``lr``, ``betas``, ``eps``, ``weight_decay``), ``grad_clip``
     (max global grad norm, 0 disables), ``warmup_steps``, ``lr_schedule``,
-    ``micro_batch_size`` sequences per forward, ``ppo_epochs`` passes over a step's batch."""
+    ``micro_batch_size`` sequences per forward, ``ppo_epochs`` passes over a step's batch;
+    ``critic_lr`` of the GAE critic (None: ``lr``)."""
 
     lr: float = Field(3e-4, gt=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
@@ -158,6 +161,7 @@ class TrainerSection(_Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     micro_batch_size: int = Field(64, ge=1)
     ppo_epochs: int = Field(1, ge=1)
+    critic_lr: float | None = Field(None, gt=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
 
