@@ -13,7 +13,9 @@ from molt_plugins.rewards.basic import exact_match, regex
 
 @hookimpl
 def molt_register_rewards(register):
-    """Register ``exact_match``, ``regex``, ``math_answer`` and ``code_tests``."""
+    """Register ``exact_match``, ``regex``, ``math_answer``, ``code_tests`` and ``llm_judge``
+    (the judge of :mod:`molt_plugins.judges.llm_judge` used as a reward)."""
+    from molt_plugins.judges.llm_judge import llm_judge
     from molt_plugins.rewards.code import code_tests
     from molt_plugins.rewards.math_answer import math_answer
 
@@ -21,3 +23,4 @@ def molt_register_rewards(register):
     register("regex", regex)
     register("math_answer", math_answer)
     register("code_tests", code_tests)
+    register("llm_judge", llm_judge)

@@ -1,0 +1,77 @@
+"""hf_teacher: vocabulary check naming both tokenizers; per-token logprobs equal an unbatched
+forward; trajectory annotation in the trainer's info['teacher_logprobs'] format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from molt_core.models import load_model, load_tokenizer
+from molt_core.types import Segment, Trajectory
+from molt_plugins.teachers.hf_teacher import HFTeacher, check_same_vocab
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def student_tok():
+    return load_tokenizer("builtin:tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def teacher(student_tok):
+    return HFTeacher(student_tok, path="builtin:tiny-qwen3", seed=1, batch_size=2)
+
+
+def test_vocab_mismatch_names_both(student_tok):
+    big = load_tokenizer("builtin:tiny-qwen3-bigvocab")
+    with pytest.raises(ValueError) as ei:
+        check_same_vocab(big, student_tok)
+    msg = str(ei.value)
+    assert f"({big.name_or_path}, {len(big.get_vocab())} tokens)" in msg
+    assert f"({student_tok.name_or_path}, {len(student_tok.get_vocab())} tokens)" in msg
+    assert "id 0: teacher" in msg
+    with pytest.raises(ValueError, match="differs from the student's"):
+        HFTeacher(student_tok, path="builtin:tiny-qwen3-bigvocab")
+    check_same_vocab(student_tok, load_tokenizer("builtin:tiny-qwen3"))  # same vocab: no error
+
+
+def test_logprobs_equal_unbatched_forward(teacher, student_tok):
+    seqs = [student_tok.encode("What is 23 + 45?"), student_tok.encode("68"), student_tok.encode("a longer one, with more tokens")]
+    got = teacher.batch_token_logprobs(seqs)  # batch_size=2: a padded batch and a single
+    ref = load_model("builtin:tiny-qwen3", seed=1)
+    for s, g in zip(seqs, got):
+        assert len(g) == len(s) and g[0] is None
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(input_ids=torch.tensor([s])).logits[0].float(), -1)
+        want = [float(lp[i - 1, s[i]]) for i in range(1, len(s))]
+        assert g[1:] == pytest.approx(want, abs=1e-5)
+        assert all(x <= 0 for x in g[1:])
+    assert all(not p.requires_grad for p in teacher.model.parameters())
+
+
+def test_trajectory_annotation_format(teacher, student_tok):
+    ids = student_tok.encode("What is 2 + 2?4")
+    n = len(ids)
+    mask = [False] * (n - 1) + [True]
+    seg = Segment(token_ids=ids, loss_mask=mask, logprobs=[None] * (n - 1) + [-0.5], versions=[None] * (n - 1) + [0])
+    t = teacher.annotate(Trajectory(segments=[seg, seg], reward=1.0))
+    tl = t.info["teacher_logprobs"]
+    assert len(tl) == 2 and all(len(x) == n for x in tl)
+    full = teacher.token_logprobs(ids)
+    assert tl[0][:-1] == [None] * (n - 1) and tl[0][-1] == pytest.approx(full[-1], abs=1e-6)
+
+
+def test_bad_input(teacher):
+    with pytest.raises(ValueError, match="empty"):
+        teacher.batch_token_logprobs([[]])
+    with pytest.raises(ValueError, match=r"token id 99999 outside the teacher's vocabulary"):
+        teacher.token_logprobs([1, 99999])
+    with pytest.raises(ValueError, match=r"teacher.path: Field required"):
+        HFTeacher(None)
+
+
+def test_registered():
+    from molt_core.plugins import load_plugins
+
+    assert load_plugins().get("teachers", "hf_teacher") is HFTeacher
