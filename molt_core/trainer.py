@@ -465,6 +465,38 @@ def _model_vocab(model: torch.nn.Module) -> int | None:
     return getattr(cfg, "vocab_size", None)
 
 
+class ValueModel(torch.nn.Module):
+    """The critic of GAE: a copy of the policy's decoder (its initial weights) with a scalar
+    value head (zero-initialised, so every value starts at 0).
+
+    ``forward(input_ids [B, T] int64) -> values [B, T] float32`` where ``values[:, t]`` is the
+    value of the state *before* token ``t`` (read from the hidden state at ``t - 1``; 0 at
+    ``t = 0``) -- aligned with the logprobs, so GAE reads it on sampled tokens.
+
+    Raises:
+        ValueError: the policy has no ``get_decoder()`` / ``config.hidden_size``.
+    """
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        dec = policy.get_decoder() if hasattr(policy, "get_decoder") else None
+        hidden = getattr(getattr(policy, "config", None), "hidden_size", None)
+        if dec is None or hidden is None:
+            raise ValueError(
+                f"algo.advantage = 'gae' needs a critic built from the policy's decoder, but "
+                f"{type(policy).__name__} has no get_decoder()/config.hidden_size; use a group estimator (grpo, rloo)"
+            )
+        self.backbone = copy.deepcopy(dec)
+        self.head = torch.nn.Linear(int(hidden), 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+        v = self.head(h).squeeze(-1).float()
+        return torch.nn.functional.pad(v[:, :-1], (1, 0))
+
+
 class Trainer:
     """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
 
@@ -485,9 +517,13 @@ class Trainer:
             :meth:`train_step` that updated them).
         step: optimizer steps taken (the LR schedule position).
 
+    With ``algo.advantage = "gae"`` a critic (:class:`ValueModel`, a copy of the policy's
+    decoder with a scalar head) is trained alongside, with its own AdamW at
+    ``trainer.critic_lr``.
+
     Raises:
-        ValueError: ``algo.advantage = "gae"`` (needs a critic, not provided yet) or a bad
-            option combination.
+        ValueError: a bad option combination (KL as reward with a sequence-level estimator,
+            ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy).
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
@@ -504,11 +540,6 @@ class Trainer:
         self.model = model.to(self.device)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
         self.tokenizer = tokenizer
-        if cfg.algo.advantage == "gae":
-            raise ValueError(
-                "algo.advantage = 'gae' needs a critic (value head), which this trainer does not "
-                "provide yet; use grpo, dr_grpo, rloo, reinforce or reinforce_baseline"
-            )
         self.kl_coef = float(cfg.algo.kl_coef)
         self.ref_model = ref_model
         if self.ref_model is None and self.kl_coef > 0:
@@ -534,6 +565,14 @@ class Trainer:
         total = max(1, cfg.run.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.lr_schedule))
+        self.critic: ValueModel | None = None
+        if cfg.algo.advantage == "gae":
+            self.critic = ValueModel(self.model).to(self.device)
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=tc.critic_lr or tc.lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps,
+                weight_decay=tc.weight_decay)
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.critic_optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.lr_schedule))
         self.version = 0
         self.step = 0
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -651,6 +690,57 @@ class Trainer:
         out["invariants/logprob_absdiff_max_noreplay"] = float(diff.max()) if diff.numel() else 0.0
         return out
 
+    # -- critic (GAE) ------------------------------------------------------------------------
+    @torch.no_grad()
+    def critic_values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values ``[B, T]`` float32 (CPU) before the update (see :class:`ValueModel`)."""
+        T = batch.input_ids.shape[1]
+        out = []
+        for rows in self._micro_batches(batch):
+            Tr = int(batch.lengths[rows].max())
+            out.append(self._pad_to(self.critic(batch.input_ids[rows, :Tr].to(self.device)).cpu(), T))
+        return torch.cat(out)
+
+    def _update_critic(self, batch: Batch, old_values: torch.Tensor, returns: torch.Tensor, train_mask: torch.Tensor,
+                       num_tokens: int) -> dict[str, float]:
+        """``ppo_epochs`` critic steps on the clipped value loss (PPO; Schulman et al. 2017,
+        arXiv 1707.06347, with value clipping as in OpenAI baselines ppo2):
+        ``0.5 * max((V - G)^2, (V_old + clip(V - V_old, -c, c) - G)^2)`` summed over the
+        step's action tokens / ``num_tokens`` (c = ``algo.value_clip``; None: unclipped)."""
+        cfg = self.cfg
+        c = cfg.algo.value_clip
+        clip = cfg.trainer.grad_clip
+        params = list(self.critic.parameters())
+        loss_sum = gn_sum = 0.0
+        for _epoch in range(cfg.trainer.ppo_epochs):
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for rows in self._micro_batches(batch):
+                if not bool(train_mask[rows].any()):
+                    continue
+                T = int(batch.lengths[rows].max())
+                dev = self.device
+                v = self.critic(batch.input_ids[rows, :T].to(dev))
+                g = returns[rows, :T].to(dev)
+                err = (v - g) ** 2
+                if c is not None:
+                    v0 = old_values[rows, :T].to(dev)
+                    err = torch.maximum(err, (v0 + (v - v0).clamp(-c, c) - g) ** 2)
+                m = train_mask[rows, :T].to(dev)
+                loss = 0.5 * torch.where(m, err, torch.zeros((), device=dev)).sum() / num_tokens
+                loss.backward()
+                total += float(loss.detach())
+            gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+            self.critic_optimizer.step()
+            loss_sum += total / cfg.trainer.ppo_epochs
+            gn_sum += float(gn) / cfg.trainer.ppo_epochs
+        m = train_mask
+        g, v0 = returns[m].double(), old_values[m].double()
+        var = float(g.var(unbiased=False)) if g.numel() > 1 else 0.0
+        ev = 1.0 - float((g - v0).var(unbiased=False)) / var if var > 0 else 0.0
+        return {"loss/value": loss_sum, "critic/grad_norm": gn_sum, "critic/value_mean": float(v0.mean()),
+                "critic/return_mean": float(g.mean()), "critic/explained_variance": ev}
+
     def _micro_batches(self, batch: Batch) -> list[slice]:
         mb = self.cfg.trainer.micro_batch_size
         return [slice(i, min(i + mb, batch.size)) for i in range(0, batch.size, mb)]
@@ -732,6 +822,7 @@ class Trainer:
         fused = self.fused_recompute_ok()
         t0 = time.perf_counter()
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
+        old_values = self.critic_values(batch) if self.critic is not None else None
         if fused:
             # the gate depends on versions only: with proximal = behaviour it yields keep / loss mask
             prox = ent = weights = None
@@ -749,8 +840,8 @@ class Trainer:
         if ref_lp is not None and cfg.algo.kl_as_reward:
             token_rewards = (-self.kl_coef * kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)) * mask
         distill = cfg.algo.advantage == "on_policy_distill"
-        adv, _returns = compute_advantages(
-            cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask,
+        adv, returns = compute_advantages(
+            cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
             token_rewards=token_rewards, student_logprobs=prox if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
@@ -769,6 +860,8 @@ class Trainer:
             metrics.update(upd)
             if fused:
                 prox, ent = fused_prox, fused_ent
+            if self.critic is not None:
+                metrics.update(self._update_critic(batch, old_values, returns, train_mask, num_tokens))
         t_train = time.perf_counter() - t1
 
         # 4. metrics of the step's batch (before the update)
@@ -801,6 +894,8 @@ class Trainer:
 
         if num_tokens > 0:
             self.scheduler.step()
+            if self.critic is not None:
+                self.critic_scheduler.step()
             self.step += 1
             self.version += 1
             if self.kl_controller is not None and ref_lp is not None:
@@ -914,7 +1009,8 @@ class Trainer:
 
         Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
         with ``AutoModelForCausalLM.from_pretrained``), ``ref/`` (the frozen reference, if
-        any), ``trainer_state.pt`` (optimizer, scheduler, KL controller, RNG states of torch,
+        any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
+        schedulers, KL controller, RNG states of torch,
         numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
         into a temporary directory and renamed, so a kill leaves either the complete
         checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
@@ -947,9 +1043,13 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp / "model")
         if self.ref_model is not None:
             _save_model(self.ref_model, tmp / "ref")
+        if self.critic is not None:
+            _save_model(self.critic, tmp / "critic")
         torch.save({
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic is not None else None,
+            "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
             "kl_coef": self.kl_coef,
             "kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
             "rng": {
@@ -998,6 +1098,12 @@ class Trainer:
         st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
+        if self.critic is not None:
+            if not (p / "critic").is_dir() or st.get("critic_optimizer") is None:
+                raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
+            _load_model(self.critic, p / "critic")
+            self.critic_optimizer.load_state_dict(st["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(st["critic_scheduler"])
         self.kl_coef = float(st["kl_coef"])
         if self.kl_controller is not None and st.get("kl_controller") is not None:
             self.kl_controller.load_state_dict(st["kl_controller"])

@@ -455,3 +455,44 @@ def test_kl_as_reward_with_reinforce(base):
         set_behaviour(tr, trajs)
         m = tr.train_step(trajs)
     assert m["kl"] > 0 and m["loss/kl"] == 0.0  # KL went into the rewards, not the loss
+
+
+# -- GAE critic -------------------------------------------------------------------------------
+
+def test_gae_critic_first_step_by_hand_and_learns(base):
+    tr = make(base, algo={"advantage": "gae", "gamma": 1.0, "lam": 1.0, "value_clip": 0.2},
+              trainer={"critic_lr": 1e-2, "lr": 1e-4})
+    assert tr.critic is not None and tr.fused_recompute_ok()
+    trajs = synthetic_rollouts(70)
+    set_behaviour(tr, trajs)
+    m = tr.train_step(trajs)
+    # zero-initialised head: V = 0, so A_t = G_t = reward at every token (gamma = lam = 1);
+    # value loss = 0.5 * mean over action tokens of G^2 = 0.5 * share of tokens with reward 1
+    n = sum(t.num_sampled for t in trajs)
+    want = 0.5 * sum(t.num_sampled for t in trajs if t.reward == 1.0) / n
+    assert m["loss/value"] == pytest.approx(want, abs=1e-6)
+    assert m["critic/value_mean"] == 0.0 and m["critic/explained_variance"] == 0.0
+    assert m["critic/return_mean"] == pytest.approx(2 * want, abs=1e-6)
+    first = m["loss/value"]
+    for _ in range(15):
+        set_behaviour(tr, trajs)
+        m = tr.train_step(trajs)
+    assert m["loss/value"] < 0.5 * first
+    assert m["critic/explained_variance"] > 0.3
+
+
+def test_value_model_alignment(base):
+    from molt_core.trainer import ValueModel
+
+    model, _ = base
+    vm = ValueModel(model)
+    torch.nn.init.normal_(vm.head.weight)
+    ids = torch.tensor([[1, 40, 41, 42]])
+    with torch.no_grad():
+        v = vm(ids)
+        h = model.get_decoder()(input_ids=ids).last_hidden_state
+        want = vm.head(h).squeeze(-1)
+    assert v[0, 0].item() == 0.0
+    torch.testing.assert_close(v[0, 1:], want[0, :-1])
+    with pytest.raises(ValueError, match="get_decoder"):
+        ValueModel(BiasLM([0.0, 1.0]))

@@ -143,3 +143,21 @@ def test_partial_write_is_ignored_and_cleaned(tmp_path):
         tr.load_checkpoint(tmp_path / "nothing")
     with pytest.raises(TypeError, match="JSON-serialisable"):
         tr.save_checkpoint(tmp_path, {"bad": object()})
+
+
+def test_gae_critic_checkpoint_round_trip(tmp_path):
+    sections = {**SECTIONS, "algo": {"advantage": "gae", "value_clip": 0.2}, "trainer": {**SECTIONS["trainer"], "ppo_epochs": 1}}
+    tr = Trainer(tiny_cfg(**sections))
+    step(tr, 0)
+    path = tr.save_checkpoint(tmp_path, {})
+    assert (path / "critic" / "model.safetensors").is_file()
+    res = Trainer(tiny_cfg(**sections))
+    res.load_checkpoint(path)
+    for k, v in tr.critic.state_dict().items():
+        assert torch.equal(v, res.critic.state_dict()[k]), k
+    a, b = step(tr, 1), step(res, 1)
+    assert a["loss/value"] == b["loss/value"] and a["loss/total"] == b["loss/total"]
+    plain = tmp_path / "plain"
+    Trainer(tiny_cfg(**SECTIONS)).save_checkpoint(plain, {})
+    with pytest.raises(FileNotFoundError, match="no critic"):
+        Trainer(tiny_cfg(**sections)).load_checkpoint(plain)
