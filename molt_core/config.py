@@ -49,11 +49,14 @@ class RunSection(_Section):
 class ModelSection(_Section):
     """``[model]``: ``path`` -- an HF model directory, or ``builtin:<name>`` for a model the
     project builds from a config (``builtin:tiny-qwen3``); ``gguf_file`` for GGUF checkpoints;
-    ``dtype`` of the trainer (``float32`` on CPU); ``init_from`` a checkpoint to start from."""
+    ``dtype`` of the trainer (``float32`` on CPU); ``init_from`` a checkpoint to start from;
+    ``routing_replay`` -- for an MoE policy, replay the rollout's recorded expert selection in
+    the trainer's forwards (R3, arXiv 2510.11370; needs a replay backend for the model type)."""
 
     path: str = "builtin:tiny-qwen3"
     gguf_file: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    routing_replay: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -30,8 +30,10 @@ import torch
 __all__ = [
     "ReplayBackend",
     "RoutingRecorder",
+    "batch_routed_experts",
     "find_routers",
     "flip_mask",
+    "flip_rate",
     "get_replay_backend",
     "is_moe",
     "routing_shape",
@@ -168,6 +170,67 @@ def flip_mask(selected: torch.Tensor, recorded: torch.Tensor) -> tuple[torch.Ten
     valid = (recorded >= 0).all(-1)
     diff = (selected.sort(-1).values != recorded.sort(-1).values).any(-1)
     return diff & valid, valid
+
+
+def flip_rate(selected: dict[int, torch.Tensor], recorded: torch.Tensor, positions: torch.Tensor) -> tuple[float, int]:
+    """Fraction of (position, MoE layer) pairs whose selected top-k set differs from the
+    recorded one, over recorded rows at ``positions``.
+
+    Args:
+        selected: ``{first_row: [b, T_b, L, K]}`` -- the selection of forwards over row blocks
+            ``first_row : first_row + b`` and their first ``T_b`` positions.
+        recorded: ``[B, T, L, K]`` recorded ids, ``-1`` rows unrecorded.
+        positions: ``[B, T]`` bool, the positions to count.
+
+    Returns:
+        ``(rate, count)``: flips / count (0.0 when ``count`` is 0) and the number of counted
+        (position, layer) pairs.
+    """
+    flips = count = 0
+    for start, sel in selected.items():
+        b, t = sel.shape[:2]
+        flipped, valid = flip_mask(sel, recorded[start:start + b, :t])
+        m = valid & positions[start:start + b, :t, None]
+        flips += int((flipped & m).sum())
+        count += int(m.sum())
+    return (flips / count if count else 0.0), count
+
+
+def batch_routed_experts(routed: list[Any], T: int, where: list[str] | None = None) -> torch.Tensor | None:
+    """Collate per-segment ``routed_experts`` into ``[B, T, L, K]`` int64, ``-1`` on padding
+    and for segments without routing.
+
+    Args:
+        routed: per row, a segment's ``routed_experts`` (``[T_b, L, K]`` nested lists) or None.
+        T: the padded length (>= every ``T_b``).
+        where: per row, a name for error messages (default ``row <b>``).
+
+    Returns:
+        The tensor, or None when no row carries routing.
+
+    Raises:
+        ValueError: a row whose routing is not ``[T_b, L, K]`` with ``T_b <= T``, or rows
+            disagreeing on ``(L, K)`` (the message names the row).
+    """
+    if all(r is None for r in routed):
+        return None
+    out: torch.Tensor | None = None
+    for b, r in enumerate(routed):
+        if r is None or len(r) == 0:
+            continue
+        name = where[b] if where is not None else f"row {b}"
+        t = torch.as_tensor(r, dtype=torch.long)
+        if t.dim() != 3 or t.shape[0] > T:
+            raise ValueError(f"{name}: routed_experts has shape {tuple(t.shape)}; expected [T<={T}, layers, top_k]")
+        if out is None:
+            out = torch.full((len(routed), T, t.shape[1], t.shape[2]), -1, dtype=torch.long)
+        elif tuple(t.shape[1:]) != tuple(out.shape[2:]):
+            raise ValueError(
+                f"{name}: routed_experts has [layers, top_k] = {list(t.shape[1:])}, other rows "
+                f"{list(out.shape[2:])}; every segment of a batch must come from one model"
+            )
+        out[b, : t.shape[0]] = t
+    return out
 
 
 class ReplayBackend:

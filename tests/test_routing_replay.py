@@ -240,3 +240,122 @@ def test_dense_engine_returns_no_routing():
         assert o.routed_experts is None
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------ trainer integration (item 3)
+def _rollouts(engine, n: int = 16, max_tokens: int = 16):
+    from molt_core.ledger import Ledger
+
+    async def one(i):
+        led = Ledger(engine.tokenizer, group_id=f"g{i // 4}")
+        p = led.prepare([{"role": "user", "content": f"What is {i} + {7 * i}?"}])
+        o = await engine.generate(p.prompt_ids, SamplingParams(max_tokens=max_tokens, seed=i))
+        led.commit(p, o)
+        return led.trajectory(reward=float(i % 2))
+
+    async def go():
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+    return asyncio.run(go())
+
+
+def _trainer(replay: bool, **kw):
+    from molt_core.config import RunConfig
+    from molt_core.trainer import Trainer
+
+    cfg = RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": replay}, **kw})
+    return Trainer(cfg)
+
+
+@pytest.fixture(scope="module")
+def bf16_rollouts():
+    """16 rollouts of the tiny Qwen3-MoE sampled by a bfloat16 engine (the trainer is fp32)."""
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=16, seed=0, dtype="bfloat16")
+    try:
+        return _rollouts(eng)
+    finally:
+        eng.close()
+
+
+def test_bf16_engine_fp32_trainer_replay_removes_flips(bf16_rollouts):
+    """Issue 7: without replay the fp32 trainer's routers pick other experts than the bf16
+    engine's on some tokens; with replay the loss forward's flip rate is 0 and the rollout vs
+    trainer logprob |delta| shrinks. Measured here (seeded): flip rate 0.004016 (4 of 996
+    (position, layer) pairs), mean |delta| 0.001793 -> 0.001632, max 0.011912 -> 0.006845."""
+    off = _trainer(False).train_step(bf16_rollouts)
+    on = _trainer(True).train_step(bf16_rollouts)
+    assert off["invariants/routing_replay"] == 0.0 and on["invariants/routing_replay"] == 1.0
+    assert off["routing/positions"] == on["routing/positions"] > 0
+    assert off["invariants/routing_flip_rate"] > 0
+    assert on["invariants/routing_flip_rate"] == 0.0
+    # the no-replay diagnostic of the replayed run is the plain run (same initial weights)
+    assert on["invariants/routing_flip_rate_noreplay"] == off["invariants/routing_flip_rate"]
+    assert on["invariants/logprob_absdiff_mean_noreplay"] == pytest.approx(off["invariants/logprob_absdiff_mean"], abs=1e-7)
+    assert off["invariants/logprob_absdiff_mean_noreplay"] == off["invariants/logprob_absdiff_mean"]
+    assert on["invariants/logprob_absdiff_mean"] < off["invariants/logprob_absdiff_mean"]
+    assert on["invariants/logprob_absdiff_max"] < off["invariants/logprob_absdiff_max"]
+
+
+def test_replay_separate_recompute_and_update(bf16_rollouts):
+    """Two PPO epochs (no fused recompute): the recompute and both loss forwards replay; the
+    router weights are trained (live gate logits)."""
+    tr = _trainer(True, trainer={"ppo_epochs": 2})
+    gate0 = tr.model.model.layers[0].mlp.gate.weight.detach().clone()
+    m = tr.train_step(bf16_rollouts)
+    assert m["invariants/routing_flip_rate"] == 0.0 and m["invariants/routing_flip_rate_noreplay"] > 0
+    assert not torch.equal(tr.model.model.layers[0].mlp.gate.weight, gate0)
+
+
+def test_fp32_engine_trainer_agree_under_replay():
+    """Identical weights and dtype: no flips either way, and |delta| stays at float rounding."""
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=8, seed=0)
+    try:
+        trajs = _rollouts(eng, n=8, max_tokens=8)
+    finally:
+        eng.close()
+    m = _trainer(True).train_step(trajs)
+    assert m["invariants/routing_flip_rate"] == 0.0 and m["invariants/routing_flip_rate_noreplay"] == 0.0
+    assert m["invariants/logprob_absdiff_max"] <= 1e-5
+
+
+def test_flip_rate_counts_scoring_positions():
+    from molt_core.routing import flip_rate
+
+    rec = torch.tensor([[[[0, 1]], [[2, 3]], [[-1, -1]]]])  # [1, 3, 1, 2]
+    sel = torch.tensor([[[[1, 0]], [[2, 1]], [[0, 1]]]])
+    pos = torch.tensor([[True, True, True]])
+    assert flip_rate({0: sel}, rec, pos) == (0.5, 2)  # row 2 is unrecorded: not counted
+    assert flip_rate({0: sel}, rec, torch.tensor([[True, False, True]])) == (0.0, 1)
+
+
+def test_ingress_rejects_mismatched_routing(bf16_rollouts):
+    from molt_core.trainer import IngressError, build_batch
+
+    a, b = bf16_rollouts[0].model_copy(deep=True), bf16_rollouts[1].model_copy(deep=True)
+    b.segments[0].routed_experts = [row[:3] for row in b.segments[0].routed_experts]  # 3 layers, not 4
+    with pytest.raises(IngressError, match=r"segment 0: routed_experts has \[layers, top_k\] = \[3, 2\]"):
+        build_batch([a, b])
+    b.segments[0].routed_experts = None  # a segment without routing: all -1
+    batch = build_batch([a, b])
+    assert batch.routed_experts.shape == (2, batch.input_ids.shape[1], 4, 2)
+    assert bool((batch.routed_experts[1] == -1).all())
+
+
+def test_moe_without_backend_is_refused():
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from molt_core.config import RunConfig
+    from molt_core.trainer import Trainer
+
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="no routing-replay backend is registered for model type 'qwen2_moe'"):
+        Trainer(RunConfig(), model=model)
+    tr = Trainer(RunConfig.model_validate({"model": {"routing_replay": False}}), model=model)
+    assert tr.replay_backend is None
