@@ -24,6 +24,7 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
    optional KL to a frozen reference as a loss term or a per-token reward; AdamW, global
    grad-norm clip, LR warmup + constant/linear/cosine schedule; ``ppo_epochs`` passes; then
    ``version += 1`` (the :class:`~molt_core.types.PolicyVersion` the next publish carries).
+   For ``gae`` a critic (:class:`ValueModel`) gives the values and is updated alongside.
 
 Checkpoints (:meth:`Trainer.save_checkpoint`) are Hugging Face-loadable directories
 (``save_pretrained``, safetensors, tokenizer) plus optimizer, scheduler, RNG states, step,
@@ -59,6 +60,7 @@ __all__ = [
     "Batch",
     "IngressError",
     "Trainer",
+    "ValueModel",
     "build_batch",
     "latest_checkpoint",
     "list_checkpoints",
@@ -529,7 +531,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
                  ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:
         self.cfg = cfg
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)  # global torch RNG, so a run is reproducible from its seed
         if model is None:
             from molt_core.models import load_model, load_tokenizer
 
