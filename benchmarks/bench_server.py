@@ -131,13 +131,13 @@ def main() -> None:
     k = min(20, args.turns // 2)
 
     def mean(xs):
-        return statistics.fmean(xs) * 1e3
+        return statistics.median(xs) * 1e3
 
     rows = {"total (prepare + commit)": [a for a, _, _ in per],
             "chat-template render": [b for _, b, _ in per],
             "message normalization": [c for _, _, c in per],
             "ledger token bookkeeping": [a - b - c for a, b, c in per]}
-    print(f"[ledger, {args.turns}-turn session] ms per turn, first {k} vs last {k} turns:")
+    print(f"[ledger, {args.turns}-turn session] median ms per turn, first {k} vs last {k} turns:")
     for name, xs in rows.items():
         f, last = mean(xs[:k]), mean(xs[-k:])
         print(f"  {name:<26} {f:8.3f} vs {last:8.3f}  ratio {last / f:6.2f}x")

@@ -428,24 +428,29 @@ class Ledger:
                 return prepared.cached
             if prepared.epoch != self._epoch:
                 raise LedgerConflict("the session changed between prepare() and commit(); serialize its requests")
+            # everything that can fail happens before the first mutation (atomic commit)
             turn = self.parse(prepared, output)
-            if prepared.mode == "rewrite":
-                self._sealed.append(self._open.segment())
-                self._open = _Open()
-            o = self._open
+            sealed = self._open.segment() if prepared.mode == "rewrite" else None
+            o = _Open() if sealed is not None else self._open
             n0 = len(o.token_ids)
+            start = n0 + len(prepared.tail_ids)
+            n = len(output.token_ids)
+            lps, vs = [float(x) for x in output.logprobs], [int(v) for v in output.versions]
+            span = SampledSpan(start=start, end=start + n, temperature=params.temperature, top_p=params.top_p,
+                               top_k=params.top_k) if n else None
+            if sealed is not None:
+                self._sealed.append(sealed)
+                self._open = o
             o.token_ids += prepared.tail_ids
             o.loss_mask += [False] * len(prepared.tail_ids)
             o.logprobs += [None] * len(prepared.tail_ids)
             o.versions += [None] * len(prepared.tail_ids)
-            start = len(o.token_ids)
             o.token_ids += output.token_ids
-            o.loss_mask += [True] * len(output.token_ids)
-            o.logprobs += [float(x) for x in output.logprobs]
-            o.versions += [int(v) for v in output.versions]
-            if output.token_ids:
-                o.spans.append(SampledSpan(start=start, end=len(o.token_ids), temperature=params.temperature,
-                                           top_p=params.top_p, top_k=params.top_k))
+            o.loss_mask += [True] * n
+            o.logprobs += lps
+            o.versions += vs
+            if span is not None:
+                o.spans.append(span)
             o.finish_reason = output.finish_reason
             self._routed(o, n0, output)
             self._last_stop_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
@@ -458,6 +463,30 @@ class Ledger:
             return turn
 
     _last_stop_token = False
+
+    async def generate(self, engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                       params: SamplingParams | None = None, max_model_len: int | None = None) -> AssistantTurn:
+        """One turn for a framework-owned loop: :meth:`prepare`, ``engine.generate``, :meth:`commit`.
+
+        Adds :attr:`stop_token_ids` to ``params.stop_token_ids`` and caps ``max_tokens`` to
+        ``max_model_len - prompt length``. An engine error propagates and records nothing.
+
+        Raises:
+            ValueError: malformed messages, or a prompt of ``max_model_len`` tokens or more.
+        """
+        params = params or SamplingParams()
+        prepared = self.prepare(messages, tools, params)
+        if prepared.mode == "retry":
+            return self.commit(prepared, None)  # type: ignore[arg-type]
+        n = len(prepared.prompt_ids)
+        update: dict[str, Any] = {"stop_token_ids": sorted(set(params.stop_token_ids) | set(self.stop_token_ids))}
+        if max_model_len is not None:
+            if n >= max_model_len:
+                raise ValueError(f"the prompt is {n} tokens; the model's context is {max_model_len} tokens")
+            update["max_tokens"] = min(params.max_tokens, max_model_len - n)
+        run = params.model_copy(update=update)
+        out = await engine.generate(prepared.prompt_ids, run)
+        return self.commit(prepared, out, run)
 
     @staticmethod
     def _routed(o: _Open, n0: int, output: GenerationOutput) -> None:

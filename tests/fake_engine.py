@@ -41,6 +41,12 @@ class ScriptedEngine:
             if t in stops:
                 ids, finish, reason = ids[: j + 1], "stop", t
                 break
+        for j in range(len(ids)):  # stop strings: cut after the token that completes one
+            text = self.tokenizer.decode(ids[: j + 1])
+            hit = next((s for s in params.stop if s in text), None)
+            if hit is not None:
+                ids, finish, reason = ids[: j + 1], "stop", hit
+                break
         if finish == "length" and len(ids) > params.max_tokens:
             ids = ids[: params.max_tokens]
         c = self.calls

@@ -321,3 +321,70 @@ def _load(tok, h, n_sessions, n_turns):
 
 def test_load_64_sessions_5_turns_both_wires(tok, served):
     _load(tok, served(EchoEngine(tok)), 64, 5)
+
+
+def test_stop_strings_both_wires(tok, served):
+    eng = ScriptedEngine(tok, ["Result: 5 END extra", "Value 7 STOP more"])
+    h = served(eng)
+    info = h.create_session()
+    r = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "a"}], stop="END")
+    assert r.choices[0].message.content == "Result: 5" and r.choices[0].finish_reason == "stop"
+    assert tok.decode(r.choices[0].token_ids).endswith("END")  # the sampled ids are kept whole
+    a = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0).messages.create(
+        model="m", max_tokens=30, stop_sequences=["STOP"],
+        messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "Result: 5"}, {"role": "user", "content": "b"}])
+    assert (a.content[0].text, a.stop_reason, a.stop_sequence) == ("Value 7", "stop_sequence", "STOP")
+    (seg,) = h.trajectory(info.session_id).segments
+    # no stop token was sampled in turn 1: the whole "<|im_end|>\n" close follows its ids
+    i = len(eng.prompts[0]) + len(r.choices[0].token_ids)
+    assert seg.token_ids[i:i + 2] == enc(tok, "<|im_end|>\n") and not any(seg.loss_mask[i:i + 2])
+
+
+def test_concurrent_requests_on_one_session_serialize(tok, served):
+    eng = EchoEngine(tok)
+    h = served(eng)
+    info = h.create_session()
+
+    async def main():
+        oc = openai.AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+        return await asyncio.gather(*(oc.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}])
+                                      for i in range(6)))
+
+    rs = asyncio.run(main())
+    traj = h.trajectory(info.session_id)
+    assert len(traj.segments) == 6  # six unrelated conversations: one segment each, none lost
+    assert sorted(tuple(s.token_ids[s.spans[0].start:]) for s in traj.segments) == sorted(tuple(r.choices[0].token_ids) for r in rs)
+
+
+def test_ledger_generate_for_env_loop(tok):
+    from molt_core.ledger import Ledger
+    from molt_core.types import SamplingParams
+
+    eng = ScriptedEngine(tok, ["One.", "Two."])
+    led = Ledger(tok, rollout_id="r-env", group_id="g")
+    msgs = [{"role": "user", "content": "a"}]
+    t1 = asyncio.run(led.generate(eng, msgs, params=SamplingParams(max_tokens=50), max_model_len=64))
+    assert t1.content == "One." and eng.params[0].stop_token_ids == led.stop_token_ids
+    assert eng.params[0].max_tokens == min(50, 64 - len(eng.prompts[0]))
+    asyncio.run(led.generate(eng, msgs + [{"role": "assistant", "content": t1.content}, {"role": "user", "content": "b"}]))
+    traj = led.trajectory(reward=2.0)
+    assert traj.rollout_id == "r-env" and len(traj.segments) == 1 and traj.info["requests"]["extend"] == 1
+    with pytest.raises(ValueError, match="the model's context is 8 tokens"):
+        asyncio.run(led.generate(eng, [{"role": "user", "content": "long " * 50}], max_model_len=8))
+
+
+def test_broken_engine_output_is_a_500_in_wire_shape_and_records_nothing(tok):
+    class Broken(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            return object()  # not a GenerationOutput
+
+    app = create_app(Broken(tok), tok, admin_key="adm")
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        info = tc.post("/sessions", headers={"x-api-key": "adm"}).json()
+        h = {"x-api-key": info["api_key"]}
+        r = tc.post(f"/s/{info['session_id']}/v1/messages", headers=h,
+                    json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+        assert app.state.sessions.trajectory(info["session_id"]).segments == []
+        assert tc.get(f"/s/{info['session_id']}/v1/models", headers=h).status_code == 200

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -49,6 +50,7 @@ from molt_core.types import SamplingParams, Trajectory
 __all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+log = logging.getLogger(__name__)
 
 
 class SessionInfo(BaseModel):
@@ -243,6 +245,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         except ValidationError as e:
             msg, param = validation_message(e)
             return error(wire, WireError(400, msg, param))
+        except Exception as e:  # a bug of ours: still answer in the wire's shape, keep serving
+            log.exception("internal error")
+            return error(wire, WireError(500, f"internal server error: {type(e).__name__}: {e}"))
 
     @app.post("/s/{sid}/v1/chat/completions")
     async def chat_completions(sid: str, request: Request) -> Any:
