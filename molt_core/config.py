@@ -370,4 +370,9 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     data = apply_overrides(data, overrides)
-    return validate_config(data, source=str(path))
+    cfg = validate_config(data, source=str(path))
+    if cfg.agent.path and not Path(cfg.agent.path).is_absolute() and not Path(cfg.agent.path).exists():
+        beside = path.parent / cfg.agent.path  # a recipe names its agent file relative to itself
+        if beside.exists():
+            cfg = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"path": str(beside)})})
+    return cfg

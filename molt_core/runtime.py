@@ -205,9 +205,9 @@ class RolloutWorker:
                            api_key=sess.api_key, sampling=params)
         try:
             res = await self.agent.run(ctx)  # type: ignore[union-attr]
+            hist = [m for m in self.server.sessions.ledger(sess.session_id).history if m.get("role") == "assistant"]
         finally:
             traj = self.server.close_session(sess.session_id)
-        hist = [m for m in traj.info.get("history", []) if m.get("role") == "assistant"]
         action = str(hist[-1].get("content", "")) if hist else ""
         traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
                                        "info": {**traj.info, **res.info}})

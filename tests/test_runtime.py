@@ -1,0 +1,133 @@
+"""Runtime pieces without Ray: batch assembly, pass@k, agent loading, failure isolation."""
+
+import asyncio
+import textwrap
+
+import pytest
+
+from molt_core.config import RunConfig, load_config
+from molt_core.plugins import load_plugins
+from molt_core.runtime import RolloutWorker, assemble_batch, load_agent, pass_at_k
+from molt_core.types import Group, Segment, Trajectory
+
+
+def traj(reward, status="ok", truncated=False):
+    seg = Segment(token_ids=[1, 2], loss_mask=[False, True], logprobs=[None, -0.5], versions=[None, 0])
+    if status == "failed":
+        return Trajectory(segments=[seg], status="failed", error="boom")
+    return Trajectory(segments=[seg], reward=reward, truncated=truncated)
+
+
+@pytest.mark.parametrize("n,c,k,expected", [(4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 0, 2, 0.0), (4, 3, 2, 1.0), (5, 2, 3, 0.9)])
+def test_pass_at_k_unbiased(n, c, k, expected):
+    # 1 - C(n-c, k) / C(n, k): (5,2,3) -> 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_assemble_batch_excludes_failed_drops_small_groups_and_filters():
+    a = Group(trajectories=[traj(1.0), traj(0.0), traj(1.0, truncated=True), traj(None, "failed")])
+    b = Group(trajectories=[traj(1.0), traj(None, "failed")])          # 1 usable -> dropped
+    c = Group(trajectories=[traj(1.0), traj(1.0)])                      # all equal -> filtered
+    trajs, m = assemble_batch([a, b, c], dynamic_filter=True)
+    assert len(trajs) == 3 and all(t.status == "ok" for t in trajs)
+    assert m["rollout/failed"] == 2 and m["rollout/truncated"] == 1
+    assert m["rollout/groups_dropped"] == 1 and m["rollout/groups_filtered"] == 1
+    assert m["reward/mean"] == pytest.approx((1 + 0 + 1 + 1 + 1 + 1) / 6)
+    trajs, m = assemble_batch([a, b, c], dynamic_filter=False)
+    assert len(trajs) == 5 and m["rollout/groups_filtered"] == 0
+
+
+def test_failed_trajectory_is_not_scored_zero():
+    trajs, m = assemble_batch([Group(trajectories=[traj(None, "failed"), traj(None, "failed"), traj(0.5), traj(0.25)])], False)
+    assert [t.reward for t in trajs] == [0.5, 0.25]
+    assert m["reward/mean"] == pytest.approx(0.375)
+
+
+AGENT_FILE = '''
+import asyncio
+from molt_core.agents import Env, ChatAgent
+from molt_core.types import Result
+
+class Flaky(Env):
+    def tasks(self, split, seed):
+        i = 0
+        while True:
+            yield {"i": i, "answer": "1"}
+            i += 1
+    def reset(self, task):
+        return "What is 0 + 1?"
+    def step(self, action_text, state):
+        if state.task["i"] % 2:
+            raise RuntimeError(f"env exploded on task {state.task['i']}")
+        return Result(reward=1.0, terminated=True)
+'''
+
+SLOW_AGENT = '''
+import asyncio
+from molt_core.agents import ChatAgent
+from molt_core.types import Result
+
+class Slow(ChatAgent):
+    async def run(self, ctx):
+        await asyncio.sleep(30)
+        return Result(reward=1.0)
+'''
+
+
+def worker_for(tmp_path, body, **over):
+    f = tmp_path / "agent.py"
+    f.write_text(textwrap.dedent(body))
+    data = {"agent": {"path": str(f)}, "rollout": {"max_tokens": 4, **over.pop("rollout", {})}, **over}
+    return RolloutWorker(RunConfig.model_validate(data))
+
+
+def test_agent_error_fails_only_that_trajectory(tmp_path):
+    w = worker_for(tmp_path, AGENT_FILE)
+    tasks = [{"i": 0, "answer": "1"}, {"i": 1, "answer": "1"}]
+    groups = asyncio.run(w.rollout(tasks, 2))
+    ok, bad = groups
+    assert [t.status for t in ok.trajectories] == ["ok", "ok"] and [t.reward for t in ok.trajectories] == [1.0, 1.0]
+    assert [t.status for t in bad.trajectories] == ["failed", "failed"]
+    assert bad.trajectories[0].error == "RuntimeError: env exploded on task 1"
+    # token identity held on the successful ones
+    assert all(t.info["tokens_retokenized"] == 0 for t in ok.trajectories)
+    assert all(t.segments[0].num_sampled >= 1 for t in ok.trajectories)
+
+
+def test_reward_plugin_failure_marks_failed(tmp_path):
+    plug = tmp_path / "badreward.py"
+    plug.write_text(textwrap.dedent('''
+        from molt_core.hookspecs import hookimpl
+        def explode(response, task):
+            raise ValueError("cannot grade")
+        @hookimpl
+        def molt_register_rewards(register):
+            register("explode", explode)
+    '''))
+    w = worker_for(tmp_path, AGENT_FILE, plugins=[str(plug)], rewards={"explode": {}})
+    groups = asyncio.run(w.rollout([{"i": 0, "answer": "1"}], 2))
+    assert [t.error for t in groups[0].trajectories] == ["reward explode raised ValueError: cannot grade"] * 2
+    assert all(t.reward is None for t in groups[0].trajectories)
+
+
+def test_agent_timeout_marks_failed(tmp_path):
+    w = worker_for(tmp_path, SLOW_AGENT, rollout={"timeout_s": 0.2})
+    groups = asyncio.run(w.rollout([{"q": 1}], 2))
+    assert [t.error for t in groups[0].trajectories] == ["timeout after 0.2 s"] * 2
+
+
+def test_load_agent_errors(tmp_path):
+    host = load_plugins()
+    with pytest.raises(ValueError, match="set exactly one of agent.name"):
+        load_agent(RunConfig(), host)
+    two = tmp_path / "two.py"
+    two.write_text("from molt_core.agents import Env\nclass A(Env): pass\nclass B(Env): pass\n")
+    with pytest.raises(ValueError, match=r"exactly one Env/ChatAgent subclass \(found A, B\)"):
+        load_agent(RunConfig.model_validate({"agent": {"path": str(two)}}), host)
+    with pytest.raises(ValueError, match="agent.name: no env named 'nope'"):
+        load_agent(RunConfig.model_validate({"agent": {"name": "nope"}}), host)
+
+
+def test_recipe_agent_path_resolves_beside_recipe():
+    cfg = load_config("env_agent")
+    assert cfg.agent.path.endswith("recipes/agents/addition_env.py")
