@@ -278,13 +278,22 @@ class Ledger:
         conversation at construction), rendered through the compiled template directly when
         possible: the messages here are already plain dicts, so the wrapper's conversions are
         skipped (about 3x faster on long conversations).
+
+        Raises:
+            ValueError: the template refused the messages (its ``raise_exception``).
         """
-        if self._compiled is not None:
-            chat = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
-            return self._compiled.render(messages=chat, tools=tools or None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._template_vars)
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+        from jinja2 import TemplateError
+
+        try:
+            if self._compiled is not None:
+                chat = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
+                return self._compiled.render(messages=chat, tools=tools or None, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **self._template_vars)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **self.template_kwargs)
+        except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate")
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
     def _fast_render(self) -> None:
         self._compiled = None

@@ -308,3 +308,13 @@ def test_bad_messages_raise_and_change_nothing(tok):
         with pytest.raises(ValueError, match=where.replace("[", r"\[").replace("]", r"\]")):
             led.prepare(bad)
     assert led.segments() == []
+
+
+def test_template_refusal_is_a_value_error():
+    tok2 = load_tokenizer("builtin:tiny-qwen3")
+    tok2.chat_template = ("{%- for m in messages -%}{%- if m.role == 'system' and not loop.first -%}"
+                          "{{ raise_exception('system only first') }}{%- endif -%}{%- endfor -%}") + CHAT_TEMPLATE
+    led = Ledger(tok2)
+    with pytest.raises(ValueError, match="the chat template cannot render these messages: system only first"):
+        led.prepare([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+    assert led.segments() == []
