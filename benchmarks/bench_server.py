@@ -1,6 +1,6 @@
 """Loopback server overhead and ledger cost per turn (ratios against a peer measured in the same run).
 
-1. Server overhead: ``--requests`` sequential chat requests through the OpenAI SDK and the
+1. Server overhead: ``--requests`` sequential chat requests (median) through the OpenAI SDK and the
    loopback server (ledger + HTTP + JSON) vs the same prompts sent straight to
    ``engine.generate``; on the builtin tiny Qwen3 engine (stops disabled, ``--max-tokens``
    tokens per request) and on a zero-cost scripted engine (pure server cost per request).
@@ -39,12 +39,17 @@ from molt_core.types import SamplingParams  # noqa: E402
 
 
 def server_vs_direct(engine, tok, n: int, max_tokens: int) -> tuple[float, float]:
-    """Mean seconds per request through the server (OpenAI SDK) and direct; one fresh
-    session per request so both sides generate from the same single-turn prompts."""
+    """Median seconds per request through the server (OpenAI SDK, one fresh session per
+    request) and straight to ``engine.generate`` with the same prompt ids; the two are
+    interleaved request by request so machine load hits both alike."""
     import openai
 
     h = start_server(engine, tok)
     prompts = [[{"role": "user", "content": f"What is {i} + {2 * i}?"}] for i in range(n)]
+    ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+           for m in prompts]
+    loop = asyncio.new_event_loop()
+    t_server, t_direct = [], []
     try:
         info = h.create_session()
         client = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
@@ -52,22 +57,18 @@ def server_vs_direct(engine, tok, n: int, max_tokens: int) -> tuple[float, float
         # sessions and clients are made before the clock starts; one connection pool
         clients = [client.with_options(base_url=i.openai_base_url, api_key=i.api_key)
                    for i in (h.create_session() for _ in prompts)]
-        t0 = time.perf_counter()
         for i, (c, msgs) in enumerate(zip(clients, prompts)):
+            t0 = time.perf_counter()
             c.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, seed=i)
-        t_server = (time.perf_counter() - t0) / n
+            t1 = time.perf_counter()
+            loop.run_until_complete(engine.generate(ids[i], SamplingParams(max_tokens=max_tokens, seed=i)))
+            t2 = time.perf_counter()
+            t_server.append(t1 - t0)
+            t_direct.append(t2 - t1)
     finally:
         h.stop()
-    ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-           for m in prompts]
-
-    async def direct():
-        for i, p in enumerate(ids):
-            await engine.generate(p, SamplingParams(max_tokens=max_tokens, seed=i))
-
-    t0 = time.perf_counter()
-    asyncio.run(direct())
-    return t_server, (time.perf_counter() - t0) / n
+        loop.close()
+    return statistics.median(t_server), statistics.median(t_direct)
 
 
 def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:

@@ -404,7 +404,9 @@ def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | Non
     import uvicorn
 
     app = create_app(engine, tokenizer, admin_key=admin_key, model_name=model_name, **app_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without
+    # it Nagle + delayed ACK add ~40 ms to every keep-alive response
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     base_url = f"http://{host}:{sock.getsockname()[1]}"
