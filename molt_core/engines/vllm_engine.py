@@ -418,6 +418,8 @@ class VLLMEngine:
             for named, version, done, err in weights:
                 try:
                     self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+                    if self._tied:
+                        self._llm.collective_rpc(_reprocess_tied_lm_head)
                     engine.reset_prefix_cache(reset_running_requests=True)
                     self.version = version
                 except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -507,6 +509,23 @@ class VLLMEngine:
             r.loop.call_soon_threadsafe(_set)
         except RuntimeError:  # the caller's event loop is gone
             pass
+
+
+def _reprocess_tied_lm_head(worker: Any) -> None:
+    """Rebuild a tied ``lm_head``'s GEMM kernel after ``reload_weights`` (runs in each vLLM
+    worker via ``collective_rpc``).
+
+    vLLM 0.32's layer-wise reload processes ``embed_tokens`` (which owns the shared weight)
+    but reports the tied ``ParallelLMHead`` as "Failed to load weights" and only puts its
+    tensor back; on CPU the head's matmul is a oneDNN handle (``layer.cpu_linear``) packed
+    from the weight at load, so without this the logits keep using the *old* embedding while
+    the input embedding is new. ``process_weights_after_loading`` re-packs it (a no-op off CPU).
+    """
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
