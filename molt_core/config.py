@@ -63,7 +63,9 @@ class ModelSection(_Section):
 class EngineSection(_Section):
     """``[engine]``: ``name`` of a registered engine (``transformers``, ``vllm``),
     ``num_engines`` rollout workers, ``max_batch_size`` concurrent sequences per engine,
-    ``dtype`` of the engine's copy of the weights, ``num_cpus``/``num_gpus`` per worker."""
+    ``dtype`` of the engine's copy of the weights, ``num_cpus``/``num_gpus`` per worker,
+    ``resources``: custom Ray resources each rollout worker requires (e.g. ``{rollout = 1}``
+    to place workers on nodes started with ``ray start --resources '{"rollout": 1}'``)."""
 
     name: str = "transformers"
     num_engines: int = Field(1, ge=1)
@@ -71,6 +73,7 @@ class EngineSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -178,7 +178,7 @@ class RolloutWorker:
             action = self.tokenizer.decode(ids, skip_special_tokens=False)
             messages = ledger.history
             state.turn, state.messages = turn, messages
-            res = env.step(action, state)
+            res = await asyncio.to_thread(env.step, action, state)  # graders may block (sandbox, judge)
             reward += res.reward
             score = res.score if res.score is not None else score
             info.update(res.info)
@@ -220,7 +220,7 @@ class RolloutWorker:
             extra = 0.0
             for name, fn, opts in self.rewards:
                 try:
-                    extra += float(fn(action, task, **opts))
+                    extra += float(await asyncio.to_thread(fn, action, task, **opts))
                 except RewardFailed as e:
                     return traj.fail(f"reward {name}: {e}")
                 except Exception as e:  # a failing reward marks the trajectory failed
@@ -283,6 +283,20 @@ class RolloutWorker:
         """Rollouts in flight on this worker (the router's load measure)."""
         return self.inflight
 
+    def placement(self) -> dict[str, str]:
+        """Where this worker runs: ``{"node_id", "hostname", "pid"}`` (Ray node id when in Ray)."""
+        import socket
+
+        node = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:  # pragma: no cover
+            pass
+        return {"node_id": node, "hostname": socket.gethostname(), "pid": str(os.getpid())}
+
 
 # --------------------------------------------------------------------------- trainer actor
 
@@ -314,7 +328,14 @@ class TrainerWorker:
         host = load_plugins(self.cfg.plugins)
         agent = load_agent(self.cfg, host)
         examples = examples_from_agent(agent, s.n_examples, seed=self.cfg.run.seed + 17, label_noise=s.label_noise)
-        losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed)
+        import torch
+
+        # nothing else computes during the warm start: use every core, then hand them back
+        torch.set_num_threads(max(self.cfg.run.threads, os.cpu_count() or 1))
+        try:
+            losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed)
+        finally:
+            torch.set_num_threads(self.cfg.run.threads)
         return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -512,9 +533,11 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     t_start = time.perf_counter()
     Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
     Worker_ = ray.remote(RolloutWorker).options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus,
-                                                max_concurrency=1000)
+                                                resources=dict(cfg.engine.resources) or None, max_concurrency=1000)
     trainer = Trainer_.remote(cfg_dict)
     workers = [Worker_.remote(cfg_dict, i) for i in range(cfg.engine.num_engines)]
+    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers])}
+    (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     cursor = {"step": 0, "tasks": 0}
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -626,7 +649,6 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     if first and final:
         console.print(f"eval pass@1 (held-out, T={cfg.eval.temperature}): {first['eval/pass@1']:.3f} -> {final['eval/pass@1']:.3f}")
     console.print(f"run directory: {run_dir}  ({time.perf_counter() - t_start:.0f} s)")
-    if not ray_address:
-        ray.shutdown()
+    ray.shutdown()  # stops a cluster we started; only disconnects from a joined one
     return run_dir
 
