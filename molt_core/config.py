@@ -200,6 +200,16 @@ class SftSection(_Section):
     n_examples: int = Field(2000, ge=1)
 
 
+class TeacherSection(_Section):
+    """``[teacher]``: on-policy distillation teacher. ``name`` of a registered teacher
+    (``hf_teacher``; None = no teacher); ``options`` validated by the teacher's own options
+    model. Each ok trajectory is annotated with ``info["teacher_logprobs"]`` before training
+    (read by ``algo.advantage = "on_policy_distill"``)."""
+
+    name: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class RunConfig(_Section):
     """The whole resolved configuration of a run (one field per recipe table).
 
@@ -219,6 +229,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
+    teacher: TeacherSection = Field(default_factory=TeacherSection)
     plugins: list[str] = Field(default_factory=list)
     rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)
     loggers: list[str] = Field(default_factory=list)
