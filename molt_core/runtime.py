@@ -140,6 +140,13 @@ class RolloutWorker:
                               seed=self.cfg.run.seed * 1000 + index, **e.options)
         self.tokenizer = self.engine.tokenizer
         self.rewards = [(name, self.host.get("rewards", name), opts) for name, opts in self.cfg.rewards.items()]
+        self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
+        if self.cfg.teacher.name:
+            try:
+                teacher_cls = self.host.get("teachers", self.cfg.teacher.name)
+            except KeyError as e:
+                raise ValueError(f"teacher.name: {e.args[0]}") from None
+            self.teacher = teacher_cls(self.tokenizer, **self.cfg.teacher.options)
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
@@ -229,6 +236,11 @@ class RolloutWorker:
                 traj = traj.model_copy(update={"reward": (traj.reward or 0.0) + extra})
             if not traj.segments or traj.num_sampled == 0:
                 return traj.fail("the rollout sampled no token")
+            if self.teacher is not None:
+                try:  # a failing teacher marks the trajectory failed, like a failing reward
+                    traj = await asyncio.to_thread(self.teacher.annotate, traj)
+                except Exception as e:
+                    return traj.fail(f"teacher {self.cfg.teacher.name} raised {type(e).__name__}: {e}")
             return traj
         except asyncio.TimeoutError:
             return Trajectory(group_id=group_id, task=task, status="failed", error=f"timeout after {self.cfg.rollout.timeout_s} s")
@@ -482,7 +494,11 @@ def _absolute(cfg: RunConfig) -> RunConfig:
     model = cfg.model
     if not model.path.startswith("builtin:") and Path(model.path).exists():
         model = model.model_copy(update={"path": str(Path(model.path).resolve())})
-    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model})
+    teacher = cfg.teacher
+    tpath = teacher.options.get("path")
+    if isinstance(tpath, str) and not tpath.startswith("builtin:") and Path(tpath).exists():
+        teacher = teacher.model_copy(update={"options": {**teacher.options, "path": str(Path(tpath).resolve())}})
+    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model, "teacher": teacher})
 
 
 def _init_ray(cfg: RunConfig, ray_address: str | None):
