@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+# token auth off: both nodes are on this machine, started by this test
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def free_port():
