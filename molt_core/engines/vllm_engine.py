@@ -521,8 +521,8 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
     from the weight at load, so without this the logits keep using the *old* embedding while
     the input embedding is new. ``process_weights_after_loading`` re-packs it (a no-op off CPU).
     """
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
+    get_model = getattr(getattr(worker, "model_runner", None), "get_model", None)
+    head = getattr(get_model(), "lm_head", None) if get_model is not None else None
     method = getattr(head, "quant_method", None)
     if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
