@@ -177,7 +177,9 @@ def recipes() -> None:
 @click.option("--max-batch-size", default=16, type=click.IntRange(1), help="Sequences the engine decodes together.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Parameter dtype.")
 @click.option("--enable-thinking/--disable-thinking", default=None, help="Set the chat template's enable_thinking for every session.")
-def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str, enable_thinking: bool | None) -> None:
+@click.option("--num-engines", default=1, type=click.IntRange(1), help="Engines in-process, each with its own server, behind one request router (session affinity, least-loaded placement).")
+def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str, enable_thinking: bool | None,
+          num_engines: int) -> None:
     """Serve MODEL on 127.0.0.1 for any OpenAI or Anthropic SDK, recording every session token-exactly.
 
     Prints one JSON line on stdout -- base_url, admin_key and a ready-made session
@@ -189,20 +191,31 @@ def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dty
     from molt_core.server import start_server
 
     try:
-        engine = TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype)
+        engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype) for _ in range(num_engines)]
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"--model {model}: {e}")
+    engine = engines[0]
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    backends = []  # with --num-engines N > 1: N servers on random ports behind the router
     try:
-        handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, model_name=model,
-                              chat_template_kwargs=kwargs)
+        if num_engines == 1:
+            handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, model_name=model,
+                                  chat_template_kwargs=kwargs)
+        else:
+            from molt_core.server.router import start_router
+
+            backends = [start_server(e, e.tokenizer, model_name=model, chat_template_kwargs=kwargs) for e in engines]
+            handle = start_router(backends, admin_key=admin_key, port=port)
     except OSError as e:
         _fail(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e})")
     info = handle.create_session()
     click.echo(json.dumps({"base_url": handle.base_url, "admin_key": handle.admin_key, "model": model,
-                           "session": info.model_dump()}), nl=True)
+                           "session": info.model_dump(),
+                           **({"engines": [b.base_url for b in backends]} if backends else {})}), nl=True)
     sys.stdout.flush()
-    console.print(f"[bold]molt serve[/] {model} at {handle.base_url}\n"
+    console.print(f"[bold]molt serve[/] {model} at {handle.base_url}"
+                  + (f" (request router over {num_engines} engines: {', '.join(b.base_url for b in backends)})" if backends else "")
+                  + "\n"
                   f"  admin key: {handle.admin_key}   (POST /sessions, GET /sessions/<id>/trajectory)\n"
                   f"  session {info.session_id}: OpenAI base_url={info.openai_base_url}  "
                   f"Anthropic base_url={info.anthropic_base_url}  api_key={info.api_key}\n"
@@ -214,9 +227,12 @@ def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dty
         pass
     finally:
         handle.stop()
-        close = getattr(engine, "close", None)
-        if close:
-            close()
+        for b in backends:
+            b.stop()
+        for e in engines:
+            close = getattr(e, "close", None)
+            if close:
+                close()
 
 
 if __name__ == "__main__":  # pragma: no cover

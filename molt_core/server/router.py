@@ -1,0 +1,289 @@
+"""Request router in front of several loopback servers: one base URL, the same admin and
+session API as one server (:mod:`molt_core.server.app`), session affinity, load balancing.
+
+* ``POST /sessions`` (router admin key) opens the session on the backend with the fewest open
+  sessions, then the least load (its engine's ``load`` -- requests in flight -- for a local
+  :class:`~molt_core.server.app.ServerHandle`, else the requests the router has in flight to
+  it), ties to the lowest index; an unreachable backend is skipped. The returned URLs point at
+  the router.
+* ``/s/{sid}/...`` (any method, both wires, SSE streamed through chunk by chunk) goes to the
+  backend that owns ``sid``; the session's own key is checked by that backend.
+* ``GET /sessions/{sid}/trajectory`` and ``DELETE /sessions/{sid}`` are forwarded with the
+  backend's admin key.
+
+Unknown session: 404 in the wire's error shape (Anthropic for ``.../v1/messages``, OpenAI
+otherwise). A backend that cannot be reached: 502 naming the backend and the cause (503 when
+no backend can open a session) -- never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from molt_core.server.app import ServerHandle, _key_of
+from molt_core.server.wires import anthropic_error, openai_error
+
+__all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
+
+log = logging.getLogger(__name__)
+_HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", "date", "server"}
+
+
+@dataclass
+class Backend:
+    """One loopback server behind the router: ``base_url``, its ``admin_key``, the local
+    ``handle`` (None for a remote one), ``sessions`` open through the router and the router's
+    ``in_flight`` requests to it (sent, response head not yet back)."""
+
+    base_url: str
+    admin_key: str
+    handle: ServerHandle | None = None
+    sessions: int = 0
+    in_flight: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests in flight: the local engine's ``load`` when it has one, else ``in_flight``."""
+        n = getattr(self.handle.app.state.engine, "load", None) if self.handle is not None else None
+        return n if isinstance(n, int) else self.in_flight
+
+
+def _error(wire: str, status: int, message: str, code: str | None = None) -> JSONResponse:
+    if wire == "anthropic":
+        body = anthropic_error(status, message, code=code)
+        if status >= 500:
+            body["error"]["type"] = "api_error"
+    else:
+        body = openai_error(status, message, code=code)
+        if status >= 500:
+            body["error"]["type"] = "server_error"
+    return JSONResponse(body, status_code=status)
+
+
+def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None) -> FastAPI:
+    """The router's ASGI app over ``backends`` (see the module docstring for the routes).
+
+    Args:
+        backends: at least one :class:`Backend`.
+        admin_key: key for the router's ``/sessions`` routes (random when None; read
+            ``app.state.admin_key``).
+        timeout: seconds to wait for a backend's response (None: no limit; connecting is
+            limited to 5 s).
+
+    Returns:
+        A FastAPI app; ``app.state.owner`` maps session id -> backend index.
+
+    Raises:
+        ValueError: ``backends`` is empty.
+    """
+    if not backends:
+        raise ValueError("backends is empty: give at least one ServerHandle or (base_url, admin_key)")
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        yield
+        await state["client"].aclose()
+
+    app = FastAPI(title="molt request router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
+    app.state.backends = backends
+    owner: dict[str, int] = {}
+    app.state.owner = owner
+    app.state.base_url = ""  # set by start_router; else the URL the client used
+
+    def admin_ok(request: Request) -> bool:
+        key = _key_of(request)
+        return key is not None and secrets.compare_digest(key.encode(), app.state.admin_key.encode())
+
+    def unauthorized() -> JSONResponse:
+        return _error("openai", 401, "missing or wrong admin key: send the router's admin key as "
+                                     "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "invalid_api_key")
+
+    def down(wire: str, i: int, e: Exception, what: str) -> JSONResponse:
+        return _error(wire, 502, f"backend {i} at {backends[i].base_url} ({what}) is unreachable: "
+                                 f"{type(e).__name__}: {str(e) or 'no response'}", "backend_unreachable")
+
+    async def forward(i: int, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> httpx.Response:
+        b = backends[i]
+        b.in_flight += 1  # until the response head arrives: a molt server answers once generated
+        try:
+            req = state["client"].build_request(method, b.base_url + path, headers=headers, content=body)
+            return await state["client"].send(req, stream=True)
+        finally:
+            b.in_flight -= 1
+
+    def relay(i: int, resp: httpx.Response) -> StreamingResponse:
+        async def chunks() -> Any:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.TransportError as e:  # the backend died mid-stream: end the stream
+                log.warning("backend %d at %s broke off a response: %r", i, backends[i].base_url, e)
+            finally:
+                await resp.aclose()
+
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+        # the background close also runs when the client left before the body was iterated
+        return StreamingResponse(chunks(), status_code=resp.status_code, headers=headers,
+                                 background=BackgroundTask(resp.aclose))
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> Any:
+        if not admin_ok(request):
+            return unauthorized()
+        body = await request.body()
+        order = sorted(range(len(backends)), key=lambda j: (backends[j].sessions, backends[j].load, j))
+        errors = []
+        for i in order:
+            backends[i].sessions += 1  # reserve before awaiting, so concurrent creates spread out
+            try:
+                resp = await forward(i, "POST", "/sessions", {"x-api-key": backends[i].admin_key,
+                                                               "content-type": "application/json"}, body)
+            except httpx.TransportError as e:
+                backends[i].sessions -= 1
+                errors.append(f"backend {i} at {backends[i].base_url}: {type(e).__name__}: {e}")
+                continue
+            try:
+                raw = await resp.aread()
+            except httpx.TransportError as e:
+                backends[i].sessions -= 1
+                errors.append(f"backend {i} at {backends[i].base_url}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                await resp.aclose()
+            if resp.status_code != 200:  # the backend refused the body: pass its error through
+                backends[i].sessions -= 1
+                return Response(raw, status_code=resp.status_code, media_type="application/json")
+            try:
+                info = json.loads(raw)
+                sid = info["session_id"]
+            except (ValueError, KeyError, TypeError):  # not a molt server: try the next one
+                backends[i].sessions -= 1
+                errors.append(f"backend {i} at {backends[i].base_url}: answered without a session_id: {raw[:200]!r}")
+                continue
+            owner[sid] = i
+            base = app.state.base_url or str(request.base_url).rstrip("/")
+            return {**info, "openai_base_url": f"{base}/s/{sid}/v1", "anthropic_base_url": f"{base}/s/{sid}"}
+        return _error("openai", 503, "no backend could open a session: " + "; ".join(errors), "backend_unreachable")
+
+    @app.api_route("/sessions/{sid}/trajectory", methods=["GET"])
+    @app.api_route("/sessions/{sid}", methods=["DELETE"])
+    async def admin_forward(sid: str, request: Request) -> Any:
+        if not admin_ok(request):
+            return unauthorized()
+        i = owner.get(sid)
+        if i is None:
+            return _error("openai", 404, f"unknown session {sid!r}; create one with POST /sessions", "session_not_found")
+        try:
+            resp = await forward(i, request.method, request.url.path, {"x-api-key": backends[i].admin_key})
+        except httpx.TransportError as e:
+            return down("openai", i, e, f"owner of session {sid}")
+        if request.method == "DELETE" and resp.status_code in (200, 404) and owner.pop(sid, None) is not None:
+            backends[i].sessions -= 1
+        return relay(i, resp)
+
+    @app.api_route("/s/{sid}/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def session_route(sid: str, rest: str, request: Request) -> Any:
+        wire = "anthropic" if rest.rstrip("/").endswith("v1/messages") else "openai"
+        i = owner.get(sid)
+        if i is None:
+            return _error(wire, 404, f"unknown session {sid!r}; create one with POST /sessions", "session_not_found")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        try:
+            resp = await forward(i, request.method, path, headers, await request.body())
+        except httpx.TransportError as e:
+            return down(wire, i, e, f"owner of session {sid}")
+        return relay(i, resp)
+
+    return app
+
+
+class RouterHandle:
+    """A running router (see :func:`start_router`). Attributes: ``base_url``, ``admin_key``,
+    ``app``, ``backends`` (list of :class:`Backend`), ``owner`` (session id -> backend index)."""
+
+    def __init__(self, app: FastAPI, server: Any, thread: threading.Thread, base_url: str) -> None:
+        self.app, self._server, self._thread, self.base_url = app, server, thread, base_url
+        self.admin_key: str = app.state.admin_key
+        self.backends: list[Backend] = app.state.backends
+        self.owner: dict[str, int] = app.state.owner
+
+    def create_session(self, **body: Any) -> Any:
+        """Open a session through the router (HTTP); returns a
+        :class:`~molt_core.server.app.SessionInfo`. Raises: httpx.HTTPStatusError on a 4xx/5xx."""
+        from molt_core.server.app import SessionInfo
+
+        r = httpx.post(f"{self.base_url}/sessions", json=body, headers={"x-api-key": self.admin_key}, timeout=30)
+        r.raise_for_status()
+        return SessionInfo.model_validate(r.json())
+
+    @property
+    def running(self) -> bool:
+        """True while the router thread is serving."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the router (not its backends) and join its thread (idempotent)."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> RouterHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str | None = None, port: int = 0,
+                 host: str = "127.0.0.1", timeout: float | None = None) -> RouterHandle:
+    """Serve a router over ``backends`` (running :class:`ServerHandle` s, or
+    ``(base_url, admin_key)`` pairs of servers elsewhere) on ``host:port`` (0: a free random
+    port) in a daemon thread; returns once it accepts connections.
+
+    Raises:
+        ValueError: ``backends`` is empty or holds something else.
+        OSError: the port cannot be bound.
+        RuntimeError: the router did not start within 30 s.
+    """
+    import uvicorn
+
+    bs = []
+    for j, b in enumerate(backends):
+        if isinstance(b, ServerHandle):
+            bs.append(Backend(b.base_url, b.admin_key, b))
+        elif isinstance(b, (tuple, list)) and len(b) == 2 and all(isinstance(x, str) for x in b):
+            bs.append(Backend(b[0].rstrip("/"), b[1]))
+        else:
+            raise ValueError(f"backends[{j}] is {b!r}: give a ServerHandle or a (base_url, admin_key) pair")
+    app = create_router_app(bs, admin_key, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as in app.py
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    base_url = app.state.base_url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=30, backlog=2048))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="molt-router", daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - t0 > 30:
+            raise RuntimeError(f"the request router did not start on {base_url}")
+        time.sleep(0.01)
+    return RouterHandle(app, server, thread, base_url)
