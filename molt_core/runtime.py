@@ -345,7 +345,14 @@ class TrainerWorker:
         # nothing else computes during the warm start: use every core, then hand them back
         torch.set_num_threads(max(self.cfg.run.threads, os.cpu_count() or 1))
         try:
-            losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed)
+            every = max(1, s.steps // 8)
+
+            def progress(step: int, m: dict[str, float]) -> None:
+                if (step + 1) % every == 0:
+                    print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
+
+            losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed,
+                         log=progress)
         finally:
             torch.set_num_threads(self.cfg.run.threads)
         return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
