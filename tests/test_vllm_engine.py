@@ -115,6 +115,9 @@ def test_r3_refused_on_cpu():
 
     with pytest.raises(NotImplementedError, match="routing replay.*not supported.*CPU"):
         VLLMEngine("builtin:tiny-qwen3-moe", return_routed_experts=True)
+    # the default asks for routing on an MoE model (as the transformers engine records it)
+    with pytest.raises(NotImplementedError, match="return_routed_experts = false"):
+        VLLMEngine("builtin:tiny-qwen3-moe")
 
 
 @vllm_test

