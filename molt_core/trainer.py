@@ -537,7 +537,7 @@ class Trainer:
 
             model = load_model(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
             if tokenizer is None:
-                tokenizer = load_tokenizer(cfg.model.path)
+                tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
         self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
@@ -792,6 +792,10 @@ class Trainer:
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
             (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
             0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
+            ``distill/reverse_kl`` (``on_policy_distill`` only: the reverse KL
+            ``KL(pi_student || pi_teacher)`` in nats per token, estimated on the student's
+            sampled tokens as the mean of ``log pi_student(y_t) - log pi_teacher(y_t)`` -- the
+            k1 estimator, Schulman 2020 -- before the update),
             ``entropy`` (mean over sampled tokens, nats, of the processed distribution),
             ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
             (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
@@ -885,6 +889,8 @@ class Trainer:
         kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[mask].mean()) if ref_lp is not None else 0.0
         metrics["kl"] = kl_ref
         metrics["kl_coef"] = self.kl_coef
+        if distill:  # KL(student || teacher) on the student's own samples: k1, mean over sampled tokens
+            metrics["distill/reverse_kl"] = float((prox - batch.teacher_logprobs)[mask].mean()) if n_sampled else 0.0
         keep = corr.keep.to(torch.bool)
         metrics["train/sequences"] = float(batch.size)
         metrics["train/rollouts"] = float(batch.rewards.numel())
