@@ -19,7 +19,9 @@ How the comparison is kept to the *training* part on *the same data*:
   region (on-policy, version-stamped); only ``Trainer.train_step`` is timed (ingress,
   logprob recompute, correction + gate, advantages, loss, backward, clip, AdamW).
 
-Both start from identical weights. Steps before ``--warmup`` are excluded; the medians and
+Both start from identical weights, warm-started by ``--sft-steps`` (default 800) of molt's
+SFT on 30%-noisy labels as in ``BENCHMARKS.md``, so completions end and rewards vary as in a
+real run (``--sft-steps 0``: a random model, every reward 0). Steps before ``--warmup`` are excluded; the medians and
 the ratio molt / TRL are printed (< 1 means molt's trainer step is faster).
 
 Usage: ``python benchmarks/bench_trainer.py [--steps 30] [--warmup 3] [--threads 1]``
@@ -65,6 +67,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--sft-steps", type=int, default=800,
+                    help="warm start both models (same weights) so rewards vary, as in BENCHMARKS.md")
+    ap.add_argument("--label-noise", type=float, default=0.3, help="fraction of wrong SFT targets")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -89,6 +94,15 @@ def main() -> None:
         "algo": {"advantage": "grpo", "loss": "ppo", "kl_coef": 0.0},
     })
     molt = Trainer(cfg, model=molt_model, tokenizer=tok)
+    if args.sft_steps:
+        from molt_core.sft import noisy_answer, sft
+
+        rng = random.Random(1)
+        ex = [(r["prompt"], noisy_answer(r["answer"], rng) if rng.random() < args.label_noise else r["answer"])
+              for r in make_dataset(4000, seed=1)]
+        losses = sft(molt, ex, steps=args.sft_steps, batch_size=32, lr=1e-3, seed=0)
+        trl_model.load_state_dict(molt_model.state_dict())
+        print(f"warm start: {args.sft_steps} SFT steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
 
     out_dir = tempfile.mkdtemp(prefix="bench-trl-")
     targs = GRPOConfig(
@@ -105,7 +119,7 @@ def main() -> None:
                       processing_class=tok)
 
     rec: dict = {"gen": 0.0, "batch": None}
-    trl_step, trl_gen, molt_step, molt_recompute = [], [], [], []
+    trl_step, trl_gen, molt_step, molt_recompute, rewards = [], [], [], [], []
 
     orig_generate = trl._generate
 
@@ -159,6 +173,7 @@ def main() -> None:
             m = molt.train_step(trajs)
             molt_step.append(time.perf_counter() - t)
             molt_recompute.append(m["time/recompute"])
+            rewards.append(m["reward/batch_mean"])
             assert m["invariants/logprob_absdiff_max"] == 0.0 and m["train/action_tokens"] > 0
 
     trl.add_callback(Clock())
@@ -169,7 +184,8 @@ def main() -> None:
     med = statistics.median
     n_tok = sum(t.num_sampled for t in molt_trajectories())
     print(f"steps timed: {len(trl_train)} (after {w} warm-up), batch {args.prompts}x{args.samples}, "
-          f"<= {args.max_tokens} new tokens ({n_tok} action tokens in the last batch), threads {args.threads}")
+          f"<= {args.max_tokens} new tokens ({n_tok} action tokens in the last batch), threads {args.threads}, "
+          f"mean reward {statistics.mean(rewards):.3f}")
     print(f"TRL GRPOTrainer  full step      median {1e3 * med(trl_step[w:]):7.1f} ms "
           f"(generation {1e3 * med(trl_gen[w:]):.1f} ms)")
     print(f"TRL GRPOTrainer  train part     median {1e3 * med(trl_train):7.1f} ms")
