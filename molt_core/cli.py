@@ -57,8 +57,9 @@ def main() -> None:
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent to train.")
 @click.option("--ray-address", default=None, help="Join an existing Ray cluster instead of starting a local one.")
 @click.option("--resume", "resume", default=None, type=click.Path(), help="Continue a killed run from its directory.")
+@click.option("--local", is_flag=True, help="Run workers in this process without Ray (synchronous; for debugging).")
 def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None,
-        agent: str | None, ray_address: str | None, resume: str | None) -> None:
+        agent: str | None, ray_address: str | None, resume: str | None, local: bool) -> None:
     """Train the agent of RECIPE (a TOML path or a shipped recipe name) with RL."""
     if resume:
         resume_dir = Path(resume)
@@ -74,7 +75,8 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     cfg, host = prepare(recipe, plugin, tuple(extra))
     from molt_core import runtime
 
-    runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None, recipe_name=Path(recipe).stem)
+    runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
+                     recipe_name=Path(recipe).stem, local=local)
 
 
 @main.command()

@@ -527,9 +527,68 @@ def _init_ray(cfg: RunConfig, ray_address: str | None):
     return ray
 
 
+class _Local:
+    """Stand-in for the slice of the Ray API ``main_job`` uses, running actors in this process:
+    ``remote(cls).options(...).remote(*args)`` builds the object, ``actor.method.remote(...)``
+    calls it at once (coroutines run on one private event loop), ``get`` unwraps. Used by
+    ``molt run --local`` (debugging) and fast tests; no asynchrony, so staleness is 0."""
+
+    class _Ref:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+    class _Method:
+        def __init__(self, owner: "_Local", fn: Any, num_returns: int = 1) -> None:
+            self.owner, self.fn, self.num_returns = owner, fn, num_returns
+
+        def options(self, num_returns: int = 1, **_: Any) -> "_Local._Method":
+            return _Local._Method(self.owner, self.fn, num_returns)
+
+        def remote(self, *args: Any, **kwargs: Any) -> Any:
+            args = tuple(a.value if isinstance(a, _Local._Ref) else a for a in args)
+            out = self.fn(*args, **kwargs)
+            if asyncio.iscoroutine(out):
+                out = self.owner.loop.run_until_complete(out)
+            if self.num_returns > 1:
+                return tuple(_Local._Ref(x) for x in out)
+            return _Local._Ref(out)
+
+    class _Actor:
+        def __init__(self, owner: "_Local", obj: Any) -> None:
+            self._owner, self._obj = owner, obj
+
+        def __getattr__(self, name: str) -> Any:
+            return _Local._Method(self._owner, getattr(self._obj, name))
+
+    class _Class:
+        def __init__(self, owner: "_Local", cls: type) -> None:
+            self.owner, self.cls = owner, cls
+
+        def options(self, **_: Any) -> "_Local._Class":
+            return self
+
+        def remote(self, *args: Any) -> "_Local._Actor":
+            return _Local._Actor(self.owner, self.cls(*args))
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def remote(self, cls: type) -> "_Local._Class":
+        return _Local._Class(self, cls)
+
+    def get(self, refs: Any) -> Any:
+        if isinstance(refs, list):
+            return [r.value for r in refs]
+        return refs.value
+
+    def shutdown(self) -> None:
+        self.loop.close()
+
+
 def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
-             resume: bool = False, recipe_name: str = "run") -> Path:
-    """Run RL training end to end; returns the run directory.
+             resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
+    """Run RL training end to end; returns the run directory. ``local`` runs the rollout
+    worker and trainer in this process without Ray (synchronous; debugging and tests).
 
     Writes ``config.toml``, ``metrics.jsonl`` (one row per step), ``trajectories.jsonl``
     (a sample), ``checkpoints/`` and ``reward.png``. With ``resume`` it continues from the
@@ -552,7 +611,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     if not resume:
         cfg.write(run_dir / "config.toml")
     agent = load_agent(cfg, host)  # validates the agent before any compute
-    ray = _init_ray(cfg, ray_address)
+    ray = _Local() if local else _init_ray(cfg, ray_address)
     cfg_dict = cfg.model_dump(by_alias=True)
     t_start = time.perf_counter()
     Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)

@@ -76,3 +76,22 @@ def test_example_recipe_runs_two_steps(recipe, tmp_path):
         assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     if "wandb" in recipe.stem:
         assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.parametrize("recipe", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_recipe_runs_one_step_in_process(recipe, tmp_path, monkeypatch):
+    """The same main job as `molt run`, with the workers in this process (`--local`)."""
+    from molt_core import runtime
+
+    cfg = load_config(recipe, ["run.steps=1", "eval.every=0", "eval.n_problems=2", "rollout.prompts_per_step=2",
+                               "rollout.n_samples_per_prompt=2", "sft.steps=0"])
+    if "llm_judge" in cfg.rewards:
+        pytest.skip("needs a judge endpoint (covered against a fake server in tests/test_judge.py)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    out = runtime.main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True, recipe_name=recipe.stem)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step = [row for row in rows if row["step"] == 1]
+    assert len(step) == 1 and step[0]["rollout/failed"] == 0
+    assert step[0]["invariants/tokens_retokenized"] == 0 and step[0]["invariants/staleness_max"] == 0
+    assert step[0]["rollout/trajectories"] == 4
