@@ -144,10 +144,7 @@ def test_unknown_teacher_is_an_error_before_any_rollout(tmp_path):
 # -- the recipe end to end -------------------------------------------------------------------
 
 MOLT = [sys.executable, "-m", "molt_core.cli"]
-# RAY_ADDRESS=local: always start a private cluster, even when another `ray start` cluster
-# is up on this machine (ray.init() would otherwise join the latest one)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-       "RAY_ADDRESS": "local"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 TEACHER_SFT_STEPS = 200  # the recipe's documented teacher warm start
 
 
