@@ -77,9 +77,17 @@ def test_wandb_offline_without_account(tmp_path, monkeypatch):
     lg.log(0, {"reward/mean": 0.125})
     lg.log(1, {"reward/mean": 0.375})
     lg.close()
-    files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(files) == 1
-    data = open(files[0], "rb").read()
+    # wandb's service process may still be flushing the offline file when finish() returns
+    import time
+
+    deadline, data = time.time() + 30, b""
+    while time.time() < deadline:
+        files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert len(files) <= 1
+        data = open(files[0], "rb").read() if files else b""
+        if b"0.375" in data and b"wb-test" in data:
+            break
+        time.sleep(0.2)
     # the history records hold the key and the JSON values (protobuf strings are stored raw)
     assert b"reward/mean" in data and b"0.125" in data and b"0.375" in data
     assert b"wb-test" in data  # the run config / name went in too
