@@ -227,6 +227,10 @@ class _Open:
 # --------------------------------------------------------------------------- ledger
 
 
+#: (id(tokenizer), chat template, template kwargs) -> facts derived by Ledger._fast_render/_probe
+_TEMPLATE_FACTS: dict[tuple[int, str, str], tuple[Any, ...]] = {}
+
+
 class Ledger:
     """Token-exact accumulation of one session (one rollout); thread-safe.
 
@@ -265,8 +269,16 @@ class Ledger:
         self._last_turn: AssistantTurn | None = None
         self._epoch = 0
         self._last_req: tuple[Any, ...] | None = None
-        self._fast_render()
-        self._probe()
+        # the template facts depend only on the tokenizer and template kwargs: derive them once
+        key = (id(tokenizer), tokenizer.chat_template, json.dumps(self.template_kwargs, sort_keys=True, default=str))
+        facts = _TEMPLATE_FACTS.get(key)
+        if facts is None:
+            self._fast_render()
+            self._probe()
+            facts = (self._compiled, getattr(self, "_template_vars", {}), self.turn_close, self.body_prefix,
+                     self.stop_token_ids)
+            _TEMPLATE_FACTS[key] = facts
+        self._compiled, self._template_vars, self.turn_close, self.body_prefix, self.stop_token_ids = facts
 
     # ---------------------------------------------------------------- template facts
 

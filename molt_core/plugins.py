@@ -80,13 +80,18 @@ def _disabled() -> set[str]:
     return {x.strip() for x in raw.split(",") if x.strip()}
 
 
-def _import_path(spec: str) -> ModuleType:
-    """Import ``spec``: a ``.py`` file path or a dotted module path."""
+def import_path(spec: str, prefix: str = "molt_local_plugin") -> ModuleType:
+    """Import ``spec``: a ``.py`` file path (as module ``<prefix>_<stem>_<hash>``) or a dotted
+    module path.
+
+    Raises:
+        FileNotFoundError: a ``.py`` path that does not exist; any error of the module itself.
+    """
     p = Path(spec)
     if spec.endswith(".py") or p.is_file():
         if not p.is_file():
-            raise FileNotFoundError(f"no such plugin file: {spec}")
-        modname = f"molt_local_plugin_{p.stem}_{abs(hash(str(p.resolve()))) % 10**8}"
+            raise FileNotFoundError(f"no such file: {spec}")
+        modname = f"{prefix}_{p.stem}_{abs(hash(str(p.resolve()))) % 10**8}"
         mspec = importlib.util.spec_from_file_location(modname, p)
         assert mspec is not None and mspec.loader is not None
         mod = importlib.util.module_from_spec(mspec)
@@ -172,7 +177,7 @@ class PluginHost:
             PluginError: the module cannot be imported or is invalid.
         """
         try:
-            mod = _import_path(spec)
+            mod = import_path(spec)
         except Exception as e:
             raise PluginError(f'Error importing plugin "{spec}" (--plugin): {type(e).__name__}: {e}') from e
         self.local_specs.append(spec)

@@ -21,12 +21,9 @@ on the worker (and engine) that opened it (session affinity).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
-import random
-import sys
 import time
 from collections import deque
 from datetime import datetime
@@ -35,7 +32,7 @@ from typing import Any, Iterator
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
 from molt_core.config import RunConfig
-from molt_core.plugins import PluginHost, load_plugins
+from molt_core.plugins import PluginHost, import_path, load_plugins
 from molt_core.types import Group, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["load_agent", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
@@ -64,15 +61,10 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
         except KeyError as e:
             raise ValueError(f"agent.name: {e.args[0]}") from None
         return make_agent(obj, a.options)
-    path = Path(a.path)
-    if not path.is_file():
+    if not Path(a.path).is_file():
         raise ValueError(f"agent.path: no such file {a.path!r}")
-    modname = f"molt_agent_{path.stem}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
+    mod = import_path(a.path, prefix="molt_agent")
+    modname = mod.__name__
     if hasattr(mod, "agent"):
         obj = mod.agent
         if isinstance(obj, (Env, ChatAgent)):

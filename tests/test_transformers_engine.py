@@ -191,6 +191,34 @@ def test_concurrent_equals_sequential_and_unpadded_forward(tiny):
     assert worst <= 1e-5
 
 
+def test_identical_prompts_share_one_prefill_row(tiny):
+    """A group's n rollouts of one prompt are prefilled once; results equal separate prefills."""
+    prompts = _prompts(tiny.tokenizer, 2)
+    batch = [prompts[0]] * 6 + [prompts[1]] * 2
+    params = _params(8)
+    rows = []
+    orig = tiny._forward
+
+    def spy(ids, mask, pos, cache):
+        if cache is None:
+            rows.append(ids.shape[0])
+        return orig(ids, mask, pos, cache)
+
+    tiny._forward = spy
+    try:
+        async def batched():
+            return await asyncio.gather(*[tiny.generate(p, sp) for p, sp in zip(batch, params)])
+
+        outs = run(batched())
+    finally:
+        del tiny._forward
+    assert rows == [2]  # 8 requests, 2 distinct prompts -> one prefill forward of 2 rows
+    singles = [run(tiny.generate(p, sp)) for p, sp in zip(batch, params)]
+    for a, b in zip(outs, singles):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+
+
 def test_requests_join_a_running_batch(tiny):
     prompts, params = _prompts(tiny.tokenizer, 3), _params(3, max_tokens=40)
 

