@@ -142,11 +142,25 @@ class RolloutWorker:
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
+        if any(name == "llm_judge" and not opts.get("base_url") for name, _, opts in self.rewards):
+            # the judge asks the run's own engine through a separate loopback session that is
+            # never turned into a training trajectory
+            judge = self._server().create_session(group_id="judge")
+            os.environ["MOLT_JUDGE_BASE_URL"] = judge.openai_base_url
+            os.environ["MOLT_JUDGE_API_KEY"] = judge.api_key
         from molt_core.ledger import Ledger
 
         self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
 
     # -- episodes -------------------------------------------------------------------------
+    def _server(self):
+        """The worker's loopback server (started on first use)."""
+        if self.server is None:
+            from molt_core.server.app import start_server
+
+            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs)
+        return self.server
+
     def _ledger(self, group_id: str):
         from molt_core.ledger import Ledger
 
@@ -195,11 +209,7 @@ class RolloutWorker:
         return traj, action
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
-        if self.server is None:
-            from molt_core.server.app import start_server
-
-            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs)
-        sess = self.server.create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
         ctx = AgentContext(task=task, openai_base_url=sess.openai_base_url, anthropic_base_url=sess.anthropic_base_url,
                            api_key=sess.api_key, sampling=params)
         try:

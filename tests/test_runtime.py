@@ -131,3 +131,29 @@ def test_load_agent_errors(tmp_path):
 def test_recipe_agent_path_resolves_beside_recipe():
     cfg = load_config("env_agent")
     assert cfg.agent.path.endswith("recipes/agents/addition_env.py")
+
+
+def test_llm_judge_without_base_url_asks_the_run_engine_through_a_loopback_session(monkeypatch):
+    """No base_url: the worker opens a judge session on its own server; the judge's request
+    reaches the policy engine (the tiny random model replies with no score, so the reward
+    fails with `parse` -- not with "no endpoint") and the judge session is never trained on."""
+    monkeypatch.delenv("MOLT_JUDGE_BASE_URL", raising=False)
+    monkeypatch.delenv("MOLT_JUDGE_API_KEY", raising=False)
+    from molt_plugins.judges import llm_judge as judge_mod
+
+    monkeypatch.setattr(judge_mod, "_JUDGES", {})
+    cfg = load_config("examples/llm_judge", ["rollout.max_tokens=4"])
+    data = cfg.model_dump(by_alias=True)
+    data["rewards"] = {"llm_judge": {"max_tokens": 4, "timeout_s": 30.0}}
+    w = RolloutWorker(RunConfig.model_validate(data))
+    try:
+        import os
+
+        assert os.environ["MOLT_JUDGE_BASE_URL"].startswith(w.server.base_url + "/s/")
+        groups = asyncio.run(w.rollout([next(iter(w.agent.tasks("train", 0)))], 2))
+        errors = [t.error for t in groups[0].trajectories]
+        assert all(e is not None and e.startswith("reward llm_judge: failed: parse") for e in errors), errors
+        judge_sessions = [s for s in w.server.sessions._sessions.values() if s.ledger.group_id == "judge"]
+        assert len(judge_sessions) == 1 and judge_sessions[0].ledger.counts["start"] + judge_sessions[0].ledger.counts["rewrite"] == 2
+    finally:
+        w.server.stop()
