@@ -21,6 +21,7 @@ on the worker (and engine) that opened it (session affinity).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -645,7 +646,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     version = publish()
 
-    eval_tasks = list(agent.tasks("eval", cfg.run.seed))[: cfg.eval.n_problems] if cfg.eval.n_problems else []
+    eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
 
     def evaluate() -> dict[str, float]:
         if not eval_tasks:
