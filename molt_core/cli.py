@@ -75,8 +75,13 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     cfg, host = prepare(recipe, plugin, tuple(extra))
     from molt_core import runtime
 
-    runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
-                     recipe_name=Path(recipe).stem, local=local)
+    try:
+        runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
+                         recipe_name=Path(recipe).stem, local=local)
+    except (ValueError, FileNotFoundError) as e:  # configuration problems found before compute
+        _fail(str(e))
+    except runtime.RunFailed as e:
+        _fail(str(e), code=1)
 
 
 @main.command()
@@ -163,7 +168,9 @@ def recipes() -> None:
     table.add_column("name")
     table.add_column("description")
     for p in sorted(RECIPES_DIR.glob("*.toml")):
-        first = next((ln[1:].strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+        lines = p.read_text().splitlines()
+        head = [ln[1:].strip() for ln in lines[: next((i for i, ln in enumerate(lines) if not ln.startswith("#")), len(lines))]]
+        first = " ".join(h for h in head if h)
         try:
             tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe"]
 
@@ -144,6 +144,13 @@ class CorrectionSection(_Section):
     low: float = Field(0.0, ge=0)
     high: float = Field(2.0, gt=0)
 
+    @model_validator(mode="after")
+    def _band_holds_one(self) -> "CorrectionSection":
+        if not self.low <= 1.0 <= self.high:
+            raise ValueError(f"the band [low, high] = [{self.low:g}, {self.high:g}] must contain 1 "
+                             f"(an on-policy token's weight); set low <= 1 <= high")
+        return self
+
 
 class AsyncSection(_Section):
     """``[async]``: ``max_staleness`` -- how many policy versions rollout may run ahead of
@@ -236,6 +243,17 @@ class RunConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
+    @model_validator(mode="after")
+    def _group_estimators_need_groups(self) -> "RunConfig":
+        group = {"grpo", "dr_grpo", "rloo", "rloo_norm", "reinforce_baseline"}
+        if self.algo.advantage in group and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt = {self.rollout.n_samples_per_prompt}: algo.advantage = "
+                f"{self.algo.advantage!r} uses a group baseline and needs at least 2 samples per prompt "
+                f"(or choose 'reinforce')"
+            )
+        return self
+
     def to_toml(self) -> str:
         """Serialise to TOML (the form written into the run directory); ``None`` fields are
         omitted, so the file loads back to an equal config."""
@@ -301,6 +319,9 @@ def validate_config(data: dict[str, Any], source: str = "recipe") -> RunConfig:
             path = ".".join(str(p) for p in loc)
             if err["type"] == "extra_forbidden":
                 msg = f"unknown key{_suggest(RunConfig, loc)}"
+            elif err["type"] == "value_error":  # a cross-field rule: its message says it all
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                path = path or "(whole recipe)"
             else:
                 expected = _type_name(RunConfig, loc)
                 got = err.get("input")
@@ -384,7 +405,7 @@ def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     data = apply_overrides(data, overrides)
-    cfg = validate_config(data, source=str(path))
+    cfg = validate_config(data, source=f"{path} with --set overrides" if overrides else str(path))
     if cfg.agent.path and not Path(cfg.agent.path).is_absolute() and not Path(cfg.agent.path).exists():
         beside = path.parent / cfg.agent.path  # a recipe names its agent file relative to itself
         if beside.exists():

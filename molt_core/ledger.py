@@ -1,6 +1,6 @@
 """The session ledger: the single place where trajectories are assembled, token-exactly.
 
-Token identity (DESIGN.md, invariant 1): the trainer trains on the ids the engine sampled,
+Token identity (invariant 1, docs/README.md): the trainer trains on the ids the engine sampled,
 never on a re-tokenized transcript. Per session (one rollout) the :class:`Ledger` holds the
 token context the engine actually saw and produced. Each request of the session is decided
 by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):

@@ -1,6 +1,6 @@
 """The main job on Ray: rollout workers, the trainer, the async loop, weight sync, checkpoints.
 
-Data flow of one step (DESIGN.md): tasks from the agent's ``train`` split -> rollout workers
+Data flow of one step (docs/README.md): tasks from the agent's ``train`` split -> rollout workers
 (engine + ledger [+ loopback server for ChatAgents] + agent runner) -> version-stamped
 :class:`~molt_core.types.Trajectory` objects -> reward plugins -> groups (failed rollouts
 excluded, groups with < 2 usable rollouts dropped, optional dynamic filter) -> the trainer
@@ -36,7 +36,7 @@ from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost, import_path, load_plugins
 from molt_core.types import Group, RewardFailed, SamplingParams, Trajectory, new_id
 
-__all__ = ["load_agent", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
+__all__ = ["load_agent", "check_rewards", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
 
 
 # --------------------------------------------------------------------------- agents
@@ -78,6 +78,34 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
         names = ", ".join(c.__name__ for c in found) or "none"
         raise ValueError(f"agent.path {a.path!r} must define `agent` or exactly one Env/ChatAgent subclass (found {names})")
     return make_agent(found[0], a.options)
+
+
+class RunFailed(RuntimeError):
+    """The run finished but trained nothing (every step was skipped)."""
+
+
+def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
+    """Check every ``[rewards.<name>]`` table before any compute: the name is registered and,
+    when the reward declares an ``Options`` Pydantic model, the options validate.
+
+    Raises:
+        ValueError: naming ``rewards.<name>`` (unknown; lists registered names) or
+            ``rewards.<name>.<field>`` (invalid option).
+    """
+    from pydantic import BaseModel, ValidationError
+
+    for name, opts in cfg.rewards.items():
+        try:
+            fn = host.get("rewards", name)
+        except KeyError as e:
+            raise ValueError(f"rewards.{name}: {e.args[0]}") from None
+        model = getattr(fn, "Options", None)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            try:
+                model.model_validate(opts)
+            except ValidationError as e:
+                bad = "; ".join(f"rewards.{name}.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+                raise ValueError(f"invalid reward options: {bad}") from None
 
 
 def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | None = None) -> SamplingParams:
@@ -611,9 +639,11 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        cfg.write(run_dir / "config.toml")
-    agent = load_agent(cfg, host)  # validates the agent before any compute
+    # validate everything a worker will build before any compute starts
+    agent = load_agent(cfg, host)
+    check_rewards(cfg, host)
+    eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
+    cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
     ray = _Local() if local else _init_ray(cfg, ray_address)
     cfg_dict = cfg.model_dump(by_alias=True)
     t_start = time.perf_counter()
@@ -646,7 +676,6 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     version = publish()
 
-    eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
 
     def evaluate() -> dict[str, float]:
         if not eval_tasks:
@@ -685,6 +714,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     columns = [TextColumn("[bold]molt run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     last_eval: dict[str, float] = {}
+    skipped_steps = 0
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
@@ -702,6 +732,14 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 tm = ray.get(trainer.train_step.remote(trajs))
             else:
                 tm = {"train/skipped": 1.0}
+            if tm.get("train/skipped", 0.0) >= 1.0:
+                skipped_steps += 1
+                errors = [t.error for g in groups for t in g.trajectories if t.error]
+                if skipped_steps == 1:  # say why, once, instead of training on nothing silently
+                    why = (f"{len(errors)} of {int(rm['rollout/trajectories'])} rollouts failed, e.g. {errors[0]!r}"
+                           if errors else f"{int(rm['rollout/groups_dropped'])} groups had < 2 usable rollouts, "
+                           f"{int(rm['rollout/groups_filtered'])} were filtered; or the gate dropped every sequence")
+                    progress.console.print(f"[bold yellow]warning:[/] step {step + 1} trained on nothing: {why}")
             t2 = time.perf_counter()
             version = publish()
             t3 = time.perf_counter()
@@ -730,6 +768,10 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             progress.update(bar, advance=1, info=info)
     log.plot()
     log.close()
+    if cfg.run.steps > start_step and skipped_steps == cfg.run.steps - start_step:
+        ray.shutdown()
+        raise RunFailed(f"no step of {run_dir} trained (every step was skipped; see the warning above and "
+                        f"rollout/failed in metrics.jsonl)")
     first = next((r for r in log.rows if r.get("eval/pass@1") is not None), None)
     final = next((r for r in reversed(log.rows) if r.get("eval/pass@1") is not None), None)
     if first and final:

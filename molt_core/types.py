@@ -72,6 +72,12 @@ class PolicyVersion(RootModel[int]):
     def __le__(self, other: PolicyVersion | int) -> bool:
         return self.root <= int(other)
 
+    def __gt__(self, other: PolicyVersion | int) -> bool:
+        return self.root > int(other)
+
+    def __ge__(self, other: PolicyVersion | int) -> bool:
+        return self.root >= int(other)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (PolicyVersion, int)):
             return self.root == int(other)

@@ -128,10 +128,17 @@ def test_errors():
         apply_correction(CorrectionSection(), beh, bad, prox, mask, 0, 0)
     with pytest.raises(ValueError, match="newer than current_version"):
         apply_correction(CorrectionSection(), beh, ver + 3, prox, mask, 0, 0)
+    # the config rejects a band without 1 at load time; apply_correction re-checks unvalidated configs
+    with pytest.raises(ValueError, match=r"\[0, 0.9\] must contain 1"):
+        CorrectionSection(high=0.9)
+    with pytest.raises(ValueError, match=r"\[1.5, 2\] must contain 1"):
+        CorrectionSection(is_mode="mask", low=1.5, high=2.0)
+    unchecked = dict(is_level="token", is_mode="trunc", low=0.0)
     with pytest.raises(ValueError, match="correction.high"):
-        apply_correction(CorrectionSection(high=0.9), beh, ver, prox, mask, 0, 0)
+        apply_correction(CorrectionSection.model_construct(**unchecked, high=0.9), beh, ver, prox, mask, 0, 0)
     with pytest.raises(ValueError, match="correction.low"):
-        apply_correction(CorrectionSection(is_mode="mask", low=1.5, high=2.0), beh, ver, prox, mask, 0, 0)
+        apply_correction(CorrectionSection.model_construct(is_level="token", is_mode="mask", low=1.5, high=2.0),
+                         beh, ver, prox, mask, 0, 0)
     with pytest.raises(ValueError, match="versions must have the shape"):
         apply_correction(CorrectionSection(), beh, ver[:, :1], prox, mask, 0, 0)
 

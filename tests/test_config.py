@@ -76,3 +76,11 @@ def test_missing_recipe_lists_shipped():
 
 def test_defaults_are_valid():
     assert RunConfig().algo.advantage == "grpo"
+
+
+def test_cross_field_rules_fail_before_compute():
+    with pytest.raises(ConfigError, match=r"correction: the band \[low, high\] = \[0, 0.5\] must contain 1"):
+        load_config("quickstart", ["correction.high=0.5"])
+    with pytest.raises(ConfigError, match=r"n_samples_per_prompt = 1: algo.advantage = 'grpo' uses a group baseline"):
+        load_config("quickstart", ["rollout.n_samples_per_prompt=1"])
+    assert load_config("quickstart", ["rollout.n_samples_per_prompt=1", "algo.advantage=reinforce"]).rollout.n_samples_per_prompt == 1

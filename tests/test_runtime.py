@@ -157,3 +157,32 @@ def test_llm_judge_without_base_url_asks_the_run_engine_through_a_loopback_sessi
         assert len(judge_sessions) == 1 and judge_sessions[0].ledger.counts["start"] + judge_sessions[0].ledger.counts["rewrite"] == 2
     finally:
         w.server.stop()
+
+
+def test_bad_reward_config_fails_before_compute():
+    from molt_core.runtime import check_rewards
+
+    host = load_plugins()
+    with pytest.raises(ValueError, match=r"rewards.shrot: no reward named 'shrot'; registered: .*exact_match"):
+        check_rewards(RunConfig.model_validate({"rewards": {"shrot": {}}}), host)
+    with pytest.raises(ValueError, match=r"rewards.regex.patern: Extra inputs are not permitted"):
+        check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "patern": "y"}}}), host)
+    check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x"}}}), host)
+
+
+def test_a_run_that_trains_nothing_says_so(tmp_path):
+    from molt_core.runtime import RunFailed, main_job
+
+    plug = tmp_path / "boom.py"
+    plug.write_text(textwrap.dedent('''
+        from molt_core.hookspecs import hookimpl
+        def boom(response, task):
+            return 1 / 0
+        @hookimpl
+        def molt_register_rewards(register):
+            register("boom", boom)
+    '''))
+    cfg = load_config("env_agent", ["run.steps=2", "sft.steps=0", "eval.n_problems=0", f"plugins=[{str(plug)!r}]",
+                                    "rewards.boom={}"])
+    with pytest.raises(RunFailed, match="no step of .* trained"):
+        main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True)

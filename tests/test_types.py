@@ -74,6 +74,7 @@ def test_failed_trajectory_needs_error():
 def test_policy_version_orders_and_rejects_negative():
     v = PolicyVersion(3)
     assert v.next() == 4 and v < 4 and int(v) == 3
+    assert v > 2 and v >= 3 and 2 < v and 4 > v and not v > 3
     with pytest.raises(ValidationError):
         PolicyVersion(-1)
 
