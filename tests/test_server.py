@@ -230,6 +230,8 @@ def test_errors_have_each_wires_shape(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = tc.post(oa, json={**ok_oa, "n": 2}, headers=bearer)
     assert r.status_code == 400 and "n=2 is not supported" in r.json()["error"]["message"]
+    r = tc.post(oa, json={**ok_oa, "logprobs": True, "top_logprobs": 2}, headers=bearer)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = tc.post(oa, json={**ok_oa, "max_tokens": True}, headers=bearer)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     r = tc.post(oa, json={"model": "m", "messages": [{"role": "robot", "content": "x"}]}, headers=bearer)

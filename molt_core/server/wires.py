@@ -106,7 +106,7 @@ class ChatCompletionRequest(_Req):
         """Refuse what the server cannot honour without changing the sampling distribution.
 
         Raises:
-            WireError: 400 naming the field (``n`` > 1, penalties, logit_bias, forced tool choice).
+            WireError: 400 naming the field (``n`` > 1, penalties, logit_bias, top_logprobs, forced tool choice).
         """
         if self.n not in (None, 1):
             raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
@@ -115,6 +115,9 @@ class ChatCompletionRequest(_Req):
             if getattr(self, name):
                 raise WireError(400, f"{name} is not supported (it would change the behaviour distribution); "
                                      "omit it or send 0", name)
+        if self.top_logprobs:
+            raise WireError(400, "top_logprobs > 0 is not supported (the engine reports the sampled token's logprob "
+                            "only, in logprobs.content); omit it or set it to 0", "top_logprobs")
         if self.logit_bias:
             raise WireError(400, "logit_bias is not supported (it would change the behaviour distribution); omit it",
                             "logit_bias")
