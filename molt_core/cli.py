@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from molt_core import __version__
@@ -168,9 +169,12 @@ def recipes() -> None:
     table.add_column("name")
     table.add_column("description")
     for p in sorted(RECIPES_DIR.glob("*.toml")):
-        lines = p.read_text().splitlines()
-        head = [ln[1:].strip() for ln in lines[: next((i for i, ln in enumerate(lines) if not ln.startswith("#")), len(lines))]]
-        first = " ".join(h for h in head if h)
+        head = []  # the recipe's first comment paragraph
+        for ln in p.read_text().splitlines():
+            if not ln.startswith("#") or (head and not ln[1:].strip()):
+                break
+            head.append(ln[1:].strip())
+        first = escape(" ".join(h for h in head if h))
         try:
             tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
