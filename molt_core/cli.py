@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from molt_core import __version__
-from molt_core.config import RECIPES_DIR, ConfigError, RunConfig, load_config
+from molt_core.config import RECIPES_DIR, AgentSection, ConfigError, RunConfig, load_config
 from molt_core.plugins import PluginError, PluginHost, load_plugins
 
 console = Console(stderr=True)
@@ -71,9 +71,9 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     if recipe is None:
         _fail("give a RECIPE (see `molt recipes`) or --resume DIR")
     extra = list(overrides)
-    if agent:
-        extra.append(f"agent.path={json.dumps(agent)}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
+    if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
+        cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
     from molt_core import runtime
 
     try:
@@ -95,9 +95,9 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
     """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks ([sft] table)
     and write OUT/model, a Hugging Face directory to use as model.path."""
     extra = list(overrides)
-    if agent:
-        extra.append(f"agent.path={json.dumps(agent)}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
+    if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
+        cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
     from molt_core.sft import run_sft
 
     try:
