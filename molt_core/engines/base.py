@@ -126,6 +126,25 @@ class WorkerThreadEngine:
             self._paused = False
             self._cv.notify_all()
 
+    @staticmethod
+    def _deliver(r: Any, result: Any) -> None:
+        """Resolve request ``r``'s future (``r.future`` on event loop ``r.loop``) with a
+        :class:`GenerationOutput` or an exception, from the worker thread; a no-op when the
+        future is already done or its loop is gone."""
+
+        def _set() -> None:
+            if r.future.done():
+                return
+            if isinstance(result, BaseException):
+                r.future.set_exception(result)
+            else:
+                r.future.set_result(result)
+
+        try:
+            r.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+
     def _stop_worker(self, timeout: float) -> None:
         """Mark closed, wake the worker and join it (``timeout`` seconds at most)."""
         with self._cv:

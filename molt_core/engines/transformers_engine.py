@@ -462,20 +462,6 @@ class TransformersEngine(WorkerThreadEngine):
         pad = torch.full((total - rows.shape[0], *rows.shape[1:]), -1, dtype=torch.long)
         return torch.cat([rows.long(), pad]).tolist()
 
-    @staticmethod
-    def _deliver(r: _Request, result: GenerationOutput | BaseException) -> None:
-        def _set() -> None:
-            if r.future.done():
-                return
-            if isinstance(result, BaseException):
-                r.future.set_exception(result)
-            else:
-                r.future.set_result(result)
-
-        try:
-            r.loop.call_soon_threadsafe(_set)
-        except RuntimeError:  # the caller's event loop is gone
-            pass
 
 
 def _default_eos_ids(tokenizer: Any) -> list[int]:

@@ -483,20 +483,6 @@ class VLLMEngine(WorkerThreadEngine):
             stop_reason=stop, routed_experts=routed, prompt_len=len(r.prompt_ids),
         ))
 
-    @staticmethod
-    def _deliver(r: _Request, result: GenerationOutput | BaseException) -> None:
-        def _set() -> None:
-            if r.future.done():
-                return
-            if isinstance(result, BaseException):
-                r.future.set_exception(result)
-            else:
-                r.future.set_result(result)
-
-        try:
-            r.loop.call_soon_threadsafe(_set)
-        except RuntimeError:  # the caller's event loop is gone
-            pass
 
 
 def _reprocess_tied_lm_head(worker: Any) -> None:
