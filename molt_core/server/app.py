@@ -392,10 +392,11 @@ class ServerHandle:
         self.stop()
 
 
-def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
-                 port: int = 0, host: str = "127.0.0.1", **app_kwargs: Any) -> ServerHandle:
-    """Serve :func:`create_app` on ``host:port`` (port 0: a free random port) in a daemon
-    thread with its own event loop; returns once the server accepts connections.
+def serve_in_thread(app: Any, host: str, port: int, name: str, lifespan: str = "off",
+                    on_bind: Any = None) -> tuple[Any, threading.Thread, str]:
+    """Serve ASGI ``app`` with uvicorn on ``host:port`` (0: a free random port) in a daemon
+    thread with its own event loop; returns ``(server, thread, base_url)`` once it accepts
+    connections. ``on_bind(base_url)`` runs after the port is bound, before serving.
 
     Raises:
         OSError: the port cannot be bound.
@@ -403,15 +404,15 @@ def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | Non
     """
     import uvicorn
 
-    app = create_app(engine, tokenizer, admin_key=admin_key, model_name=model_name, **app_kwargs)
     # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without
     # it Nagle + delayed ACK add ~40 ms to every keep-alive response
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     base_url = f"http://{host}:{sock.getsockname()[1]}"
-    app.state.sessions.base_url = base_url
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30, backlog=2048)
+    if on_bind is not None:
+        on_bind(base_url)
+    config = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_keep_alive=30, backlog=2048)
     server = uvicorn.Server(config)
 
     def run() -> None:
@@ -421,11 +422,26 @@ def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | Non
 
         asyncio.run(main())
 
-    thread = threading.Thread(target=run, name="molt-server", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     t0 = time.monotonic()
     while not server.started:
         if not thread.is_alive() or time.monotonic() - t0 > 30:
-            raise RuntimeError(f"the loopback server did not start on {base_url}")
+            raise RuntimeError(f"the {name} server did not start on {base_url}")
         time.sleep(0.01)
+    return server, thread, base_url
+
+
+def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
+                 port: int = 0, host: str = "127.0.0.1", **app_kwargs: Any) -> ServerHandle:
+    """Serve :func:`create_app` on ``host:port`` (port 0: a free random port) in a daemon
+    thread with its own event loop; returns once the server accepts connections.
+
+    Raises:
+        OSError: the port cannot be bound.
+        RuntimeError: the server did not start within 30 s.
+    """
+    app = create_app(engine, tokenizer, admin_key=admin_key, model_name=model_name, **app_kwargs)
+    server, thread, base_url = serve_in_thread(app, host, port, "molt-server", lifespan="off",
+                                               on_bind=lambda url: setattr(app.state.sessions, "base_url", url))
     return ServerHandle(app, server, thread, base_url)

@@ -18,14 +18,11 @@ no backend can open a session) -- never a 500.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import secrets
-import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from molt_core.server.app import ServerHandle, _key_of
+from molt_core.server.app import ServerHandle, _key_of, serve_in_thread
 from molt_core.server.wires import anthropic_error, openai_error
 
 __all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
@@ -263,8 +260,6 @@ def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str 
         OSError: the port cannot be bound.
         RuntimeError: the router did not start within 30 s.
     """
-    import uvicorn
-
     bs = []
     for j, b in enumerate(backends):
         if isinstance(b, ServerHandle):
@@ -274,16 +269,6 @@ def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str 
         else:
             raise ValueError(f"backends[{j}] is {b!r}: give a ServerHandle or a (base_url, admin_key) pair")
     app = create_router_app(bs, admin_key, timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as in app.py
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    base_url = app.state.base_url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=30, backlog=2048))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name="molt-router", daemon=True)
-    thread.start()
-    t0 = time.monotonic()
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() - t0 > 30:
-            raise RuntimeError(f"the request router did not start on {base_url}")
-        time.sleep(0.01)
+    server, thread, base_url = serve_in_thread(app, host, port, "molt-router", lifespan="on",
+                                               on_bind=lambda url: setattr(app.state, "base_url", url))
     return RouterHandle(app, server, thread, base_url)
