@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
-import time
 
 import pytest
 from fastapi import FastAPI, Request
@@ -17,6 +14,7 @@ from molt_core.agents import AgentContext, EpisodeState, from_gymnasium, make_ag
 from molt_core.types import RewardFailed, SamplingParams
 from molt_plugins.envs.humaneval import HumanEvalEnv, humaneval_program
 from molt_plugins.envs.python_tool import PYTHON_TOOL, PythonToolChatAgent, PythonToolEnv, parse_tool_calls
+from molt_core.server.app import serve_in_thread
 
 ADD2 = dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2, operators=["+"], allow_parentheses=False)
 RG = dict(task="basic_arithmetic", config=ADD2, prompt_template="What is {metadata[expression]}?", size=50, eval_size=4)
@@ -96,23 +94,12 @@ class FakeOpenAI:
                     "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.02)
+        self.server, self.thread, base = serve_in_thread(app, "127.0.0.1", 0, "fake-openai")
+        self.port = int(base.rsplit(":", 1)[1])
 
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(5)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ from fastapi import FastAPI, Request
 
 from molt_core.types import RewardFailed
 from molt_plugins.judges.llm_judge import LLMJudge, llm_judge
+from molt_core.server.app import serve_in_thread
 
 
 class FakeJudgeServer:
@@ -51,23 +51,12 @@ class FakeJudgeServer:
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        for _ in range(250):
-            if self.server.started:
-                break
-            time.sleep(0.02)
+        self.server, self.thread, base = serve_in_thread(app, "127.0.0.1", 0, "fake-judge")
+        self.url = f"{base}/v1"
 
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(5)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
