@@ -197,11 +197,16 @@ class EvalSection(_Section):
 
 
 class SftSection(_Section):
-    """``[sft]``: warm start before RL (``steps`` 0 disables): ``lr``, ``batch_size``,
-    ``label_noise`` (fraction of deliberately wrong targets), ``seed``."""
+    """``[sft]``: warm start before RL (``steps`` 0 disables): ``lr`` (peak AdamW LR) with
+    ``warmup_steps`` of linear warmup and ``lr_schedule`` (constant / linear / cosine decay over
+    ``steps``, as :func:`molt_core.trainer.lr_factor`), ``batch_size``, ``label_noise``
+    (fraction of deliberately wrong targets), ``n_examples``. ``molt sft`` and the warm start
+    inside ``molt run`` run the same computation with ``run.threads`` torch threads."""
 
     steps: int = Field(0, ge=0)
     lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     batch_size: int = Field(32, ge=1)
     label_noise: float = Field(0.0, ge=0, le=1)
     n_examples: int = Field(2000, ge=1)

@@ -363,29 +363,21 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg)
 
     def sft(self) -> dict[str, float]:
-        """Warm start: ``sft.steps`` of supervised fine-tuning on the agent's train tasks
-        (``sft.label_noise`` of the targets deliberately wrong). Returns first/last loss."""
-        from molt_core.sft import examples_from_agent, sft
+        """Warm start: :func:`molt_core.sft.warm_start` -- the same computation as ``molt sft``
+        (``sft.steps`` of supervised fine-tuning on the agent's train tasks, ``sft.label_noise``
+        of the targets deliberately wrong, ``run.threads`` torch threads). Returns first/last loss."""
+        from molt_core.sft import warm_start
 
         s = self.cfg.sft
         host = load_plugins(self.cfg.plugins)
         agent = load_agent(self.cfg, host)
-        examples = examples_from_agent(agent, s.n_examples, seed=self.cfg.run.seed + 17, label_noise=s.label_noise)
-        import torch
+        every = max(1, s.steps // 8)
 
-        # nothing else computes during the warm start: use every core, then hand them back
-        torch.set_num_threads(max(self.cfg.run.threads, os.cpu_count() or 1))
-        try:
-            every = max(1, s.steps // 8)
+        def progress(step: int, m: dict[str, float]) -> None:
+            if (step + 1) % every == 0:
+                print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
 
-            def progress(step: int, m: dict[str, float]) -> None:
-                if (step + 1) % every == 0:
-                    print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
-
-            losses = sft(self.trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=self.cfg.run.seed,
-                         log=progress)
-        finally:
-            torch.set_num_threads(self.cfg.run.threads)
+        losses = warm_start(self.trainer, agent, log=progress)
         return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:

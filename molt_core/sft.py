@@ -78,7 +78,8 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
 
 
 def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
-        log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
+        log: Callable[[int, dict[str, float]], None] | None = None, warmup_steps: int = 0,
+        lr_schedule: str = "constant") -> list[float]:
     """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps.
 
     Batches of ``batch_size`` examples are drawn without replacement from a seeded shuffle
@@ -93,9 +94,13 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
         examples: ``(messages, completion)`` pairs.
         steps: optimizer steps (0 returns at once).
         batch_size: examples per step.
-        lr: AdamW learning rate (constant).
+        lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
+            lr_schedule)`` (:func:`molt_core.trainer.lr_factor`: linear warmup, then constant,
+            linear or cosine decay to 0 at the last step).
         seed: shuffle seed.
-        log: called as ``log(step, {"sft/loss", "sft/tokens", "sft/grad_norm", "time/step"})``.
+        log: called as ``log(step, {"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"})``.
+        warmup_steps: linear-warmup steps.
+        lr_schedule: ``constant``, ``linear`` or ``cosine``.
 
     Returns:
         The loss of each step (floats, nats per completion token).
@@ -105,8 +110,11 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
     as the initial policy).
 
     Raises:
-        ValueError: no examples, or the trainer has no tokenizer.
+        ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``.
     """
+    from molt_core.trainer import lr_factor
+
+    lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
     if steps <= 0:
         return []
     if not examples:
@@ -137,6 +145,9 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
             idx.append(order.pop())
         seqs = [rendered[i] for i in idx]
         n_tok = sum(len(c) for _, c in seqs)
+        step_lr = lr * lr_factor(step, warmup_steps, steps, lr_schedule)
+        for g in opt.param_groups:
+            g["lr"] = step_lr
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for s in range(0, len(seqs), mb):
@@ -159,7 +170,7 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
         losses.append(total)
         if log is not None:
             log(step, {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn),
-                       "time/step": time.perf_counter() - t0})
+                       "sft/lr": step_lr, "time/step": time.perf_counter() - t0})
     model.zero_grad(set_to_none=True)
     if trainer.ref_model is not None:
         trainer.reset_reference()
@@ -248,7 +259,8 @@ def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], 
         return []
     examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
                                    label_noise=s.label_noise)
-    return sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed, log=log)
+    return sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed, log=log,
+               warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
 
 
 def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:

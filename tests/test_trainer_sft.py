@@ -142,3 +142,45 @@ def test_molt_sft_command(tmp_path):
     res = CliRunner().invoke(main, ["sft", str(recipe), "--agent", str(tmp_path / "agent.py"), "--out", str(out),
                                     "--set", "sft.steps=0"])
     assert res.exit_code == 2 and "sft.steps" in res.output
+
+
+def test_sft_lr_schedule_per_step(base):
+    """sft.warmup_steps + sft.lr_schedule follow trainer.lr_factor: warmup (i+1)/w, then decay
+    over the remaining steps (cosine: 0.5 (1 + cos(pi p)), p = (i - w) / (steps - w))."""
+    model, tok = base
+    tr = Trainer(tiny_cfg(trainer={"micro_batch_size": 4}), model=copy.deepcopy(model), tokenizer=tok)
+    lrs: list[float] = []
+    sft(tr, add_examples(8), steps=6, batch_size=4, lr=1e-2, seed=0, warmup_steps=2, lr_schedule="cosine",
+        log=lambda i, m: lrs.append(m["sft/lr"]))
+    # steps 0,1: 1e-2 * 1/2, 2/2; steps 2..5: p = 0, 1/4, 2/4, 3/4
+    want = [5e-3, 1e-2, 1e-2, 1e-2 * (0.5 + 0.5 * 2 ** -0.5), 5e-3, 1e-2 * (0.5 - 0.5 * 2 ** -0.5)]
+    assert lrs == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="cosine"):
+        sft(tr, add_examples(8), steps=2, batch_size=4, lr=1e-2, lr_schedule="cosin")
+
+
+def test_in_run_warm_start_is_molt_sft(tmp_path):
+    """The warm start inside `molt run` (TrainerWorker.sft) and `molt sft` are one computation:
+    same recipe -> bit-identical weights, with run.threads torch threads (not every core)."""
+    from molt_core.cli import main
+    from molt_core.config import load_config
+    from molt_core.runtime import TrainerWorker
+
+    (tmp_path / "agent.py").write_text(AGENT_FILE)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[run]\nthreads = 1\n[sft]\nsteps = 4\nbatch_size = 4\nn_examples = 8\nlr = 1e-3\n'
+                      'warmup_steps = 1\nlr_schedule = "linear"\nlabel_noise = 0.25\n')
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["sft", str(recipe), "--agent", str(tmp_path / "agent.py"), "--out", str(out)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    cfg = load_config(recipe, [f"agent.path={tmp_path / 'agent.py'}"])
+    worker = TrainerWorker(cfg)
+    m = worker.sft()
+    assert torch.get_num_threads() == 1
+    standalone = load_model(str(out / "model")).state_dict()
+    in_run = worker.trainer.model.state_dict()
+    assert standalone.keys() == in_run.keys()
+    assert all(torch.equal(standalone[k], in_run[k]) for k in standalone)
+    first = json.loads((out / "sft_metrics.jsonl").read_text().splitlines()[0])
+    assert m["sft/loss_first"] == first["sft/loss"]
