@@ -26,16 +26,17 @@ import json
 import math
 import os
 import time
-import weakref
+import contextvars
 from collections import deque
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
 from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost, import_path, load_plugins
 from molt_core.rewards import JudgeEndpoint, Rollout, component_metrics, reward_spec, score_group
+from molt_core.tasks import TaskStream, check_train_split
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["load_agent", "check_rewards", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
@@ -138,6 +139,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 # --------------------------------------------------------------------------- rollout worker
 
+# what one episode opened, for rewards that want the whole rollout: set per episode task by
+# RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
+_EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
+
 
 class RolloutWorker:
     """One engine with its agent runners; a Ray actor in ``molt run`` (usable in-process).
@@ -165,9 +170,7 @@ class RolloutWorker:
                               seed=self.cfg.run.seed * 1000 + index, **e.options)
         self.tokenizer = self.engine.tokenizer
         self.rewards = [reward_spec(name, self.host.get("rewards", name), table) for name, table in self.cfg.rewards.items()]
-        self._reward_slots: dict[Any, asyncio.Semaphore] = {}
-        self._chat_messages: dict[str, list[dict[str, Any]]] = {}  # one per event loop
-        self._ledgers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # rollout_id -> Ledger (messages)
+        self._reward_slots: dict[Any, asyncio.Semaphore] = {}  # one per event loop
         self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
         if self.cfg.teacher.name:
             try:
@@ -197,7 +200,9 @@ class RolloutWorker:
         from molt_core.ledger import Ledger
 
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
-        self._ledgers[ledger.rollout_id] = ledger  # rewards that want the whole rollout read its messages
+        seen = _EPISODE.get()
+        if seen is not None:  # rewards that want the whole rollout read its messages
+            seen["ledgers"].append(ledger)
         return ledger
 
     def _judge_session(self) -> tuple[JudgeEndpoint, Any]:
@@ -273,12 +278,16 @@ class RolloutWorker:
         # model_copy does not validate: score_group checks reward / score are finite numbers
         traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
                                        "info": {**traj.info, **res.info}})
-        self._chat_messages[traj.rollout_id] = messages
+        seen = _EPISODE.get()
+        if seen is not None:
+            seen["messages"] = messages
         return traj, action
 
     async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, Rollout | None]:
         """Run the agent on ``task``: the unscored trajectory and its :class:`Rollout` (None
         when the rollout failed; a failure never raises)."""
+        seen: dict[str, Any] = {"ledgers": [], "messages": None}
+        _EPISODE.set(seen)  # this task's context: the episode's ledgers / chat messages land here
         try:
             run = self._env_episode if isinstance(self.agent, Env) else self._chat_episode
             traj, action = await asyncio.wait_for(run(task, group_id, params), self.cfg.rollout.timeout_s)
@@ -288,8 +297,8 @@ class RolloutWorker:
             return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}"), None
         except Exception as e:  # the agent raised: that rollout fails, the run continues
             return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}"), None
-        ledger = self._ledgers.pop(traj.rollout_id, None)
-        messages = self._chat_messages.pop(traj.rollout_id, None) or (ledger.history if ledger is not None else [])
+        ledger = next((lg for lg in seen["ledgers"] if lg.rollout_id == traj.rollout_id), None)
+        messages = seen["messages"] if seen["messages"] is not None else (ledger.history if ledger is not None else [])
         if not traj.segments or traj.num_sampled == 0:
             return traj.fail("the rollout sampled no token"), None
         return traj, Rollout(response=action, task=task, messages=messages, trajectory=traj)
@@ -679,6 +688,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     # validate everything a worker will build before any compute starts
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
+    agent_name = cfg.agent.name or cfg.agent.path
+    check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
     eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
     ray = _Local() if local else _init_ray(cfg, ray_address)
@@ -723,9 +734,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
                 for k in res[0]}
 
-    train_iter: Iterator[dict] = agent.tasks("train", cfg.run.seed)
-    for _ in range(cursor["tasks"]):
-        next(train_iter)
+    train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
+    epoch_of: dict[int, int] = {}  # step index -> epoch of its last task
     start_step = cursor["step"]
     if start_step == 0:
         m0 = evaluate()
@@ -740,7 +750,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     def launch() -> None:
         nonlocal launched
-        tasks = [next(train_iter) for _ in range(P)]
+        tasks = train_stream.take(P)
+        epoch_of[launched] = train_stream.epoch
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         shards = [tasks[i::len(workers)] for i in range(len(workers))]
@@ -781,7 +792,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             version = publish()
             t3 = time.perf_counter()
             tasks_done += ntasks
-            metrics = {"policy_version": float(version), **rm, **tm,
+            metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch_of.pop(step, 0)),
                        "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                        "time/elapsed": t3 - t_start}
             s1 = step + 1
