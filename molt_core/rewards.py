@@ -56,8 +56,8 @@ from typing import Any, Awaitable, Callable
 
 from molt_core.types import Group, RewardFailed, Trajectory
 
-__all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "Rollout", "RewardSpec", "JudgeEndpoint", "group_reward",
-           "reward_spec", "judge_endpoint", "as_score", "score_group", "component_metrics"]
+__all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "Rollout", "RewardSpec", "RewardRunner", "JudgeEndpoint",
+           "group_reward", "reward_spec", "judge_endpoint", "as_score", "score_group", "component_metrics"]
 
 RESERVED_KEYS = ("weight", "timeout_s")
 DEFAULT_TIMEOUT_S = 60.0
@@ -339,6 +339,46 @@ async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rol
                 continue
             out[i] = t.model_copy(update={"info": info, "reward": total})
     return out
+
+
+class RewardRunner:
+    """The configured rewards of one rollout worker: their specs, the worker-wide concurrency
+    limit (one ``asyncio.Semaphore`` per event loop) and the judge-session opener.
+
+    Args:
+        tables: the recipe's ``rewards`` mapping (name -> table).
+        lookup: ``name -> registered reward`` (raises ``KeyError`` for an unknown name).
+        concurrency: ``rollout.reward_concurrency``.
+        open_session: opens one loopback judge session, returning ``(JudgeEndpoint, close)``.
+
+    Raises:
+        KeyError / ValueError: an unknown reward, or bad reserved keys (see :func:`reward_spec`).
+    """
+
+    def __init__(self, tables: dict[str, dict[str, Any]], lookup: Callable[[str], Any], concurrency: int,
+                 open_session: Callable[[], tuple[JudgeEndpoint, Callable[[], None]]] | None = None) -> None:
+        self.specs = [reward_spec(name, lookup(name), table) for name, table in tables.items()]
+        self.concurrency = concurrency
+        self.open_session = open_session
+        self._slots: dict[Any, asyncio.Semaphore] = {}
+
+    @property
+    def wants_judge_session(self) -> bool:
+        """Whether some reward asks the run's own engine (needs the loopback server)."""
+        return any(s.judge_session for s in self.specs)
+
+    def slots(self) -> asyncio.Semaphore:
+        """The semaphore of the running event loop (created on first use)."""
+        loop = asyncio.get_running_loop()
+        sem = self._slots.get(loop)
+        if sem is None:
+            self._slots = {lp: s for lp, s in self._slots.items() if not lp.is_closed()}
+            sem = self._slots[loop] = asyncio.Semaphore(self.concurrency)
+        return sem
+
+    async def score(self, items: list[tuple[Trajectory, Rollout | None]], agent_label: str = "agent") -> list[Trajectory]:
+        """:func:`score_group` with this worker's specs, slots and judge sessions."""
+        return await score_group(self.specs, items, self.slots(), open_session=self.open_session, agent_label=agent_label)
 
 
 def component_metrics(groups: list[Group], names: list[str]) -> dict[str, float]:

@@ -21,12 +21,12 @@ on the worker (and engine) that opened it (session affinity).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import math
 import os
 import time
-import contextvars
 from collections import deque
 from datetime import datetime
 from pathlib import Path
@@ -35,7 +35,7 @@ from typing import Any
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
 from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost, import_path, load_plugins
-from molt_core.rewards import JudgeEndpoint, Rollout, component_metrics, reward_spec, score_group
+from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, component_metrics, reward_spec
 from molt_core.tasks import TaskStream, check_train_split
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
@@ -169,8 +169,8 @@ class RolloutWorker:
                               gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
                               seed=self.cfg.run.seed * 1000 + index, **e.options)
         self.tokenizer = self.engine.tokenizer
-        self.rewards = [reward_spec(name, self.host.get("rewards", name), table) for name, table in self.cfg.rewards.items()]
-        self._reward_slots: dict[Any, asyncio.Semaphore] = {}  # one per event loop
+        self.rewards = RewardRunner(self.cfg.rewards, lambda name: self.host.get("rewards", name),
+                                    self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
         self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
         if self.cfg.teacher.name:
             try:
@@ -181,7 +181,7 @@ class RolloutWorker:
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
-        if any(spec.judge_session for spec in self.rewards):
+        if self.rewards.wants_judge_session:
             self._server()  # judges asking the run's own engine get one loopback session per call
         from molt_core.ledger import Ledger
 
@@ -210,15 +210,6 @@ class RolloutWorker:
         trajectory is dropped: judge calls are never trained on)."""
         sess = self._server().create_session(group_id="judge")
         return JudgeEndpoint(sess.openai_base_url, sess.api_key), lambda: self.server.close_session(sess.session_id)
-
-    def _slots(self) -> asyncio.Semaphore:
-        """The worker's reward-concurrency semaphore for the running event loop."""
-        loop = asyncio.get_running_loop()
-        sem = self._reward_slots.get(loop)
-        if sem is None:
-            self._reward_slots = {lp: s for lp, s in self._reward_slots.items() if not lp.is_closed()}
-            sem = self._reward_slots[loop] = asyncio.Semaphore(self.cfg.rollout.reward_concurrency)
-        return sem
 
     async def _env_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
         env: Env = self.agent  # type: ignore[assignment]
@@ -307,9 +298,7 @@ class RolloutWorker:
         """``n`` rollouts of ``task``, scored together by the reward plugins
         (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any."""
         items = await asyncio.gather(*(self._episode(task, group_id, params) for _ in range(n)))
-        trajs = await score_group(self.rewards, list(items), self._slots(),
-                                  open_session=self._judge_session if self.server is not None else None,
-                                  agent_label=f"agent {type(self.agent).__name__}")
+        trajs = await self.rewards.score(list(items), agent_label=f"agent {type(self.agent).__name__}")
         if self.teacher is None:
             return trajs
         out = []

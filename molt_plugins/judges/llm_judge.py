@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from molt_core.rewards import judge_endpoint
 from molt_core.types import RewardFailed
