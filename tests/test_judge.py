@@ -295,3 +295,32 @@ def test_judge_uses_the_runtime_session_of_the_call(server, monkeypatch):
     ctx.run(rewards._JUDGE.set, rewards.JudgeEndpoint(server.url, "per-call-key"))
     assert ctx.run(lambda: LLMJudge().score("good", TASK)) == pytest.approx(0.7, abs=1e-12)
     assert server.auth[-1] == "Bearer per-call-key"
+
+
+def test_rank_scores_exact():
+    from molt_plugins.judges.llm_judge import rank_scores
+
+    assert rank_scores([2, 3, 1], 3) == [0.0, 1.0, 0.5]
+    assert rank_scores([1, 2, 3, 4, 5], 5) == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert rank_scores([1], 1) == [1.0]
+    for bad in ([2, 2, 1], [1, 2], [1, 2, 4]):
+        with pytest.raises(RewardFailed, match=r"is not an order of the responses 1..3"):
+            rank_scores(bad, 3)
+
+
+def test_group_ranking_mode(scripted, judge_env, monkeypatch):
+    from molt_plugins.judges import llm_judge as judge_mod
+
+    monkeypatch.setattr(judge_mod, "_JUDGES", {})
+    opts = dict(base_url=scripted.url, api_key_env="MOLT_TEST_JUDGE_KEY", mode="group", group_output="ranking")
+    scripted.bodies.clear()
+    scripted.script = [(200, "2 is best.\n**Ranking:** 2 > 3 > 1."), (200, "Ranking: 2, 2, 1"), (200, "Ranking: 2, best, 1"),
+                       (200, '{"ranking": [1, 2]}')]
+    assert llm_judge(["a", "b", "c"], [TASK] * 3, **opts) == [0.0, 1.0, 0.5]
+    assert "ranking 3 responses" in scripted.bodies[0]["messages"][0]["content"]
+    with pytest.raises(RewardFailed, match=r"ranking \[2, 2, 1\] is not an order"):
+        llm_judge(["a", "b", "c"], [TASK] * 3, **opts)
+    with pytest.raises(RewardFailed, match=r"ranking '2, best, 1' is not a list of response numbers"):
+        llm_judge(["a", "b", "c"], [TASK] * 3, **opts)
+    assert llm_judge(["a", "b"], [TASK] * 2, **opts, structured=True) == [1.0, 0.0]
+    assert scripted.bodies[-1]["response_format"]["json_schema"]["schema"]["required"] == ["ranking"]

@@ -20,8 +20,9 @@ Structured output: ``structured = true`` sends a JSON schema (``response_format`
 endpoint must support ``json_schema`` response formats (the run's own loopback server does not).
 
 Group mode: ``mode = "group"`` makes the reward a group reward: one call shows the judge all
-responses of a group side by side and reads one score per response (``Score 1: 7`` ...) --
-relative judging.
+responses of a group side by side -- relative judging -- and reads either one score per
+response (``group_output = "scores"``: ``Score 1: 7`` ...) or a best-first ranking
+(``group_output = "ranking"``: ``Ranking: 2 > 3 > 1``, scored by :func:`rank_scores`).
 
 Endpoints: an external URL (``base_url``) with its key read from the environment variable
 named by ``api_key_env`` (never written in a recipe); or, with ``base_url`` unset, the run's
@@ -49,7 +50,8 @@ from molt_core.rewards import judge_endpoint
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.base import validate_options
 
-__all__ = ["LLMJudge", "LLMJudgeOptions", "llm_judge", "DEFAULT_RUBRIC", "DEFAULT_GROUP_RUBRIC", "parse_number"]
+__all__ = ["LLMJudge", "LLMJudgeOptions", "llm_judge", "DEFAULT_RUBRIC", "DEFAULT_GROUP_RUBRIC", "DEFAULT_RANKING_RUBRIC",
+           "parse_number", "rank_scores"]
 
 DEFAULT_RUBRIC = (
     "You are grading a response to a task.\n\n"
@@ -67,6 +69,15 @@ DEFAULT_GROUP_RUBRIC = (
     "{responses}\n\n"
     "Compare the responses with each other and rate each from {min_score} (worst) to {max_score} (best). "
     'Explain briefly, then end with one line per response: "Score 1: <number>", "Score 2: <number>", ...'
+)
+
+DEFAULT_RANKING_RUBRIC = (
+    "You are ranking {n} responses to the same task.\n\n"
+    "Task:\n{question}\n\n"
+    "Reference answer (may be empty):\n{answer}\n\n"
+    "{responses}\n\n"
+    "Compare the responses with each other and rank them from best to worst. "
+    'Explain briefly, then end with one line "Ranking: <response numbers, best first>", e.g. "Ranking: 2 > 3 > 1".'
 )
 
 _NUMBER = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)(?:/((?:\d+(?:\.\d*)?|\.\d+)))?")
@@ -120,6 +131,10 @@ class LLMJudgeOptions(BaseModel):
     * ``mode`` -- ``single`` (one call per response) or ``group`` (one call per group, every
       response side by side, ``group_rubric``; fields: task keys, ``responses``, ``n``,
       ``min_score``, ``max_score``).
+    * ``group_output`` -- group mode: ``scores`` (a score per response) or ``ranking`` (the
+      responses ranked best first; the response ranked ``p`` of ``n`` scores
+      ``(n - 1 - p) / (n - 1)``, see :func:`rank_scores`). ``group_rubric`` None picks
+      ``DEFAULT_GROUP_RUBRIC`` or ``DEFAULT_RANKING_RUBRIC``.
     * ``temperature``, ``max_tokens`` -- judge sampling.
     """
 
@@ -139,7 +154,8 @@ class LLMJudgeOptions(BaseModel):
     backoff_s: float = Field(0.5, ge=0)
     structured: bool = False
     mode: Literal["single", "group"] = "single"
-    group_rubric: str = DEFAULT_GROUP_RUBRIC
+    group_output: Literal["scores", "ranking"] = "scores"
+    group_rubric: str | None = None
     temperature: float = Field(0.0, ge=0)
     max_tokens: int = Field(512, ge=1)
 
@@ -169,9 +185,28 @@ class _Fields(dict):
 _GROUP_PATTERN = re.compile(r"(?i)\bscore\s*#?\s*(\d+)\s*\**\s*[:=]\s*\**\s*(\S+)")
 
 
-def _schema(group: bool) -> dict[str, Any]:
-    key, typ = ("scores", {"type": "array", "items": {"type": "number"}}) if group else ("score", {"type": "number"})
-    return {"type": "json_schema", "json_schema": {"name": "judge_scores" if group else "judge_score", "strict": True,
+_RANKING_PATTERN = re.compile(r"(?i)\branking\b\s*\**\s*[:=]\s*\**\s*([^\n]*)")
+
+
+def rank_scores(ranking: list[int], n: int) -> list[float]:
+    """Scores of responses ``1..n`` from a best-first ``ranking`` of their numbers: the
+    response at position ``p`` (0 = best) scores ``(n - 1 - p) / (n - 1)`` (1.0 when n = 1).
+
+    Raises:
+        RewardFailed: ``parse`` -- the ranking is not a permutation of 1..n.
+    """
+    if sorted(ranking) != list(range(1, n + 1)):
+        raise RewardFailed("parse", f"the judge's ranking {ranking} is not an order of the responses 1..{n}")
+    out = [0.0] * n
+    for p, r in enumerate(ranking):
+        out[r - 1] = 1.0 if n == 1 else (n - 1 - p) / (n - 1)
+    return out
+
+
+def _schema(key: str) -> dict[str, Any]:
+    typ = {"score": {"type": "number"}, "scores": {"type": "array", "items": {"type": "number"}},
+           "ranking": {"type": "array", "items": {"type": "integer"}}}[key]
+    return {"type": "json_schema", "json_schema": {"name": f"judge_{key}", "strict": True,
             "schema": {"type": "object", "properties": {key: typ}, "required": [key], "additionalProperties": False}}}
 
 
@@ -267,8 +302,10 @@ class LLMJudge:
         Raises:
             KeyError: the rubric names a field the task does not have.
         """
+        o = self.options
+        template = o.group_rubric or (DEFAULT_RANKING_RUBRIC if o.group_output == "ranking" else DEFAULT_GROUP_RUBRIC)
         listed = "\n\n".join(f"Response {i}:\n{r}" for i, r in enumerate(responses, 1))
-        return self._render(self.options.group_rubric, task, {"responses": listed, "n": str(len(responses))})
+        return self._render(template, task, {"responses": listed, "n": str(len(responses))})
 
     def _render(self, template: str, task: dict[str, Any], extra: dict[str, str]) -> str:
         o = self.options
@@ -339,7 +376,32 @@ class LLMJudge:
                                         f"{(text or '')[:200]!r}")
         return [self._normalise(parse_number(last[i], o.min_score, o.max_score)) for i in range(1, n + 1)]
 
-    def complete(self, prompt: str, group: bool = False) -> str:
+    def parse_ranking(self, text: str, n: int) -> list[float]:
+        """Group ranking mode: the last ``Ranking: 2 > 3 > 1`` line (numbers separated by
+        ``>``, commas or spaces), scored by :func:`rank_scores`; structured mode reads
+        ``{"ranking": [2, 3, 1]}``.
+
+        Raises:
+            RewardFailed: ``parse`` -- no ranking line, a non-integer entry, or not an order of 1..n.
+        """
+        if self.options.structured:
+            body = (text or "").strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+            try:
+                items = json.loads(body)["ranking"]
+            except (ValueError, TypeError, KeyError) as e:
+                raise RewardFailed("parse", f"the judge's reply is not a JSON object with 'ranking' ({e}): {body[:200]!r}") from None
+            if not isinstance(items, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+                raise RewardFailed("parse", f"the judge's ranking {items!r:.100} is not a list of response numbers")
+            return rank_scores(items, n)
+        found = _RANKING_PATTERN.findall(text or "")
+        if not found:
+            raise RewardFailed("parse", f"the judge's reply has no 'Ranking: ...' line: {(text or '')[:200]!r}")
+        parts = [p for p in re.split(r"[>,\s]+", found[-1].strip().rstrip(".").replace("*", "")) if p]
+        if not all(p.isdigit() for p in parts):
+            raise RewardFailed("parse", f"the judge's ranking {found[-1].strip()!r} is not a list of response numbers")
+        return rank_scores([int(p) for p in parts], n)
+
+    def complete(self, prompt: str, schema: str | None = None) -> str:
         """One judge request with retries (see the module docstring); the reply text.
 
         Blocks while ``max_concurrency`` requests are in flight.
@@ -353,7 +415,7 @@ class LLMJudge:
         o = self.options
         deadline = time.monotonic() + o.timeout_s
         url, key, shared = self._endpoint()
-        extra = {"response_format": _schema(group)} if o.structured else {}
+        extra = {"response_format": _schema(schema or "score")} if o.structured else {}
         msgs = [{"role": "user", "content": prompt}]
         client = self._get_client() if shared else openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=o.timeout_s)
         try:
@@ -404,8 +466,11 @@ class LLMJudge:
             return []
         if any(t != tasks[0] for t in tasks):
             raise ValueError("llm_judge group mode compares responses to one task; got several tasks")
-        text = self.complete(self.group_prompt(responses, tasks[0]), group=True)
-        if self.options.structured:
+        o = self.options
+        text = self.complete(self.group_prompt(responses, tasks[0]), schema="ranking" if o.group_output == "ranking" else "scores")
+        if o.group_output == "ranking":
+            return self.parse_ranking(text, len(responses))
+        if o.structured:
             return self.parse_json(text, n=len(responses))  # type: ignore[return-value]
         return self.parse_group(text, len(responses))
 
