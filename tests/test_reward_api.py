@@ -305,3 +305,16 @@ def test_judge_endpoint_is_set_only_inside_a_judge_call():
     assert [t.reward for t in out] == [1.0, 1.0]
     assert sorted(e.base_url for e in seen) == ["http://s0/v1", "http://s1/v1"] and sorted(closed) == [0, 1]
     assert judge_endpoint() is None
+
+
+def test_check_rewards_validates_reserved_keys_before_compute():
+    from molt_core.config import RunConfig
+    from molt_core.plugins import load_plugins
+    from molt_core.runtime import check_rewards
+
+    host = load_plugins()
+    check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "weight": 0.5, "timeout_s": 2}}}), host)
+    with pytest.raises(ValueError, match=r"rewards.regex.weight = 'hi': must be a finite number"):
+        check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "weight": "hi"}}}), host)
+    with pytest.raises(ValueError, match=r"rewards.regex.patern: Extra inputs are not permitted"):
+        check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "patern": "y", "weight": 1}}}), host)
