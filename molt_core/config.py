@@ -89,8 +89,10 @@ class AgentSection(_Section):
 class RolloutSection(_Section):
     """``[rollout]``: ``prompts_per_step`` groups per optimizer step, ``n_samples_per_prompt``
     rollouts per group, sampling (``temperature``, ``top_p``, ``top_k``), ``max_tokens`` per
-    turn, ``max_turns`` and ``max_total_tokens`` per episode, ``timeout_s`` per rollout,
-    ``dynamic_filter`` drops groups whose rewards are all equal."""
+    turn, ``max_turns`` and ``max_total_tokens`` per episode, ``timeout_s`` per rollout (the
+    agent episode; each reward call has its own ``[rewards.NAME] timeout_s``),
+    ``dynamic_filter`` drops groups whose rewards are all equal, ``reward_concurrency`` -- reward
+    calls in flight at once per rollout worker (all rewards and groups together)."""
 
     prompts_per_step: int = Field(8, ge=1)
     n_samples_per_prompt: int = Field(8, ge=1)
@@ -102,6 +104,7 @@ class RolloutSection(_Section):
     max_total_tokens: int = Field(1024, ge=1)
     timeout_s: float = Field(60.0, gt=0)
     dynamic_filter: bool = False
+    reward_concurrency: int = Field(16, ge=1)
 
 
 class AlgoSection(_Section):
@@ -226,7 +229,9 @@ class RunConfig(_Section):
     """The whole resolved configuration of a run (one field per recipe table).
 
     ``plugins`` lists ``--plugin`` specs to load; ``rewards`` maps a registered reward name to
-    its options table; ``loggers`` names logger plugins besides JSONL.
+    its table: the reward's options plus the reserved keys ``weight`` (default 1.0) and
+    ``timeout_s`` (default 60), which the runtime reads and does not pass on
+    (:mod:`molt_core.rewards`); ``loggers`` names logger plugins besides JSONL.
     """
 
     run: RunSection = Field(default_factory=RunSection)

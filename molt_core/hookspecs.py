@@ -17,7 +17,8 @@ from typing import Any, Callable
 import pluggy
 
 PROJECT = "molt"
-HOOK_API_VERSION = 1
+HOOK_API_VERSION = 2
+"""2: Reward API v2 -- async, group and trajectory rewards; ``weight`` / ``timeout_s`` per reward."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -29,8 +30,13 @@ Register = Callable[[str, Any], None]
 def molt_register_rewards(register: Register) -> None:
     """Register reward functions: ``register(name, fn_or_class)``.
 
-    A reward is called as ``reward(trajectory_text: str, task: dict, **options) -> float``
-    or an object with that ``__call__``; raising marks the trajectory ``failed``.
+    A reward is called as ``reward(response: str, task: dict, **options) -> float`` (or an
+    object with that ``__call__``), where ``options`` is the recipe's ``[rewards.<name>]``
+    table less the reserved keys ``weight`` and ``timeout_s``. API version 2 adds: ``async def``
+    rewards (awaited), group rewards (``molt_group = True``: ``reward(responses, tasks,
+    **options) -> list[float]``), and rewards given the whole rollout (a ``trajectory`` /
+    ``trajectories`` parameter); see :mod:`molt_core.rewards`. Raising, running past
+    ``timeout_s`` or returning a non-finite number marks the trajectory ``failed``.
     """
 
 

@@ -21,6 +21,7 @@ on the worker (and engine) that opened it (session affinity).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import math
@@ -29,12 +30,14 @@ import time
 from collections import deque
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
 from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost, import_path, load_plugins
-from molt_core.types import Group, RewardFailed, SamplingParams, Trajectory, new_id
+from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, component_metrics, reward_spec
+from molt_core.tasks import TaskStream, check_train_split
+from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["load_agent", "check_rewards", "RolloutWorker", "TrainerWorker", "main_job", "pass_at_k", "assemble_batch"]
 
@@ -85,20 +88,22 @@ class RunFailed(RuntimeError):
 
 
 def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
-    """Check every ``[rewards.<name>]`` table before any compute: the name is registered and,
-    when the reward declares an ``Options`` Pydantic model, the options validate.
+    """Check every ``[rewards.<name>]`` table before any compute: the name is registered, the
+    reserved keys ``weight`` / ``timeout_s`` are valid and, when the reward declares an
+    ``Options`` Pydantic model, the remaining options validate.
 
     Raises:
-        ValueError: naming ``rewards.<name>`` (unknown; lists registered names) or
-            ``rewards.<name>.<field>`` (invalid option).
+        ValueError: naming ``rewards.<name>`` (unknown; lists registered names),
+            ``rewards.<name>.weight`` / ``.timeout_s``, or ``rewards.<name>.<field>`` (invalid option).
     """
     from pydantic import BaseModel, ValidationError
 
-    for name, opts in cfg.rewards.items():
+    for name, table in cfg.rewards.items():
         try:
             fn = host.get("rewards", name)
         except KeyError as e:
             raise ValueError(f"rewards.{name}: {e.args[0]}") from None
+        opts = reward_spec(name, fn, table).options  # reserved keys (weight, timeout_s) checked and split off
         model = getattr(fn, "Options", None)
         if isinstance(model, type) and issubclass(model, BaseModel):
             try:
@@ -134,6 +139,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 # --------------------------------------------------------------------------- rollout worker
 
+# what one episode opened, for rewards that want the whole rollout: set per episode task by
+# RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
+_EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
+
 
 class RolloutWorker:
     """One engine with its agent runners; a Ray actor in ``molt run`` (usable in-process).
@@ -160,7 +169,8 @@ class RolloutWorker:
                               gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
                               seed=self.cfg.run.seed * 1000 + index, **e.options)
         self.tokenizer = self.engine.tokenizer
-        self.rewards = [(name, self.host.get("rewards", name), opts) for name, opts in self.cfg.rewards.items()]
+        self.rewards = RewardRunner(self.cfg.rewards, lambda name: self.host.get("rewards", name),
+                                    self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
         self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
         if self.cfg.teacher.name:
             try:
@@ -171,12 +181,8 @@ class RolloutWorker:
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
-        if any(name == "llm_judge" and not opts.get("base_url") for name, _, opts in self.rewards):
-            # the judge asks the run's own engine through a separate loopback session that is
-            # never turned into a training trajectory
-            judge = self._server().create_session(group_id="judge")
-            os.environ["MOLT_JUDGE_BASE_URL"] = judge.openai_base_url
-            os.environ["MOLT_JUDGE_API_KEY"] = judge.api_key
+        if self.rewards.wants_judge_session:
+            self._server()  # judges asking the run's own engine get one loopback session per call
         from molt_core.ledger import Ledger
 
         self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
@@ -193,7 +199,17 @@ class RolloutWorker:
     def _ledger(self, group_id: str):
         from molt_core.ledger import Ledger
 
-        return Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        seen = _EPISODE.get()
+        if seen is not None:  # rewards that want the whole rollout read its messages
+            seen["ledgers"].append(ledger)
+        return ledger
+
+    def _judge_session(self) -> tuple[JudgeEndpoint, Any]:
+        """A fresh loopback session for one judge call and its closer (the session's
+        trajectory is dropped: judge calls are never trained on)."""
+        sess = self._server().create_session(group_id="judge")
+        return JudgeEndpoint(sess.openai_base_url, sess.api_key), lambda: self.server.close_session(sess.session_id)
 
     async def _env_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
         env: Env = self.agent  # type: ignore[assignment]
@@ -243,45 +259,61 @@ class RolloutWorker:
                            api_key=sess.api_key, sampling=params)
         try:
             res = await self.agent.run(ctx)  # type: ignore[union-attr]
-            hist = [m for m in self.server.sessions.ledger(sess.session_id).history if m.get("role") == "assistant"]
+            messages = self.server.sessions.ledger(sess.session_id).history
         finally:
             traj = self.server.close_session(sess.session_id)
+        hist = [m for m in messages if m.get("role") == "assistant"]
         action = str(hist[-1].get("content", "")) if hist else ""
+        if not isinstance(res, Result):
+            raise TypeError(f"{type(self.agent).__name__}.run returned {type(res).__name__}; return a molt_core.types.Result")
+        # model_copy does not validate: score_group checks reward / score are finite numbers
         traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
                                        "info": {**traj.info, **res.info}})
+        seen = _EPISODE.get()
+        if seen is not None:
+            seen["messages"] = messages
         return traj, action
 
-    async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> Trajectory:
+    async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, Rollout | None]:
+        """Run the agent on ``task``: the unscored trajectory and its :class:`Rollout` (None
+        when the rollout failed; a failure never raises)."""
+        seen: dict[str, Any] = {"ledgers": [], "messages": None}
+        _EPISODE.set(seen)  # this task's context: the episode's ledgers / chat messages land here
         try:
             run = self._env_episode if isinstance(self.agent, Env) else self._chat_episode
             traj, action = await asyncio.wait_for(run(task, group_id, params), self.cfg.rollout.timeout_s)
-            extra = 0.0
-            for name, fn, opts in self.rewards:
-                try:
-                    extra += float(await asyncio.to_thread(fn, action, task, **opts))
-                except RewardFailed as e:
-                    return traj.fail(f"reward {name}: {e}")
-                except Exception as e:  # a failing reward marks the trajectory failed
-                    return traj.fail(f"reward {name} raised {type(e).__name__}: {e}")
-            if self.rewards:
-                traj = traj.model_copy(update={"reward": (traj.reward or 0.0) + extra})
-            if not traj.segments or traj.num_sampled == 0:
-                return traj.fail("the rollout sampled no token")
-            if self.teacher is not None:
-                try:  # a failing teacher marks the trajectory failed, like a failing reward
-                    traj = await asyncio.to_thread(self.teacher.annotate, traj)
-                except Exception as e:
-                    return traj.fail(f"teacher {self.cfg.teacher.name} raised {type(e).__name__}: {e}")
-            return traj
         except asyncio.TimeoutError:
-            return Trajectory(group_id=group_id, task=task, status="failed", error=f"timeout after {self.cfg.rollout.timeout_s} s")
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"timeout after {self.cfg.rollout.timeout_s} s"), None
         except RewardFailed as e:
-            return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}")
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}"), None
         except Exception as e:  # the agent raised: that rollout fails, the run continues
-            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}")
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}"), None
+        ledger = next((lg for lg in seen["ledgers"] if lg.rollout_id == traj.rollout_id), None)
+        messages = seen["messages"] if seen["messages"] is not None else (ledger.history if ledger is not None else [])
+        if not traj.segments or traj.num_sampled == 0:
+            return traj.fail("the rollout sampled no token"), None
+        return traj, Rollout(response=action, task=task, messages=messages, trajectory=traj)
+
+    async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int) -> list[Trajectory]:
+        """``n`` rollouts of ``task``, scored together by the reward plugins
+        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any."""
+        items = await asyncio.gather(*(self._episode(task, group_id, params) for _ in range(n)))
+        trajs = await self.rewards.score(list(items), agent_label=f"agent {type(self.agent).__name__}")
+        if self.teacher is None:
+            return trajs
+        out = []
+        for t in trajs:
+            if t.status == "ok":
+                try:  # a failing teacher marks the trajectory failed, like a failing reward
+                    t = await asyncio.to_thread(self.teacher.annotate, t)
+                except Exception as e:
+                    t = t.fail(f"teacher {self.cfg.teacher.name} raised {type(e).__name__}: {e}")
+            out.append(t)
+        return out
 
     async def rollout(self, tasks: list[dict], n: int) -> list[Group]:
-        """Run ``n`` rollouts of each task concurrently (the engine batches them).
+        """Run ``n`` rollouts of each task concurrently (the engine batches them); each
+        group is scored as soon as its ``n`` rollouts finish.
 
         Returns:
             One :class:`Group` per task, trajectories in completion-independent order.
@@ -290,10 +322,9 @@ class RolloutWorker:
         try:
             params = _sampling(self.cfg, self._stop_ids)
             groups = [Group(task=t) for t in tasks]
-            coros = [self._episode(g.task, g.group_id, params) for g in groups for _ in range(n)]
-            trajs = await asyncio.gather(*coros)
-            for i, g in enumerate(groups):
-                g.trajectories = list(trajs[i * n:(i + 1) * n])
+            scored = await asyncio.gather(*(self._group(g.task, g.group_id, params, n) for g in groups))
+            for g, trajs in zip(groups, scored):
+                g.trajectories = list(trajs)
             return groups
         finally:
             self.inflight -= len(tasks) * n
@@ -303,8 +334,8 @@ class RolloutWorker:
         ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
         ``eval/failed``."""
         params = _sampling(self.cfg, self._stop_ids, temperature=temperature)
-        coros = [self._episode(t, new_id("eval"), params) for t in tasks for _ in range(k)]
-        trajs = await asyncio.gather(*coros)
+        per_task = await asyncio.gather(*(self._group(t, new_id("eval"), params, k) for t in tasks))
+        trajs = [t for ts in per_task for t in ts]
         p1, pk, rewards, failed = [], [], [], 0
         for i in range(len(tasks)):
             ts = trajs[i * k:(i + 1) * k]
@@ -402,14 +433,17 @@ class TrainerWorker:
 # --------------------------------------------------------------------------- batch assembly
 
 
-def assemble_batch(groups: list[Group], dynamic_filter: bool) -> tuple[list[Trajectory], dict[str, float]]:
+def assemble_batch(groups: list[Group], dynamic_filter: bool,
+                   reward_names: list[str] | tuple[str, ...] = ()) -> tuple[list[Trajectory], dict[str, float]]:
     """Turn finished groups into the step's training trajectories.
 
     Failed rollouts are excluded (never scored 0); a group with fewer than 2 usable rollouts
     is dropped; with ``dynamic_filter`` a group whose rewards are all equal is dropped (its
     advantages would all be 0; DAPO, arXiv 2503.14476). Returns the trajectories and counts
     (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
-    ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts).
+    ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts) and, for each name in
+    ``reward_names``, ``reward/NAME/mean`` and ``reward/NAME/failed``
+    (:func:`molt_core.rewards.component_metrics`).
     """
     out: list[Trajectory] = []
     failed = truncated = dropped = filtered = 0
@@ -429,7 +463,8 @@ def assemble_batch(groups: list[Group], dynamic_filter: bool) -> tuple[list[Traj
     n = sum(len(g.trajectories) for g in groups)
     m = {"rollout/failed": float(failed), "rollout/truncated": float(truncated), "rollout/groups_dropped": float(dropped),
          "rollout/groups_filtered": float(filtered), "rollout/trajectories": float(n),
-         "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan")}
+         "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+         **component_metrics(groups, list(reward_names))}
     return out, m
 
 
@@ -634,6 +669,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     # validate everything a worker will build before any compute starts
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
+    agent_name = cfg.agent.name or cfg.agent.path
+    check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
     eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
     ray = _Local() if local else _init_ray(cfg, ray_address)
@@ -678,9 +715,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
                 for k in res[0]}
 
-    train_iter: Iterator[dict] = agent.tasks("train", cfg.run.seed)
-    for _ in range(cursor["tasks"]):
-        next(train_iter)
+    train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
+    epoch_of: dict[int, int] = {}  # step index -> epoch of its last task
     start_step = cursor["step"]
     if start_step == 0:
         m0 = evaluate()
@@ -695,7 +731,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     def launch() -> None:
         nonlocal launched
-        tasks = [next(train_iter) for _ in range(P)]
+        tasks = train_stream.take(P)
+        epoch_of[launched] = train_stream.epoch
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         shards = [tasks[i::len(workers)] for i in range(len(workers))]
@@ -716,7 +753,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             _, refs, ntasks = pending.popleft()
             groups = [g for part in ray.get(refs) for g in part]
             t1 = time.perf_counter()
-            trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter)
+            trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter, list(cfg.rewards))
             for g in groups:
                 for t in g.trajectories:
                     host.on_trajectory(t)
@@ -736,7 +773,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             version = publish()
             t3 = time.perf_counter()
             tasks_done += ntasks
-            metrics = {"policy_version": float(version), **rm, **tm,
+            metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch_of.pop(step, 0)),
                        "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                        "time/elapsed": t3 - t_start}
             s1 = step + 1

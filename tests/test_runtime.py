@@ -133,10 +133,13 @@ def test_recipe_agent_path_resolves_beside_recipe():
     assert cfg.agent.path.endswith("recipes/agents/addition_env.py")
 
 
-def test_llm_judge_without_base_url_asks_the_run_engine_through_a_loopback_session(monkeypatch):
-    """No base_url: the worker opens a judge session on its own server; the judge's request
-    reaches the policy engine (the tiny random model replies with no score, so the reward
-    fails with `parse` -- not with "no endpoint") and the judge session is never trained on."""
+@pytest.mark.parametrize("mode,sessions", [("single", 3), ("group", 1)])
+def test_llm_judge_without_base_url_asks_the_run_engine_in_one_fresh_session_per_judged_rollout(monkeypatch, mode, sessions):
+    """No base_url: each judge call gets its own loopback session on the worker's server,
+    closed once the score is read (issue 11, item 9). The judge's request reaches the policy
+    engine (the tiny random model replies with no score, so the reward fails with `parse` --
+    not with "no endpoint"); 3 rollouts -> 3 judge sessions (group mode: 1 per group) of
+    exactly 1 request and 1 segment each, none left open, none trained on."""
     monkeypatch.delenv("MOLT_JUDGE_BASE_URL", raising=False)
     monkeypatch.delenv("MOLT_JUDGE_API_KEY", raising=False)
     from molt_plugins.judges import llm_judge as judge_mod
@@ -144,17 +147,23 @@ def test_llm_judge_without_base_url_asks_the_run_engine_through_a_loopback_sessi
     monkeypatch.setattr(judge_mod, "_JUDGES", {})
     cfg = load_config("examples/llm_judge", ["rollout.max_tokens=4"])
     data = cfg.model_dump(by_alias=True)
-    data["rewards"] = {"llm_judge": {"max_tokens": 4, "timeout_s": 30.0}}
+    data["rewards"] = {"llm_judge": {"max_tokens": 4, "timeout_s": 30.0, "mode": mode}}
     w = RolloutWorker(RunConfig.model_validate(data))
+    closed = []
+    close = w.server.close_session
+    monkeypatch.setattr(w.server, "close_session", lambda sid: closed.append(close(sid)) or closed[-1])
     try:
         import os
 
-        assert os.environ["MOLT_JUDGE_BASE_URL"].startswith(w.server.base_url + "/s/")
-        groups = asyncio.run(w.rollout([next(iter(w.agent.tasks("train", 0)))], 2))
+        assert "MOLT_JUDGE_BASE_URL" not in os.environ
+        groups = asyncio.run(w.rollout([next(iter(w.agent.tasks("train", 0)))], 3))
         errors = [t.error for t in groups[0].trajectories]
         assert all(e is not None and e.startswith("reward llm_judge: failed: parse") for e in errors), errors
-        judge_sessions = [s for s in w.server.sessions._sessions.values() if s.ledger.group_id == "judge"]
-        assert len(judge_sessions) == 1 and judge_sessions[0].ledger.counts["start"] + judge_sessions[0].ledger.counts["rewrite"] == 2
+        judged = [t for t in closed if t.group_id == "judge"]
+        assert len(judged) == sessions
+        assert [(len(t.segments), t.info["requests"]["start"]) for t in judged] == [(1, 1)] * sessions
+        assert not [s for s in w.server.sessions._sessions.values() if s.ledger.group_id == "judge"]
+        assert all(t.info["rewards_failed"] == ["llm_judge"] for t in groups[0].trajectories)
     finally:
         w.server.stop()
 

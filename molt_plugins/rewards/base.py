@@ -1,9 +1,11 @@
 """The reward calling convention and its options helper.
 
 A registered reward is a callable ``reward(response: str, task: dict, **options) -> float``
-(the ``molt_register_rewards`` hookspec) carrying an ``Options`` attribute: the Pydantic
-model of its options. The recipe's ``[rewards.<name>]`` table is passed as ``**options`` and
-validated through ``Options`` on every call; ``check_options(name, reward, options)`` does
+(the ``molt_register_rewards`` hookspec; plain or ``async``, per response or per group, see
+:mod:`molt_core.rewards` for the whole v2 calling convention) carrying an ``Options``
+attribute: the Pydantic model of its options. The recipe's ``[rewards.<name>]`` table, less
+the reserved keys ``weight`` and ``timeout_s``, is passed as ``**options`` and validated
+through ``Options`` on every call; ``check_options(name, reward, options)`` does
 the same validation once, at start-up, so a bad recipe fails before any compute.
 
 ``response`` is only the model's reply (the completion), never the prompt. A reward that
@@ -14,6 +16,7 @@ cannot score (timeout, resource limit, crashing verifier) raises
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -40,30 +43,62 @@ def validate_options(model: type[BaseModel], options: dict[str, Any], where: str
         raise ValueError(f"invalid options: {bad}") from None
 
 
-def reward(options: type[BaseModel] = RewardOptions) -> Callable[[Callable[..., float]], Callable[..., float]]:
+def reward(options: type[BaseModel] = RewardOptions, *, group: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator turning ``fn(response, task, opts: options) -> float`` into a registered-reward
-    callable ``fn(response, task, **options) -> float`` with ``.Options = options``."""
+    callable ``fn(response, task, **options) -> float`` with ``.Options = options``.
 
-    def deco(fn: Callable[..., float]) -> Callable[..., float]:
+    Reward API v2 (:mod:`molt_core.rewards`): ``fn`` may be ``async def`` (the wrapper is then
+    async too and the runtime awaits it); with ``group=True`` it is a group reward
+    ``fn(responses, tasks, opts) -> list[float]``; when ``fn`` has a ``trajectory`` parameter
+    (group: ``trajectories``) the runtime passes the whole :class:`molt_core.rewards.Rollout`.
+    Scores are converted with ``float`` (the runtime then rejects non-finite ones).
+
+    Raises (when called):
+        ValueError: invalid options, naming ``rewards.<fn name>.<field>``.
+    """
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         where = f"rewards.{fn.__name__}"
+        key = "trajectories" if group else "trajectory"
+        wants = key in inspect.signature(fn).parameters
 
-        @functools.wraps(fn)
-        def wrapper(response: str, task: dict[str, Any], **kw: Any) -> float:
-            opts = validate_options(options, kw, where)
-            return float(fn(response, task, opts))
+        def split(kw: dict[str, Any]) -> tuple[BaseModel, dict[str, Any]]:
+            extra = {key: kw.pop(key)} if wants and key in kw else {}
+            return validate_options(options, kw, where), extra
+
+        def convert(out: Any) -> Any:
+            return [float(x) for x in out] if group else float(out)
+
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def wrapper(response: Any, task: Any, **kw: Any) -> Any:
+                opts, extra = split(kw)
+                return convert(await fn(response, task, opts, **extra))
+        else:
+            @functools.wraps(fn)
+            def wrapper(response: Any, task: Any, **kw: Any) -> Any:  # type: ignore[misc]
+                opts, extra = split(kw)
+                return convert(fn(response, task, opts, **extra))
 
         wrapper.Options = options  # type: ignore[attr-defined]
+        wrapper.molt_group = group  # type: ignore[attr-defined]
+        wrapper.molt_trajectory = wants  # type: ignore[attr-defined]
         return wrapper
 
     return deco
 
 
 def check_options(name: str, reward_fn: Any, options: dict[str, Any]) -> None:
-    """Validate a recipe's ``[rewards.<name>]`` table against ``reward_fn.Options`` (if any).
+    """Validate a recipe's ``[rewards.<name>]`` table against ``reward_fn.Options`` (if any);
+    the reserved keys ``weight`` / ``timeout_s`` are checked by
+    :func:`molt_core.rewards.reward_spec` and split off first.
 
     Raises:
         ValueError: naming ``rewards.<name>.<field>`` for each bad field.
     """
+    from molt_core.rewards import reward_spec
+
+    options = reward_spec(name, reward_fn, options).options
     model = getattr(reward_fn, "Options", None)
     if isinstance(model, type) and issubclass(model, BaseModel):
         validate_options(model, options, f"rewards.{name}")

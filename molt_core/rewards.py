@@ -1,0 +1,394 @@
+"""Reward scoring (Reward API v2): how the runtime calls reward plugins on a finished group.
+
+A registered reward is one of (all may be plain ``def`` or ``async def``):
+
+* **per response** -- ``fn(response: str, task: dict, **options) -> float``; one call per
+  rollout. ``response`` is the model's final reply only.
+* **per group** -- marked with :func:`group_reward` (attribute ``molt_group = True``, or a
+  callable ``molt_group(options) -> bool``): ``fn(responses: list[str], tasks: list[dict],
+  **options) -> list[float]``, one score per response, in order; what a relative judge needs.
+  Only the group's rollouts that are still ``ok`` are passed.
+* **trajectory-wanting** -- a per-response reward whose signature names a ``trajectory``
+  parameter (a group reward: ``trajectories``), or that carries ``molt_trajectory = True``,
+  also receives the whole rollout as a :class:`Rollout` (messages with tool calls, turns, the
+  token-level :class:`~molt_core.types.Trajectory`).
+
+The recipe's ``[rewards.NAME]`` table holds the reward's options plus the reserved keys
+:data:`RESERVED_KEYS`, read by the runtime and *not* passed to the reward (unless its
+``Options`` model declares a field of that name -- ``llm_judge`` uses ``timeout_s`` as its own
+deadline too):
+
+* ``weight`` (default 1.0) -- the final reward is ``Result.reward + sum(weight * score)``.
+* ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) -- the bound on one call (one rollout, or
+  one group for a group reward).
+
+Failures (counted per reward as ``reward/NAME/failed``; the trajectory is ``failed``, excluded
+from training, never scored 0): the reward raises (:class:`~molt_core.types.RewardFailed` or
+anything else), it runs past ``timeout_s`` (``failed: timeout``), or it returns something
+other than a finite real number (NaN, +-inf, None, a string: ``failed: non_finite`` /
+``failed: not_a_number``). An agent's own ``Result.reward`` / ``score`` that is not a finite
+number fails the trajectory the same way.
+
+Timeouts: an ``async`` reward is cancelled at its deadline. A sync reward runs in its own
+daemon thread, which Python cannot kill: at the deadline the step stops waiting for it (its
+concurrency slot is released and its late result discarded), but the thread runs on until the
+function returns, or until the process exits. Prefer ``async def`` (or a timeout inside the
+reward) for calls that can hang.
+
+Concurrency: every reward call of a worker (all groups, all rewards) shares one
+``asyncio.Semaphore`` of ``rollout.reward_concurrency`` slots.
+
+Judge sessions: a reward whose ``molt_judge_session(options)`` is true (``llm_judge`` without
+``base_url``) asks the run's own engine; each of its calls gets a fresh loopback session,
+visible to it through :func:`judge_endpoint` and closed (never trained on) when the call ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import math
+import numbers
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from molt_core.types import Group, RewardFailed, Trajectory
+
+__all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "Rollout", "RewardSpec", "RewardRunner", "JudgeEndpoint",
+           "group_reward", "reward_spec", "judge_endpoint", "as_score", "score_group", "component_metrics"]
+
+RESERVED_KEYS = ("weight", "timeout_s")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class JudgeEndpoint:
+    """An OpenAI-compatible endpoint (``base_url`` ending in ``/v1``, ``api_key``) opened by the
+    runtime for one judge call."""
+
+    base_url: str
+    api_key: str
+
+
+_JUDGE: contextvars.ContextVar[JudgeEndpoint | None] = contextvars.ContextVar("molt_judge_endpoint", default=None)
+
+
+def judge_endpoint() -> JudgeEndpoint | None:
+    """The loopback judge session opened for the reward call in progress (None outside one)."""
+    return _JUDGE.get()
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The whole rollout, for rewards that ask for it: the final ``response`` text, the
+    ``task``, the chat ``messages`` (OpenAI format, assistant ``tool_calls`` included) and the
+    token-level ``trajectory``."""
+
+    response: str
+    task: dict[str, Any]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    trajectory: Trajectory | None = None
+
+    @property
+    def turns(self) -> int:
+        """Assistant messages in the rollout (model turns)."""
+        return sum(m.get("role") == "assistant" for m in self.messages)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """Every tool call the model made, in order."""
+        return [c for m in self.messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])]
+
+
+def group_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as a group reward: ``fn(responses, tasks, **options) -> list[float]``."""
+    fn.molt_group = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _flag(fn: Any, attr: str, options: dict[str, Any]) -> bool:
+    v = getattr(fn, attr, False)
+    return bool(v(options)) if callable(v) else bool(v)
+
+
+def _accepts(fn: Any, param: str) -> bool:
+    try:
+        p = inspect.signature(fn).parameters.get(param)
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """How the runtime calls one configured reward (built by :func:`reward_spec`)."""
+
+    name: str
+    fn: Callable[..., Any]
+    options: dict[str, Any]
+    weight: float = 1.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    group: bool = False
+    trajectory: bool = False
+    is_async: bool = False
+    judge_session: bool = False
+
+
+def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> RewardSpec:
+    """Split a recipe's ``[rewards.<name>]`` table into the reserved keys and the options, and
+    decide the calling convention (see the module docstring).
+
+    Raises:
+        ValueError: ``rewards.<name>.weight`` is not a finite number, or
+            ``rewards.<name>.timeout_s`` is not a positive finite number.
+    """
+    table = dict(table)
+    weight, timeout = table.get("weight", 1.0), table.get("timeout_s", DEFAULT_TIMEOUT_S)
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+        raise ValueError(f"rewards.{name}.weight = {weight!r}: must be a finite number (e.g. weight = 0.5)")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < timeout < math.inf):
+        raise ValueError(f"rewards.{name}.timeout_s = {timeout!r}: must be a positive number of seconds (e.g. timeout_s = 30)")
+    model = getattr(fn, "Options", None)
+    declared = set(getattr(model, "model_fields", {}) or {})
+    options = {k: v for k, v in table.items() if k not in RESERVED_KEYS or k in declared}
+    group = _flag(fn, "molt_group", options)
+    traj = _flag(fn, "molt_trajectory", options) or _accepts(fn, "trajectories" if group else "trajectory")
+    return RewardSpec(name=name, fn=fn, options=options, weight=float(weight), timeout_s=float(timeout), group=group,
+                      trajectory=traj, is_async=_is_async(fn), judge_session=_flag(fn, "molt_judge_session", options))
+
+
+class _Failed(Exception):
+    """One reward call failed; ``str`` is the trajectory's error."""
+
+
+def as_score(value: Any, what: str) -> float:
+    """``value`` as a finite float.
+
+    Accepts any real number (``int``, ``float``, numpy scalars, ``bool``) or a 0-d object with
+    ``__float__`` (a numpy / torch scalar). Raises:
+        RewardFailed: ``not_a_number`` (None, a string, a list...) or ``non_finite`` (NaN, +-inf),
+            naming ``what``.
+    """
+    if isinstance(value, (str, bytes)) or value is None or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
+        raise RewardFailed("not_a_number", f"{what} returned {type(value).__name__} {value!r:.60}; return a finite float")
+    try:
+        f = float(value)
+    except (TypeError, ValueError) as e:
+        raise RewardFailed("not_a_number", f"{what} returned {type(value).__name__}: {e}") from None
+    if not math.isfinite(f):
+        raise RewardFailed("non_finite", f"{what} returned {f}; a reward must be a finite number")
+    return f
+
+
+def _finish_thread(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():  # timed out: the late result is discarded
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+async def _run_sync(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> Any:
+    """Run ``fn`` in a fresh daemon thread (never a pool: a hung reward must not starve other
+    work or block interpreter exit) with this task's context variables."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            out, err = ctx.run(fn, *args, **kwargs), None
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting task
+            out, err = None, e
+        try:
+            loop.call_soon_threadsafe(_finish_thread, fut, out, err)
+        except RuntimeError:  # the loop is gone: nobody waits for this result
+            pass
+
+    threading.Thread(target=target, daemon=True, name=f"molt-reward-{name}").start()
+    out = await fut
+    if inspect.isawaitable(out):  # a sync callable that returned a coroutine
+        out = await out
+    return out
+
+
+async def _call(spec: RewardSpec, args: tuple, kwargs: dict, slots: asyncio.Semaphore,
+                open_session: Callable[[], tuple[JudgeEndpoint, Callable[[], None]]] | None) -> Any:
+    """One bounded reward call. Raises :class:`_Failed` with the trajectory's error text."""
+    name = spec.name
+    async with slots:
+        close = None
+        token = None
+        try:
+            if spec.judge_session and open_session is not None:
+                endpoint, close = open_session()
+                token = _JUDGE.set(endpoint)
+            async with asyncio.timeout(spec.timeout_s):
+                if spec.is_async:
+                    return await spec.fn(*args, **kwargs)
+                return await _run_sync(spec.fn, args, kwargs, name)
+        except TimeoutError:
+            raise _Failed(f"reward {name}: {RewardFailed('timeout', f'no score within {spec.timeout_s:g} s (rewards.{name}.timeout_s)')}") from None
+        except RewardFailed as e:
+            raise _Failed(f"reward {name}: {e}") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a failing reward marks the trajectory failed
+            raise _Failed(f"reward {name} raised {type(e).__name__}: {e}") from None
+        finally:
+            if token is not None:
+                _JUDGE.reset(token)
+            if close is not None:
+                close()
+
+
+def _check(value: Any, name: str) -> float:
+    try:
+        return as_score(value, f"reward {name}")
+    except RewardFailed as e:
+        raise _Failed(f"reward {name}: {e}") from None
+
+
+async def _per_response(spec: RewardSpec, item: tuple[Trajectory, Rollout], slots: asyncio.Semaphore,
+                        open_session: Any) -> float:
+    traj, ro = item
+    kw = dict(spec.options)
+    if spec.trajectory:
+        kw["trajectory"] = ro
+    return _check(await _call(spec, (ro.response, ro.task), kw, slots, open_session), spec.name)
+
+
+async def _per_group(spec: RewardSpec, items: list[tuple[Trajectory, Rollout]], slots: asyncio.Semaphore,
+                     open_session: Any) -> list[float]:
+    kw = dict(spec.options)
+    if spec.trajectory:
+        kw["trajectories"] = [ro for _, ro in items]
+    out = await _call(spec, ([ro.response for _, ro in items], [ro.task for _, ro in items]), kw, slots, open_session)
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != len(items):
+        got = f"{len(out)} scores" if hasattr(out, "__len__") and not isinstance(out, (str, bytes)) else type(out).__name__
+        raise _Failed(f"reward {spec.name}: {RewardFailed('bad_output', f'a group reward must return one score per response: {len(items)} responses, got {got}')}")
+    return [_check(v, spec.name) for v in out]
+
+
+async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rollout | None]], slots: asyncio.Semaphore,
+                      open_session: Callable[[], tuple[JudgeEndpoint, Callable[[], None]]] | None = None,
+                      agent_label: str = "agent") -> list[Trajectory]:
+    """Score one group's finished rollouts; returns the trajectories in the same order.
+
+    ``items`` pairs each trajectory with its :class:`Rollout` (None for one that already
+    failed: it passes through untouched). Each ok trajectory first has its own reward / score
+    checked finite (``agent_label`` names the source in the error), then every reward runs
+    (concurrently, bounded by ``slots`` and each reward's ``timeout_s``). An ok result gets
+    ``reward = own reward + sum(weight * score)`` and ``info["rewards"] = {name: score}``; a
+    failed one gets the first failing reward's error (in recipe order) and
+    ``info["rewards_failed"] = [names]``. Never raises for a reward's fault.
+    """
+    out: list[Trajectory] = [t for t, _ in items]
+    live: list[int] = []
+    for i, (t, ro) in enumerate(items):
+        if t.status != "ok" or ro is None:
+            continue
+        try:
+            as_score(0.0 if t.reward is None else t.reward, f"{agent_label} Result.reward")
+            if t.score is not None:
+                as_score(t.score, f"{agent_label} Result.score")
+        except RewardFailed as e:
+            out[i] = t.fail(f"{agent_label}: {e}")
+            continue
+        live.append(i)
+    if not specs or not live:
+        return out
+    calls: list[tuple[RewardSpec, list[int], Awaitable[Any]]] = []
+    for spec in specs:
+        if spec.group:
+            calls.append((spec, live, _per_group(spec, [items[i] for i in live], slots, open_session)))  # type: ignore[misc]
+        else:
+            for i in live:
+                calls.append((spec, [i], _per_response(spec, items[i], slots, open_session)))  # type: ignore[arg-type]
+    results = await asyncio.gather(*(c for _, _, c in calls), return_exceptions=True)
+    scores: dict[int, dict[str, float]] = {i: {} for i in live}
+    errors: dict[int, dict[str, str]] = {i: {} for i in live}
+    for (spec, idx, _), res in zip(calls, results):
+        if isinstance(res, BaseException):
+            msg = str(res) if isinstance(res, _Failed) else f"reward {spec.name} raised {type(res).__name__}: {res}"
+            for i in idx:
+                errors[i][spec.name] = msg
+        else:
+            vals = res if spec.group else [res]
+            for i, v in zip(idx, vals):
+                scores[i][spec.name] = v
+    for i in live:
+        t = out[i]
+        info = {**t.info, "rewards": scores[i]}
+        if errors[i]:
+            first = next(s.name for s in specs if s.name in errors[i])
+            info["rewards_failed"] = [s.name for s in specs if s.name in errors[i]]
+            out[i] = t.model_copy(update={"info": info}).fail(errors[i][first])
+        else:
+            total = (t.reward or 0.0) + sum(s.weight * scores[i][s.name] for s in specs)
+            if not math.isfinite(total):  # finite parts, weighted sum overflowed
+                out[i] = t.model_copy(update={"info": info}).fail(
+                    f"reward: {RewardFailed('non_finite', f'the weighted sum of the rewards is {total}')}")
+                continue
+            out[i] = t.model_copy(update={"info": info, "reward": total})
+    return out
+
+
+class RewardRunner:
+    """The configured rewards of one rollout worker: their specs, the worker-wide concurrency
+    limit (one ``asyncio.Semaphore`` per event loop) and the judge-session opener.
+
+    Args:
+        tables: the recipe's ``rewards`` mapping (name -> table).
+        lookup: ``name -> registered reward`` (raises ``KeyError`` for an unknown name).
+        concurrency: ``rollout.reward_concurrency``.
+        open_session: opens one loopback judge session, returning ``(JudgeEndpoint, close)``.
+
+    Raises:
+        KeyError / ValueError: an unknown reward, or bad reserved keys (see :func:`reward_spec`).
+    """
+
+    def __init__(self, tables: dict[str, dict[str, Any]], lookup: Callable[[str], Any], concurrency: int,
+                 open_session: Callable[[], tuple[JudgeEndpoint, Callable[[], None]]] | None = None) -> None:
+        self.specs = [reward_spec(name, lookup(name), table) for name, table in tables.items()]
+        self.concurrency = concurrency
+        self.open_session = open_session
+        self._slots: dict[Any, asyncio.Semaphore] = {}
+
+    @property
+    def wants_judge_session(self) -> bool:
+        """Whether some reward asks the run's own engine (needs the loopback server)."""
+        return any(s.judge_session for s in self.specs)
+
+    def slots(self) -> asyncio.Semaphore:
+        """The semaphore of the running event loop (created on first use)."""
+        loop = asyncio.get_running_loop()
+        sem = self._slots.get(loop)
+        if sem is None:
+            self._slots = {lp: s for lp, s in self._slots.items() if not lp.is_closed()}
+            sem = self._slots[loop] = asyncio.Semaphore(self.concurrency)
+        return sem
+
+    async def score(self, items: list[tuple[Trajectory, Rollout | None]], agent_label: str = "agent") -> list[Trajectory]:
+        """:func:`score_group` with this worker's specs, slots and judge sessions."""
+        return await score_group(self.specs, items, self.slots(), open_session=self.open_session, agent_label=agent_label)
+
+
+def component_metrics(groups: list[Group], names: list[str]) -> dict[str, float]:
+    """Per-reward metrics of a step: ``reward/NAME/mean`` (unweighted score over the ok
+    trajectories that have it; NaN when none) and ``reward/NAME/failed`` (trajectories that
+    reward failed)."""
+    m: dict[str, float] = {}
+    trajs = [t for g in groups for t in g.trajectories]
+    for name in names:
+        vals = [t.info["rewards"][name] for t in trajs if t.status == "ok" and name in (t.info.get("rewards") or {})]
+        m[f"reward/{name}/mean"] = sum(vals) / len(vals) if vals else float("nan")
+        m[f"reward/{name}/failed"] = float(sum(name in (t.info.get("rewards_failed") or []) for t in trajs))
+    return m
