@@ -227,7 +227,7 @@ class RolloutWorker:
             if res.sampling_params is not None:
                 params = res.sampling_params.model_copy(update={"stop_token_ids": params.stop_token_ids})
             if res.terminated or res.truncated:
-                truncated = truncated or res.truncated or (out.finish_reason == "length" and not res.terminated)
+                truncated = truncated or res.truncated  # a length-cut turn: the ledger marks it
                 break
             if res.observation is None:
                 break
@@ -247,8 +247,9 @@ class RolloutWorker:
         finally:
             traj = self.server.close_session(sess.session_id)
         action = str(hist[-1].get("content", "")) if hist else ""
-        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
-                                       "info": {**traj.info, **res.info}})
+        # the ledger's truncation (a length-cut turn) and its own info keys stand whatever the agent says
+        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task,
+                                       "truncated": traj.truncated or res.truncated, "info": {**res.info, **traj.info}})
         return traj, action
 
     async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> Trajectory:

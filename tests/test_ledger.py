@@ -1,5 +1,6 @@
 """Token identity at the ledger: cases B01-B04, B06/B07 of issue 3, tool round trips,
-compaction, retries, failed requests and the tokens_retokenized counter."""
+compaction, retries, failed requests; the engine's record of sampled ids carried into each
+span (checked at trainer ingress), context re-encoded on a rewrite, length-cut turns."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from fake_engine import ScriptedEngine
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.engines.base import GenerationOutput
+from molt_core.identity import TokenCheck, check_tokens, digest_ids
 from molt_core.ledger import Ledger, LedgerConflict
 from molt_core.models import load_tokenizer
 from molt_core.types import SamplingParams
@@ -61,7 +63,8 @@ def test_b02_sampled_ids_are_never_reencoded():
     led = Ledger(tok)
     msgs = [{"role": "user", "content": "x"}]
     p1 = led.prepare(msgs)
-    out = GenerationOutput(token_ids=[1, 2], logprobs=[-0.5, -0.25], versions=[7, 7], finish_reason="length")
+    out = GenerationOutput(token_ids=[1, 2], logprobs=[-0.5, -0.25], versions=[7, 7], finish_reason="length",
+                           sampled_digest=digest_ids([1, 2]))
     t1 = led.commit(p1, out, SamplingParams(max_tokens=2))
     (seg,) = led.segments()
     n = len(p1.prompt_ids)
@@ -75,7 +78,9 @@ def test_b02_sampled_ids_are_never_reencoded():
     # the generation stopped by length: the template's whole close "<|im_end|>\n" follows
     assert p2.tail_ids == tok.encode("<|im_end|>\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n",
                                      add_special_tokens=False)
-    assert led.tokens_retokenized == 0
+    # the engine's record came with the span; the trainer's check finds the sampled [1, 2]
+    assert seg.spans[0].sampled_ids == [1, 2] and seg.spans[0].digest == digest_ids([1, 2])
+    assert check_tokens(led.trajectory()) == TokenCheck(0, 0)
 
 
 def test_b01_separator_once_and_stitched_equals_render(tok):
@@ -199,7 +204,8 @@ def test_tool_round_trip_several_results_one_turn(tok):
     assert seg.loss_mask == [False] * len(p1.prompt_ids) + [True] * len(s1) + [False] * len(p2.tail_ids) + [True] * len(s2)
     assert [(sp.start, sp.end) for sp in seg.spans] == [(len(p1.prompt_ids), len(p1.prompt_ids) + len(s1)),
                                                         (len(p2.prompt_ids), len(seg))]
-    assert led.tokens_retokenized == 0
+    assert [sp.sampled_ids for sp in seg.spans] == [s1, s2]
+    assert check_tokens(led.trajectory()) == TokenCheck(0, 0)  # every action token is the engine's
 
 
 def test_edited_history_and_compaction_rewrite(tok):
@@ -267,20 +273,6 @@ def test_enable_thinking_false_body_prefix(tok):
     assert p2.mode == "extend"
     p3, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "b"}])
     assert p3.mode == "rewrite"  # the template drops the (empty) think blocks of earlier turns
-
-
-def test_tokens_retokenized_counts_when_forced(tok):
-    led = Ledger(tok)
-    msgs = [{"role": "user", "content": "a"}]
-    turn(led, ScriptedEngine(tok, ["x"]), msgs)
-    assert led.tokens_retokenized == 0
-    p = led.prepare(msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "b"}])
-    led.commit_text(p, "text from a text-only backend")
-    n = len(enc(tok, "text from a text-only backend"))
-    assert led.tokens_retokenized == n
-    seg = led.segments()[0]
-    assert seg.loss_mask[-n:] == [False] * n  # no behaviour logprob: never trained
-    assert led.trajectory().info["tokens_retokenized"] == n
 
 
 def test_routed_experts_follow_tokens(tok):
