@@ -216,10 +216,15 @@ def test_edited_history_and_compaction_rewrite(tok):
     edited = msgs + [{"role": "assistant", "content": "Uno."}, {"role": "user", "content": "b"}]
     p2, _ = turn(led, eng, edited)
     assert p2.mode == "rewrite"
+    # the held user turn "a" is re-encoded as context of the new segment: <|im_start|> user \n a
+    # <|im_end|> \n = 6 tokens (the edited assistant turn is new text, not held history)
+    assert p2.reencoded == 6 == len(enc(tok, "<|im_start|>user\na<|im_end|>\n"))
     compact = [{"role": "system", "content": "summary: a, b"}, {"role": "user", "content": "c"}]
     p3, _ = turn(led, eng, compact)
     assert p3.mode == "rewrite" and len(led.segments()) == 3
+    assert p3.reencoded == 0  # compaction: no earlier message is re-rendered
     traj = led.trajectory(reward=0.5)
+    assert traj.info["context_reencoded_tokens"] == 6 and traj.info["requests"]["rewrite"] == 2
     assert {s.num_sampled for s in traj.segments} == {len(enc(tok, "Two.")) + 1, len(enc(tok, "One.")) + 1}
     assert traj.segments[2].token_ids[: len(p3.prompt_ids)] == enc(tok, tok.apply_chat_template(compact, add_generation_prompt=True, tokenize=False))
 
@@ -273,6 +278,13 @@ def test_enable_thinking_false_body_prefix(tok):
     assert p2.mode == "extend"
     p3, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "b"}])
     assert p3.mode == "rewrite"  # the template drops the (empty) think blocks of earlier turns
+    # the whole held history (4 messages) is re-encoded as context: 32 tokens of
+    # "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\n<tool_response>\nx\n"
+    # "</tool_response><|im_end|>\n<|im_start|>assistant\nOk.<|im_end|>\n"
+    held = msgs + [{"role": "assistant", "content": "Ok."}]
+    text = tok.apply_chat_template(held, add_generation_prompt=False, tokenize=False, enable_thinking=False)
+    assert p3.reencoded == len(enc(tok, text)) == 32
+    assert led.trajectory().info["context_reencoded_tokens"] == 32
 
 
 def test_routed_experts_follow_tokens(tok):
@@ -310,3 +322,25 @@ def test_template_refusal_is_a_value_error():
     with pytest.raises(ValueError, match="the chat template cannot render these messages: system only first"):
         led.prepare([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
     assert led.segments() == []
+
+
+def test_length_cut_turn_marks_truncated_and_ledger_info_wins(tok):
+    """Issue 10 item 9: a generation cut by max_tokens (finish ``length``) marks the trajectory
+    truncated even when a later turn ended normally; the ledger's own info keys cannot be
+    overwritten by the caller's (the agent's) info."""
+    eng = ScriptedEngine(tok, [enc(tok, "one two three four five six"), "ok"])  # ids without a stop id
+    led = Ledger(tok)
+    p1, t1 = turn(led, eng, [{"role": "user", "content": "q"}], params=SamplingParams(max_tokens=2))
+    assert t1.finish_reason == "length" and len(t1.token_ids) == 2
+    p2, t2 = turn(led, eng, led.history + [{"role": "user", "content": "more"}])
+    assert p2.mode == "extend" and t2.finish_reason == "stop"
+    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "mine": 7}
+    traj = led.trajectory(reward=1.0, info=lie)
+    assert traj.truncated is True
+    assert traj.info == {"mine": 7, "requests": {"start": 1, "extend": 1, "rewrite": 0, "retry": 0},
+                         "context_reencoded_tokens": 0, "length_cut_turns": 1}
+    clean = Ledger(tok)
+    turn(clean, ScriptedEngine(tok, ["ok"]), [{"role": "user", "content": "q"}])
+    t = clean.trajectory(reward=1.0)
+    assert t.truncated is False and t.info["length_cut_turns"] == 0
+    assert clean.trajectory(truncated=True).truncated is True  # the caller can still say so
