@@ -30,6 +30,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from molt_core.types import Trajectory
 
 __all__ = ["IdDigest", "TokenCheck", "check_tokens", "digest_ids", "screen"]
@@ -55,7 +57,7 @@ class IdDigest:
         Raises:
             OverflowError: an id outside the int64 range.
         """
-        self._h.update(b"".join(int(i).to_bytes(8, "little", signed=True) for i in ids))
+        self._h.update(np.asarray(list(ids), dtype="<i8").tobytes())
         return self
 
     def hexdigest(self) -> str:

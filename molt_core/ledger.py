@@ -228,8 +228,9 @@ class _Open:
 
     def segment(self) -> Segment:
         routed = self.routed if (self.routed_ok and self.routed is not None and len(self.routed) == len(self.token_ids)) else None
+        # spans are copied with their record: a caller mutating a returned segment never edits the ledger's
         return Segment(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
-                       versions=list(self.versions), routed_experts=routed, spans=list(self.spans),
+                       versions=list(self.versions), routed_experts=routed, spans=[sp.model_copy(deep=True) for sp in self.spans],
                        finish_reason=self.finish_reason)
 
 
@@ -459,7 +460,8 @@ class Ledger:
 
         Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids``
         (``loss_mask`` True, with ``output.logprobs`` / ``output.versions`` and a
-        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p). The mask
+        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p and the engine's
+        record: ``output.sampled_digest`` with the ids, checked at trainer ingress). The mask
         comes from the engine's reported tokens only -- nothing scans for an EOS id (B06/B07).
         A ``retry`` plan records nothing and returns the cached turn. A failed request simply
         never calls ``commit``.
