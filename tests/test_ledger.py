@@ -344,3 +344,23 @@ def test_length_cut_turn_marks_truncated_and_ledger_info_wins(tok):
     t = clean.trajectory(reward=1.0)
     assert t.truncated is False and t.info["length_cut_turns"] == 0
     assert clean.trajectory(truncated=True).truncated is True  # the caller can still say so
+
+
+def test_reencoded_counts_the_whole_prompt_when_the_template_refuses_the_prefix(tok):
+    """A template that cannot render the held prefix on its own (e.g. it must end on a user
+    turn): the rewrite's whole prompt counts as re-encoded context."""
+    eng = ScriptedEngine(tok, ["One.", "Two."])
+    led = Ledger(tok)
+    turn(led, eng, [{"role": "user", "content": "a"}])
+    render = led.render
+
+    def strict(messages, tools=None, add_generation_prompt=True):
+        if not add_generation_prompt:
+            raise ValueError("the chat template cannot render these messages: must end on a user turn")
+        return render(messages, tools, add_generation_prompt)
+
+    led.render = strict
+    p2, _ = turn(led, eng, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Uno."},
+                            {"role": "user", "content": "b"}])
+    assert p2.mode == "rewrite" and p2.reencoded == len(p2.prompt_ids) > 0
+    assert led.trajectory().info["context_reencoded_tokens"] == len(p2.prompt_ids)
