@@ -105,7 +105,9 @@ def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
         assert p.mode in ("start", "extend")
         msgs.append({"role": "assistant", "content": turn.content})
     ledger_mod.normalize_messages = normalize
-    assert led.tokens_retokenized == 0 and len(led.segments()) == 1
+    from molt_core.identity import check_tokens
+
+    assert check_tokens(led.trajectory()).retokenized == 0 and len(led.segments()) == 1
     return out
 
 

@@ -122,9 +122,11 @@ def main() -> None:
         r = OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "What is 2 + 3?"}], max_completion_tokens=32, seed=1)
         traj = h.trajectory(info.session_id, reward=0.0)
+    from molt_core.identity import TokenCheck, check_tokens
+
     sampled = [x for s in traj.segments for x, m in zip(s.token_ids, s.loss_mask) if m]
     check("token identity through the server", sampled == r.choices[0].token_ids
-          and traj.info["tokens_retokenized"] == 0, f"{len(sampled)} sampled ids identical")
+          and check_tokens(traj) == TokenCheck(0, 0), f"{len(sampled)} sampled ids identical, each the engine's record")
 
     from molt_core.config import RunConfig
     from molt_core.trainer import Trainer

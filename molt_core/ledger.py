@@ -22,9 +22,13 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
 
 Template/prompt tokens carry ``loss_mask=False``; sampled tokens ``True``, their behaviour
 logprob, policy version and a :class:`~molt_core.types.SampledSpan` with the sampling
-transform. All segments share the session's ``rollout_id``. ``tokens_retokenized`` counts
-generated tokens that had to be re-encoded from text; no normal path does (only
-:meth:`Ledger.commit_text`, for a text-only backend), so it stays 0 and the trainer reports it.
+transform and the engine's record of the ids it sampled (``digest``, ``sampled_ids``), which
+the trainer's ingress checks every action token against (:mod:`molt_core.identity`). All
+segments share the session's ``rollout_id``. Generated text is never re-encoded into action
+tokens. On a *rewrite* the earlier history, held as ids until then, is re-encoded from text as
+context of the new segment (never trained on); those tokens are counted in the ledger-owned
+``info["context_reencoded_tokens"]``. A generation cut by ``max_tokens`` (finish reason
+``length``) marks the trajectory ``truncated``, whatever the agent did next.
 
 The framework-owned Env loop calls ``prepare`` / ``engine.generate`` / ``commit`` directly;
 the loopback server (:mod:`molt_core.server`) does the same per HTTP request.
@@ -42,7 +46,10 @@ from typing import Any, Literal
 from molt_core.engines.base import GenerationOutput
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
-__all__ = ["Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "normalize_messages"]
+__all__ = ["LEDGER_INFO_KEYS", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "normalize_messages"]
+
+#: ``Trajectory.info`` keys the ledger owns: an agent's ``info`` never overwrites them
+LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns")
 
 _PROBE_USER = "molt-ledger-probe-user"
 _PROBE_ASSISTANT = "molt-ledger-probe-assistant"
@@ -192,7 +199,8 @@ class Prepared:
     ``mode``: start / extend / rewrite / retry. ``prompt_ids``: the ids to send to the engine
     (extend: the open segment's exact ids + ``tail_ids``). ``tail_ids``: what is appended to
     the segment before the sampled ids (start/rewrite: the whole prompt). ``cached``: the
-    earlier :class:`AssistantTurn` on retry.
+    earlier :class:`AssistantTurn` on retry. ``reencoded``: on a rewrite, the tokens of the
+    prompt that re-render history the ledger held as ids (see :meth:`Ledger.prepare`), else 0.
     """
 
     mode: Literal["start", "extend", "rewrite", "retry"]
@@ -204,6 +212,7 @@ class Prepared:
     key: tuple[Any, ...]
     epoch: int
     cached: AssistantTurn | None = None
+    reencoded: int = 0
 
 
 @dataclass
@@ -219,8 +228,9 @@ class _Open:
 
     def segment(self) -> Segment:
         routed = self.routed if (self.routed_ok and self.routed is not None and len(self.routed) == len(self.token_ids)) else None
+        # spans are copied with their record: a caller mutating a returned segment never edits the ledger's
         return Segment(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
-                       versions=list(self.versions), routed_experts=routed, spans=list(self.spans),
+                       versions=list(self.versions), routed_experts=routed, spans=[sp.model_copy(deep=True) for sp in self.spans],
                        finish_reason=self.finish_reason)
 
 
@@ -258,8 +268,11 @@ class Ledger:
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.think = think_tags
         self._tool_re = re.compile(re.escape(tool_call_tags[0]) + r"\s*(.*?)\s*" + re.escape(tool_call_tags[1]), re.S)
-        self.tokens_retokenized = 0
         self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
+        #: context tokens re-encoded from text on rewrites (see :meth:`prepare`)
+        self.context_reencoded_tokens = 0
+        #: committed generations that ended with finish reason ``length`` (cut by max_tokens)
+        self.length_cut_turns = 0
         self._lock = threading.RLock()
         self._sealed: list[Segment] = []
         self._open = _Open()
@@ -359,12 +372,6 @@ class Ledger:
         """Tokenize template / new-message text (never generated text)."""
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def _encode_generated(self, text: str) -> list[int]:
-        """The one place generated text is ever re-encoded; counts every id it yields."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
-        self.tokens_retokenized += len(ids)
-        return ids
-
     # ---------------------------------------------------------------- prepare / commit
 
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -375,6 +382,11 @@ class Ledger:
             messages: the request's chat messages (OpenAI form; normalized here).
             tools: OpenAI-form tool schemas (``[{"type": "function", "function": {...}}]``).
             params: sampling settings (part of the retry key only).
+
+        On a rewrite, ``Prepared.reencoded`` is the token count of the chat template's render
+        (without generation prompt) of the request's leading messages that equal the committed
+        history (compared as the extend check does) -- history the ledger held as ids and now
+        re-encodes from text; the whole prompt when the template refuses to render that prefix.
 
         Returns:
             A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
@@ -398,8 +410,23 @@ class Ledger:
                                 tools, text, key, epoch)
             text = self.render(msgs, tools)
             ids = self._encode(text)
-            mode = "rewrite" if self._open.token_ids else "start"
-            return Prepared(mode, ids, list(ids), msgs, tools, text, key, epoch)
+            if not self._open.token_ids:
+                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch)
+            return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch, reencoded=self._reencoded(msgs, tools, len(ids)))
+
+    def _reencoded(self, msgs: list[dict[str, Any]], tools: Any, prompt_len: int) -> int:
+        """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`)."""
+        k = 0
+        for a, b in zip(self._history, msgs):
+            if not _same_message(a, b, self.think):
+                break
+            k += 1
+        if not k:
+            return 0
+        try:
+            return len(self._encode(self.render(msgs[:k], tools, add_generation_prompt=False)))
+        except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
+            return prompt_len
 
     def _try_extend(self, msgs: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]] | None:
         hist = self._history
@@ -433,7 +460,8 @@ class Ledger:
 
         Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids``
         (``loss_mask`` True, with ``output.logprobs`` / ``output.versions`` and a
-        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p). The mask
+        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p and the engine's
+        record: ``output.sampled_digest`` with the ids, checked at trainer ingress). The mask
         comes from the engine's reported tokens only -- nothing scans for an EOS id (B06/B07).
         A ``retry`` plan records nothing and returns the cached turn. A failed request simply
         never calls ``commit``.
@@ -457,8 +485,10 @@ class Ledger:
             start = n0 + len(prepared.tail_ids)
             n = len(output.token_ids)
             lps, vs = [float(x) for x in output.logprobs], [int(v) for v in output.versions]
+            # the engine's record travels with the span; ingress checks the segment against it
             span = SampledSpan(start=start, end=start + n, temperature=params.temperature, top_p=params.top_p,
-                               top_k=params.top_k) if n else None
+                               top_k=params.top_k, digest=output.sampled_digest,
+                               sampled_ids=list(output.token_ids) if output.sampled_digest is not None else None) if n else None
             if sealed is not None:
                 self._sealed.append(sealed)
                 self._open = o
@@ -480,6 +510,8 @@ class Ledger:
             self._last_prompt_text = prepared.prompt_text
             self._last_req, self._last_turn = prepared.key, turn
             self.counts[prepared.mode] += 1
+            self.context_reencoded_tokens += prepared.reencoded
+            self.length_cut_turns += output.finish_reason == "length"
             self._epoch += 1
             return turn
 
@@ -528,32 +560,6 @@ class Ledger:
             o.routed += list(new[n0:])
         else:
             o.routed_ok = False
-
-    def commit_text(self, prepared: Prepared, text: str) -> AssistantTurn:
-        """Record a completion known only as text (a text-only backend, never a molt engine).
-
-        The text must be re-encoded, so every id counts in ``tokens_retokenized``; the ids are
-        stored with ``loss_mask`` False (no behaviour logprob exists, they cannot be trained).
-
-        Raises:
-            LedgerConflict: as :meth:`commit`.
-        """
-        with self._lock:
-            if prepared.epoch != self._epoch:
-                raise LedgerConflict("the session changed between prepare() and commit_text()")
-            ids = self._encode_generated(text)
-            out = GenerationOutput(token_ids=[], logprobs=[], versions=[], finish_reason="stop", prompt_len=len(prepared.prompt_ids))
-            turn = self.commit(prepared, out)
-            o = self._open
-            o.token_ids += ids
-            o.loss_mask += [False] * len(ids)
-            o.logprobs += [None] * len(ids)
-            o.versions += [None] * len(ids)
-            o.routed_ok = False
-            self._last_stop_token = False
-            turn.raw = turn.content = text
-            self._history[-1] = turn.message()
-            return turn
 
     # ---------------------------------------------------------------- parsing
 
@@ -640,9 +646,20 @@ class Ledger:
                    truncated: bool = False) -> Trajectory:
         """The session's :class:`Trajectory`: every segment, one ``rollout_id`` and ``reward``.
 
-        ``info`` gains ``tokens_retokenized`` and the request counts per mode.
+        ``info`` is the caller's (the agent's) merged under the ledger-owned keys
+        (:data:`LEDGER_INFO_KEYS`, which win): ``requests`` (count per mode),
+        ``context_reencoded_tokens`` (see :meth:`prepare`) and ``length_cut_turns``.
+        ``truncated`` is True when the caller says so or when any committed generation of
+        the session ended with finish reason ``length`` (cut by ``max_tokens``).
         """
         with self._lock:
-            inf = {"tokens_retokenized": self.tokens_retokenized, "requests": dict(self.counts), **(info or {})}
+            inf = {**(info or {}), **self.owned_info()}
             return Trajectory(rollout_id=self.rollout_id, group_id=self.group_id, segments=self.segments(), reward=reward,
-                              score=score, info=inf, status=status, error=error, task=task or {}, truncated=truncated)
+                              score=score, info=inf, status=status, error=error, task=task or {},
+                              truncated=bool(truncated or self.length_cut_turns))
+
+    def owned_info(self) -> dict[str, Any]:
+        """The ledger-owned ``info`` entries (:data:`LEDGER_INFO_KEYS`) of the session so far."""
+        with self._lock:
+            return {"requests": dict(self.counts), "context_reencoded_tokens": self.context_reencoded_tokens,
+                    "length_cut_turns": self.length_cut_turns}

@@ -243,7 +243,7 @@ class RolloutWorker:
             if res.sampling_params is not None:
                 params = res.sampling_params.model_copy(update={"stop_token_ids": params.stop_token_ids})
             if res.terminated or res.truncated:
-                truncated = truncated or res.truncated or (out.finish_reason == "length" and not res.terminated)
+                truncated = truncated or res.truncated  # a length-cut turn: the ledger marks it
                 break
             if res.observation is None:
                 break
@@ -266,9 +266,10 @@ class RolloutWorker:
         action = str(hist[-1].get("content", "")) if hist else ""
         if not isinstance(res, Result):
             raise TypeError(f"{type(self.agent).__name__}.run returned {type(res).__name__}; return a molt_core.types.Result")
-        # model_copy does not validate: score_group checks reward / score are finite numbers
-        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task, "truncated": res.truncated,
-                                       "info": {**traj.info, **res.info}})
+        # model_copy does not validate: score_group checks reward / score are finite numbers;
+        # the ledger's truncation (a length-cut turn) and its own info keys stand whatever the agent says
+        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task,
+                                       "truncated": traj.truncated or res.truncated, "info": {**res.info, **traj.info}})
         seen = _EPISODE.get()
         if seen is not None:
             seen["messages"] = messages

@@ -4,10 +4,12 @@ One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM`` (plain PyTor
 framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finished
 :class:`~molt_core.types.Trajectory` objects into one policy update:
 
-1. **Ingress** (:func:`build_batch`): rows are segments (a rollout with a rewritten context
-   has several rows sharing one reward), right-padded; per-token lengths, sampled-token
-   spans and token ids are re-checked (token identity), and each row points at its rollout,
-   each rollout at its group (one reward per rollout).
+1. **Ingress**: every action token is checked against the engine's record of what it
+   sampled (:func:`molt_core.identity.screen`; a rollout with a mismatching token is refused,
+   counted in ``invariants/tokens_retokenized``); then :func:`build_batch`: rows are segments
+   (a rollout with a rewritten context has several rows sharing one reward), right-padded;
+   per-token lengths, sampled-token spans and token ids are re-checked, and each row points at
+   its rollout, each rollout at its group (one reward per rollout).
 2. **Recompute**: the log-probability of every sampled token under the current weights
    (the *proximal* policy), through :func:`molt_core.sampling.processed_logprobs` with the
    temperature / top-k / top-p of the span that sampled it -- the transform the engine used,
@@ -104,7 +106,6 @@ class Batch:
     * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
       ``group_id`` is a group of its own).
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
-    * ``tokens_retokenized`` -- sum of ``info["tokens_retokenized"]`` over the rollouts.
     * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
       per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
     """
@@ -120,7 +121,6 @@ class Batch:
     rewards: torch.Tensor
     group_index: torch.Tensor
     teacher_logprobs: torch.Tensor | None
-    tokens_retokenized: int
     routed_experts: torch.Tensor | None = None
 
     @property
@@ -171,7 +171,6 @@ def build_batch(
     group_of: list[int] = []
     groups: dict[str, int] = {}
     seen: set[str] = set()
-    retok = 0
     for traj in usable:
         rid = traj.rollout_id
         if rid in seen:
@@ -185,7 +184,6 @@ def build_batch(
             raise IngressError(f"rollout {rid}: no segments")
         if traj.num_sampled == 0:
             raise IngressError(f"rollout {rid}: no sampled token in any segment (loss_mask is all False); nothing to train on")
-        retok += int(traj.info.get("tokens_retokenized", 0) or 0)
         r = len(rewards)
         rewards.append(float(traj.reward))
         if traj.group_id:
@@ -325,7 +323,6 @@ def build_batch(
         rewards=torch.tensor(rewards, dtype=torch.float32),
         group_index=torch.tensor(group_of, dtype=torch.long),
         teacher_logprobs=teacher,
-        tokens_retokenized=retok,
         routed_experts=routed,
     )
 
@@ -665,11 +662,17 @@ class Trainer:
     def _routing_metrics(self, batch: Batch, prox: torch.Tensor, noreplay: dict[str, Any]) -> dict[str, float]:
         """R3 metrics of a step (empty for a dense policy or a batch without routing).
 
-        Flip rates count (position, MoE layer) pairs at the positions whose logits score a
-        sampled token (``t - 1`` for a sampled ``t``) that have a recorded selection:
+        Both rates are :func:`molt_core.routing.flip_rate`: the fraction of (position, MoE
+        layer) pairs whose selected top-k *set* differs from the engine's recorded one, at the
+        positions whose logits score a sampled token (``t - 1`` for a sampled ``t``) that have
+        a complete recorded selection. The selections are what the routers returned, captured
+        by forward hooks on the router modules (:class:`molt_core.routing.RoutingRecorder`).
 
-        * ``invariants/routing_flip_rate`` -- the forward the loss used (0 under replay);
-        * ``invariants/routing_flip_rate_noreplay`` -- the natural routing of the same weights;
+        * ``invariants/routing_flip_rate`` -- always the trainer's *natural* router (no
+          replay) against the engine's record: the no-replay pass when a replay backend is
+          active, else the loss forward itself;
+        * ``invariants/routing_replay_mismatch`` (replay only) -- the selection the replayed
+          forward actually used against the record: 0 when the backend replays correctly;
         * ``invariants/logprob_absdiff_mean_noreplay`` / ``_max_noreplay`` -- |behaviour -
           recomputed| without replay (``invariants/logprob_absdiff_*`` are with it);
         * ``invariants/routing_replay`` -- 1 when replay was applied, ``routing/positions``.
@@ -682,11 +685,13 @@ class Trainer:
         mask = batch.mask
         pos = torch.zeros_like(mask)
         pos[:, :-1] = mask[:, 1:]
-        rate, count = flip_rate(self._routing_used, rec, pos)
+        used, count = flip_rate(self._routing_used, rec, pos)
+        natural = flip_rate(noreplay["used"], rec, pos)[0] if noreplay else used
         out = {"invariants/routing_replay": float(self.replay_backend is not None),
-               "invariants/routing_flip_rate": rate, "routing/positions": float(count)}
+               "invariants/routing_flip_rate": natural, "routing/positions": float(count)}
+        if noreplay:
+            out["invariants/routing_replay_mismatch"] = used
         lp_nat = noreplay.get("logprobs", prox)
-        out["invariants/routing_flip_rate_noreplay"] = flip_rate(noreplay["used"], rec, pos)[0] if noreplay else rate
         diff = (batch.behaviour_logprobs - lp_nat).abs()[mask]
         out["invariants/logprob_absdiff_mean_noreplay"] = float(diff.mean()) if diff.numel() else 0.0
         out["invariants/logprob_absdiff_max_noreplay"] = float(diff.max()) if diff.numel() else 0.0
@@ -769,24 +774,28 @@ class Trainer:
         return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
     # -- the RL step ----------------------------------------------------------------------
-    def train_step(self, trajectories: Sequence[Trajectory], tokens_retokenized: int | None = None) -> dict[str, float]:
+    def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. When the gate drops every sequence, no optimizer
-        step is taken, ``version`` and ``step`` stay, and ``train/skipped`` is 1.
+        Failed trajectories are skipped. A rollout whose action tokens differ from the
+        engine's record is refused (:func:`molt_core.identity.screen`). When ingress refuses
+        every ok rollout, or the gate drops every sequence, no optimizer step is taken,
+        ``version`` and ``step`` stay, and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
-            tokens_retokenized: the ledger's count for this batch; default: the sum of
-                ``info["tokens_retokenized"]`` over the trajectories.
 
         Returns:
-            ``dict[str, float]`` with ``invariants/tokens_retokenized``,
-            ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
+            ``dict[str, float]`` with the ingress metrics of :func:`molt_core.identity.screen`
+            (``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
+            ``ingress/refused_rollouts``, ``ledger/context_reencoded_tokens``; only these,
+            ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
+            left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
             sampled tokens, before the update), ``invariants/logprob_absdiff_max_onpolicy``
             (tokens sampled at the current version; omitted if none),
             for an MoE policy with recorded routing the R3 metrics of
-            :meth:`_routing_metrics` (``invariants/routing_flip_rate``, ``_noreplay`` variants),
+            :meth:`_routing_metrics` (``invariants/routing_flip_rate``,
+            ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
             ``invariants/staleness_max`` (over the rows the gate kept; see
             :func:`molt_core.algo.correction.apply_correction`), ``correction/*``, ``loss/*`` (``loss/total``,
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
@@ -808,9 +817,13 @@ class Trainer:
         from molt_core.algo.advantages import compute_advantages
         from molt_core.algo.correction import apply_correction
         from molt_core.algo.kl import kl_estimate
+        from molt_core.identity import screen
 
         cfg = self.cfg
         t_start = time.perf_counter()
+        trajectories, ingress = screen(trajectories)
+        if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
+            return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
         batch = build_batch(trajectories, self.pad_id, self.vocab_size,
                             need_teacher=cfg.algo.advantage == "on_policy_distill")
         mask = batch.mask
@@ -841,7 +854,7 @@ class Trainer:
         num_tokens = int(train_mask.sum())
 
         # 2. advantages (KL to the reference as a per-token reward when configured)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(ingress)
         token_rewards = None
         if ref_lp is not None and cfg.algo.kl_as_reward:
             token_rewards = (-self.kl_coef * kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)) * mask
@@ -876,8 +889,6 @@ class Trainer:
             raise RuntimeError("internal: the fused recompute changed the gate's loss mask; report this bug")
         metrics.update({k: float(v) for k, v in corr.metrics.items()})  # incl. invariants/staleness_max
         diff = (beh - prox).abs()[mask]
-        metrics["invariants/tokens_retokenized"] = float(
-            batch.tokens_retokenized if tokens_retokenized is None else tokens_retokenized)
         metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if n_sampled else 0.0
         metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if n_sampled else 0.0
         onpol = mask & (batch.versions == self.version)

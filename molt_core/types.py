@@ -118,6 +118,15 @@ class SampledSpan(_Strict):
 
     The trainer recomputes logprobs of tokens in the span with exactly this temperature /
     top-k / top-p (forward consistency, and B09: renormalised top-k logprobs on both sides).
+
+    The engine's record of what it sampled (token identity, :mod:`molt_core.identity`):
+    ``digest`` -- the engine's BLAKE2b-128 hex digest of the ids it sampled in this span
+    (``GenerationOutput.sampled_digest``); ``sampled_ids`` -- those ids as the engine returned
+    them (``end - start`` ints), used to count which tokens differ. Both None on data written
+    before the record existed (loads; ingress counts its tokens as unverified).
+
+    Raises:
+        pydantic.ValidationError: ``end < start``, or ``sampled_ids`` not of length ``end - start``.
     """
 
     start: int = Field(ge=0)
@@ -125,11 +134,18 @@ class SampledSpan(_Strict):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
+    sampled_ids: list[int] | None = None
+    digest: str | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> SampledSpan:
         if self.end < self.start:
             raise ValueError(f"sampled span end {self.end} < start {self.start}")
+        if self.sampled_ids is not None and len(self.sampled_ids) != self.end - self.start:
+            raise ValueError(
+                f"sampled_ids has {len(self.sampled_ids)} ids but the span [{self.start}, {self.end}) holds "
+                f"{self.end - self.start} tokens; the engine's record has one id per sampled token"
+            )
         return self
 
 

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from molt_core.engines.base import GenerationOutput
+from molt_core.identity import digest_ids
 from molt_core.types import SamplingParams
 
 
@@ -16,7 +17,8 @@ class ScriptedEngine:
     A reply is a list of ids (returned as is, finish ``stop`` if the last id is a stop id)
     or a str (the *model's* text, encoded once here as if sampled, then the stop id appended).
     Logprob of the j-th sampled token of call c: ``-(c + 1) / 10 - j / 1000``; version
-    ``self.version``. ``prompts`` records every prompt.
+    ``self.version``. ``prompts`` records every prompt. Like a real engine it attaches the
+    digest of the ids it returns (``sampled_digest``, token identity).
     """
 
     def __init__(self, tokenizer: Any, replies: list[Any] | None = None, stop_id: int | None = None) -> None:
@@ -52,7 +54,7 @@ class ScriptedEngine:
         c = self.calls
         return GenerationOutput(token_ids=ids, logprobs=[-(c + 1) / 10 - j / 1000 for j in range(len(ids))],
                                 versions=[self.version] * len(ids), finish_reason=finish, stop_reason=reason,
-                                prompt_len=prompt_len)
+                                prompt_len=prompt_len, sampled_digest=digest_ids(ids))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         await asyncio.sleep(0)

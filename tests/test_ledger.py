@@ -1,5 +1,6 @@
 """Token identity at the ledger: cases B01-B04, B06/B07 of issue 3, tool round trips,
-compaction, retries, failed requests and the tokens_retokenized counter."""
+compaction, retries, failed requests; the engine's record of sampled ids carried into each
+span (checked at trainer ingress), context re-encoded on a rewrite, length-cut turns."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from fake_engine import ScriptedEngine
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.engines.base import GenerationOutput
+from molt_core.identity import TokenCheck, check_tokens, digest_ids
 from molt_core.ledger import Ledger, LedgerConflict
 from molt_core.models import load_tokenizer
 from molt_core.types import SamplingParams
@@ -61,7 +63,8 @@ def test_b02_sampled_ids_are_never_reencoded():
     led = Ledger(tok)
     msgs = [{"role": "user", "content": "x"}]
     p1 = led.prepare(msgs)
-    out = GenerationOutput(token_ids=[1, 2], logprobs=[-0.5, -0.25], versions=[7, 7], finish_reason="length")
+    out = GenerationOutput(token_ids=[1, 2], logprobs=[-0.5, -0.25], versions=[7, 7], finish_reason="length",
+                           sampled_digest=digest_ids([1, 2]))
     t1 = led.commit(p1, out, SamplingParams(max_tokens=2))
     (seg,) = led.segments()
     n = len(p1.prompt_ids)
@@ -75,7 +78,9 @@ def test_b02_sampled_ids_are_never_reencoded():
     # the generation stopped by length: the template's whole close "<|im_end|>\n" follows
     assert p2.tail_ids == tok.encode("<|im_end|>\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n",
                                      add_special_tokens=False)
-    assert led.tokens_retokenized == 0
+    # the engine's record came with the span; the trainer's check finds the sampled [1, 2]
+    assert seg.spans[0].sampled_ids == [1, 2] and seg.spans[0].digest == digest_ids([1, 2])
+    assert check_tokens(led.trajectory()) == TokenCheck(0, 0)
 
 
 def test_b01_separator_once_and_stitched_equals_render(tok):
@@ -199,7 +204,8 @@ def test_tool_round_trip_several_results_one_turn(tok):
     assert seg.loss_mask == [False] * len(p1.prompt_ids) + [True] * len(s1) + [False] * len(p2.tail_ids) + [True] * len(s2)
     assert [(sp.start, sp.end) for sp in seg.spans] == [(len(p1.prompt_ids), len(p1.prompt_ids) + len(s1)),
                                                         (len(p2.prompt_ids), len(seg))]
-    assert led.tokens_retokenized == 0
+    assert [sp.sampled_ids for sp in seg.spans] == [s1, s2]
+    assert check_tokens(led.trajectory()) == TokenCheck(0, 0)  # every action token is the engine's
 
 
 def test_edited_history_and_compaction_rewrite(tok):
@@ -210,10 +216,15 @@ def test_edited_history_and_compaction_rewrite(tok):
     edited = msgs + [{"role": "assistant", "content": "Uno."}, {"role": "user", "content": "b"}]
     p2, _ = turn(led, eng, edited)
     assert p2.mode == "rewrite"
+    # the held user turn "a" is re-encoded as context of the new segment: <|im_start|> user \n a
+    # <|im_end|> \n = 6 tokens (the edited assistant turn is new text, not held history)
+    assert p2.reencoded == 6 == len(enc(tok, "<|im_start|>user\na<|im_end|>\n"))
     compact = [{"role": "system", "content": "summary: a, b"}, {"role": "user", "content": "c"}]
     p3, _ = turn(led, eng, compact)
     assert p3.mode == "rewrite" and len(led.segments()) == 3
+    assert p3.reencoded == 0  # compaction: no earlier message is re-rendered
     traj = led.trajectory(reward=0.5)
+    assert traj.info["context_reencoded_tokens"] == 6 and traj.info["requests"]["rewrite"] == 2
     assert {s.num_sampled for s in traj.segments} == {len(enc(tok, "Two.")) + 1, len(enc(tok, "One.")) + 1}
     assert traj.segments[2].token_ids[: len(p3.prompt_ids)] == enc(tok, tok.apply_chat_template(compact, add_generation_prompt=True, tokenize=False))
 
@@ -267,20 +278,13 @@ def test_enable_thinking_false_body_prefix(tok):
     assert p2.mode == "extend"
     p3, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "Ok."}, {"role": "user", "content": "b"}])
     assert p3.mode == "rewrite"  # the template drops the (empty) think blocks of earlier turns
-
-
-def test_tokens_retokenized_counts_when_forced(tok):
-    led = Ledger(tok)
-    msgs = [{"role": "user", "content": "a"}]
-    turn(led, ScriptedEngine(tok, ["x"]), msgs)
-    assert led.tokens_retokenized == 0
-    p = led.prepare(msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "b"}])
-    led.commit_text(p, "text from a text-only backend")
-    n = len(enc(tok, "text from a text-only backend"))
-    assert led.tokens_retokenized == n
-    seg = led.segments()[0]
-    assert seg.loss_mask[-n:] == [False] * n  # no behaviour logprob: never trained
-    assert led.trajectory().info["tokens_retokenized"] == n
+    # the whole held history (4 messages) is re-encoded as context: 32 tokens of
+    # "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>user\n<tool_response>\nx\n"
+    # "</tool_response><|im_end|>\n<|im_start|>assistant\nOk.<|im_end|>\n"
+    held = msgs + [{"role": "assistant", "content": "Ok."}]
+    text = tok.apply_chat_template(held, add_generation_prompt=False, tokenize=False, enable_thinking=False)
+    assert p3.reencoded == len(enc(tok, text)) == 32
+    assert led.trajectory().info["context_reencoded_tokens"] == 32
 
 
 def test_routed_experts_follow_tokens(tok):
@@ -318,3 +322,45 @@ def test_template_refusal_is_a_value_error():
     with pytest.raises(ValueError, match="the chat template cannot render these messages: system only first"):
         led.prepare([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
     assert led.segments() == []
+
+
+def test_length_cut_turn_marks_truncated_and_ledger_info_wins(tok):
+    """Issue 10 item 9: a generation cut by max_tokens (finish ``length``) marks the trajectory
+    truncated even when a later turn ended normally; the ledger's own info keys cannot be
+    overwritten by the caller's (the agent's) info."""
+    eng = ScriptedEngine(tok, [enc(tok, "one two three four five six"), "ok"])  # ids without a stop id
+    led = Ledger(tok)
+    p1, t1 = turn(led, eng, [{"role": "user", "content": "q"}], params=SamplingParams(max_tokens=2))
+    assert t1.finish_reason == "length" and len(t1.token_ids) == 2
+    p2, t2 = turn(led, eng, led.history + [{"role": "user", "content": "more"}])
+    assert p2.mode == "extend" and t2.finish_reason == "stop"
+    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "mine": 7}
+    traj = led.trajectory(reward=1.0, info=lie)
+    assert traj.truncated is True
+    assert traj.info == {"mine": 7, "requests": {"start": 1, "extend": 1, "rewrite": 0, "retry": 0},
+                         "context_reencoded_tokens": 0, "length_cut_turns": 1}
+    clean = Ledger(tok)
+    turn(clean, ScriptedEngine(tok, ["ok"]), [{"role": "user", "content": "q"}])
+    t = clean.trajectory(reward=1.0)
+    assert t.truncated is False and t.info["length_cut_turns"] == 0
+    assert clean.trajectory(truncated=True).truncated is True  # the caller can still say so
+
+
+def test_reencoded_counts_the_whole_prompt_when_the_template_refuses_the_prefix(tok):
+    """A template that cannot render the held prefix on its own (e.g. it must end on a user
+    turn): the rewrite's whole prompt counts as re-encoded context."""
+    eng = ScriptedEngine(tok, ["One.", "Two."])
+    led = Ledger(tok)
+    turn(led, eng, [{"role": "user", "content": "a"}])
+    render = led.render
+
+    def strict(messages, tools=None, add_generation_prompt=True):
+        if not add_generation_prompt:
+            raise ValueError("the chat template cannot render these messages: must end on a user turn")
+        return render(messages, tools, add_generation_prompt)
+
+    led.render = strict
+    p2, _ = turn(led, eng, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Uno."},
+                            {"role": "user", "content": "b"}])
+    assert p2.mode == "rewrite" and p2.reencoded == len(p2.prompt_ids) > 0
+    assert led.trajectory().info["context_reencoded_tokens"] == len(p2.prompt_ids)

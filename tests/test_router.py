@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fake_engine import EchoEngine
+from molt_core.identity import TokenCheck, check_tokens
 from molt_core.engines.transformers_engine import TransformersEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.server import start_server
@@ -169,7 +170,7 @@ def test_token_exact_through_router_equals_direct(tok, stack):
         assert [s.token_ids for s in tr.segments] == [s.token_ids for s in td.segments]
         assert [s.loss_mask for s in tr.segments] == [s.loss_mask for s in td.segments]
         assert [s.logprobs for s in tr.segments] == [s.logprobs for s in td.segments]
-        assert tr.info["tokens_retokenized"] == 0
+        assert check_tokens(tr) == TokenCheck(0, 0)  # every action token is what the engine sampled
     finally:
         for e in engines:
             e.close()

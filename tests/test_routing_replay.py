@@ -281,17 +281,20 @@ def bf16_rollouts():
 
 def test_bf16_engine_fp32_trainer_replay_removes_flips(bf16_rollouts):
     """Issue 7: without replay the fp32 trainer's routers pick other experts than the bf16
-    engine's on some tokens; with replay the loss forward's flip rate is 0 and the rollout vs
-    trainer logprob |delta| shrinks. Measured here (seeded): flip rate 0.004016 (4 of 996
-    (position, layer) pairs), mean |delta| 0.001793 -> 0.001632, max 0.011912 -> 0.006845."""
+    engine's on some tokens; with replay the loss forward uses exactly the recorded experts
+    (routing_replay_mismatch 0) and the rollout vs trainer logprob |delta| shrinks. Measured
+    here (seeded): flip rate 0.004016 (4 of 996 (position, layer) pairs), mean |delta|
+    0.001793 -> 0.001632, max 0.011912 -> 0.006845."""
     off = _trainer(False).train_step(bf16_rollouts)
     on = _trainer(True).train_step(bf16_rollouts)
     assert off["invariants/routing_replay"] == 0.0 and on["invariants/routing_replay"] == 1.0
     assert off["routing/positions"] == on["routing/positions"] > 0
+    # 4 (or 3: bf16 rounding depends on the process's thread state) of 996 pairs flip
     assert off["invariants/routing_flip_rate"] > 0
-    assert on["invariants/routing_flip_rate"] == 0.0
-    # the no-replay diagnostic of the replayed run is the plain run (same initial weights)
-    assert on["invariants/routing_flip_rate_noreplay"] == off["invariants/routing_flip_rate"]
+    assert "invariants/routing_replay_mismatch" not in off
+    assert on["invariants/routing_replay_mismatch"] == 0.0
+    # the flip rate is always the trainer's natural router vs the record: replay does not hide it
+    assert on["invariants/routing_flip_rate"] == off["invariants/routing_flip_rate"]
     assert on["invariants/logprob_absdiff_mean_noreplay"] == pytest.approx(off["invariants/logprob_absdiff_mean"], abs=1e-7)
     assert off["invariants/logprob_absdiff_mean_noreplay"] == off["invariants/logprob_absdiff_mean"]
     assert on["invariants/logprob_absdiff_mean"] < off["invariants/logprob_absdiff_mean"]
@@ -304,7 +307,7 @@ def test_replay_separate_recompute_and_update(bf16_rollouts):
     tr = _trainer(True, trainer={"ppo_epochs": 2})
     gate0 = tr.model.model.layers[0].mlp.gate.weight.detach().clone()
     m = tr.train_step(bf16_rollouts)
-    assert m["invariants/routing_flip_rate"] == 0.0 and m["invariants/routing_flip_rate_noreplay"] > 0
+    assert m["invariants/routing_replay_mismatch"] == 0.0 and m["invariants/routing_flip_rate"] > 0
     assert not torch.equal(tr.model.model.layers[0].mlp.gate.weight, gate0)
 
 
@@ -318,8 +321,34 @@ def test_fp32_engine_trainer_agree_under_replay():
     finally:
         eng.close()
     m = _trainer(True).train_step(trajs)
-    assert m["invariants/routing_flip_rate"] == 0.0 and m["invariants/routing_flip_rate_noreplay"] == 0.0
+    assert m["invariants/routing_replay_mismatch"] == 0.0 and m["invariants/routing_flip_rate"] == 0.0
     assert m["invariants/logprob_absdiff_max"] <= 1e-5
+
+
+class WrongExpertsReplay(Qwen3MoeReplay):
+    """A faulty backend: replays every recorded row shifted by one expert (mod E)."""
+
+    def route(self, router, hidden_states, recorded):
+        valid = (recorded >= 0).all(-1, keepdim=True)
+        shifted = torch.where(valid, (recorded + 1) % router.num_experts, recorded)
+        return super().route(router, hidden_states, shifted)
+
+
+def test_replay_to_wrong_experts_is_flagged(bf16_rollouts):
+    """Fault injection (issue 10 item 3): a replay backend that routes to the wrong experts
+    reads routing_replay_mismatch 1.0 (every recorded (position, layer) pair: a top-2 set
+    shifted by one expert mod 4 is never the same set); the correct backend reads 0.
+    The flip rate stays the natural router's against the record (> 0), equal in both runs."""
+    from molt_core.config import RunConfig
+    from molt_core.trainer import Trainer
+
+    cfg = RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": True}})
+    good = Trainer(cfg, replay_backend=Qwen3MoeReplay()).train_step(bf16_rollouts)
+    bad = Trainer(cfg, replay_backend=WrongExpertsReplay()).train_step(bf16_rollouts)
+    assert good["invariants/routing_replay_mismatch"] == 0.0
+    assert bad["invariants/routing_replay_mismatch"] == 1.0
+    assert good["invariants/routing_flip_rate"] == bad["invariants/routing_flip_rate"] > 0
+    assert bad["invariants/logprob_absdiff_max"] > good["invariants/logprob_absdiff_max"]
 
 
 def test_flip_rate_counts_scoring_positions():

@@ -89,8 +89,10 @@ def test_agent_error_fails_only_that_trajectory(tmp_path):
     assert [t.status for t in ok.trajectories] == ["ok", "ok"] and [t.reward for t in ok.trajectories] == [1.0, 1.0]
     assert [t.status for t in bad.trajectories] == ["failed", "failed"]
     assert bad.trajectories[0].error == "RuntimeError: env exploded on task 1"
-    # token identity held on the successful ones
-    assert all(t.info["tokens_retokenized"] == 0 for t in ok.trajectories)
+    # token identity held on the successful ones: every action token is what the engine sampled
+    from molt_core.identity import TokenCheck, check_tokens
+
+    assert all(check_tokens(t) == TokenCheck(0, 0) for t in ok.trajectories)
     assert all(t.segments[0].num_sampled >= 1 for t in ok.trajectories)
 
 
@@ -195,3 +197,76 @@ def test_a_run_that_trains_nothing_says_so(tmp_path):
                                     "rewards.boom={}"])
     with pytest.raises(RunFailed, match="no step of .* trained"):
         main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True)
+
+
+# ------------------------------------------------------------------ truncation (issue 10 item 9)
+TURNS_ENV = '''
+from molt_core.agents import Env
+from molt_core.types import Result
+
+class Turns(Env):
+    """Asks for ``task["turns"]`` actions, then terminates; claims no cut turn in its info."""
+    def tasks(self, split, seed):
+        while True:
+            yield {"turns": 1}
+    def reset(self, task):
+        return "Say something."
+    def step(self, action_text, state):
+        info = {"length_cut_turns": 0, "requests": {}, "mine": state.turn}
+        if state.turn + 1 < state.task["turns"]:
+            return Result(observation="go on", info=info)
+        return Result(reward=1.0, terminated=True, info=info)
+'''
+
+LIAR_CHAT = '''
+import openai
+from molt_core.agents import ChatAgent
+from molt_core.types import Result
+
+class Liar(ChatAgent):
+    """One request cut at max_tokens, then says it was not truncated and no turn was cut."""
+    async def run(self, ctx):
+        c = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0)
+        r = await c.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return Result(reward=1.0, truncated=False, info={"finish": r.choices[0].finish_reason, "length_cut_turns": 0})
+'''
+
+
+def _scripted(w, replies):
+    from fake_engine import ScriptedEngine
+
+    w.engine = ScriptedEngine(w.tokenizer, replies)
+    return w.engine
+
+
+def _long(w):
+    """Ids with no stop id: the scripted engine cuts them at max_tokens (finish ``length``)."""
+    return w.tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("turns,cut,truncated", [
+    (1, [True], True),           # the Env terminates right after a length-cut turn
+    (2, [True, False], True),    # only the earlier turn was cut
+    (2, [False, True], True),    # only the last turn was cut
+    (2, [False, False], False),  # the clean case
+])
+def test_env_episode_truncated_iff_a_turn_was_cut(tmp_path, turns, cut, truncated):
+    w = worker_for(tmp_path, TURNS_ENV, rollout={"max_turns": 3})
+    eng = _scripted(w, [_long(w) if c else "ok" for c in cut])
+    (g,) = asyncio.run(w.rollout([{"turns": turns}], 1))
+    (t,) = g.trajectories
+    assert t.status == "ok" and eng.calls == turns
+    assert t.truncated is truncated
+    assert t.info["length_cut_turns"] == sum(cut) and t.info["mine"] == turns - 1  # the ledger's key wins
+    assert t.info["requests"] == {"start": 1, "extend": turns - 1, "rewrite": 0, "retry": 0}
+    _, m = assemble_batch([g], dynamic_filter=False)
+    assert m["rollout/truncated"] == float(truncated)
+
+
+def test_chat_episode_length_cut_is_truncated_whatever_the_agent_says(tmp_path):
+    w = worker_for(tmp_path, LIAR_CHAT)
+    _scripted(w, [_long(w)])
+    (g,) = asyncio.run(w.rollout([{"q": 1}], 1))
+    (t,) = g.trajectories
+    assert t.status == "ok" and t.info["finish"] == "length"
+    assert t.truncated is True and t.info["length_cut_turns"] == 1

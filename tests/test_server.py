@@ -15,6 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from fake_engine import EchoEngine, FailingEngine, ScriptedEngine
+from molt_core.identity import TokenCheck, check_tokens
 from molt_core.models import load_tokenizer
 from molt_core.server import create_app, start_server
 
@@ -95,7 +96,7 @@ def test_openai_sdk_multiturn_tools_compaction(tok, served):
     traj = h.trajectory(info.session_id, reward=1.0)
     assert [s.token_ids for s in traj.segments] == [seg, seg2]
     assert traj.rollout_id == info.rollout_id and traj.group_id == "g1" and traj.reward == 1.0
-    assert traj.info["tokens_retokenized"] == 0
+    assert check_tokens(traj) == TokenCheck(0, 0)  # every action token is what the engine sampled
     assert traj.info["requests"] == {"start": 1, "extend": 2, "rewrite": 1, "retry": 0}
     sampled = [t for s in traj.segments for t, m in zip(s.token_ids, s.loss_mask) if m]
     assert sampled == ids1 + r2.choices[0].token_ids + r3.choices[0].token_ids + r4.choices[0].token_ids
@@ -313,7 +314,7 @@ def _load(tok, h, n_sessions, n_turns):
         assert sampled == [t for r in replies for t in r]
         for sp in seg.spans:  # each reply names its own prompt: length and checksum
             assert tok.decode(seg.token_ids[sp.start:sp.end]) == f"len {sp.start} sum {sum(seg.token_ids[:sp.start]) % 9973}<|im_end|>"
-        assert traj.info["tokens_retokenized"] == 0
+        assert check_tokens(traj) == TokenCheck(0, 0)  # every action token is what the engine sampled
     # the server still answers
     info = h.create_session()
     r = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0).chat.completions.create(
@@ -390,3 +391,27 @@ def test_broken_engine_output_is_a_500_in_wire_shape_and_records_nothing(tok):
         assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
         assert app.state.sessions.trajectory(info["session_id"]).segments == []
         assert tc.get(f"/s/{info['session_id']}/v1/models", headers=h).status_code == 200
+
+
+def test_session_trajectory_truncated_when_any_turn_was_cut(client):
+    """Issue 10 item 9, server path: ``GET /sessions/{sid}/trajectory`` reports truncated once
+    any generation of the session ended with finish reason ``length``, even when the last one
+    stopped normally; a session whose turns all stopped is not truncated."""
+    tc, info, app, eng = client
+    tok = app.state.sessions.tokenizer
+    adm = {"Authorization": "Bearer adm"}
+    new = tc.post("/sessions", headers=adm).json()
+    for sess, first in ((info, enc(tok, " one two three four five")), (new, "Fine.")):
+        eng.replies[:2] = [first, "Done."]
+        head = {"Authorization": f"Bearer {sess['api_key']}"}
+        url = f"/s/{sess['session_id']}/v1/chat/completions"
+        msgs = [{"role": "user", "content": "hi"}]
+        r1 = tc.post(url, json={"model": "m", "messages": msgs, "max_tokens": 2}, headers=head).json()
+        msgs += [r1["choices"][0]["message"], {"role": "user", "content": "and?"}]
+        r2 = tc.post(url, json={"model": "m", "messages": msgs}, headers=head).json()
+        sess["finish"] = [r1["choices"][0]["finish_reason"], r2["choices"][0]["finish_reason"]]
+        sess["traj"] = tc.get(f"/sessions/{sess['session_id']}/trajectory", headers=adm).json()
+    assert info["finish"] == ["length", "stop"] and new["finish"] == ["stop", "stop"]
+    assert info["traj"]["truncated"] is True and info["traj"]["info"]["length_cut_turns"] == 1
+    assert new["traj"]["truncated"] is False and new["traj"]["info"]["length_cut_turns"] == 0
+    assert info["traj"]["info"]["requests"]["extend"] == 1  # the cut turn was extended, not rewritten

@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from molt_core.identity import TokenCheck, check_tokens
 from molt_core.engines.transformers_engine import TransformersEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.server import start_server
@@ -106,7 +107,7 @@ def test_tiny_qwen3_both_wires_token_exact(tiny):
     assert [s.token_ids for s in traj.segments] == segments
     sampled = [t for s in traj.segments for t, m in zip(s.token_ids, s.loss_mask) if m]
     assert sampled == [t for ids in wire_ids for t in ids]
-    assert traj.info["tokens_retokenized"] == 0
+    assert check_tokens(traj) == TokenCheck(0, 0)  # every action token is what the engine sampled
 
 
 def test_bigvocab_random_samples_token_exact():

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from molt_core.models import load_model, load_tokenizer
 from molt_core.trainer import IngressError, Trainer, build_batch, lr_factor, token_logprobs
 from molt_core.types import SampledSpan, Segment, Trajectory
-from trainer_utils import clone_params, resample_completions, set_behaviour, synthetic_rollouts, tiny_cfg
+from trainer_utils import (clone_params, record_engine_ids, resample_completions, set_behaviour, synthetic_rollouts,
+                           tiny_cfg)
 
 
 @pytest.fixture(scope="module")
@@ -282,12 +283,62 @@ def test_failed_trajectories_are_skipped_and_counts(base):
     trajs = synthetic_rollouts(8, n_groups=1, n_per_group=4)
     set_behaviour(tr, trajs)
     trajs[1] = trajs[1].fail("agent raised")
-    trajs[0].info["tokens_retokenized"] = 0
     m = tr.train_step(trajs)
     assert m["train/rollouts"] == 3.0
     assert m["train/action_tokens"] == sum(t.num_sampled for t in trajs if t.status == "ok")
-    assert m["invariants/tokens_retokenized"] == 0.0
-    assert tr.train_step(trajs, tokens_retokenized=3)["invariants/tokens_retokenized"] == 3.0
+    # synthetic spans carry no engine record: their action tokens are trained, counted as unverified
+    assert m["invariants/tokens_retokenized"] == 0.0 and m["ingress/refused_rollouts"] == 0.0
+    assert m["invariants/tokens_unverified"] == m["train/action_tokens"]
+
+
+# -- token identity at ingress (issue 10 item 1) ------------------------------------------
+
+def test_altered_sampled_id_is_counted_and_not_trained_on(base):
+    """Fault injection: one sampled id altered after the segment was built (the engine's
+    record says otherwise) -> counted in invariants/tokens_retokenized, that rollout is
+    refused; the step trains on the other three exactly as if it had never been there."""
+    trajs = synthetic_rollouts(8, n_groups=1, n_per_group=4)
+    set_behaviour(make(base), trajs)
+    record_engine_ids(trajs)
+    clean = make(base).train_step(copy.deepcopy(trajs))
+    assert clean["invariants/tokens_retokenized"] == 0.0 and clean["invariants/tokens_unverified"] == 0.0
+    assert clean["ingress/refused_rollouts"] == 0.0 and clean["train/rollouts"] == 4.0
+
+    bad = copy.deepcopy(trajs)
+    seg = bad[2].segments[0]
+    k = seg.spans[0].start + 1
+    seg.token_ids[k] = seg.token_ids[k] % 499 + 1  # another id in [1, 500)
+    tr = make(base)
+    m = tr.train_step(bad)
+    assert m["invariants/tokens_retokenized"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
+    assert m["train/rollouts"] == 3.0 and m["train/skipped"] == 0.0
+    assert m["train/action_tokens"] == float(sum(t.num_sampled for i, t in enumerate(trajs) if i != 2))
+    ref = make(base)
+    ref.train_step([t for i, t in enumerate(copy.deepcopy(trajs)) if i != 2])
+    for (name, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(p, q), name  # the refused rollout contributed nothing
+
+    # three ids of one span altered: three tokens count
+    bad3 = copy.deepcopy(trajs[:1])
+    s0 = bad3[0].segments[0]
+    for i in range(s0.spans[0].start, s0.spans[0].start + 3):
+        s0.token_ids[i] = s0.token_ids[i] % 499 + 1
+    assert s0.spans[0].end - s0.spans[0].start >= 3
+    # nothing left to train on: the step is skipped with the count, the trainer does not move
+    tr = make(base)
+    m = tr.train_step(bad3)
+    assert m == {"invariants/tokens_retokenized": 3.0, "invariants/tokens_unverified": 0.0,
+                 "ingress/refused_rollouts": 1.0, "ledger/context_reencoded_tokens": 0.0,
+                 "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": 0.0}
+    assert tr.version == 0 and tr.step == 0
+
+
+def test_context_reencoded_tokens_summed_from_ledger_info(base):
+    trajs = synthetic_rollouts(3, n_groups=1, n_per_group=2)
+    set_behaviour(make(base), trajs)
+    trajs[0].info["context_reencoded_tokens"] = 7
+    trajs[1].info["context_reencoded_tokens"] = 5
+    assert make(base).train_step(trajs)["ledger/context_reencoded_tokens"] == 12.0
 
 
 def test_multi_segment_rollout_counts_one_reward():

@@ -24,6 +24,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+from molt_core.identity import TokenCheck, check_tokens  # noqa: E402
 from molt_core.models import load_model, load_tokenizer  # noqa: E402
 from molt_core.sampling import processed_logprobs  # noqa: E402
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory  # noqa: E402
@@ -322,6 +323,6 @@ def test_token_identity_through_server(engine, hf):
     sampled = [(t, lp, v) for s in traj.segments for t, m, lp, v in zip(s.token_ids, s.loss_mask, s.logprobs, s.versions)
                if m]
     assert sampled == [x for o in rec.outputs for x in zip(o.token_ids, o.logprobs, o.versions)]
-    assert traj.info["tokens_retokenized"] == 0
+    assert check_tokens(traj) == TokenCheck(0, 0)  # every action token is what the engine sampled
     seg0 = traj.segments[0].token_ids
     assert seg0[:len(rec.prompts[0])] == rec.prompts[0]  # the engine saw exactly the ledger's ids

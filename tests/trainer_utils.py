@@ -48,6 +48,18 @@ def synthetic_rollouts(seed: int, n_groups: int = 3, n_per_group: int = 4, vocab
     return out
 
 
+def record_engine_ids(trajectories: list[Trajectory]) -> None:
+    """Attach to every span the engine's record of its ids (``sampled_ids`` and their
+    ``digest``), as if an engine had sampled exactly the current ``token_ids`` there."""
+    from molt_core.identity import digest_ids
+
+    for t in trajectories:
+        for seg in t.segments:
+            for sp in seg.spans:
+                sp.sampled_ids = list(seg.token_ids[sp.start:sp.end])
+                sp.digest = digest_ids(sp.sampled_ids)
+
+
 def set_behaviour(trainer, trajectories: list[Trajectory], version: int | None = None) -> None:
     """Overwrite behaviour logprobs (and versions) with the trainer's own recompute."""
     from molt_core.trainer import build_batch

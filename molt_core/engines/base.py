@@ -31,6 +31,10 @@ class GenerationOutput(BaseModel):
       * ``routed_experts``: ``[P + N, num_moe_layers, top_k]`` for MoE engines (prompt
         positions included), else None.
       * ``prompt_len``: ``P``, the number of prompt ids the engine saw.
+      * ``sampled_digest``: the engine's record of what it sampled -- the BLAKE2b-128 hex
+        digest of ``token_ids`` computed where its sampler emitted them
+        (:class:`molt_core.identity.IdDigest`); checked per action token at trainer ingress.
+        None from an engine that keeps no record (its tokens then count as unverified).
 
     Raises:
         pydantic.ValidationError: if per-token lengths differ.
@@ -45,6 +49,7 @@ class GenerationOutput(BaseModel):
     stop_reason: int | str | None = None
     routed_experts: list[list[list[int]]] | None = None
     prompt_len: int = Field(0, ge=0)
+    sampled_digest: str | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> GenerationOutput:

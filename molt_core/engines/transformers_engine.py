@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.identity import IdDigest
 from molt_core.sampling import processed_logprobs
 from molt_core.types import SamplingParams
 
@@ -71,6 +72,7 @@ class _Request:
     stop_reason: int | str | None = None
     next_pos: int = 0  # real tokens already in this row's KV cache
     routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, L, K] chunks, by position
+    digest: IdDigest = field(default_factory=IdDigest)  # the record of sampled ids (token identity)
 
 
 class TransformersEngine(WorkerThreadEngine):
@@ -423,6 +425,7 @@ class TransformersEngine(WorkerThreadEngine):
                 else:
                     tok = int(torch.multinomial(lp[j].exp(), 1, generator=r.generator))
                 r.tokens.append(tok)
+                r.digest.update((tok,))
                 r.logprobs.append(float(lp[j, tok]))
                 r.versions.append(version)
                 self._check_stop(r, tok)
@@ -448,6 +451,7 @@ class TransformersEngine(WorkerThreadEngine):
                 self._deliver(r, GenerationOutput(
                     token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
                     stop_reason=r.stop_reason, prompt_len=len(r.prompt_ids), routed_experts=self._routed_rows(r),
+                    sampled_digest=r.digest.hexdigest(),
                 ))
 
     def _routed_rows(self, r: _Request) -> list[list[list[int]]] | None:

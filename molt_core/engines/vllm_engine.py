@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.identity import IdDigest
 from molt_core.types import SamplingParams
 
 __all__ = ["VLLMEngine", "VLLM_MISSING"]
@@ -104,6 +105,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    digest: IdDigest = field(default_factory=IdDigest)  # the record of sampled ids (token identity)
 
 
 class VLLMEngine(WorkerThreadEngine):
@@ -467,6 +469,7 @@ class VLLMEngine(WorkerThreadEngine):
             r.logprobs.append(float(lps[i][tok].logprob))
             r.versions.append(version)
         r.tokens.extend(int(t) for t in new)
+        r.digest.update(new)  # where vLLM's sampler hands its ids over
         if not out.finished:
             return
         with self._cv:
@@ -481,6 +484,7 @@ class VLLMEngine(WorkerThreadEngine):
         self._deliver(r, GenerationOutput(
             token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=reason,
             stop_reason=stop, routed_experts=routed, prompt_len=len(r.prompt_ids),
+            sampled_digest=r.digest.hexdigest(),
         ))
 
 

@@ -7,7 +7,9 @@ Routes (``{sid}`` is a session id from ``POST /sessions``):
 * ``POST /s/{sid}/v1/messages`` -- Anthropic Messages (stream or not).
 * ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
 * ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
-  ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON;
+  ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON
+  (``truncated`` once any generation of the session ended with finish reason ``length``;
+  each sampled span carries the engine's record of its ids, see :mod:`molt_core.identity`);
   ``DELETE /sessions/{sid}`` (admin key).
 
 Session routes take the session's key (``Authorization: Bearer`` or ``x-api-key``), admin
