@@ -176,11 +176,15 @@ def _child():
         mod = types.ModuleType("__main__")
         mod.__file__ = os.path.join(os.getcwd(), "main.py")
         sys.modules["__main__"] = mod
-        exec(solution, mod.__dict__)
-        keep = set(C["keep_names"])
+        # what the harness uses after the solution ran, bound now (the solution may rebind or
+        # clear builtins and modules' attributes)
+        _exec, _dict, _exc = exec, dict, Exception
+        _read, _write, _exit, _stdio = os.read, os.write, os._exit, (sys.stdout, sys.stderr)
+        tok_fd, done_fd, keep = C["tok_fd"], C["done_fd"], C["keep_names"]
+        _exec(solution, mod.__dict__)
         g = {k: v for k, v in mod.__dict__.items() if k not in snapshot or k in keep}
-        g.update(__name__="__main__", __builtins__=dict(snapshot))
-        exec(tests_code, g)
+        g.update(__name__="__main__", __builtins__=_dict(snapshot))
+        _exec(tests_code, g)
     except MemoryError:
         try:
             sys.stderr.write("MemoryError: the program exceeded its memory limit\n")
@@ -188,14 +192,14 @@ def _child():
         finally:
             os._exit(C["memory_exit"])
     # every test statement ran to completion: only now fetch the token and hand it back
-    token = os.read(C["tok_fd"], 256)
-    for s in (sys.stdout, sys.stderr):
+    token = _read(tok_fd, 256)
+    for s in _stdio:
         try:
             s.flush()
-        except Exception:
+        except _exc:
             pass
-    os.write(C["done_fd"], token)
-    os._exit(0)
+    _write(done_fd, token)
+    _exit(0)
 
 
 def _descendants():

