@@ -482,7 +482,17 @@ class LocalBackend:
         return _reachable_for_others(_interpreter_paths(python))
 
     def describe(self) -> str:
-        """One line: namespaces, uid, network cut and write confinement of this backend here."""
+        """One line: ``[active]`` / ``[available]`` / ``[unavailable here]``, then the
+        namespaces, uid, network cut and write confinement of this backend here."""
+        if not self.available():
+            return "[unavailable here]"
+        try:
+            active = sandbox_backend().name == self.name
+        except (KeyError, RuntimeError):
+            active = False
+        return ("[active] " if active else "[available] ") + self._what()
+
+    def _what(self) -> str:
         uid = f"uid {SANDBOX_UID}" if self._drops_uid(None) else f"uid {os.geteuid()} (no drop: " + (
             "caller is not root)" if os.geteuid() != 0 else "interpreter unreachable for uid 65534)")
         if self.name == "bwrap":
