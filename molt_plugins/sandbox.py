@@ -89,6 +89,7 @@ Isolation = Literal["auto", "namespace", "audit"]
 _SUPERVISOR = r'''
 import json, os, signal, sys, time
 C = json.loads(sys.argv[1])
+C["deadline"] = time.monotonic() + C["timeout"]  # the program's wall time starts with the supervisor
 
 
 def _libc():
@@ -166,6 +167,18 @@ def _child():
         resource.setrlimit(resource.RLIMIT_AS, (C["mem"], C["mem"]))
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
+
+    def _user_traceback(t, v, tb, _orig=sys.excepthook):
+        # drop the harness's own frames: the traceback starts at the program's first frame
+        user = tb
+        while user is not None and user.tb_frame.f_code.co_filename not in ("main.py", "tests.py"):
+            user = user.tb_next
+        if user is None and isinstance(v, SyntaxError):  # the program did not compile: no frame of it
+            v, tb = v.with_traceback(None), None
+        elif user is not None and isinstance(v, BaseException):
+            v, tb = v.with_traceback(user), user
+        _orig(t, v, tb)
+    sys.excepthook = _user_traceback
     try:
         if tests_code is None:
             import runpy
@@ -466,7 +479,8 @@ class LocalBackend:
 
     def available(self) -> bool:
         """``bwrap``: ``bwrap`` on PATH and a PID-namespace probe runs; ``unshare``: ``unshare
-        --pid --fork --mount --mount-proc`` (``-r`` when not root) runs; ``process``: always."""
+        --pid --fork --mount --mount-proc`` (``-r`` when not root) runs; then a program runs
+        through the backend end to end (probed once per process). ``process``: always."""
         return _available(self.name)
 
     def program_uid(self, python: str | None = None) -> int:
@@ -584,7 +598,7 @@ class LocalBackend:
             cfg = {
                 "mem": int(req.memory_mb) * 1024 * 1024 if req.memory_mb else 0, "cpu": int(req.timeout_s) + 2,
                 "fsize": req.max_output_bytes, "nproc": nproc, "block_net": iso == "audit",
-                "uid": SANDBOX_UID if drop else None, "deadline": t0 + req.timeout_s, "status_fd": status_w,
+                "uid": SANDBOX_UID if drop else None, "timeout": req.timeout_s, "status_fd": status_w,
                 "tok_fd": tok_r, "done_fd": done_w, "tests_fd": tests_fd, "keep_names": list(req.keep_names),
                 "memory_exit": MEMORY_EXIT_CODE, "mounts": mounts,
             }
@@ -592,7 +606,7 @@ class LocalBackend:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work), "TMPDIR": str(work),
                    "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
             out_p, err_p = io_dir / "stdout", io_dir / "stderr"
-            backstop = req.timeout_s + 3.0  # the supervisor kills at the deadline; this is a backstop
+            backstop = req.timeout_s + 10.0  # the supervisor kills at its deadline; this is a backstop
             with open(out_p, "wb") as out_f, open(err_p, "wb") as err_f:
                 p = subprocess.Popen(
                     argv, cwd=work, env=env, stdout=out_f, stderr=err_f,
@@ -704,13 +718,20 @@ def _available(kind: str) -> bool:
         return False
     if kind == "bwrap":
         exe = shutil.which("bwrap")
-        return bool(exe) and _probe([exe, "--die-with-parent", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
-                                     "--proc", "/proc", "--dev", "/dev", "true"])
-    exe = shutil.which("unshare")
-    if not exe:
+        quick = bool(exe) and _probe([exe, "--die-with-parent", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
+                                      "--proc", "/proc", "--dev", "/dev", "true"])
+    else:
+        exe = shutil.which("unshare")
+        root = [] if os.geteuid() == 0 else ["--map-root-user"]
+        quick = bool(exe) and _probe([exe, "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", *root,
+                                      "true"])
+    if not quick:
         return False
-    root = [] if os.geteuid() == 0 else ["--map-root-user"]
-    return _probe([exe, "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--net", *root, "true"])
+    try:  # end to end: mounts (mount_setattr needs Linux >= 5.12), uid drop, the supervisor
+        r = LocalBackend(kind).run(SandboxRequest(code="print(6 * 7)", timeout_s=20.0, memory_mb=None))
+    except (OSError, ValueError):
+        return False
+    return r.status == "ok" and r.stdout == "42\n"
 
 
 # -- backend selection --------------------------------------------------------------------
@@ -788,7 +809,9 @@ def run_python(
             run passes only if :attr:`SandboxResult.tests_completed` (token after the last test).
         keep_names: names the tests must see from the solution even where they shadow a
             builtin (e.g. the entry point of a task asking for ``sorted``).
-        timeout_s: wall-clock limit in seconds (> 0); every process of the run is killed at it.
+        timeout_s: wall-clock limit in seconds (> 0), counted from the supervisor's start (the
+            backend's own start-up, ~0.1 s, is not charged); every process of the run is
+            killed at it. A backstop kills the whole backend 10 s later if the supervisor fails.
         memory_mb: address-space cap in MiB (``RLIMIT_AS``); None or 0 disables.
         network: allow network access (default False: cut it).
         isolation: network cut: ``auto`` (namespace where available, else audit hook), or force one.
