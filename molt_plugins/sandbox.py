@@ -550,7 +550,7 @@ class LocalBackend:
         Raises:
             ValueError: a ``files`` path escaping the working dir; ``isolation="namespace"``
                 where no network namespace is available.
-            OSError: the sandbox could not be started.
+            OSError: the sandbox could not be started, or its supervisor gave no verdict.
         """
         if req.network:
             netns, iso = False, "none"
@@ -679,9 +679,11 @@ def _result(req: SandboxRequest, backend_rc: int | None, sup: bytes, hard_timeou
         s = json.loads(sup.decode()) if sup else None
     except ValueError:
         s = None
-    if s is None:  # the supervisor did not report (it could not start, or was killed)
-        rc = backend_rc
-        timed_out = hard_timeout
+    if s is None and not hard_timeout:  # the supervisor could not start, or was killed: no verdict
+        last = stderr.strip().splitlines()[-1:] or [""]
+        raise OSError(f"the {backend} sandbox's supervisor did not report (exit {backend_rc}): {last[0][:300]}")
+    if s is None:
+        rc, timed_out = backend_rc, True
     else:
         timed_out = bool(s["timeout"]) or hard_timeout
         rc = -int(s["signal"]) if s["signal"] is not None else s["exit"]
@@ -830,7 +832,8 @@ def run_python(
         ValueError: ``timeout_s <= 0``, a negative memory cap, ``max_processes < 1``, a
             ``files`` path escaping the working dir, or ``isolation="namespace"`` where network
             namespaces are unavailable.
-        OSError: the sandbox could not be started.
+        OSError: the sandbox could not be started, or its supervisor died without a verdict
+            (e.g. killed by a program that runs as the same uid under ``process``).
         KeyError / RuntimeError: an unknown or unavailable ``backend``.
     """
     if not timeout_s > 0:

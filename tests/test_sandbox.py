@@ -485,3 +485,13 @@ def test_humaneval_env_grades_through_the_token():
     assert env.score("    return 0.0\nimport sys\nsys.exit(0)\n", task) == 0.0  # exit before the tests
     assert env.score("    return 0.0\ndef check(candidate):\n    pass\n", task) == 0.0  # tests redefine check
     assert env.score("    return 0.0\nimport os\nos._exit(0)\n", task) == 0.0
+
+
+def test_a_killed_supervisor_is_a_crash_not_a_verdict(monkeypatch):
+    if "process" not in BACKENDS or _dropped("process") or not ROOT:
+        pytest.skip("only the process backend without a uid drop lets the program kill its supervisor")
+    with pytest.raises(OSError, match="supervisor did not report"):
+        run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")
+    with pytest.raises(RewardFailed, match="failed: crash"):
+        code_tests("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + RIGHT, TASK)
