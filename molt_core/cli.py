@@ -111,7 +111,8 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
 def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
-    """List installed plugins: distribution, version, hooks and registered names."""
+    """List installed plugins: distribution, version, hooks and registered names (sandbox
+    backends with which one is active here)."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
@@ -122,6 +123,9 @@ def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
         for i in infos:
             d = i.as_dict()
             d["options"] = {k: {n: _options_schema(host.get(k, n)) for n in names} for k, names in i.registered.items()}
+            desc = {k: {n: _describe(host.get(k, n)) for n in names if _describe(host.get(k, n)) is not None}
+                    for k, names in i.registered.items()}
+            d["descriptions"] = {k: v for k, v in desc.items() if v}
             rows.append(d)
         click.echo(json.dumps(rows, indent=2))
         return
@@ -130,10 +134,32 @@ def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
         table.add_column(col)
     for i in infos:
         reg = "\n".join(
-            f"{k}: " + "; ".join(f"{n}({_options_brief(host.get(k, n))})" for n in v) for k, v in sorted(i.registered.items())
+            f"{k}: " + "; ".join(_brief(n, host.get(k, n)) for n in v) for k, v in sorted(i.registered.items())
         )
         table.add_row(i.name, i.distribution, i.version, "\n".join(i.hooks), reg)
     Console().print(table)
+    for n in host.names("sandbox_backends"):
+        desc = _describe(host.get("sandbox_backends", n)) or ""
+        if desc.startswith("[active]"):
+            click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+
+
+def _describe(obj: object) -> str | None:
+    """``obj.describe()`` for registered objects that describe themselves (sandbox backends:
+    which one is active and what it isolates), else None; a failing ``describe`` is shown as such."""
+    fn = getattr(obj, "describe", None)
+    if not callable(fn) or isinstance(obj, type):
+        return None
+    try:
+        return str(fn())
+    except Exception as e:  # a plugin's describe() must not break the listing
+        return f"describe() failed: {type(e).__name__}: {e}"
+
+
+def _brief(name: str, obj: object) -> str:
+    """One registered name in the table: ``name(options)``, or ``name: description``."""
+    desc = _describe(obj)
+    return f"{name}: {desc}" if desc is not None else f"{name}({_options_brief(obj)})"
 
 
 def _options_schema(obj: object) -> dict | None:

@@ -18,7 +18,8 @@ import pluggy
 
 PROJECT = "molt"
 HOOK_API_VERSION = 2
-"""2: Reward API v2 -- async, group and trajectory rewards; ``weight`` / ``timeout_s`` per reward."""
+"""2: Reward API v2 -- async, group and trajectory rewards; ``weight`` / ``timeout_s`` per reward;
+and ``molt_register_sandbox_backends``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -73,6 +74,14 @@ def molt_register_loggers(register: Register) -> None:
     ``log(step: int, metrics: dict[str, float])`` and ``close()``."""
 
 
+@hookspec
+def molt_register_sandbox_backends(register: Register) -> None:
+    """Register code-sandbox backends: ``register(name, backend)`` where ``backend`` (or a
+    zero-argument class building it) implements ``molt_plugins.sandbox.SandboxBackend``:
+    ``available()``, ``describe()`` and ``run(SandboxRequest) -> SandboxResult`` -- e.g. a
+    client of a remote sandbox service. Selected by ``MOLT_SANDBOX_BACKEND=<name>``."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -97,4 +106,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "replay_backends": "molt_register_replay_backends",
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
+    "sandbox_backends": "molt_register_sandbox_backends",
 }

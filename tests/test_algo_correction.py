@@ -169,3 +169,17 @@ def test_property_on_policy_weights_are_one_and_nothing_gated(B, T, seed, level,
     assert c.staleness.eq(0).all()
     assert c.metrics["correction/gate_dropped"] == 0.0
     assert c.metrics["correction/masked_frac"] == 0.0 and c.metrics["correction/clipped_frac"] == 0.0
+
+
+def test_issue11_token_at_plus_1000_nats_gives_finite_weights():
+    # exp(1000) overflows float64 (above 709.8 nats): every mode must still give a finite weight
+    beh = torch.tensor([[-1001.0, -1.0]], dtype=torch.float64)
+    prox = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    ver = torch.zeros(1, 2, dtype=torch.long)
+    for mode, want in (("trunc", [2.0, 1.0]), ("clip", [2.0, 1.0]), ("mask", [0.0, 1.0])):
+        for level in ("token", "seq"):
+            c = apply_correction(CorrectionSection(is_level=level, is_mode=mode, high=2.0), beh, ver, prox, mask, 0, 0)
+            expect = want if level == "token" else ([2.0, 2.0] if mode != "mask" else [0.0, 0.0])
+            close(c.weights, [expect])
+            assert all(math.isfinite(v) for v in c.metrics.values())

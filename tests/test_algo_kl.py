@@ -55,3 +55,74 @@ def test_adaptive_kl_controller():
     assert d.value == c.value and d.target == 6.0 and d.horizon == 10000
     with pytest.raises(ValueError, match="kl_target"):
         AdaptiveKLController(0.1, 0.0, 10)
+
+
+# -- issue 11 item 5: one token at +100 nats must not poison the step ---------------------
+E20 = math.exp(20.0)  # e^LOG_RATIO_BOUND = 485165195.4097903
+
+
+def test_k3_of_plus_100_nats_is_finite_tangent_beyond_20():
+    lp = torch.tensor([[-101.0, -21.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    # log r = [100, 20, 0]; k3 = expm1(20) + e^20 * (100 - 20) - 100 = 81 e^20 - 101 beyond the bound
+    k3 = kl_estimate(lp, ref, "k3")
+    assert k3[0].tolist() == pytest.approx([81 * E20 - 101, E20 - 21, 0.0], rel=1e-15, abs=0)
+    k3.sum().backward()
+    # d k3 / d lp = 1 - e^min(log r, 20): the slope is capped at 1 - e^20, sign kept (towards ref)
+    assert lp.grad[0].tolist() == pytest.approx([1 - E20, 1 - E20, 0.0], rel=1e-15, abs=0)
+
+
+def test_k3_continuous_at_the_bound_and_exact_below():
+    lp = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[19.0, 20.0 - 1e-6, 20.0 + 1e-6]], dtype=torch.float64)
+    below, under, over = kl_estimate(lp, ref, "k3")[0].tolist()
+    assert below == pytest.approx(math.expm1(19.0) - 19.0, rel=1e-15)  # exact below the bound
+    assert under == pytest.approx(math.expm1(20.0 - 1e-6) - (20.0 - 1e-6), rel=1e-12)
+    assert over == pytest.approx(math.expm1(20.0) + E20 * 1e-6 - (20.0 + 1e-6), rel=1e-12)
+    assert abs(over - under) < 2 * E20 * 1e-6 + 1e-6  # value continuous (slope e^20 - 1 both sides)
+
+
+def test_k3_float32_and_bf16_stay_finite():
+    for dt in (torch.float32, torch.bfloat16):
+        lp = torch.tensor([[-101.0]], dtype=dt, requires_grad=True)
+        ref = torch.tensor([[-1.0]], dtype=dt)
+        k3 = kl_estimate(lp, ref, "k3")
+        assert k3.dtype == torch.float32
+        assert k3.item() == pytest.approx(81 * E20 - 101, rel=1e-6)
+        k3.sum().backward()
+        assert torch.isfinite(lp.grad).all()
+
+
+def test_k2_and_k1_of_plus_100_nats():
+    lp = torch.tensor([[-101.0]], dtype=torch.float32)
+    ref = torch.tensor([[-1.0]], dtype=torch.float32)
+    assert kl_estimate(lp, ref, "k2").item() == 5000.0
+    assert kl_estimate(lp, ref, "k1").item() == -100.0
+
+
+def test_kl_loss_poisoned_token_masked_or_not_keeps_grad_finite():
+    # before the bound: value inf (token counted) or grad NaN (token masked: where() sends 0 * inf)
+    for counted, value, g in ((True, (81 * E20 - 101 + 0.71828183) / 2, 1 - E20), (False, 0.71828183 / 2, 0.0)):
+        lp = torch.tensor([[-101.0, -2.0]], dtype=torch.float32, requires_grad=True)
+        ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float32)
+        mask = torch.tensor([[counted, True]])
+        loss = kl_loss(lp, ref, mask, 2, "k3")
+        assert loss.item() == pytest.approx(value, rel=1e-6)
+        loss.backward()
+        assert lp.grad[0].tolist() == pytest.approx([g / 2, (1 - math.e) / 2], rel=1e-6)
+
+
+def test_kl_as_reward_token_rewards_stay_finite():
+    # the trainer's kl_as_reward: token_rewards = (-kl_coef * kl_estimate(prox, ref)) * mask
+    prox = torch.tensor([[-101.0, -2.0, 0.0]], dtype=torch.float32)
+    ref = torch.tensor([[-1.0, -1.0, 0.0]], dtype=torch.float32)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    r = (-0.1 * kl_estimate(prox, ref, "k3")) * mask
+    assert r[0].tolist() == pytest.approx([-0.1 * (81 * E20 - 101), -0.071828183, 0.0], rel=1e-6)
+
+
+def test_adaptive_kl_controller_non_finite_kl():
+    c = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    assert c.update(float("nan")) == 0.1  # no information: unchanged, never NaN
+    assert c.update(float("inf")) == pytest.approx(0.1 * 1.02, abs=1e-15)  # error clipped to +0.2
+    assert c.update(81 * E20 - 101) == pytest.approx(0.1 * 1.02 * 1.02, abs=1e-15)

@@ -138,3 +138,54 @@ def test_empty_micro_batch_is_zero_with_graph():
     loss, m, g = _run(cfg, [1.3], [1], mask=[False], num_tokens=5)
     assert loss.item() == 0.0 and m["loss/tokens"] == 0.0
     assert g.tolist() == [[0.0]]
+
+
+# -- issue 11 item 5 (class): exp of a log ratio in the losses is bounded -----------------
+E20 = math.exp(20.0)
+
+
+def _poisoned(loss, adv, dual_clip=None):
+    """Token 0 at log ratio +100 nats (current vs proximal), token 1 on-policy."""
+    cfg = AlgoSection(loss=loss, clip_low=0.2, clip_high=0.2, dual_clip=dual_clip)
+    lp = torch.tensor([[-1.0, -1.0]], dtype=torch.float32, requires_grad=True)
+    prox = torch.tensor([[-101.0, -1.0]], dtype=torch.float32)
+    a = torch.tensor([[adv, adv]], dtype=torch.float32)
+    mask = torch.ones_like(a, dtype=torch.bool)
+    l, m = policy_loss(cfg, lp, prox, a, mask, torch.ones_like(a), 2)
+    l.backward()
+    return l.item(), m, lp.grad[0].tolist()
+
+
+def test_ppo_plus_100_nats_positive_advantage_no_nan_grad():
+    # before: ratio inf, clipped branch -> grad 0 * inf = NaN
+    loss, m, g = _poisoned("ppo", 1.0)
+    assert loss == pytest.approx((-1.2 - 1.0) / 2, rel=1e-6)
+    assert g == [0.0, -0.5]
+    assert m["loss/ratio_max"] == pytest.approx(E20, rel=1e-6)
+    assert m["loss/approx_kl"] == pytest.approx((math.exp(-20) - 1 + 20) / 2, rel=1e-9)
+
+
+def test_ppo_plus_100_nats_negative_advantage_finite():
+    # before: loss = -min(inf * -1, ...) = inf
+    loss, _, g = _poisoned("ppo", -1.0)
+    assert loss == pytest.approx((E20 + 1.0) / 2, rel=1e-6)
+    assert g == [0.0, 0.5]
+    loss, _, g = _poisoned("ppo", -1.0, dual_clip=3.0)
+    assert loss == pytest.approx((3.0 + 1.0) / 2, rel=1e-6)
+    assert g == [0.0, 0.5]
+
+
+def test_gspo_plus_100_nats_row_finite():
+    # row log s = mean(100, 0) = 50 -> bounded to 20; s = e^20 is clipped for A > 0 (grad 0, not NaN)
+    loss, m, g = _poisoned("gspo", 1.0)
+    assert loss == pytest.approx(-1.2, rel=1e-6)
+    assert g == [0.0, 0.0]
+    assert m["loss/ratio_max"] == pytest.approx(E20, rel=1e-6)
+
+
+def test_cispo_plus_100_nats_metrics_finite():
+    loss, m, g = _poisoned("cispo", 1.0)
+    # l = -clip(r) * A * lp: token 0 weight 1.2, token 1 weight 1; lp = -1
+    assert loss == pytest.approx((1.2 + 1.0) / 2, rel=1e-6)
+    assert g == pytest.approx([-0.6, -0.5], rel=1e-6)
+    assert m["loss/ratio_max"] == pytest.approx(E20, rel=1e-6)

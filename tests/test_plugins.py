@@ -119,6 +119,60 @@ def test_cli_plugins_json_and_table():
     assert r.exit_code == 0 and "molt_rewards" in r.output
 
 
+def test_cli_plugins_shows_the_active_sandbox_backend(monkeypatch):
+    from molt_plugins.sandbox import available_backends
+
+    first = available_backends()[0]
+    r = CliRunner().invoke(main, ["plugins", "--json"])
+    desc = {d["name"]: d for d in json.loads(r.output)}["molt_envs"]["descriptions"]["sandbox_backends"]
+    assert sorted(desc) == ["bwrap", "process", "unshare"]
+    assert [n for n, d in desc.items() if d.startswith("[active]")] == [first]
+    r = CliRunner().invoke(main, ["plugins"])
+    assert r.exit_code == 0 and f"sandbox backend: {first} " in r.output
+    monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")  # the choice is the user's
+    r = CliRunner().invoke(main, ["plugins"])
+    assert "sandbox backend: process no PID namespace" in r.output
+
+
+def test_sandbox_backend_plugin_hook(tmp_path, monkeypatch):
+    """A lab's remote sandbox service plugs in through molt_register_sandbox_backends and is
+    selected with MOLT_SANDBOX_BACKEND."""
+    from molt_plugins import sandbox
+
+    f = plugin_file(tmp_path, "remote_sbx", """
+        from molt_plugins.sandbox import SandboxResult
+
+        class Remote:
+            name = "remote"
+            calls = []
+            def available(self):
+                return True
+            def describe(self):
+                return "[available] a fake remote service"
+            def run(self, request):
+                self.calls.append(request)
+                return SandboxResult(status="ok", returncode=0, stdout="remote\\n", stderr="", duration_s=0.0,
+                                     isolation="remote", tests_completed=True if request.tests else None,
+                                     backend="remote")
+
+        @hookimpl
+        def molt_register_sandbox_backends(register):
+            register("remote", Remote())
+    """)
+    host = load_plugins([f], entry_points=False)
+    assert host.names("sandbox_backends") == ["remote"]
+    assert host.infos[f].hooks == ["molt_register_sandbox_backends"]
+    monkeypatch.setattr(sandbox, "_plugin_backends", lambda: {"remote": host.get("sandbox_backends", "remote")})
+    monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "remote")
+    r = sandbox.run_python("print(1)", timeout_s=2.0)
+    assert (r.backend, r.stdout, r.tests_completed) == ("remote", "remote\n", None)
+    from molt_plugins.rewards.code import code_tests
+
+    assert code_tests("def add(a, b):\n    return 0\n", {"tests": "assert add(2, 3) == 5"}) == 1.0  # trusts it
+    req = host.get("sandbox_backends", "remote").calls[-1]
+    assert (req.code, req.tests, req.timeout_s) == ("def add(a, b):\n    return 0\n\n", "assert add(2, 3) == 5\n", 5.0)
+
+
 def test_cli_run_reports_bad_recipe_and_bad_plugin(tmp_path):
     rec = tmp_path / "bad.toml"
     rec.write_text('[rollout]\nn_sampels_per_prompt = 4\nmax_tokens = "eight"\n')

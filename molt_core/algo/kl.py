@@ -8,18 +8,32 @@ The estimators approximate ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` 
 * ``k2 = (log r)^2 / 2``         -- biased, low variance, >= 0;
 * ``k3 = (r - 1) - log r``       -- unbiased, low variance, >= 0.
 
+**Bounded log ratio.** ``exp`` of a log ratio overflows (float32: above 88.7 nats; a single
+token at +100 nats made k3, its loss and its gradient ``inf``, poisoning the whole step, also
+through ``kl_as_reward``). k3 therefore evaluates the exponential only up to
+``log r = LOG_RATIO_BOUND`` (20 nats, the bound verl uses for its ``low_var_kl``) and continues
+it beyond by its tangent there: ``exp(x) ~ e^B (1 + x - B)`` for ``x > B``. Exact for
+``log r <= 20`` (a ratio of 4.85e8 -- far outside any KL a run should reach); above, k3 is
+biased low (the tangent lies below the convex exponential) and its gradient is capped at
+``e^20 - 1 = 4.85e8`` per token with the right sign (towards the reference), so the loss stays
+finite for every finite input. k1 and k2 have no exponential and need no bound (k2 of
++100 nats is 5000). Low-precision inputs (float16/bfloat16) are computed and returned in float32,
+where ``e^20`` is finite.
+
 Use as a per-token reward penalty (``token_rewards = -kl_coef * kl_estimate(...)``, detached)
 or as a loss term (:func:`kl_loss`, aggregated like the policy loss over the global token count).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from molt_core.algo.losses import aggregate_tokens
+from molt_core.algo.losses import LOG_RATIO_BOUND, aggregate_tokens
 
-__all__ = ["kl_estimate", "kl_loss", "AdaptiveKLController"]
+__all__ = ["kl_estimate", "kl_loss", "AdaptiveKLController", "LOG_RATIO_BOUND"]
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
@@ -31,7 +45,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
         estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see module docstring).
 
     Returns:
-        ``[B, T]`` float, in nats; differentiable through both inputs.
+        ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16 inputs);
+        differentiable through both inputs; finite wherever both inputs are finite (k3 beyond
+        ``log r > LOG_RATIO_BOUND`` is the tangent continuation, see the module docstring).
 
     Raises:
         ValueError: unknown estimator or mismatched shapes.
@@ -39,13 +55,19 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"ref_logprobs must have the shape of logprobs {tuple(logprobs.shape)}, "
                          f"got {tuple(ref_logprobs.shape)}")
+    if logprobs.dtype in (torch.float16, torch.bfloat16):
+        logprobs = logprobs.float()
+    if ref_logprobs.dtype in (torch.float16, torch.bfloat16):
+        ref_logprobs = ref_logprobs.float()
     log_r = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r * log_r
     if estimator == "k3":
-        return torch.expm1(log_r) - log_r
+        b = LOG_RATIO_BOUND
+        # expm1 up to the bound, its tangent e^b * (x - b) beyond it (value and slope continuous)
+        return torch.expm1(log_r.clamp(max=b)) + math.exp(b) * torch.relu(log_r - b) - log_r
     raise ValueError(f"algo.kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
 
@@ -94,8 +116,16 @@ class AdaptiveKLController:
         self.horizon = int(horizon)
 
     def update(self, current_kl: float, n_steps: int = 1) -> float:
-        """Update from the KL measured over the last ``n_steps`` steps; returns the new coefficient."""
-        err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        """Update from the KL measured over the last ``n_steps`` steps; returns the new coefficient.
+
+        A KL of ``+inf`` counts as far above target (error clipped to +0.2, as any large KL);
+        a NaN KL carries no information and leaves the coefficient unchanged (it would
+        otherwise make it NaN for the rest of the run).
+        """
+        kl = float(current_kl)
+        if math.isnan(kl):
+            return self.value
+        err = min(max(kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + err * n_steps / self.horizon
         return self.value
 

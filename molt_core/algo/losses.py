@@ -20,7 +20,13 @@ from torch import Tensor
 
 from molt_core.config import AlgoSection
 
-__all__ = ["policy_loss", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
+#: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo``
+#: (policy-loss importance ratios here, k3 in :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8``
+#: is finite in float32 and bfloat16, and a ratio that large is far outside any clip band or
+#: trust region. The value follows verl's clamp of the KL log ratio to [-20, 20].
+LOG_RATIO_BOUND = 20.0
+
+__all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "policy_loss", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
 
 
 def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
@@ -48,11 +54,30 @@ def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor
     return torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype)).sum() / num_tokens
 
 
+def bounded_ratio(log_ratio: Tensor) -> Tensor:
+    """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))`` -- an importance ratio that
+    is always finite.
+
+    Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound
+    (``e^{+-20}``) and, being clamped, no gradient through the ratio. Without the bound one token
+    at +100 nats gives ``ratio = inf`` (float32 overflows above 88.7): an ``inf`` loss for a
+    negative advantage, and ``0 * inf = NaN`` gradients through the clipped branch of PPO for a
+    positive one -- either way the whole step is poisoned.
+
+    Args:
+        log_ratio: any-shape float tensor (nats), e.g. ``logprobs - proximal_logprobs``.
+
+    Returns:
+        Tensor of the same shape and dtype, in ``[e^-20, e^20]`` (NaN stays NaN).
+    """
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
 def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tensor, *, clip_low: float,
                    clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347, eq. 7).
 
-    ``r = exp(logprobs - proximal_logprobs)``,
+    ``r = exp(logprobs - proximal_logprobs)`` (log ratio bounded to +-20 nats, :func:`bounded_ratio`),
     ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (asymmetric band, "clip-higher"
     of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729): for
     ``A < 0`` the loss is capped at ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio on
@@ -63,7 +88,7 @@ def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tens
         ``clipped_high`` (the clipped branch is active: zero gradient) and ``dual_clipped``,
         plus the ``ratio``.
     """
-    ratio = torch.exp(logprobs - proximal_logprobs)
+    ratio = bounded_ratio(logprobs - proximal_logprobs)
     surr1 = ratio * advantages
     surr2 = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(surr1, surr2)
@@ -97,7 +122,8 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
     ``s_b = exp(mean_t (logprobs - proximal_logprobs))``. The GSPO-token form (§4.3) is used so
     per-token advantages are allowed: ``s_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)]`` (value
     ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A, clip(s_bt, 1 - clip_low,
-    1 + clip_high) A)``. Each row (segment) is one sequence. Note: aggregation here is the
+    1 + clip_high) A)``. Each row (segment) is one sequence. ``log s_b`` is bounded to +-20 nats
+    before the exponential (see :func:`bounded_ratio`). Note: aggregation here is the
     global token mean of the module docstring, so longer sequences weigh more than in the
     paper's per-sequence mean.
 
@@ -105,7 +131,7 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
         ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
     """
     log_r = logprobs - proximal_logprobs
-    log_s = _seq_mean(log_r.detach(), mask)[:, None]  # [B, 1]
+    log_s = _seq_mean(log_r.detach(), mask)[:, None].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B, 1]
     s = torch.exp(log_s + logprobs - logprobs.detach())
     surr1 = s * advantages
     surr2 = torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high) * advantages
@@ -124,14 +150,14 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
     """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585).
 
     ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` with
-    ``r = exp(logprobs - proximal_logprobs)``: the importance weight is clipped and
+    ``r = exp(logprobs - proximal_logprobs)`` (bounded, :func:`bounded_ratio`): the weight is clipped and
     stop-gradiented, so every token keeps a gradient ``-clip(r) A grad log pi`` (no token is
     dropped, unlike PPO's clip).
 
     Returns:
         ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
     """
-    r = torch.exp(logprobs.detach() - proximal_logprobs)
+    r = bounded_ratio(logprobs.detach() - proximal_logprobs)
     w = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
     loss = -w * advantages * logprobs
     return loss, {
@@ -169,7 +195,7 @@ def policy_loss(
         ``loss/tokens``, ``loss/clip_frac`` (= ``clip_frac_low + clip_frac_high``),
         ``loss/clip_frac_low``, ``loss/clip_frac_high``, ``loss/dual_clip_frac``,
         ``loss/ratio_mean``, ``loss/ratio_min``, ``loss/ratio_max``, ``loss/approx_kl``
-        (k3 of proximal vs current, Schulman 2020).
+        (k3 of proximal vs current, Schulman 2020, log ratio bounded to +-20 nats).
 
     Raises:
         ValueError: unknown ``cfg.loss``, ``dual_clip <= 1``, mismatched shapes, bad
@@ -207,7 +233,7 @@ def policy_loss(
     lo = float(flags["clipped_low"][mask].float().mean())
     hi = float(flags["clipped_high"][mask].float().mean())
     r = flags["ratio"][mask].double()
-    log_r = (logprobs.detach() - prox)[mask].double()
+    log_r = (logprobs.detach() - prox)[mask].double().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     metrics.update({
         "loss/clip_frac": lo + hi,
         "loss/clip_frac_low": lo,

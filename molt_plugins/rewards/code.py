@@ -1,4 +1,10 @@
-"""Code execution reward: run the response's code against the task's tests in the sandbox."""
+"""Code execution reward: run the response's code against the task's tests in the sandbox.
+
+Graded on a positive signal only: the sandbox harness writes a per-run random token after the
+tests' last statement returned (:attr:`molt_plugins.sandbox.SandboxResult.tests_completed`);
+an exit status of 0 alone never passes (issue 11: ``sys.exit(0)`` after a wrong solution scored
+1.0). See ``docs/plugins/code_tests.md`` for what a hostile solution can still do.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from molt_core.types import RewardFailed
 from molt_plugins.rewards.base import RewardOptions, reward
 from molt_plugins.sandbox import run_python
 
-__all__ = ["extract_code", "code_tests", "CodeTestsOptions"]
+__all__ = ["extract_code", "code_tests", "CodeTestsOptions", "grade_tests"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -50,10 +56,40 @@ class CodeTestsOptions(RewardOptions):
     limit_exceeded: Literal["fail", "zero"] = "fail"
 
 
+def grade_tests(solution: str, tests: str, *, timeout_s: float, memory_mb: int,
+                limit_exceeded: Literal["fail", "zero"] = "fail", keep_names: tuple[str, ...] = (),
+                label: str = "") -> float:
+    """1.0 when ``tests`` ran to completion after ``solution`` in the sandbox (the harness
+    returned the run's token), else 0.0. Shared by ``code_tests`` and the ``humaneval`` env.
+
+    Args:
+        solution: program text run first (as ``main.py``).
+        tests: test code run after it, in its namespace with the builtins restored.
+        timeout_s: wall seconds; memory_mb: address-space cap (MiB).
+        limit_exceeded: ``fail`` -- a timeout / memory / output-limit kill raises; ``zero``.
+        keep_names: solution names the tests must see even if they shadow a builtin.
+        label: prefix of the failure message (e.g. a task id).
+
+    Raises:
+        RewardFailed: ``timeout`` / ``memory`` / ``output_limit`` (unless ``limit_exceeded =
+            "zero"``) when the tests did not complete; ``crash`` when the sandbox cannot start.
+    """
+    try:
+        res = run_python(solution, tests=tests, keep_names=keep_names, timeout_s=timeout_s, memory_mb=memory_mb)
+    except OSError as e:
+        raise RewardFailed("crash", f"sandbox could not start: {e}") from e
+    if res.tests_completed:
+        return 1.0
+    if res.status in ("ok", "error") or limit_exceeded == "zero":
+        return 0.0
+    raise RewardFailed(res.status, f"{label}{': ' if label else ''}{res.reason()}")
+
+
 @reward(CodeTestsOptions)
 def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> float:
-    """1.0 when ``prefix + code + "\\n" + tests`` exits 0 in the sandbox, 0.0 when it exits
-    non-zero (a failing assert, an exception, a syntax error).
+    """1.0 when the task's tests run to completion after ``prefix + code`` in the sandbox (the
+    harness's token, see :func:`grade_tests`), 0.0 otherwise (a failing assert, an exception, a
+    syntax error, an exit of any status before the tests finished).
 
     Raises:
         KeyError: the task has no ``tests_field`` (or ``prefix_field``).
@@ -73,15 +109,5 @@ def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> f
         tests = str(task[opts.tests_field])
     code = extract_code(response, opts.extract)
     prefix = str(task[opts.prefix_field]) if opts.prefix_field else ""
-    program = f"{prefix}{code}\n\n{tests}\n"
-    try:
-        res = run_python(program, timeout_s=opts.timeout_s, memory_mb=opts.memory_mb)
-    except OSError as e:
-        raise RewardFailed("crash", f"sandbox could not start: {e}") from e
-    if res.status == "ok":
-        return 1.0
-    if res.status == "error":
-        return 0.0
-    if opts.limit_exceeded == "zero":
-        return 0.0
-    raise RewardFailed(res.status, res.reason())
+    return grade_tests(f"{prefix}{code}\n", f"{tests}\n", timeout_s=opts.timeout_s, memory_mb=opts.memory_mb,
+                       limit_exceeded=opts.limit_exceeded)

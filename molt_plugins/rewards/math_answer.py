@@ -1,11 +1,12 @@
 """Math answer grading: ``\\boxed{}`` extraction by balanced braces, equivalence by math-verify.
 
-The final answer is the content of the *last* ``\\boxed{...}`` (or ``\\fbox{...}``) of the
-response, found by counting braces (``\\{`` / ``\\}`` escapes are skipped), so nested
-groups survive: ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``, not ``\\frac{1``. An
-unclosed last box (a truncated generation) gives no answer at all. Equivalence of the
-extracted answer and the gold answer is decided by Hugging Face ``math-verify`` (sympy
-based; https://github.com/huggingface/Math-Verify), not by our own parser.
+The final answer is the content of the textually *last* ``\\boxed{...}`` (or ``\\fbox{...}``),
+or brace-less ``\\boxed 5`` (see :func:`extract_boxed`), of the response; braces are counted
+(``\\{`` / ``\\}`` escapes are skipped), so nested groups survive: ``\\boxed{\\frac{1}{2}}``
+gives ``\\frac{1}{2}``, not ``\\frac{1``. An unclosed last box (a truncated generation) gives
+no answer at all. Equivalence of the extracted answer and the gold answer is decided by
+Hugging Face ``math-verify`` (sympy based; https://github.com/huggingface/Math-Verify), not by
+our own parser.
 """
 
 from __future__ import annotations
@@ -22,25 +23,49 @@ from molt_plugins.rewards.base import RewardOptions, reward
 
 __all__ = ["extract_boxed", "math_equal", "math_answer", "MathAnswerOptions"]
 
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# ``\boxed`` / ``\fbox`` as a whole control word (not ``\boxedx``), then spaces and at most
+# one line break (TeX reads those as one space; a blank line would be a paragraph).
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*(?:\n[ \t]*)?")
+# Where a brace-less argument's math ends: closing ``$``, ``\]`` or ``\)``, a line break.
+_MATH_END = re.compile(r"\$|\\\]|\\\)|\n")
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in ``text``, stripped.
+    r"""Content of the textually last ``\boxed`` / ``\fbox`` of ``text``, stripped.
 
-    Braces are matched by depth counting; a backslash escapes the next character (so
-    ``\\{`` and ``\\}`` don't count). Returns None when there is no box or the last box is
-    never closed (never a truncated prefix of the answer).
+    Two forms, the last one by position wins, whichever form it is:
 
-    Examples: ``extract_boxed(r"so \\boxed{\\frac{1}{2}}.")`` -> ``"\\frac{1}{2}"``;
-    ``extract_boxed(r"\\fbox{42}")`` -> ``"42"``; ``extract_boxed(r"\\boxed{\\frac{1}{2}")`` -> None.
+    * braced ``\boxed{...}``: braces are matched by depth counting; a backslash escapes the
+      next character (so ``\{`` and ``\}`` don't count). A box never closed (a truncated
+      generation) gives None, never a truncated prefix of the answer.
+    * brace-less ``\boxed 5`` / ``\boxed5`` / ``\fbox 5`` (legal TeX: a control word ends at
+      the first non-letter, and an undelimited macro argument is the next token): the answer
+      is the rest of the math -- up to the next ``$``, ``\]``, ``\)`` or line break, or the
+      end of the text -- with trailing spaces and sentence punctuation (``.,;:``) removed
+      (nothing left: None).
+      TeX itself would box only the next token (``\boxed 42`` boxes the ``4``); the whole run
+      is taken instead, as the MATH benchmark's reference grader does (Hendrycks et al. 2021,
+      ``last_boxed_only_string`` / ``remove_boxed`` in github.com/hendrycks/math), because
+      models write ``\boxed 42`` meaning 42. ``\boxed\frac12`` therefore gives ``\frac12``
+      (math-verify reads it as 1/2). A control word such as ``\boxedx`` is no box.
+
+    Examples: ``extract_boxed(r"so \boxed{\frac{1}{2}}.")`` -> ``"\frac{1}{2}"``;
+    ``extract_boxed(r"so the answer is $\boxed 5$.")`` -> ``"5"``;
+    ``extract_boxed(r"\fbox{42}")`` -> ``"42"``; ``extract_boxed(r"\boxed{\frac{1}{2}")`` -> None.
     """
-    starts = [m.end() for m in _BOX.finditer(text)]
-    if not starts:
+    matches = list(_BOX.finditer(text))
+    if not matches:
         return None
-    i = start = starts[-1]
-    depth = 1
+    start = matches[-1].end()
     n = len(text)
+    if start >= n:
+        return None
+    if text[start] != "{":
+        m = _MATH_END.search(text, start)
+        arg = text[start:m.start() if m else n].rstrip().rstrip(".,;:").rstrip()
+        return arg or None
+    i = start = start + 1
+    depth = 1
     while i < n:
         c = text[i]
         if c == "\\":
