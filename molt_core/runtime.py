@@ -10,8 +10,9 @@ every engine as version v+1 -> checkpoint every N steps -> metrics to every logg
 Asynchrony: rollout runs up to ``async.max_staleness`` steps ahead of training (0 =
 synchronous). The driver keeps at most ``(1 + max_staleness) * prompts_per_step`` groups in
 flight, each with its own object ref, and each step trains on the first
-``prompts_per_step`` groups to finish: the driver bounds when a group *starts*
-(``async/start_lag_max``). A weight sync reaches engines between decode steps, so in-flight
+``prompts_per_step`` groups to finish: the driver bounds how far ahead groups *start*
+(in launch order, a group is at most ``max_staleness`` versions old when trained;
+``async/start_lag_max``). A weight sync reaches engines between decode steps, so in-flight
 generations continue under the new weights (partial rollout) and every token records the
 version that sampled it; a slow group can therefore reach the trainer with tokens older than
 the bound, and the trainer's gate -- which bounds the *oldest token* of each rollout -- drops
@@ -750,9 +751,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
-            # the driver bounds when a group STARTS: at most max_staleness steps before the step
-            # that trains it (fewer in flight than (1 + max_staleness) * P groups); the trainer's
-            # gate bounds the OLDEST TOKEN, so a group that stays in flight longer is dropped, counted
+            # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
+            # launch order a group is at most max_staleness versions old when trained); the
+            # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
             while len(inflight) < (1 + cfg.async_.max_staleness) * P and launched < cfg.run.steps * P:
                 launch()
             started = take(min(P, len(inflight)))

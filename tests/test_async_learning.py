@@ -77,3 +77,38 @@ def test_async_run_learns_with_staleness_one(tmp_path):
     first = sum(r["reward/mean"] for r in rows[:4]) / 4
     last = sum(r["reward/mean"] for r in rows[-4:]) / 4
     assert math.isfinite(first) and last > first + 0.1, (first, last)  # measured: 0.012 -> 0.261
+
+
+def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
+    """The driver trains on whichever groups finish first; a group that stays in flight past
+    the bound reaches the trainer with old tokens and the gate drops it, visibly. Simulated
+    in-process: ``wait`` hands back the newest launches first, so the first step's second
+    launch is the slow one and is trained only at the last step, 3 versions late."""
+    from molt_core import runtime
+
+    monkeypatch.setattr(runtime._Local, "wait", lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
+    agent = tmp_path / "digits.py"
+    agent.write_text(ENV)
+    cfg = RunConfig.model_validate({
+        "run": {"steps": 4, "seed": 0, "threads": 1},
+        "agent": {"path": str(agent)},
+        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_tokens": 4},
+        "async": {"max_staleness": 1},
+        "trainer": {"lr": 3e-3},
+        "eval": {"n_problems": 0, "every": 0},
+        "sft": {"steps": 0},
+        "checkpoint": {"every": 0, "keep": 1},
+    })
+    out = main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r["step"] > 0]
+    # steps 1-3 train on fresh groups (launched at the current version): nothing stale, nothing gated
+    for r in rows[:3]:
+        assert r["invariants/staleness_max"] == 0.0 and r["correction/gated_frac"] == 0.0
+        assert r["train/skipped"] == 0.0
+    # step 4: the slow groups, launched at version 0, trained at version 3
+    last = rows[3]
+    assert last["async/start_lag_max"] == 3.0
+    assert last["invariants/staleness_max"] == 3.0
+    assert last["correction/gated_frac"] == 1.0 and last["correction/gate_dropped"] == 8.0
+    assert last["train/skipped"] == 1.0 and last["policy_version"] == 3.0
