@@ -1024,8 +1024,9 @@ class Trainer:
                     continue
                 # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
                 # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
-                # under trunc/clip (a weight-0 token), see apply_correction
-                oos = oos.to(dev)
+                # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
+                # can push a token out of the current support too: same treatment.
+                oos = oos.to(dev) | ~torch.isfinite(lp.detach())
                 m = train_mask[rows, :T].to(dev) & ~oos
                 lp = torch.where(oos, torch.zeros((), device=dev), lp)
                 p_mb = torch.where(oos, torch.zeros((), device=dev), prox[rows, :T].to(dev))
@@ -1176,6 +1177,7 @@ class Trainer:
         meta = json.loads((p / "state.json").read_text())
         self.step = int(meta["step"])
         self.version = int(meta["version"])
+        self.history.clear()  # older versions' weights are not in a checkpoint
         return meta["data_cursor"]
 
 

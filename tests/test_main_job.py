@@ -25,7 +25,8 @@ def check_invariants(rs, max_staleness):
     for r in steps:
         assert r["invariants/tokens_retokenized"] == 0
         assert r["invariants/staleness_max"] <= max_staleness
-        assert r["invariants/logprob_absdiff_max"] < 1e-4  # same weights, fp32 (exact path: ~1e-6)
+        # under the weights that sampled each token (async included), fp32: ~1e-6
+        assert r["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
     return steps
 
 
