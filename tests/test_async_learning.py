@@ -86,7 +86,8 @@ def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
     launch is the slow one and is trained only at the last step, 3 versions late."""
     from molt_core import runtime
 
-    monkeypatch.setattr(runtime._Local, "wait", lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
+    monkeypatch.setattr(runtime._Local, "wait",
+                        lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
     agent = tmp_path / "digits.py"
     agent.write_text(ENV)
     cfg = RunConfig.model_validate({

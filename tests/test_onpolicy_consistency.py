@@ -58,7 +58,8 @@ def _async_trainer():
     tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 0.1, "grad_clip": 0.0}),
                  model=BiasLM(B0))
     lp = [_lp(B0, 0, 0.5), _lp(B0, 1, 0.5)]
-    m = tr.train_step([_traj("a", 1.0, [2, 0, 1], lp, [0, 0], 0.5), _traj("b", 0.0, [2, 1, 2], [_lp(B0, 1, 0.5), _lp(B0, 2, 0.5)], [0, 0], 0.5)])
+    m = tr.train_step([_traj("a", 1.0, [2, 0, 1], lp, [0, 0], 0.5),
+                       _traj("b", 0.0, [2, 1, 2], [_lp(B0, 1, 0.5), _lp(B0, 2, 0.5)], [0, 0], 0.5)])
     assert m["grad_norm"] > 0 and tr.version == 1
     assert tr.history.versions() == [0]
     return tr
@@ -233,7 +234,8 @@ def test_moe_stale_tokens_are_recomputed_under_their_version_with_routing_replay
     off = Trainer(tiny_cfg(model={"path": "builtin:tiny-qwen3-moe", "routing_replay": False})).train_step(trajs)
     assert off["invariants/routing_flip_rate"] > 0
     assert off["invariants/logprob_absdiff_max_onpolicy"] > m1["invariants/logprob_absdiff_max_onpolicy"] + 1e-3
-    assert m1["invariants/onpolicy_stale_tokens"] == 0.0 and m1["invariants/onpolicy_tokens"] == m1["train/action_tokens"]
+    assert m1["invariants/onpolicy_stale_tokens"] == 0.0
+    assert m1["invariants/onpolicy_tokens"] == m1["train/action_tokens"]
     assert m2["invariants/staleness_max"] == 1.0
     assert m2["invariants/onpolicy_stale_tokens"] == m2["train/action_tokens"]
     assert m1["invariants/logprob_absdiff_max_onpolicy"] > 0  # bf16 engine vs fp32 trainer

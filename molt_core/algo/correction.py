@@ -34,7 +34,8 @@ loss, :func:`apply_correction` does two things, and nothing else in the project 
     drift at the k-th boundary): its ratio is 0. It never raises: under ``mask`` it is
     rejected (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
     ``clip`` its own weight is 0 (for seq/geo the rest of its rollout gets ``min(0, high) = 0``
-    under trunc, ``low`` under clip). It stays out of the gradient in every mode (``Correction.out_of_support``) and is counted in
+    under trunc, ``low`` under clip). It stays out of the gradient in every mode
+    (``Correction.out_of_support``) and is counted in
     ``correction/out_of_support_frac``.
 
     Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
