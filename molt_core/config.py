@@ -157,9 +157,16 @@ class CorrectionSection(_Section):
 
 class AsyncSection(_Section):
     """``[async]``: ``max_staleness`` -- how many policy versions rollout may run ahead of
-    the trainer (0 = synchronous); sequences staler than this are gated (dropped, counted)."""
+    the trainer (0 = synchronous). The driver bounds how far ahead rollouts *start* (at most
+    ``(1 + max_staleness) * prompts_per_step`` groups in flight); the trainer's gate bounds
+    the *oldest token* of each rollout, so a (partial) rollout that finishes late, staler than
+    the bound, is dropped and counted (``correction/gated_frac``). ``onpolicy_rows`` -- rows per older version
+    recomputed under the weights that sampled them, for
+    ``invariants/logprob_absdiff_max_onpolicy`` (-1: all; 0: off, no weight copies kept);
+    the trainer keeps ``max_staleness`` CPU copies of past weights for it."""
 
     max_staleness: int = Field(0, ge=0)
+    onpolicy_rows: int = Field(16, ge=-1)
 
 
 class TrainerSection(_Section):

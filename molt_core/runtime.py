@@ -8,9 +8,15 @@ excluded, groups with < 2 usable rollouts dropped, optional dynamic filter) -> t
 every engine as version v+1 -> checkpoint every N steps -> metrics to every logger.
 
 Asynchrony: rollout runs up to ``async.max_staleness`` steps ahead of training (0 =
-synchronous). A weight sync reaches engines between decode steps, so in-flight generations
-continue under the new weights (partial rollout) and every token records the version that
-sampled it; the trainer's gate sees the true staleness.
+synchronous). The driver keeps at most ``(1 + max_staleness) * prompts_per_step`` groups in
+flight, each with its own object ref, and each step trains on the first
+``prompts_per_step`` groups to finish: the driver bounds how far ahead groups *start*
+(in launch order, a group is at most ``max_staleness`` versions old when trained;
+``async/start_lag_max``). A weight sync reaches engines between decode steps, so in-flight
+generations continue under the new weights (partial rollout) and every token records the
+version that sampled it; a slow group can therefore reach the trainer with tokens older than
+the bound, and the trainer's gate -- which bounds the *oldest token* of each rollout -- drops
+it, visibly (``invariants/staleness_max`` over every token, ``correction/gated_frac``).
 
 Ray: ``molt run`` starts a local cluster unless ``--ray-address`` joins one. Rollout workers
 and the trainer are Ray actors placed by their declared ``num_cpus`` / ``num_gpus``. With
@@ -330,6 +336,12 @@ class RolloutWorker:
         finally:
             self.inflight -= len(tasks) * n
 
+    async def rollout_each(self, tasks: list[dict], n: int) -> Group | tuple[Group, ...]:
+        """:meth:`rollout` for a call with ``num_returns = len(tasks)``: one return value (so one
+        object ref) per group -- the Group itself for a single task, else a tuple."""
+        groups = await self.rollout(tasks, n)
+        return groups[0] if len(groups) == 1 else tuple(groups)
+
     async def evaluate(self, tasks: list[dict], k: int, temperature: float) -> dict[str, float]:
         """Sample ``k`` rollouts per task at ``temperature`` (no training); returns
         ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
@@ -590,7 +602,9 @@ class _Local:
     """Stand-in for the slice of the Ray API ``main_job`` uses, running actors in this process:
     ``remote(cls).options(...).remote(*args)`` builds the object, ``actor.method.remote(...)``
     calls it at once (coroutines run on one private event loop), ``get`` unwraps. Used by
-    ``molt run --local`` (debugging) and fast tests; no asynchrony, so staleness is 0."""
+    ``molt run --local`` (debugging) and fast tests. Rollouts run when launched, so with
+    ``async.max_staleness = k`` the queue still holds k steps of groups sampled ahead: every
+    step after the first k trains on groups exactly k versions old (deterministic staleness)."""
 
     class _Ref:
         def __init__(self, value: Any) -> None:
@@ -639,6 +653,10 @@ class _Local:
         if isinstance(refs, list):
             return [r.value for r in refs]
         return refs.value
+
+    def wait(self, refs: list, num_returns: int = 1) -> tuple[list, list]:
+        """Every ref is already done here: the first ``num_returns`` (launch order)."""
+        return list(refs[:num_returns]), list(refs[num_returns:])
 
     def shutdown(self) -> None:
         self.loop.close()
@@ -717,7 +735,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 for k in res[0]}
 
     train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
-    epoch_of: dict[int, int] = {}  # step index -> epoch of its last task
+    epoch_of: dict[Any, int] = {}  # group ref -> epoch over the train split of its task
     start_step = cursor["step"]
     if start_step == 0:
         m0 = evaluate()
@@ -726,20 +744,40 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             console.print(f"eval at start: pass@1 {m0['eval/pass@1']:.3f}")
 
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
-    pending: deque = deque()
-    launched = start_step
+    # in flight: one object ref per group, oldest launch first, with the policy version it started at
+    inflight: deque = deque()
+    launched = start_step * P  # groups
     tasks_done = cursor["tasks"]
 
     def launch() -> None:
+        # one step's worth of groups, sharded over the workers (one call per worker keeps the
+        # engine's batch full); each group gets its own ref so a step can take whichever are done
         nonlocal launched
-        tasks = train_stream.take(P)
-        epoch_of[launched] = train_stream.epoch
+        tasks, epochs = [], []
+        for _ in range(min(P, cfg.run.steps * P - launched)):
+            tasks += train_stream.take(1)
+            epochs.append(train_stream.epoch)
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         shards = [tasks[i::len(workers)] for i in range(len(workers))]
-        refs = [workers[order[i]].rollout.remote(s, n) for i, s in enumerate(shards) if s]
-        pending.append((launched, refs, len(tasks)))
-        launched += 1
+        for i, sh in enumerate(shards):
+            if sh:
+                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(sh, n)
+                refs = refs if len(sh) > 1 else (refs,)
+                inflight.extend((version, r) for r in refs)
+                epoch_of.update(zip(refs, epochs[i::len(workers)]))
+        launched += len(tasks)
+
+    def take(k: int) -> tuple[list[tuple[int, Group]], int]:
+        # the first k groups to finish (oldest launch first among those done); the rest stay in
+        # flight and may be trained later, with tokens older than async.max_staleness (gated).
+        # Also returns the newest epoch (over the train split) among their tasks.
+        ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
+        picked = [(v, r) for v, r in inflight if r in ready]
+        for item in picked:
+            inflight.remove(item)
+        epoch = max((epoch_of.pop(r, 0) for _, r in picked), default=0)
+        return [(v, g) for (v, _), g in zip(picked, ray.get([r for _, r in picked]))], epoch
 
     columns = [TextColumn("[bold]molt run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -749,10 +787,15 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
-            while len(pending) < 1 + cfg.async_.max_staleness and launched < cfg.run.steps:
+            # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
+            # launch order a group is at most max_staleness versions old when trained); the
+            # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
+            while len(inflight) < (1 + cfg.async_.max_staleness) * P and launched < cfg.run.steps * P:
                 launch()
-            _, refs, ntasks = pending.popleft()
-            groups = [g for part in ray.get(refs) for g in part]
+            started, epoch = take(min(P, len(inflight)))
+            groups = [g for _, g in started]
+            ntasks = len(groups)
+            start_lag = max(version - v for v, _ in started) if started else 0
             t1 = time.perf_counter()
             trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter, list(cfg.rewards))
             for g in groups:
@@ -774,7 +817,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             version = publish()
             t3 = time.perf_counter()
             tasks_done += ntasks
-            metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch_of.pop(step, 0)),
+            metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch),
+                       "async/start_lag_max": float(start_lag),
                        "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                        "time/elapsed": t3 - t_start}
             s1 = step + 1

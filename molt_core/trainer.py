@@ -157,7 +157,8 @@ def build_batch(
     Raises:
         IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
             rollout without sampled tokens, misaligned per-token fields, an id out of range,
-            a sampled token at position 0, a sampled token outside every span, conflicting
+            a sampled token at position 0, a segment with sampled tokens and no span, a
+            sampled token outside every span, conflicting
             overlapping spans, or missing/misaligned teacher logprobs.
     """
     usable = [t for t in trajectories if t.status == "ok"]
@@ -253,7 +254,13 @@ def build_batch(
     pid = torch.full((len(flat_ids),), -1, dtype=torch.long)
     for b, (r, seg, j) in enumerate(rows):
         off = int(starts[b])
-        for k, sp in enumerate(seg.span_params()):
+        if not seg.spans and any(seg.loss_mask):
+            raise IngressError(
+                f"{where[b]}: sampled tokens but no sampled span (spans is empty); the trainer cannot know "
+                "which temperature/top-k/top-p sampled them -- record SampledSpan(start, end, temperature, "
+                "top_k, top_p) for every run of sampled tokens (the ledger does)"
+            )
+        for k, sp in enumerate(seg.spans):
             if sp.end > lens[b]:
                 raise IngressError(f"{where[b]}: spans[{k}] ends at {sp.end} beyond the {lens[b]} tokens")
             key = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
@@ -577,6 +584,10 @@ class Trainer:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
         self.vocab_size = _model_vocab(self.model)
+        from molt_core.version_history import VersionHistory
+
+        #: weights of the last ``max_staleness`` versions, for the on-policy consistency measure
+        self.history = VersionHistory(cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0)
         self._init_routing(replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
@@ -636,11 +647,16 @@ class Trainer:
         backend is active) and record the selection actually used (first forward per row
         block in a step)."""
         rec = batch.routed_experts
-        if model is not self.model or self._route_recorder is None or rec is None:
+        shadow = model is self.history.shadow  # an older version's weights: replay, no record
+        if (model is not self.model and not shadow) or self._route_recorder is None or rec is None:
             yield
             return
         rec = rec[rows, :T]
         replay = self.replay_backend.replay(model, rec) if self.replay_backend is not None and self._replaying else nullcontext()
+        if shadow:
+            with replay:
+                yield
+            return
         with self._route_recorder, replay:
             yield
             used = self._route_recorder.take()
@@ -791,13 +807,18 @@ class Trainer:
             ``ingress/refused_rollouts``, ``ledger/context_reencoded_tokens``; only these,
             ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
             left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
-            sampled tokens, before the update), ``invariants/logprob_absdiff_max_onpolicy``
-            (tokens sampled at the current version; omitted if none),
+            sampled in-support tokens, before the update: policy drift plus mismatch),
+            ``invariants/logprob_absdiff_max_onpolicy`` / ``_mean_onpolicy`` (every step,
+            async included: each measured token against the weights of the version that
+            sampled it -- the proximal logprobs for the current version, a recompute under a
+            held older version otherwise; see :mod:`molt_core.version_history`; NaN when
+            nothing could be measured), ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
             for an MoE policy with recorded routing the R3 metrics of
             :meth:`_routing_metrics` (``invariants/routing_flip_rate``,
             ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
-            ``invariants/staleness_max`` (over the rows the gate kept; see
-            :func:`molt_core.algo.correction.apply_correction`), ``correction/*``, ``loss/*`` (``loss/total``,
+            ``invariants/staleness_max`` (over every sampled token, before the gate; see
+            :func:`molt_core.algo.correction.apply_correction`), ``correction/*`` (incl.
+            ``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
             (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
             0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
@@ -809,6 +830,7 @@ class Trainer:
             ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
             (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
             forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
+            ``time/onpolicy_check`` (recompute under older versions),
             ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 
         Raises:
@@ -835,21 +857,22 @@ class Trainer:
         def correct(prox: torch.Tensor, rows: slice = slice(None)):
             T = prox.shape[1]
             return apply_correction(cfg.correction, beh[rows, :T], batch.versions[rows, :T], prox, mask[rows, :T],
-                                    self.version, cfg.async_.max_staleness)
+                                    self.version, cfg.async_.max_staleness, seq_index=batch.rollout_index[rows])
 
         # 1. recompute (no grad): reference logprobs; proximal logprobs unless fused
-        fused = self.fused_recompute_ok()
+        fused = self.fused_recompute_ok(batch)
         t0 = time.perf_counter()
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
         old_values = self.critic_values(batch) if self.critic is not None else None
         if fused:
             # the gate depends on versions only: with proximal = behaviour it yields keep / loss mask
-            prox = ent = weights = None
+            prox = ent = weights = prox_ok = None
             train_mask = correct(beh).loss_mask
         else:
             prox, ent = self.recompute_logprobs(batch, with_entropy=True)
             corr = correct(prox)
             train_mask, weights = corr.loss_mask, corr.weights
+            prox_ok = _in_support(prox, beh, corr.out_of_support)
         t_recompute = time.perf_counter() - t0
         num_tokens = int(train_mask.sum())
 
@@ -857,15 +880,21 @@ class Trainer:
         metrics: dict[str, float] = dict(ingress)
         token_rewards = None
         if ref_lp is not None and cfg.algo.kl_as_reward:
-            token_rewards = (-self.kl_coef * kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)) * mask
+            token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * mask
         distill = cfg.algo.advantage == "on_policy_distill"
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
-            token_rewards=token_rewards, student_logprobs=prox if distill else None,
+            token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
-        # 3. update
+        # 3. update; first keep these weights as this version (for the on-policy measure of
+        # later steps) and measure this step's tokens sampled by older versions under theirs
+        t_check = time.perf_counter()
+        onpol = self._onpolicy_stale(batch)
+        t_check = time.perf_counter() - t_check
         t1 = time.perf_counter()
+        if num_tokens > 0:
+            self.history.record(self.version, self.model)
         lr = float(self.optimizer.param_groups[0]["lr"])
         if num_tokens == 0:
             metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
@@ -875,7 +904,8 @@ class Trainer:
         else:
             metrics["train/skipped"] = 0.0
             upd, fused_prox, fused_ent = self._update(batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
-                                                      correct if fused else None)
+                                                      correct if fused else None,
+                                                      None if fused else corr.out_of_support)
             metrics.update(upd)
             if fused:
                 prox, ent = fused_prox, fused_ent
@@ -888,12 +918,14 @@ class Trainer:
         if fused and not torch.equal(corr.loss_mask, train_mask):
             raise RuntimeError("internal: the fused recompute changed the gate's loss mask; report this bug")
         metrics.update({k: float(v) for k, v in corr.metrics.items()})  # incl. invariants/staleness_max
-        diff = (beh - prox).abs()[mask]
-        metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if n_sampled else 0.0
-        metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if n_sampled else 0.0
-        onpol = mask & (batch.versions == self.version)
-        if bool(onpol.any()):
-            metrics["invariants/logprob_absdiff_max_onpolicy"] = float((beh - prox).abs()[onpol].max())
+        from molt_core.version_history import onpolicy_metrics
+
+        oos = corr.out_of_support
+        metrics.update(onpolicy_metrics((beh - prox).abs()[mask & (batch.versions == self.version)], onpol))
+        prox = _in_support(prox, beh, oos)  # the metrics below are over in-support tokens
+        diff = (beh - prox).abs()[mask & ~oos]
+        metrics["invariants/logprob_absdiff_mean"] = float(diff.mean()) if diff.numel() else 0.0
+        metrics["invariants/logprob_absdiff_max"] = float(diff.max()) if diff.numel() else 0.0
         metrics.update(self._routing_metrics(batch, prox, noreplay))
         metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
         metrics["kl/behaviour_k3"] = float(kl_estimate(prox, beh, "k3")[mask].mean()) if n_sampled else 0.0
@@ -922,13 +954,22 @@ class Trainer:
                 self.kl_coef = float(self.kl_controller.value)
         wall = time.perf_counter() - t_start
         metrics["time/recompute"] = t_recompute
+        metrics["time/onpolicy_check"] = t_check
         metrics["time/train"] = t_train
         metrics["time/step"] = wall
         metrics["tokens_per_s"] = float(batch.lengths.sum()) / max(wall, 1e-9)
         metrics["train/step"] = float(self.step)
         return metrics
 
-    def fused_recompute_ok(self) -> bool:
+    def _onpolicy_stale(self, batch: Batch) -> torch.Tensor:
+        """|behaviour - recomputed| ``[N]`` of the batch's tokens sampled by older versions,
+        each under its own version's weights (see :mod:`molt_core.version_history`)."""
+        from molt_core.version_history import stale_absdiff
+
+        return stale_absdiff(batch, self.version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
+                             self.model, self.cfg.async_.onpolicy_rows)
+
+    def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
 
         With one PPO epoch the proximal policy *is* the policy being differentiated, so the
@@ -937,19 +978,24 @@ class Trainer:
         Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
         (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
         on them (not ``is_mode = "mask"``, which can reject tokens). ``fuse_recompute = False``
-        on the instance forces the separate pass.
+        on the instance forces the separate pass. With ``batch`` given, also not for
+        seq/geo weights when a rollout has several rows (its weight needs every row's proximal
+        logprobs, which one micro-batch's forward may not hold).
         """
         cfg = self.cfg
+        multi_row = batch is not None and bool((torch.bincount(batch.rollout_index) > 1).any())
         return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1
+                and not (multi_row and cfg.correction.is_level in ("seq", "geo"))
                 and cfg.algo.advantage != "on_policy_distill"
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
                 and not (cfg.correction.is_mode == "mask" and cfg.correction.is_level != "off"))
 
-    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct):
+    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None):
         """``ppo_epochs`` optimizer steps over the batch's micro-batches.
 
         With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
-        micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``.
+        micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
+        otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
 
         Returns:
             ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -981,14 +1027,21 @@ class Trainer:
                 if fused:
                     prox[rows, :T] = lp.detach().float().cpu()
                     ent_all[rows, :T] = ent.cpu()
-                    w = correct(prox[rows, :T], rows).weights
+                    c = correct(prox[rows, :T], rows)
+                    w, oos = c.weights, c.out_of_support
                 else:
-                    w = weights[rows, :T]
+                    w, oos = weights[rows, :T], out_of_support[rows, :T]
                 if not active:
                     continue
-                m = train_mask[rows, :T].to(dev)
-                loss, lm = policy_loss(cfg.algo, lp, prox[rows, :T].to(dev), adv[rows, :T].to(dev), m, w.to(dev),
-                                       num_tokens)
+                # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
+                # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
+                # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
+                # can push a token out of the current support too: same treatment.
+                oos = oos.to(dev) | ~torch.isfinite(lp.detach())
+                m = train_mask[rows, :T].to(dev) & ~oos
+                lp = torch.where(oos, torch.zeros((), device=dev), lp)
+                p_mb = torch.where(oos, torch.zeros((), device=dev), prox[rows, :T].to(dev))
+                loss, lm = policy_loss(cfg.algo, lp, p_mb, adv[rows, :T].to(dev), m, w.to(dev), num_tokens)
                 pol += float(loss.detach())
                 _merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
                 if ref_lp is not None and not cfg.algo.kl_as_reward and self.kl_coef > 0:
@@ -1135,7 +1188,15 @@ class Trainer:
         meta = json.loads((p / "state.json").read_text())
         self.step = int(meta["step"])
         self.version = int(meta["version"])
+        self.history.clear()  # older versions' weights are not in a checkpoint
         return meta["data_cursor"]
+
+
+def _in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
+    """``prox`` ``[B, T]`` with the behaviour logprob in place of ``-inf`` on out-of-support
+    tokens ``oos`` (``[B, T]`` bool), for consumers that need finite values (advantages, KL
+    and logprob-difference metrics over in-support tokens); None passes through."""
+    return None if prox is None else torch.where(oos, beh, prox)
 
 
 def _merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: float) -> None:

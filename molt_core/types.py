@@ -162,7 +162,9 @@ class Segment(_Strict):
       * ``versions`` -- policy version that sampled the token iff sampled, else None.
     Optional:
       * ``routed_experts`` -- ``[T, num_moe_layers, top_k]`` int expert ids, -1 where none (R3).
-      * ``spans`` -- sampled spans with their sampling transform (see :class:`SampledSpan`).
+      * ``spans`` -- sampled spans with their sampling transform (see :class:`SampledSpan`);
+        optional for the model, but the trainer refuses a segment with sampled tokens and no
+        span (it could not know the temperature / top-k / top-p that sampled them).
       * ``finish_reason`` -- of the last generation in the segment.
 
     Raises:
@@ -240,7 +242,8 @@ class Segment(_Strict):
         return min(vs) if vs else None
 
     def span_params(self) -> list[SampledSpan]:
-        """The sampled spans; when ``spans`` is empty, one T=1 span per contiguous sampled run."""
+        """The sampled spans; when ``spans`` is empty, one T=1 span per contiguous sampled run
+        (a convenience for building test data; trainer ingress requires explicit spans)."""
         if self.spans:
             return list(self.spans)
         out: list[SampledSpan] = []

@@ -50,8 +50,10 @@ def test_b10_oldest_version_decides_staleness():
     assert (c.weights[1] == 1).all()
     assert c.metrics["correction/gate_dropped"] == 1.0
     assert c.metrics["correction/gate_dropped_tokens"] == 128.0
-    assert c.metrics["invariants/staleness_max"] == 1.0
-    assert c.metrics["correction/staleness_max_seen"] == 2.0
+    # measured before the gate: the violation shows
+    assert c.metrics["invariants/staleness_max"] == 2.0
+    assert c.metrics["correction/staleness_max_kept"] == 1.0
+    assert c.metrics["correction/gated_frac"] == 0.5  # 128 of 256 sampled tokens
     assert c.metrics["correction/staleness_hist/2"] == 1.0 and c.metrics["correction/staleness_hist/1"] == 1.0
     c2 = apply_correction(CorrectionSection(), lp, versions, lp, mask, current_version=9, max_staleness=2)
     assert c2.keep.tolist() == [True, True] and c2.metrics["invariants/staleness_max"] == 2.0
@@ -67,7 +69,122 @@ def test_staleness_histogram_and_unsampled_rows():
     hist = {k: v for k, v in c.metrics.items() if k.startswith("correction/staleness_hist/")}
     assert hist == {"correction/staleness_hist/0": 1.0, "correction/staleness_hist/1": 2.0,
                     "correction/staleness_hist/3": 1.0}
-    assert c.metrics["correction/gate_dropped"] == 1.0 and c.metrics["invariants/staleness_max"] == 1.0
+    assert c.metrics["correction/gate_dropped"] == 1.0 and c.metrics["invariants/staleness_max"] == 3.0
+    assert c.metrics["correction/staleness_max_kept"] == 1.0
+    assert c.metrics["correction/gated_frac"] == pytest.approx(2 / 6)
+
+
+def test_fault_three_versions_stale_under_bound_one_is_flagged_and_clean_reads_zero():
+    """Fault injection: a token 3 versions stale under max_staleness = 1 shows in
+    invariants/staleness_max (3) and is gated (correction/gated_frac); the clean batch reads 0."""
+    cfg = CorrectionSection()
+    lp = torch.full((2, 3), -0.7)
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    clean = torch.tensor([[-1, 5, 5], [-1, 5, 5]])
+    c = apply_correction(cfg, lp, clean, lp, mask, current_version=5, max_staleness=1)
+    assert c.metrics["invariants/staleness_max"] == 0.0 and c.metrics["correction/gated_frac"] == 0.0
+    assert c.metrics["correction/gate_dropped"] == 0.0
+    fault = clean.clone()
+    fault[1, 1] = 2  # one token sampled by version 2, trained at version 5
+    c = apply_correction(cfg, lp, fault, lp, mask, current_version=5, max_staleness=1)
+    assert c.metrics["invariants/staleness_max"] == 3.0
+    assert c.keep.tolist() == [True, False]
+    assert c.metrics["correction/gate_dropped"] == 1.0
+    assert c.metrics["correction/gated_frac"] == 0.5  # the row's 2 of 4 sampled tokens
+    assert c.weights[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def _two_segment_rollout():
+    """Rollout 0 = rows 0 and 1 (a compaction split it), rollout 1 = row 2.
+    Row 0: versions 3, 4 with rho 2, 1; row 1: versions 5, 5 with rho 1.5, 0.5; row 2: v5, rho 0.8."""
+    beh = torch.full((3, 2), -1.0, dtype=torch.float64)
+    rhos = torch.tensor([[2.0, 1.0], [1.5, 0.5], [0.8, 1.0]], dtype=torch.float64)
+    prox = beh + rhos.log()
+    mask = torch.tensor([[True, True], [True, True], [True, False]])
+    ver = torch.tensor([[3, 4], [5, 5], [5, -1]])
+    return beh, ver, prox, mask, torch.tensor([0, 0, 1])
+
+
+def test_gate_acts_on_the_whole_rollout():
+    beh, ver, prox, mask, seq = _two_segment_rollout()
+    cfg = CorrectionSection(is_level="token", is_mode="trunc", high=10.0)
+    # per row (no seq_index): row 0 (oldest v3, staleness 2) is dropped, row 1 trains alone
+    c = apply_correction(cfg, beh, ver, prox, mask, 5, 1)
+    assert c.keep.tolist() == [False, True, True]
+    # per rollout: both segments share staleness 2 and are dropped together
+    c = apply_correction(cfg, beh, ver, prox, mask, 5, 1, seq_index=seq)
+    assert c.staleness.tolist() == [2, 2, 0]
+    assert c.keep.tolist() == [False, False, True]
+    assert c.metrics["correction/gate_dropped"] == 2.0 and c.metrics["correction/gated_frac"] == 0.8
+    close(c.weights, [[0.0, 0.0], [0.0, 0.0], [0.8, 0.0]])
+
+
+def test_seq_and_geo_weights_use_every_segment_of_the_rollout():
+    beh, ver, prox, mask, seq = _two_segment_rollout()
+    # seq: product over the rollout's 4 tokens = 2 * 1 * 1.5 * 0.5 = 1.5 on all of them
+    c = apply_correction(CorrectionSection(is_level="seq", is_mode="trunc", high=10.0), beh, ver, prox, mask, 5, 5,
+                         seq_index=seq)
+    close(c.weights, [[1.5, 1.5], [1.5, 1.5], [0.8, 0.0]])
+    # per row it would have been 2 on row 0 and 0.75 on row 1
+    c = apply_correction(CorrectionSection(is_level="seq", is_mode="trunc", high=10.0), beh, ver, prox, mask, 5, 5)
+    close(c.weights, [[2.0, 2.0], [0.75, 0.75], [0.8, 0.0]])
+    # geo: 1.5 ** (1/4) = 1.106682 over the rollout
+    c = apply_correction(CorrectionSection(is_level="geo", is_mode="trunc", high=10.0), beh, ver, prox, mask, 5, 5,
+                         seq_index=seq)
+    close(c.weights, [[1.5 ** 0.25] * 2, [1.5 ** 0.25] * 2, [0.8, 0.0]])
+    # Seq-MIS with high 1.4: the product 1.5 rejects the whole rollout, both segments
+    c = apply_correction(CorrectionSection(is_level="seq", is_mode="mask", low=0.0, high=1.4), beh, ver, prox, mask, 5,
+                         5, seq_index=seq)
+    assert c.loss_mask.tolist() == [[False, False], [False, False], [True, False]]
+    with pytest.raises(ValueError, match="seq_index must be an integer"):
+        apply_correction(CorrectionSection(), beh, ver, prox, mask, 5, 5, seq_index=seq[:2])
+
+
+def _oos_rows():
+    """Row 0: token 1 out of the recomputed support (proximal -inf), token 2 rho 1.5;
+    row 1: rho 1.2, 1.0 (in support)."""
+    beh = torch.full((2, 3), -1.0, dtype=torch.float64)
+    prox = beh.clone()
+    prox[0, 1] = -math.inf
+    prox[0, 2] = -1.0 + math.log(1.5)
+    prox[1, 1] = -1.0 + math.log(1.2)
+    mask = torch.tensor([[False, True, True], [False, True, True]])
+    return beh, torch.where(mask, 0, -1), prox, mask
+
+
+@pytest.mark.parametrize("level,mode,weights,loss_mask", [
+    ("token", "trunc", [[0, 0, 1.5], [0, 1.2, 1]], [[0, 1, 1], [0, 1, 1]]),
+    ("token", "clip", [[0, 0, 1.5], [0, 1.2, 1]], [[0, 1, 1], [0, 1, 1]]),
+    ("token", "mask", [[0, 0, 1.5], [0, 1.2, 1]], [[0, 0, 1], [0, 1, 1]]),
+    ("seq", "trunc", [[0, 0, 0], [0, 1.2, 1.2]], [[0, 1, 1], [0, 1, 1]]),   # product 0 on the row
+    ("seq", "clip", [[0, 0, 0.5], [0, 1.2, 1.2]], [[0, 1, 1], [0, 1, 1]]),  # clamped up to low = 0.5
+    ("seq", "mask", [[0, 0, 0], [0, 1.2, 1.2]], [[0, 0, 0], [0, 1, 1]]),    # the whole sequence rejected
+    ("geo", "mask", [[0, 0, 0], [0, 1.2 ** 0.5, 1.2 ** 0.5]], [[0, 0, 0], [0, 1, 1]]),
+    ("off", "trunc", [[0, 0, 1], [0, 1, 1]], [[0, 1, 1], [0, 1, 1]]),
+])
+def test_out_of_support_token_has_ratio_zero_and_never_raises(level, mode, weights, loss_mask):
+    beh, ver, prox, mask = _oos_rows()
+    low = 0.5 if mode == "clip" else 0.0
+    c = apply_correction(CorrectionSection(is_level=level, is_mode=mode, low=low, high=2.0), beh, ver, prox, mask, 0, 0)
+    close(c.weights, weights)
+    assert c.loss_mask.int().tolist() == loss_mask
+    assert c.out_of_support.tolist() == [[False, True, False], [False, False, False]]
+    assert c.metrics["correction/out_of_support_frac"] == 0.25
+    assert c.keep.all()
+
+
+def test_out_of_support_clean_reads_zero_and_nan_still_raises():
+    beh, ver, prox, mask = _oos_rows()
+    prox[0, 1] = -1.0
+    c = apply_correction(CorrectionSection(is_mode="mask"), beh, ver, prox, mask, 0, 0)
+    assert c.metrics["correction/out_of_support_frac"] == 0.0 and not c.out_of_support.any()
+    prox[0, 1] = math.nan
+    with pytest.raises(ValueError, match="proximal_logprobs must be finite or -inf"):
+        apply_correction(CorrectionSection(), beh, ver, prox, mask, 0, 0)
+    beh[0, 1] = -math.inf
+    prox[0, 1] = -1.0
+    with pytest.raises(ValueError, match="behaviour_logprobs must be finite"):
+        apply_correction(CorrectionSection(), beh, ver, prox, mask, 0, 0)
 
 
 def test_tis_token_trunc():
@@ -167,7 +284,8 @@ def test_property_on_policy_weights_are_one_and_nothing_gated(B, T, seed, level,
     assert torch.equal(c.weights, mask.float())
     assert torch.equal(c.loss_mask, mask)
     assert c.staleness.eq(0).all()
-    assert c.metrics["correction/gate_dropped"] == 0.0
+    assert c.metrics["correction/gate_dropped"] == 0.0 and c.metrics["correction/gated_frac"] == 0.0
+    assert c.metrics["invariants/staleness_max"] == 0.0 and c.metrics["correction/out_of_support_frac"] == 0.0
     assert c.metrics["correction/masked_frac"] == 0.0 and c.metrics["correction/clipped_frac"] == 0.0
 
 

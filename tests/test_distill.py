@@ -22,7 +22,7 @@ from molt_core.config import RunConfig, load_config
 from molt_core.models import load_model, load_tokenizer
 from molt_core.runtime import RolloutWorker
 from molt_core.trainer import Trainer
-from molt_core.types import Segment, Trajectory
+from molt_core.types import SampledSpan, Segment, Trajectory
 from molt_plugins.teachers.hf_teacher import HFTeacher, check_same_vocab
 from trainer_utils import tiny_cfg
 
@@ -98,9 +98,11 @@ def test_trainer_reports_reverse_kl_by_hand():
     tr = Trainer(cfg, model=BiasLM([2.0, 1.0, 0.0]))
     lp = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0]), 0).tolist()
     a = Trajectory(rollout_id="a", reward=0.0, info={"teacher_logprobs": [[None, -0.1, -3.0]]}, segments=[Segment(
-        token_ids=[2, 0, 1], loss_mask=[False, True, True], logprobs=[None, lp[0], lp[1]], versions=[None, 0, 0])])
+        token_ids=[2, 0, 1], loss_mask=[False, True, True], logprobs=[None, lp[0], lp[1]], versions=[None, 0, 0],
+        spans=[SampledSpan(start=1, end=3)])])
     b = Trajectory(rollout_id="b", reward=0.0, info={"teacher_logprobs": [[None, -1.0]]}, segments=[Segment(
-        token_ids=[2, 2], loss_mask=[False, True], logprobs=[None, lp[2]], versions=[None, 0])])
+        token_ids=[2, 2], loss_mask=[False, True], logprobs=[None, lp[2]], versions=[None, 0],
+        spans=[SampledSpan(start=1, end=2)])])
     m = tr.train_step([a, b])
     assert m["distill/reverse_kl"] == pytest.approx(-0.0409396, abs=1e-6)
     assert m["distill/reverse_kl"] == pytest.approx((7.1 - 3 * math.log(math.exp(2) + math.e + 1)) / 3, abs=1e-6)

@@ -152,7 +152,8 @@ def _b10_traj():
     # request dispatched at v7: generated tokens [0, 57) at v7, [57, 128) at v8
     vers = [None if i < p else (7 if i - p < 57 else 8) for i in range(n)]
     return Trajectory(rollout_id="b10", group_id="g", reward=1.0, segments=[Segment(
-        token_ids=ids, loss_mask=sampled, logprobs=[-2.0 if s else None for s in sampled], versions=vers)])
+        token_ids=ids, loss_mask=sampled, logprobs=[-2.0 if s else None for s in sampled], versions=vers,
+        spans=[SampledSpan(start=p, end=n)])])
 
 
 def test_b10_staleness_is_two_and_gated(base):
@@ -160,13 +161,14 @@ def test_b10_staleness_is_two_and_gated(base):
     tr.version = 9
     other = Trajectory(rollout_id="ok", group_id="g", reward=0.0, segments=[Segment(
         token_ids=[1, 5, 6, 7], loss_mask=[False, True, True, True], logprobs=[None, -1.0, -1.0, -1.0],
-        versions=[None, 8, 9, 9])])
+        versions=[None, 8, 9, 9], spans=[SampledSpan(start=1, end=4)])])
     before = clone_params(tr.model)
     m = tr.train_step([_b10_traj(), other])
-    assert m["correction/staleness_max_seen"] == 2.0
+    assert m["invariants/staleness_max"] == 2.0  # over every token that reached the trainer
     assert m["correction/staleness_hist/2"] == 1.0
     assert m["correction/gate_dropped"] == 1.0 and m["train/gated_sequences"] == 1.0
-    assert m["invariants/staleness_max"] == 1.0  # over the rows trained on
+    assert m["correction/staleness_max_kept"] == 1.0  # over the rows trained on
+    assert m["correction/gated_frac"] == 128 / 131
     assert m["train/action_tokens"] == 3.0
     assert tr.version == 10
     assert any(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())
@@ -197,11 +199,17 @@ def test_micro_batch_invariance(base, loss):
             seg.logprobs = [None if x is None else x - 0.05 for x in seg.logprobs]
         metrics.append(tr.train_step(t2))
         grads.append({k: p.grad.clone() for k, p in tr.model.named_parameters() if p.grad is not None})
+    # Tolerances fit float32 (eps = 2**-24 ~ 6e-8) at any thread count: the loss is a sum of
+    # ~150 per-token terms of size ~1 whose order depends on the micro-batching and on how many
+    # threads split each reduction; rounding is bounded by ~n * eps * sum|l| (Higham, Accuracy
+    # and Stability of Numerical Algorithms, 2nd ed., eq. 4.4) and is ~sqrt(n) * eps in
+    # practice, i.e. ~1e-6 relative. A real micro-batching bug (a wrong denominator, a token
+    # counted twice) moves the loss by >= 1 / num_tokens ~ 7e-3 and the gradients by far more.
     for g, m in zip(grads[1:], metrics[1:]):
-        assert m["loss/total"] == pytest.approx(metrics[0]["loss/total"], abs=1e-7)
+        assert m["loss/total"] == pytest.approx(metrics[0]["loss/total"], rel=1e-6, abs=1e-6)
         assert m["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
         for k in grads[0]:
-            torch.testing.assert_close(g[k], grads[0][k], rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(g[k], grads[0][k], rtol=1e-4, atol=1e-6)
 
 
 def test_ppo_epochs_two_second_epoch_is_off_proximal(base):
@@ -241,7 +249,9 @@ def test_kl_as_reward_needs_token_level_estimator(base):
 def _seg(ids, mask, lps=None, vers=None, spans=None):
     lps = lps or [-1.0 if m else None for m in mask]
     vers = vers or [0 if m else None for m in mask]
-    return Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, spans=spans or [])
+    if spans is None:  # one T=1 span over the sampled tokens
+        spans = [SampledSpan(start=mask.index(True), end=len(mask))] if any(mask) else []
+    return Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, spans=spans)
 
 
 def test_ingress_errors(base):
@@ -261,6 +271,10 @@ def test_ingress_errors(base):
     with pytest.raises(IngressError, match="lies in no sampled span"):
         tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True],
                                                  spans=[SampledSpan(start=1, end=2)])], reward=1.0)])
+    with pytest.raises(IngressError, match=r"rollout nospan, segment 1: sampled tokens but no sampled span"):
+        tr.train_step([Trajectory(rollout_id="nospan", segments=[_seg([1, 5, 6], [False, True, True]),
+                                                                 _seg([1, 5, 6], [False, True, True], spans=[])],
+                                  reward=1.0)])
     with pytest.raises(IngressError, match="overlaps another span"):
         tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True], spans=[
             SampledSpan(start=1, end=3), SampledSpan(start=2, end=3, temperature=0.5)])], reward=1.0)])
@@ -448,13 +462,15 @@ def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections):
     """With one PPO epoch the proximal logprobs taken from the loss forward equal a separate
     no-grad recompute bit for bit: same weights, metrics and correction after two steps."""
     runs = []
+    # seq/geo weights of a multi-segment rollout need all its rows: not fused (next test)
+    two = 0 if sections.get("correction", {}).get("is_level") in ("seq", "geo") else 4
     for fuse in (True, False):
         tr = make(base, trainer={"lr": 1e-2, **sections.get("trainer", {})},
                   **{k: v for k, v in sections.items() if k != "trainer"})
         tr.fuse_recompute = fuse
         ms = []
         for i in range(2):
-            trajs = synthetic_rollouts(40 + i, two_segments_every=4)
+            trajs = synthetic_rollouts(40 + i, two_segments_every=two)
             set_behaviour(tr, trajs, version=max(0, tr.version - i))  # step 2: one version stale
             for seg in trajs[0].segments:
                 seg.logprobs = [None if x is None else x - 0.3 for x in seg.logprobs]
@@ -466,9 +482,16 @@ def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections):
     for a, b in zip(mf, mu):
         for k in a:
             if not k.startswith(("time/", "tokens_per_s", "train/fused")):
-                assert a[k] == b[k], k
+                assert a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])), k
     for k in sf:
         assert torch.equal(sf[k], su[k]), k
+
+
+def test_seq_weights_of_a_multi_segment_rollout_are_not_fused(base):
+    tr = make(base, correction={"is_level": "seq", "is_mode": "trunc", "high": 2.0})
+    assert tr.fused_recompute_ok(build_batch(synthetic_rollouts(1, two_segments_every=0)))
+    assert not tr.fused_recompute_ok(build_batch(synthetic_rollouts(1, two_segments_every=2)))
+    assert make(base).fused_recompute_ok(build_batch(synthetic_rollouts(1, two_segments_every=2)))
 
 
 def test_mask_mode_uses_separate_recompute(base):
@@ -488,7 +511,8 @@ def test_on_policy_distill_hand_gradient():
     p = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), 0)
     s = float(torch.log(p[0]))
     t = Trajectory(rollout_id="d", reward=0.0, info={"teacher_logprobs": [[None, s + 0.5]]}, segments=[Segment(
-        token_ids=[2, 0], loss_mask=[False, True], logprobs=[None, s], versions=[None, 0])])
+        token_ids=[2, 0], loss_mask=[False, True], logprobs=[None, s], versions=[None, 0],
+        spans=[SampledSpan(start=1, end=2)])])
     m = tr.train_step([t])
     assert m["loss/ratio_max"] == 1.0
     want = (-0.5 * (torch.tensor([1.0, 0.0, 0.0]) - p)).tolist()

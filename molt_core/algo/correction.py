@@ -4,25 +4,39 @@ Every sampled token carries the behaviour logprob and the policy version it was 
 (a request may span several versions when a weight sync lands mid-generation). Before the
 loss, :func:`apply_correction` does two things, and nothing else in the project does them:
 
-(a) **Sequence gate.** ``staleness[b] = current_version - min(version of b's sampled tokens)``
-    -- the *oldest* token decides (issue 4, B10: tokens at v7 and v8 trained at v9 have
-    staleness 2, not 1). A row with ``staleness > max_staleness`` is dropped (``keep`` False,
-    weights 0) and counted in ``correction/gate_dropped``; nothing is dropped silently.
+(a) **Sequence gate.** A *sequence* is a whole rollout, all its segments (a rollout whose
+    context was rewritten has several rows; ``seq_index`` maps rows to rollouts).
+    ``staleness[s] = current_version - min(version of s's sampled tokens)`` -- the *oldest*
+    token decides (issue 4, B10: tokens at v7 and v8 trained at v9 have staleness 2, not 1).
+    A sequence with ``staleness > max_staleness`` is dropped in full, every row (``keep``
+    False, weights 0), and counted in ``correction/gate_dropped`` / ``correction/gated_frac``;
+    nothing is dropped silently. ``invariants/staleness_max`` is measured over *every* sampled
+    token that reached the trainer, before the gate, so a violation of the bound shows.
 
 (b) **Importance correction** of behaviour → proximal (the trainer's logprobs at the current
     version before the update), ``rho = pi_prox / pi_behaviour``, at level
 
     * ``off``   -- weight 1 on every kept sampled token;
     * ``token`` -- per-token ``rho_t``;
-    * ``seq``   -- the sequence product ``prod_t rho_t`` on every token of the row;
-    * ``geo``   -- the geometric mean ``exp(mean_t log rho_t)`` on every token of the row;
+    * ``seq``   -- the sequence product ``prod_t rho_t`` over every sampled token of the
+      rollout (all its segments), on every token of the rollout;
+    * ``geo``   -- the geometric mean ``exp(mean_t log rho_t)`` over the same tokens;
 
     and mode, with band ``[low, high]``:
 
     * ``trunc`` -- ``min(rho, high)`` (one-sided; ``low`` unused);
     * ``clip``  -- ``clamp(rho, low, high)``;
-    * ``mask``  -- ``rho`` inside the band, 0 outside (the token, or the whole row for
+    * ``mask``  -- ``rho`` inside the band, 0 outside (the token, or the whole rollout for
       seq/geo, is rejected).
+
+    **Out of support.** A sampled token that the trainer's recomputed top-k / top-p filter
+    removes has proximal logprob ``-inf`` (a stale token after a weight change, or bf16/fp32
+    drift at the k-th boundary): its ratio is 0. It never raises: under ``mask`` it is
+    rejected (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
+    ``clip`` its own weight is 0 (for seq/geo the rest of its rollout gets ``min(0, high) = 0``
+    under trunc, ``low`` under clip). It stays out of the gradient in every mode
+    (``Correction.out_of_support``) and is counted in
+    ``correction/out_of_support_frac``.
 
     Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
     2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
@@ -33,7 +47,8 @@ loss, :func:`apply_correction` does two things, and nothing else in the project 
     the Training-Inference Mismatch", Yingru Li and co-authors, 2025 blog,
     https://yingru.notion.site); ``geo`` + ``mask`` is its length-normalised (geometric-mean) form.
 
-Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens.
+Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens;
+``seq_index[b]`` the rollout of row ``b``.
 """
 
 from __future__ import annotations
@@ -54,21 +69,28 @@ class Correction:
     """Result of :func:`apply_correction`.
 
     Attributes:
-        keep: ``[B]`` bool, rows that passed the staleness gate.
+        keep: ``[B]`` bool, rows whose rollout passed the staleness gate.
         weights: ``[B, T]`` float32, detached importance weights; 0 on tokens that are not
-            sampled, on dropped rows, and on tokens rejected by ``is_mode = "mask"``.
-        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` (0 for a
-            row without sampled tokens).
-        metrics: ``invariants/staleness_max`` (over kept rows), ``correction/staleness_max_seen``
-            (all rows), ``correction/staleness_hist/<k>`` (row counts, all rows with sampled
-            tokens), ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
-            ``correction/tokens`` (sampled tokens of kept rows), ``correction/masked_frac`` and
-            ``correction/clipped_frac`` (fractions of those tokens), ``correction/is_weight_mean``,
-            ``_min``, ``_max`` (over ``loss_mask`` tokens), ``correction/log_ratio_abs_mean``
-            (mean ``|log pi_prox - log pi_behaviour|`` over kept tokens, before the band).
-        loss_mask: ``[B, T]`` bool, tokens that carry a (non-zero) weight: sampled, kept by the
-            gate, not rejected by mask mode. Count ``num_tokens`` over this to keep rejected
-            tokens out of the loss denominator.
+            sampled, on dropped rows, on out-of-support tokens and on tokens rejected by
+            ``is_mode = "mask"``.
+        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
+            row's rollout (0 for a rollout without sampled tokens).
+        metrics: ``invariants/staleness_max`` (over every sampled token, before the gate),
+            ``correction/staleness_max_kept`` (over the rows the gate kept),
+            ``correction/staleness_hist/<k>`` (row counts, all rows with sampled tokens),
+            ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
+            ``correction/gated_frac`` (dropped sampled tokens / all sampled tokens),
+            ``correction/out_of_support_frac`` (sampled tokens with proximal logprob -inf / all
+            sampled tokens), ``correction/tokens`` (sampled tokens of kept rows),
+            ``correction/masked_frac`` and ``correction/clipped_frac`` (fractions of those
+            tokens), ``correction/is_weight_mean``, ``_min``, ``_max`` (over ``loss_mask``
+            tokens), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox - log
+            pi_behaviour|`` over kept in-support tokens, before the band).
+        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens`` denominator):
+            sampled, kept by the gate, not rejected by mask mode. Under trunc/clip an
+            out-of-support token stays here with weight 0.
+        out_of_support: ``[B, T]`` bool, sampled tokens whose proximal logprob is -inf; the
+            caller keeps them out of the gradient (their logprob has no finite value).
     """
 
     keep: Tensor
@@ -76,10 +98,11 @@ class Correction:
     staleness: Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     loss_mask: Tensor | None = None
+    out_of_support: Tensor | None = None
 
 
 def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor, proximal_logprobs: Tensor,
-           mask: Tensor, current_version: int, max_staleness: int) -> None:
+           mask: Tensor, current_version: int, max_staleness: int, seq_index: Tensor | None) -> None:
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool [B, T] tensor, got {mask.dtype} shape {tuple(mask.shape)}")
     for name, x in (("behaviour_logprobs", behaviour_logprobs), ("versions", versions),
@@ -88,6 +111,12 @@ def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor,
             raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(x.shape)}")
     if versions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"versions must be an integer tensor (-1 where not sampled), got {versions.dtype}")
+    if seq_index is not None:
+        if seq_index.shape != mask.shape[:1] or seq_index.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"seq_index must be an integer [B] = [{mask.shape[0]}] tensor (row -> rollout), got "
+                             f"{seq_index.dtype} shape {tuple(seq_index.shape)}")
+        if seq_index.numel() and int(seq_index.min()) < 0:
+            raise ValueError("seq_index must be >= 0 (row -> rollout index)")
     if current_version < 0:
         raise ValueError(f"current_version must be >= 0, got {current_version}")
     if max_staleness < 0:
@@ -108,8 +137,20 @@ def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor,
             raise ValueError(f"versions[{b}, {t}] = {int(versions[b, t])} is newer than current_version="
                              f"{current_version}; the trainer's version must be the latest published one")
         bl, pl = behaviour_logprobs[mask], proximal_logprobs[mask]
-        if not (torch.isfinite(bl).all() and torch.isfinite(pl).all()):
-            raise ValueError("behaviour_logprobs and proximal_logprobs must be finite on sampled tokens")
+        if not torch.isfinite(bl).all():
+            raise ValueError("behaviour_logprobs must be finite on sampled tokens (the engine sampled them, so "
+                             "they had non-zero probability under the engine's own transform)")
+        if not (torch.isfinite(pl) | (pl == -math.inf)).all():
+            raise ValueError("proximal_logprobs must be finite or -inf (out of the recomputed support) on sampled "
+                             "tokens; NaN or +inf means a broken forward")
+
+
+def _per_sequence(x: Tensor, seq: Tensor, n_seq: int, reduce: str) -> Tensor:
+    """Reduce the per-row ``x`` ``[B]`` over rows of the same sequence and broadcast back to rows."""
+    init = {"amin": torch.iinfo(x.dtype).max if not x.is_floating_point() else math.inf, "sum": 0}[reduce]
+    out = torch.full((n_seq,), init, dtype=x.dtype)
+    out = out.scatter_reduce(0, seq, x, reduce=reduce, include_self=True)
+    return out[seq]
 
 
 def apply_correction(
@@ -120,6 +161,7 @@ def apply_correction(
     mask: Tensor,
     current_version: int,
     max_staleness: int,
+    seq_index: Tensor | None = None,
 ) -> Correction:
     """Staleness gate and behaviour→proximal importance correction (see module docstring).
 
@@ -128,41 +170,51 @@ def apply_correction(
         behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
         proximal_logprobs: ``[B, T]`` float, trainer's logprobs at ``current_version`` (before
-            the update); detached here.
+            the update), ``-inf`` on a token outside the recomputed top-k/top-p support;
+            detached here.
         mask: ``[B, T]`` bool, sampled tokens.
         current_version: the trainer's policy version (latest published).
         max_staleness: largest accepted staleness (``async.max_staleness``).
+        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``): the gate and
+            seq/geo weights act on the whole rollout. None: every row is its own sequence.
 
     Returns:
         :class:`Correction`.
 
     Raises:
         ValueError: shape/dtype mismatch; a sampled token with version -1 or newer than
-            ``current_version``; non-finite logprobs on sampled tokens; a band that rejects
-            weight 1 (``high < 1``, or ``low`` outside ``[0, 1]`` for clip/mask).
+            ``current_version``; a non-finite behaviour logprob, or a NaN/+inf proximal
+            logprob, on a sampled token; a band that rejects weight 1 (``high < 1``, or
+            ``low`` outside ``[0, 1]`` for clip/mask); a bad ``seq_index``.
     """
-    _check(cfg, behaviour_logprobs, versions, proximal_logprobs, mask, current_version, max_staleness)
+    _check(cfg, behaviour_logprobs, versions, proximal_logprobs, mask, current_version, max_staleness, seq_index)
     B, T = mask.shape
-    has_tok = mask.any(-1)
+    seq = torch.arange(B) if seq_index is None else seq_index.long()
+    n_seq = int(seq.max()) + 1 if B else 0
 
-    # (a) sequence gate on the OLDEST sampled-token version
+    # (a) sequence gate on the OLDEST sampled-token version of the whole rollout
     big = torch.iinfo(torch.int64).max
-    oldest = torch.where(mask, versions.long(), big).min(-1).values if T else torch.full((B,), big)
+    oldest_row = torch.where(mask, versions.long(), big).min(-1).values if T else torch.full((B,), big)
+    oldest = _per_sequence(oldest_row, seq, n_seq, "amin")
+    has_tok = oldest < big
     staleness = torch.where(has_tok, current_version - oldest, torch.zeros((), dtype=torch.long))
     keep = staleness <= max_staleness
     live = mask & keep[:, None]  # sampled tokens of kept rows
 
-    # (b) importance weights, float64
-    log_rho = torch.where(mask, proximal_logprobs.detach().double() - behaviour_logprobs.detach().double(), 0.0)
-    n_tok = mask.sum(-1, keepdim=True)
+    # (b) importance weights, float64; an out-of-support token has log rho = -inf (rho = 0)
+    prox = proximal_logprobs.detach().double()
+    oos = mask & (prox == -math.inf)
+    log_rho = torch.where(mask & ~oos, prox - behaviour_logprobs.detach().double(), 0.0)
+    log_rho = torch.where(oos, -math.inf, log_rho)
     if cfg.is_level == "off":
         log_w = torch.zeros_like(log_rho)
     elif cfg.is_level == "token":
         log_w = log_rho
     elif cfg.is_level == "seq":
-        log_w = log_rho.sum(-1, keepdim=True).expand(B, T)
+        log_w = _per_sequence(log_rho.sum(-1), seq, n_seq, "sum")[:, None].expand(B, T)
     elif cfg.is_level == "geo":
-        log_w = (log_rho.sum(-1, keepdim=True) / n_tok.clamp(min=1)).expand(B, T)
+        n_tok = _per_sequence(mask.sum(-1).double(), seq, n_seq, "sum")
+        log_w = (_per_sequence(log_rho.sum(-1), seq, n_seq, "sum") / n_tok.clamp(min=1))[:, None].expand(B, T)
     else:
         raise ValueError(f"correction.is_level must be off/token/seq/geo, got {cfg.is_level!r}")
 
@@ -181,31 +233,40 @@ def apply_correction(
             changed = (log_w > log_hi) | (log_w < log_lo)
             w = w.clamp(min=cfg.low, max=cfg.high)
         elif cfg.is_mode == "mask":
-            rejected = (log_w > log_hi) | (log_w < log_lo)
+            # ratio 0 (out of support) is outside every band, even low = 0
+            rejected = (log_w > log_hi) | (log_w < log_lo) | (log_w == -math.inf)
             w = torch.where(rejected, 0.0, w)
         else:
             raise ValueError(f"correction.is_mode must be mask/clip/trunc, got {cfg.is_mode!r}")
+    if cfg.is_mode == "mask" and cfg.is_level != "off":
+        rejected = rejected | oos
     loss_mask = live & ~rejected
-    weights = torch.where(loss_mask, w, 0.0).to(torch.float32)
+    weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)
 
     # metrics
+    n_all = int(mask.sum())
     n_live = int(live.sum())
     aw = weights[loss_mask].double()
-    st_all = staleness[has_tok]
-    st_kept = staleness[has_tok & keep]
+    tok_stale = current_version - versions.long()[mask]
+    st_all = staleness[has_tok & mask.any(-1)]
+    st_kept = staleness[has_tok & mask.any(-1) & keep]
+    gated = int((mask & ~keep[:, None]).sum())
     m: dict[str, float] = {
-        "invariants/staleness_max": float(st_kept.max()) if st_kept.numel() else 0.0,
-        "correction/staleness_max_seen": float(st_all.max()) if st_all.numel() else 0.0,
-        "correction/gate_dropped": float((~keep).sum()),
-        "correction/gate_dropped_tokens": float((mask & ~keep[:, None]).sum()),
+        "invariants/staleness_max": float(tok_stale.max()) if tok_stale.numel() else 0.0,
+        "correction/staleness_max_kept": float(st_kept.max()) if st_kept.numel() else 0.0,
+        "correction/gate_dropped": float((~keep & mask.any(-1)).sum()),
+        "correction/gate_dropped_tokens": float(gated),
+        "correction/gated_frac": gated / n_all if n_all else 0.0,
+        "correction/out_of_support_frac": float(oos.sum()) / n_all if n_all else 0.0,
         "correction/tokens": float(n_live),
         "correction/masked_frac": float((rejected & live).sum()) / n_live if n_live else 0.0,
         "correction/clipped_frac": float((changed & live).sum()) / n_live if n_live else 0.0,
         "correction/is_weight_mean": float(aw.mean()) if aw.numel() else 0.0,
         "correction/is_weight_min": float(aw.min()) if aw.numel() else 0.0,
         "correction/is_weight_max": float(aw.max()) if aw.numel() else 0.0,
-        "correction/log_ratio_abs_mean": float(log_rho[live].abs().mean()) if n_live else 0.0,
+        "correction/log_ratio_abs_mean": float(log_rho[live & ~oos].abs().mean()) if bool((live & ~oos).any()) else 0.0,
     }
     for k, c in zip(*torch.unique(st_all, return_counts=True)):
         m[f"correction/staleness_hist/{int(k)}"] = float(c)
-    return Correction(keep=keep, weights=weights, staleness=staleness, metrics=m, loss_mask=loss_mask)
+    return Correction(keep=keep, weights=weights, staleness=staleness, metrics=m, loss_mask=loss_mask,
+                      out_of_support=oos)

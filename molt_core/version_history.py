@@ -1,0 +1,161 @@
+"""Forward consistency on every step, async included: recompute under the behaviour version.
+
+``invariants/logprob_absdiff_max_onpolicy`` compares the engine's behaviour logprob of a
+sampled token with the trainer's logprob of the same token *under the weights that sampled
+it*. On-policy tokens (version = the trainer's current version) use the step's proximal
+logprobs. In an asynchronous run (``async.max_staleness >= 1``) most tokens were sampled by
+an older version, and their difference to the current weights mixes policy drift with
+engine/trainer mismatch; so the trainer keeps CPU copies of the last ``max_staleness``
+published versions (:class:`VersionHistory`) and recomputes a sample of the rows of each
+older version under that version's weights, in a shadow model. The difference is then a
+pure forward-consistency measure: 0 up to float rounding when engine and trainer run the
+same function, and it flags e.g. an engine sampling at a different temperature than the
+span records (tests/test_onpolicy_consistency.py).
+
+Cost: ``max_staleness`` state-dict copies on CPU and, per step, one extra no-grad forward over
+at most ``async.onpolicy_rows`` rows per older version present in the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+__all__ = ["VersionHistory", "onpolicy_metrics", "select_rows", "stale_absdiff"]
+
+
+class VersionHistory:
+    """CPU copies of the weights of the last ``keep`` policy versions, and one shadow model
+    to run a forward under any of them.
+
+    Args:
+        keep: how many versions to hold (``async.max_staleness``; 0 holds none).
+
+    Attributes:
+        shadow: the model the weights are loaded into (a deep copy of the policy, built on the
+            first :meth:`load`), or None.
+    """
+
+    def __init__(self, keep: int) -> None:
+        if keep < 0:
+            raise ValueError(f"VersionHistory keep must be >= 0, got {keep}")
+        self.keep = keep
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+        self.shadow: torch.nn.Module | None = None
+
+    def record(self, version: int, model: torch.nn.Module) -> None:
+        """Copy ``model``'s weights (CPU) as policy ``version``; keep only the newest ``keep``.
+
+        Call it with the weights the engines received as ``version`` -- in the trainer, just
+        before the optimizer step that turns them into ``version + 1``.
+        """
+        if self.keep == 0:
+            return
+        self._states[version] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        for old in sorted(self._states)[:-self.keep]:
+            del self._states[old]
+
+    def versions(self) -> list[int]:
+        """Versions held, oldest first."""
+        return sorted(self._states)
+
+    def clear(self) -> None:
+        """Forget every version (e.g. after loading a checkpoint: the engines' versions differ)."""
+        self._states.clear()
+
+    def load(self, version: int, like: torch.nn.Module) -> torch.nn.Module:
+        """The shadow model holding ``version``'s weights (built from ``like`` on first use).
+
+        Raises:
+            KeyError: ``version`` is not held.
+        """
+        if version not in self._states:
+            raise KeyError(f"policy version {version} is not held (held: {self.versions()})")
+        if self.shadow is None:
+            self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
+        self.shadow.load_state_dict(self._states[version])
+        return self.shadow
+
+
+def select_rows(batch, rows: torch.Tensor):
+    """The :class:`~molt_core.trainer.Batch` restricted to ``rows`` (``[N]`` long); rewards and
+    groups are kept whole (only the per-row fields are indexed)."""
+    per_row = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)
+               if f.name in ("input_ids", "mask", "behaviour_logprobs", "versions", "param_ids", "lengths",
+                             "rollout_index", "teacher_logprobs", "routed_experts")
+               and getattr(batch, f.name) is not None}
+    return dataclasses.replace(batch, **per_row)
+
+
+def _spread(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """At most ``n`` entries of ``idx``, evenly spaced (all of them when ``n < 0``)."""
+    if n < 0 or idx.numel() <= n:
+        return idx
+    return idx[torch.linspace(0, idx.numel() - 1, n).round().long()]
+
+
+def stale_absdiff(batch, current_version: int, history: VersionHistory,
+                  recompute: Callable[[object, torch.nn.Module], torch.Tensor], like: torch.nn.Module,
+                  max_rows: int = -1) -> torch.Tensor:
+    """``|behaviour - logprob under the behaviour version|`` of sampled tokens that an *older*
+    version sampled, for every older version ``history`` holds.
+
+    Args:
+        batch: the step's :class:`~molt_core.trainer.Batch` (``mask``, ``versions``,
+            ``behaviour_logprobs`` ``[B, T]``).
+        current_version: the trainer's version (its tokens are measured with the proximal
+            logprobs instead, see :func:`onpolicy_metrics`).
+        history: weights of older versions.
+        recompute: ``recompute(sub_batch, model) -> [N, T] float32`` logprobs of the sampled
+            tokens of ``sub_batch`` under ``model`` (the trainer's ``recompute_logprobs``).
+        like: the policy (template for the shadow model).
+        max_rows: rows recomputed per older version (an evenly spaced sample; < 0: all; 0: none).
+
+    Returns:
+        ``[N]`` float64 absolute differences in nats (``inf`` for a token outside the support
+        its own version recomputes -- a forward-consistency violation too).
+    """
+    mask, ver = batch.mask, batch.versions
+    out = [torch.zeros(0, dtype=torch.float64)]
+    if max_rows == 0:
+        return out[0]
+    for v in history.versions():
+        if v >= current_version:
+            continue
+        tok = mask & (ver == v)
+        rows = _spread(tok.any(-1).nonzero().flatten(), max_rows)
+        if rows.numel() == 0:
+            continue
+        sub = select_rows(batch, rows)
+        lp = recompute(sub, history.load(v, like))
+        out.append((sub.behaviour_logprobs - lp).abs()[tok[rows]].double())
+    return torch.cat(out)
+
+
+def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, float]:
+    """Forward-consistency metrics from the absolute logprob differences (nats) of tokens
+    measured under the version that sampled them.
+
+    Args:
+        current: ``[N1]`` float, tokens sampled at the trainer's current version (behaviour vs
+            proximal).
+        stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
+
+    Returns:
+        ``invariants/logprob_absdiff_max_onpolicy`` and ``_mean_onpolicy`` (NaN -- logged as
+        null -- when no token could be measured, e.g. on the first step after a resume, whose
+        older versions are not held), ``invariants/onpolicy_tokens`` (tokens measured),
+        ``invariants/onpolicy_stale_tokens`` (of those, sampled by an older version).
+    """
+    d = torch.cat([current.double().flatten(), stale.double().flatten()])
+    n = d.numel()
+    return {
+        "invariants/logprob_absdiff_max_onpolicy": float(d.max()) if n else math.nan,
+        "invariants/logprob_absdiff_mean_onpolicy": float(d.mean()) if n else math.nan,
+        "invariants/onpolicy_tokens": float(n),
+        "invariants/onpolicy_stale_tokens": float(stale.numel()),
+    }
