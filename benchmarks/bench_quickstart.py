@@ -208,7 +208,7 @@ def run_molt(args: Any, sft_model: Path, seed: int, staleness: int, out: Path) -
         raise RuntimeError(f"molt run exited {rc}; log {out / 'molt_run.log'}:\n{tail}")
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) >= 1]
-    from molt_core.trainer import latest_checkpoint
+    from molt_core.train import latest_checkpoint
 
     ck = latest_checkpoint(out / "run")
     if ck is None:

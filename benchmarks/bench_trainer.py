@@ -1,4 +1,4 @@
-"""Trainer step time: molt-sdk's :class:`~molt_core.trainer.Trainer` vs TRL's ``GRPOTrainer``
+"""Trainer step time: molt-sdk's :class:`~molt_core.train.Trainer` vs TRL's ``GRPOTrainer``
 on the same tiny model, batch and data, interleaved step by step in one run.
 
 Setup (``/work/shared/BENCHMARKS.md``): builtin tiny Qwen3 (~0.85M parameters), 2-digit
@@ -79,7 +79,7 @@ def main() -> None:
 
     from molt_core.config import RunConfig
     from molt_core.models import load_model, load_tokenizer
-    from molt_core.trainer import Trainer, build_batch
+    from molt_core.train import Trainer, build_batch
     from molt_core.types import SampledSpan, Segment, Trajectory
 
     tok = load_tokenizer(args.model)

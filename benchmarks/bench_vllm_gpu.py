@@ -129,7 +129,7 @@ def main() -> None:
           and check_tokens(traj) == TokenCheck(0, 0), f"{len(sampled)} sampled ids identical, each the engine's record")
 
     from molt_core.config import RunConfig
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
 
     cfg = RunConfig.model_validate({"model": {"path": args.model, "dtype": args.dtype}, "trainer": {"num_gpus": 1}})
     tr = Trainer(cfg, model=copy.deepcopy(hf), tokenizer=tok)

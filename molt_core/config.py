@@ -209,7 +209,7 @@ class EvalSection(_Section):
 class SftSection(_Section):
     """``[sft]``: warm start before RL (``steps`` 0 disables): ``lr`` (peak AdamW LR) with
     ``warmup_steps`` of linear warmup and ``lr_schedule`` (constant / linear / cosine decay over
-    ``steps``, as :func:`molt_core.trainer.lr_factor`), ``batch_size``, ``label_noise``
+    ``steps``, as :func:`molt_core.train.lr_factor`), ``batch_size``, ``label_noise``
     (fraction of deliberately wrong targets), ``n_examples``. ``molt sft`` and the warm start
     inside ``molt run`` run the same computation with ``run.threads`` torch threads."""
 

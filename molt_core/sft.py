@@ -90,12 +90,12 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
     of the batch (raw distribution, T = 1).
 
     Args:
-        trainer: a :class:`molt_core.trainer.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
+        trainer: a :class:`molt_core.train.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
         examples: ``(messages, completion)`` pairs.
         steps: optimizer steps (0 returns at once).
         batch_size: examples per step.
         lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
-            lr_schedule)`` (:func:`molt_core.trainer.lr_factor`: linear warmup, then constant,
+            lr_schedule)`` (:func:`molt_core.train.lr_factor`: linear warmup, then constant,
             linear or cosine decay to 0 at the last step).
         seed: shuffle seed.
         log: called as ``log(step, {"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"})``.
@@ -112,7 +112,7 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
     Raises:
         ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``.
     """
-    from molt_core.trainer import lr_factor
+    from molt_core.train import lr_factor
 
     lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
     if steps <= 0:
@@ -282,7 +282,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     from pathlib import Path
 
     from molt_core.runtime import load_agent
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
 
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps is 0: nothing to do; set it in the recipe's [sft] table or --set sft.steps=N")

@@ -82,7 +82,7 @@ class VersionHistory:
 
 
 def select_rows(batch, rows: torch.Tensor):
-    """The :class:`~molt_core.trainer.Batch` restricted to ``rows`` (``[N]`` long); rewards and
+    """The :class:`~molt_core.train.Batch` restricted to ``rows`` (``[N]`` long); rewards and
     groups are kept whole (only the per-row fields are indexed)."""
     per_row = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)
                if f.name in ("input_ids", "mask", "behaviour_logprobs", "versions", "param_ids", "lengths",
@@ -105,7 +105,7 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
     version sampled, for every older version ``history`` holds.
 
     Args:
-        batch: the step's :class:`~molt_core.trainer.Batch` (``mask``, ``versions``,
+        batch: the step's :class:`~molt_core.train.Batch` (``mask``, ``versions``,
             ``behaviour_logprobs`` ``[B, T]``).
         current_version: the trainer's version (its tokens are measured with the proximal
             logprobs instead, see :func:`onpolicy_metrics`).

@@ -84,7 +84,7 @@ def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
     the bound reaches the trainer with old tokens and the gate drops it, visibly. Simulated
     in-process: ``wait`` hands back the newest launches first, so the first step's second
     launch is the slow one and is trained only at the last step, 3 versions late."""
-    from molt_core import runtime
+    from molt_core.runtime import loop as runtime
 
     monkeypatch.setattr(runtime._Local, "wait",
                         lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))

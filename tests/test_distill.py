@@ -21,7 +21,7 @@ import torch
 from molt_core.config import RunConfig, load_config
 from molt_core.models import load_model, load_tokenizer
 from molt_core.runtime import RolloutWorker
-from molt_core.trainer import Trainer
+from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
 from molt_plugins.teachers.hf_teacher import HFTeacher, check_same_vocab
 from trainer_utils import tiny_cfg

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from molt_core.sampling import processed_logprobs
-from molt_core.trainer import Trainer
+from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
 from molt_core.version_history import VersionHistory, onpolicy_metrics
 from trainer_utils import tiny_cfg

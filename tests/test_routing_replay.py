@@ -261,7 +261,7 @@ def _rollouts(engine, n: int = 16, max_tokens: int = 16):
 
 def _trainer(replay: bool, **kw):
     from molt_core.config import RunConfig
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
 
     cfg = RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": replay}, **kw})
     return Trainer(cfg)
@@ -340,7 +340,7 @@ def test_replay_to_wrong_experts_is_flagged(bf16_rollouts):
     shifted by one expert mod 4 is never the same set); the correct backend reads 0.
     The flip rate stays the natural router's against the record (> 0), equal in both runs."""
     from molt_core.config import RunConfig
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
 
     cfg = RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": True}})
     good = Trainer(cfg, replay_backend=Qwen3MoeReplay()).train_step(bf16_rollouts)
@@ -362,7 +362,7 @@ def test_flip_rate_counts_scoring_positions():
 
 
 def test_ingress_rejects_mismatched_routing(bf16_rollouts):
-    from molt_core.trainer import IngressError, build_batch
+    from molt_core.train import IngressError, build_batch
 
     a, b = bf16_rollouts[0].model_copy(deep=True), bf16_rollouts[1].model_copy(deep=True)
     b.segments[0].routed_experts = [row[:3] for row in b.segments[0].routed_experts]  # 3 layers, not 4
@@ -378,7 +378,7 @@ def test_moe_without_backend_is_refused():
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     from molt_core.config import RunConfig
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
 
     cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                          shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from molt_core.models import load_model, load_tokenizer
-from molt_core.trainer import IngressError, Trainer, build_batch, lr_factor, token_logprobs
+from molt_core.train import IngressError, Trainer, build_batch, lr_factor, token_logprobs
 from molt_core.types import SampledSpan, Segment, Trajectory
 from trainer_utils import (clone_params, record_engine_ids, resample_completions, set_behaviour, synthetic_rollouts,
                            tiny_cfg)
@@ -557,7 +557,7 @@ def test_gae_critic_first_step_by_hand_and_learns(base):
 
 
 def test_value_model_alignment(base):
-    from molt_core.trainer import ValueModel
+    from molt_core.train import ValueModel
 
     model, _ = base
     vm = ValueModel(model)

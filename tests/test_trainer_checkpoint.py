@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from molt_core.models import load_model, load_tokenizer
-from molt_core.trainer import Trainer, latest_checkpoint, list_checkpoints
+from molt_core.train import Trainer, latest_checkpoint, list_checkpoints
 from trainer_utils import set_behaviour, synthetic_rollouts, tiny_cfg
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     import torch
     torch.set_num_threads(1)
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
     from test_trainer_checkpoint import SECTIONS, step
     from trainer_utils import tiny_cfg
     tr = Trainer(tiny_cfg(**SECTIONS))

@@ -246,7 +246,7 @@ def test_trainer_recompute_absdiff_reported_each_step(fresh, hf):
     """Rollouts from vLLM -> Trainer.train_step reports invariants/logprob_absdiff_max
     (behaviour vs recompute) <= BOUND at step 1; publish -> version 1 in vLLM -> step 2 the
     same. A missed reload would show as a large |delta| at step 2."""
-    from molt_core.trainer import Trainer
+    from molt_core.train import Trainer
     from trainer_utils import tiny_cfg
 
     model, tok = hf

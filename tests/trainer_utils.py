@@ -62,7 +62,7 @@ def record_engine_ids(trajectories: list[Trajectory]) -> None:
 
 def set_behaviour(trainer, trajectories: list[Trajectory], version: int | None = None) -> None:
     """Overwrite behaviour logprobs (and versions) with the trainer's own recompute."""
-    from molt_core.trainer import build_batch
+    from molt_core.train import build_batch
 
     batch = build_batch(trajectories, trainer.pad_id, trainer.vocab_size)
     lp, _ = trainer.recompute_logprobs(batch)

@@ -6,7 +6,7 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
 
 1. **Ingress**: every action token is checked against the engine's record of what it
    sampled (:func:`molt_core.identity.screen`; a rollout with a mismatching token is refused,
-   counted in ``invariants/tokens_retokenized``); then :func:`build_batch`: rows are segments
+   counted in ``invariants/tokens_retokenized``); then :func:`molt_core.train.ingress.build_batch`: rows are segments
    (a rollout with a rewritten context has several rows sharing one reward), right-padded;
    per-token lengths, sampled-token spans and token ids are re-checked, and each row points at
    its rollout, each rollout at its group (one reward per rollout).
@@ -28,7 +28,7 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
    ``version += 1`` (the :class:`~molt_core.types.PolicyVersion` the next publish carries).
    For ``gae`` a critic (:class:`ValueModel`) gives the values and is updated alongside.
 
-Checkpoints (:meth:`Trainer.save_checkpoint`) are Hugging Face-loadable directories
+Checkpoints (:meth:`Trainer.save_checkpoint`, :mod:`molt_core.train.checkpoint`) are Hugging Face-loadable directories
 (``save_pretrained``, safetensors, tokenizer) plus optimizer, scheduler, RNG states, step,
 version and the caller's data cursor, written atomically (temp dir + rename) and pruned to
 ``checkpoint.keep``.
@@ -40,303 +40,21 @@ is only exactly 1 on-policy if the recompute and the loss forward are the same f
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
-import random
-import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from molt_core.config import RunConfig
 from molt_core.sampling import processed_logprobs
+from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
+from molt_core.train.ingress import Batch, IngressError, build_batch
 from molt_core.types import Trajectory
 
-__all__ = [
-    "Batch",
-    "IngressError",
-    "Trainer",
-    "ValueModel",
-    "build_batch",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "lr_factor",
-    "token_logprobs",
-]
-
-CHECKPOINT_DIR = "checkpoints"
-_CKPT_PREFIX = "step_"
-
-
-class IngressError(ValueError):
-    """A trajectory handed to the trainer is malformed (token identity would be violated).
-
-    The message names the rollout, the segment index and the field.
-    """
-
-
-# ---------------------------------------------------------------------------------------
-# batch construction (trainer ingress)
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Batch:
-    """A padded training batch; rows are segments, ``B`` rows of ``T`` tokens (right-padded).
-
-    Per-token tensors index *tokens* (position ``t`` is token ``t``; its logprob comes from
-    the logits at ``t - 1``, so position 0 is never sampled):
-
-    * ``input_ids`` ``[B, T]`` int64 -- token ids, ``pad_id`` past each row's length.
-    * ``mask`` ``[B, T]`` bool -- True exactly on sampled tokens.
-    * ``behaviour_logprobs`` ``[B, T]`` float32 -- the engine's logprob, 0 where not sampled.
-    * ``versions`` ``[B, T]`` int64 -- policy version that sampled the token, -1 elsewhere.
-    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of the sampling transform of
-      each sampled token, -1 elsewhere.
-    * ``params`` -- distinct ``(temperature, top_k, top_p)`` transforms.
-    * ``lengths`` ``[B]`` int64 -- unpadded row lengths.
-    * ``rollout_index`` ``[B]`` int64 -- row -> rollout (index into ``rewards``).
-    * ``rewards`` ``[R]`` float32 -- one reward per rollout.
-    * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
-      ``group_id`` is a group of its own).
-    * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
-    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
-      per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
-    """
-
-    input_ids: torch.Tensor
-    mask: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    versions: torch.Tensor
-    param_ids: torch.Tensor
-    params: list[tuple[float, int, float]]
-    lengths: torch.Tensor
-    rollout_index: torch.Tensor
-    rewards: torch.Tensor
-    group_index: torch.Tensor
-    teacher_logprobs: torch.Tensor | None
-    routed_experts: torch.Tensor | None = None
-
-    @property
-    def size(self) -> int:
-        """Number of rows ``B``."""
-        return int(self.input_ids.shape[0])
-
-
-def build_batch(
-    trajectories: Sequence[Trajectory],
-    pad_id: int = 0,
-    vocab_size: int | None = None,
-    need_teacher: bool = False,
-) -> Batch:
-    """Collate usable trajectories into a :class:`Batch` (trainer ingress).
-
-    Trajectories with ``status == "failed"`` are skipped (excluded, never scored 0); the
-    rest must carry a reward. Re-checks what the :class:`~molt_core.types.Segment`
-    validators check (the objects may have been mutated or built with ``model_construct``)
-    plus what only the trainer knows: ids below ``vocab_size``, no sampled token at position
-    0 (it has no context to be predicted from), and every sampled token inside exactly one
-    sampled span.
-
-    Args:
-        trajectories: finished rollouts.
-        pad_id: id used for right padding (never attended to by a causal model).
-        vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
-        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
-            with one per-token list per segment, a float on each sampled token.
-
-    Returns:
-        The padded :class:`Batch`.
-
-    Raises:
-        IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
-            rollout without sampled tokens, misaligned per-token fields, an id out of range,
-            a sampled token at position 0, a segment with sampled tokens and no span, a
-            sampled token outside every span, conflicting
-            overlapping spans, or missing/misaligned teacher logprobs.
-    """
-    usable = [t for t in trajectories if t.status == "ok"]
-    if not usable:
-        raise IngressError(
-            f"no usable trajectory: all {len(trajectories)} are failed or the list is empty; "
-            "the trainer needs at least one ok trajectory with a reward"
-        )
-    rows: list[tuple[int, Any, int]] = []  # (rollout idx, segment, segment idx)
-    rewards: list[float] = []
-    group_of: list[int] = []
-    groups: dict[str, int] = {}
-    seen: set[str] = set()
-    for traj in usable:
-        rid = traj.rollout_id
-        if rid in seen:
-            raise IngressError(f"rollout_id {rid!r} appears twice; each rollout is one Trajectory (its segments share it)")
-        seen.add(rid)
-        if traj.reward is None:
-            raise IngressError(f"rollout {rid}: reward is None; score it (or mark it failed) before training")
-        if not math.isfinite(traj.reward):
-            raise IngressError(f"rollout {rid}: reward {traj.reward} is not finite")
-        if not traj.segments:
-            raise IngressError(f"rollout {rid}: no segments")
-        if traj.num_sampled == 0:
-            raise IngressError(f"rollout {rid}: no sampled token in any segment (loss_mask is all False); nothing to train on")
-        r = len(rewards)
-        rewards.append(float(traj.reward))
-        if traj.group_id:
-            group_of.append(groups.setdefault(traj.group_id, len(groups)))
-        else:
-            group_of.append(groups.setdefault(f"\0{rid}", len(groups)))
-        for j, seg in enumerate(traj.segments):
-            rows.append((r, seg, j))
-
-    # flatten every per-token field once; check and pad vectorised
-    B = len(rows)
-    where = [f"rollout {usable[r].rollout_id}, segment {j}" for r, _, j in rows]
-    flat_ids: list[int] = []
-    flat_mask: list[bool] = []
-    flat_lp: list[float] = []
-    flat_v: list[int] = []
-    lens: list[int] = []
-    for b, (r, seg, j) in enumerate(rows):
-        n = len(seg.token_ids)
-        if n == 0:
-            raise IngressError(f"{where[b]}: empty segment (no token_ids)")
-        for name in ("loss_mask", "logprobs", "versions"):
-            if len(getattr(seg, name)) != n:
-                raise IngressError(f"{where[b]}: {name} has length {len(getattr(seg, name))}, token_ids has {n}")
-        lens.append(n)
-        flat_ids += seg.token_ids
-        flat_mask += seg.loss_mask
-        flat_lp += [math.nan if x is None else x for x in seg.logprobs]
-        flat_v += [-1 if x is None else x for x in seg.versions]
-    lengths = torch.tensor(lens, dtype=torch.long)
-    T = max(lens)
-    ids = torch.tensor(flat_ids, dtype=torch.long)
-    m = torch.tensor(flat_mask, dtype=torch.bool)
-    lp = torch.tensor(flat_lp, dtype=torch.float64)
-    v = torch.tensor(flat_v, dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(B), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    pos = torch.arange(len(flat_ids)) - starts[row]
-
-    def first_bad(bad: torch.Tensor) -> tuple[int, int, int] | None:
-        if not bool(bad.any()):
-            return None
-        k = int(bad.nonzero()[0])
-        return int(row[k]), int(pos[k]), k
-
-    hi = vocab_size if vocab_size is not None else None
-    bad = first_bad((ids < 0) | (ids >= hi) if hi is not None else ids < 0)
-    if bad:
-        b, i, k = bad
-        raise IngressError(f"{where[b]}: token_ids[{i}] = {flat_ids[k]} is outside the vocabulary [0, {vocab_size})")
-    bad = first_bad(m & (pos == 0))
-    if bad:
-        raise IngressError(f"{where[bad[0]]}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
-    bad = first_bad((m & (~torch.isfinite(lp) | (lp > 0) | (v < 0))) | (~m & (~torch.isnan(lp) | (v != -1))))
-    if bad:
-        b, i, k = bad
-        seg = rows[b][1]
-        raise IngressError(
-            f"{where[b]}: token {i} (loss_mask {flat_mask[k]}) has logprob {seg.logprobs[i]!r} and version "
-            f"{seg.versions[i]!r}; a sampled token needs a finite logprob <= 0 and a version >= 0, "
-            "a non-sampled token neither"
-        )
-
-    # sampling transform of each sampled token, from the spans
-    params: list[tuple[float, int, float]] = []
-    pindex: dict[tuple[float, int, float], int] = {}
-    pid = torch.full((len(flat_ids),), -1, dtype=torch.long)
-    for b, (r, seg, j) in enumerate(rows):
-        off = int(starts[b])
-        if not seg.spans and any(seg.loss_mask):
-            raise IngressError(
-                f"{where[b]}: sampled tokens but no sampled span (spans is empty); the trainer cannot know "
-                "which temperature/top-k/top-p sampled them -- record SampledSpan(start, end, temperature, "
-                "top_k, top_p) for every run of sampled tokens (the ledger does)"
-            )
-        for k, sp in enumerate(seg.spans):
-            if sp.end > lens[b]:
-                raise IngressError(f"{where[b]}: spans[{k}] ends at {sp.end} beyond the {lens[b]} tokens")
-            key = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
-            c = pindex.setdefault(key, len(params))
-            if c == len(params):
-                params.append(key)
-            view = pid[off + sp.start: off + sp.end]  # a view: writes land in pid
-            sampled = m[off + sp.start: off + sp.end]
-            prev = view[sampled]
-            if bool(((prev != -1) & (prev != c)).any()):
-                raise IngressError(f"{where[b]}: spans[{k}] overlaps another span with different sampling settings")
-            view[sampled] = c
-    bad = first_bad(m & (pid == -1))
-    if bad:
-        raise IngressError(
-            f"{where[bad[0]]}: sampled token {bad[1]} lies in no sampled span; the trainer "
-            "cannot know which temperature/top-k/top-p sampled it"
-        )
-
-    def pad(x: torch.Tensor, fill: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((B, T), fill, dtype=dtype)
-        out[row, pos] = x.to(dtype)
-        return out
-
-    input_ids = pad(ids, pad_id, torch.long)
-    mask = pad(m, False, torch.bool)
-    beh = pad(torch.nan_to_num(lp, nan=0.0), 0.0, torch.float32)
-    versions = pad(v, -1, torch.long)
-    param_ids = pad(pid, -1, torch.long)
-    rollout_index = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
-
-    teacher = None
-    if need_teacher:
-        teacher = torch.zeros((B, T), dtype=torch.float32)
-        for b, (r, seg, j) in enumerate(rows):
-            traj = usable[r]
-            n = lens[b]
-            tl = traj.info.get("teacher_logprobs")
-            if not isinstance(tl, list) or len(tl) != len(traj.segments) or len(tl[j]) != n:
-                raise IngressError(
-                    f"{where[b]}: info['teacher_logprobs'] must hold one per-token list per segment "
-                    f"(length {n} here) for advantage 'on_policy_distill'"
-                )
-            for i, sampled in enumerate(seg.loss_mask):
-                if not sampled:
-                    continue
-                x = tl[j][i]
-                if x is None or not math.isfinite(x):
-                    raise IngressError(f"{where[b]}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
-                teacher[b, i] = float(x)
-
-    from molt_core.routing import batch_routed_experts
-
-    try:
-        routed = batch_routed_experts([seg.routed_experts for _, seg, _ in rows], T, where)
-    except ValueError as e:
-        raise IngressError(str(e)) from None
-    return Batch(
-        input_ids=input_ids,
-        mask=mask,
-        behaviour_logprobs=beh,
-        versions=versions,
-        param_ids=param_ids,
-        params=params,
-        lengths=lengths,
-        rollout_index=rollout_index,
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-        group_index=torch.tensor(group_of, dtype=torch.long),
-        teacher_logprobs=teacher,
-        routed_experts=routed,
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# the recompute: logprobs of sampled tokens under the engine's sampling transform
-# ---------------------------------------------------------------------------------------
+__all__ = ["Trainer", "ValueModel", "lr_factor", "token_logprobs"]
 
 
 def token_logprobs(
@@ -409,41 +127,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * p))
     raise ValueError(f"trainer.lr_schedule {schedule!r} is unknown; use constant, linear or cosine")
-
-
-# ---------------------------------------------------------------------------------------
-# checkpoints on disk
-# ---------------------------------------------------------------------------------------
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under ``run_dir/checkpoints``, oldest first (by step).
-
-    A checkpoint is complete once its directory carries its final name (it is written under
-    a temporary name and renamed); temporary directories of a killed writer are ignored.
-    """
-    d = Path(run_dir) / CHECKPOINT_DIR
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.iterdir():
-        if p.is_dir() and p.name.startswith(_CKPT_PREFIX) and (p / "state.json").is_file():
-            try:
-                out.append((int(p.name[len(_CKPT_PREFIX):]), p))
-            except ValueError:
-                continue
-    return [p for _, p in sorted(out)]
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint directory of ``run_dir``, or None if there is none."""
-    cks = list_checkpoints(run_dir)
-    return cks[-1] if cks else None
-
-
-# ---------------------------------------------------------------------------------------
-# the trainer
-# ---------------------------------------------------------------------------------------
 
 
 def _accepts(model: torch.nn.Module, arg: str) -> bool:
@@ -1075,121 +758,15 @@ class Trainer:
             e.load_weights(state, self.version)
         return self.version
 
-    # -- checkpoints ----------------------------------------------------------------------
+    # -- checkpoints (molt_core.train.checkpoint) -------------------------------------------
     def save_checkpoint(self, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
-
-        Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-        with ``AutoModelForCausalLM.from_pretrained``), ``ref/`` (the frozen reference, if
-        any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
-        schedulers, KL controller, RNG states of torch,
-        numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
-        into a temporary directory and renamed, so a kill leaves either the complete
-        checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
-
-        Args:
-            run_dir: the run directory.
-            data_cursor: JSON-able position of the data stream, returned by
-                :meth:`load_checkpoint`.
-
-        Returns:
-            The checkpoint directory.
-
-        Raises:
-            TypeError: ``data_cursor`` is not JSON-serialisable.
-        """
-        cursor = dict(data_cursor or {})
-        try:
-            cursor_json = json.dumps(cursor)
-        except TypeError as e:
-            raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-        root = Path(run_dir) / CHECKPOINT_DIR
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{_CKPT_PREFIX}{self.step:08d}"
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        _save_model(self.model, tmp / "model")
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(tmp / "model")
-        if self.ref_model is not None:
-            _save_model(self.ref_model, tmp / "ref")
-        if self.critic is not None:
-            _save_model(self.critic, tmp / "critic")
-        torch.save({
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict() if self.critic is not None else None,
-            "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
-            "kl_coef": self.kl_coef,
-            "kl_controller": self.kl_controller.state_dict() if self.kl_controller is not None else None,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
-        }, tmp / "trainer_state.pt")
-        (tmp / "state.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "data_cursor": json.loads(cursor_json),
-             "time": time.time()}, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        for old in list_checkpoints(run_dir)[:-self.cfg.checkpoint.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in root.glob(".tmp-*"):  # left by a writer killed mid-save
-            if stale != tmp:
-                shutil.rmtree(stale, ignore_errors=True)
-        return final
+        """Write this trainer's checkpoint: :func:`molt_core.train.checkpoint.save_checkpoint`."""
+        return save_checkpoint(self, run_dir, data_cursor)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore weights, reference, optimizer, scheduler, RNG states, step and version
-        from a checkpoint directory (or from the latest checkpoint of a run directory).
-
-        Returns:
-            The ``data_cursor`` saved with it.
-
-        Raises:
-            FileNotFoundError: no checkpoint at ``path``.
-        """
-        p = Path(path)
-        if not (p / "state.json").is_file():
-            latest = latest_checkpoint(p)
-            if latest is None:
-                raise FileNotFoundError(f"{p}: not a checkpoint directory and holds no checkpoints/step_* in it")
-            p = latest
-        _load_model(self.model, p / "model")
-        if (p / "ref").is_dir():
-            if self.ref_model is None:
-                self.reset_reference()
-            _load_model(self.ref_model, p / "ref")
-        st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        if self.critic is not None:
-            if not (p / "critic").is_dir() or st.get("critic_optimizer") is None:
-                raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
-            _load_model(self.critic, p / "critic")
-            self.critic_optimizer.load_state_dict(st["critic_optimizer"])
-            self.critic_scheduler.load_state_dict(st["critic_scheduler"])
-        self.kl_coef = float(st["kl_coef"])
-        if self.kl_controller is not None and st.get("kl_controller") is not None:
-            self.kl_controller.load_state_dict(st["kl_controller"])
-        rng = st["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        meta = json.loads((p / "state.json").read_text())
-        self.step = int(meta["step"])
-        self.version = int(meta["version"])
-        self.history.clear()  # older versions' weights are not in a checkpoint
-        return meta["data_cursor"]
+        """Restore this trainer: :func:`molt_core.train.checkpoint.load_checkpoint`; returns the
+        saved data cursor."""
+        return load_checkpoint(self, path)
 
 
 def _in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
@@ -1213,46 +790,3 @@ def _merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: floa
             acc[k] = acc.get(k, 0.0) + v
         else:
             acc[k] = acc.get(k, 0.0) + v * share
-
-
-def _save_model(model: torch.nn.Module, d: Path) -> None:
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(d, safe_serialization=True)
-    else:
-        from safetensors.torch import save_file
-
-        d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
-
-
-def _load_model(model: torch.nn.Module, d: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{d}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
-    # keys dropped by save_pretrained are tied to a saved parameter (e.g. lm_head <- embed_tokens)
-    live = model.state_dict()
-    saved_ptrs = {live[k].data_ptr() for k in state if k in live}
-    untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
-    if untied:
-        raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

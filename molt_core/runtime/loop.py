@@ -1,0 +1,357 @@
+"""The step loop of ``molt run``: start Ray (or run in-process), place the workers, warm-start,
+then per step launch groups, assemble the batch, train, publish weights, evaluate, checkpoint
+and log (see :mod:`molt_core.runtime` for the data flow and the async semantics)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import time
+from collections import deque
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from molt_core.config import RunConfig
+from molt_core.plugins import PluginHost
+from molt_core.rewards import component_metrics
+from molt_core.runtime.rundir import RunLog
+from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards, load_agent
+from molt_core.tasks import TaskStream, check_train_split
+from molt_core.types import Group, Trajectory
+
+__all__ = ["RunFailed", "assemble_batch", "main_job"]
+
+
+class RunFailed(RuntimeError):
+    """The run finished but trained nothing (every step was skipped)."""
+
+
+def assemble_batch(groups: list[Group], dynamic_filter: bool,
+                   reward_names: list[str] | tuple[str, ...] = ()) -> tuple[list[Trajectory], dict[str, float]]:
+    """Turn finished groups into the step's training trajectories.
+
+    Failed rollouts are excluded (never scored 0); a group with fewer than 2 usable rollouts
+    is dropped; with ``dynamic_filter`` a group whose rewards are all equal is dropped (its
+    advantages would all be 0; DAPO, arXiv 2503.14476). Returns the trajectories and counts
+    (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
+    ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts) and, for each name in
+    ``reward_names``, ``reward/NAME/mean`` and ``reward/NAME/failed``
+    (:func:`molt_core.rewards.component_metrics`).
+    """
+    out: list[Trajectory] = []
+    failed = truncated = dropped = filtered = 0
+    rewards: list[float] = []
+    for g in groups:
+        failed += sum(t.status != "ok" for t in g.trajectories)
+        truncated += sum(t.truncated for t in g.trajectories)
+        usable = g.usable()
+        rewards += [float(t.reward) for t in usable]  # type: ignore[arg-type]
+        if len(usable) < 2:
+            dropped += 1
+            continue
+        if dynamic_filter and len({t.reward for t in usable}) == 1:
+            filtered += 1
+            continue
+        out += usable
+    n = sum(len(g.trajectories) for g in groups)
+    m = {"rollout/failed": float(failed), "rollout/truncated": float(truncated), "rollout/groups_dropped": float(dropped),
+         "rollout/groups_filtered": float(filtered), "rollout/trajectories": float(n),
+         "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+         **component_metrics(groups, list(reward_names))}
+    return out, m
+
+
+def _absolute(cfg: RunConfig) -> RunConfig:
+    """Make file paths in the config absolute so Ray workers resolve them identically."""
+    plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+    agent = cfg.agent
+    if agent.path:
+        agent = agent.model_copy(update={"path": str(Path(agent.path).resolve())})
+    model = cfg.model
+    if not model.path.startswith("builtin:") and Path(model.path).exists():
+        model = model.model_copy(update={"path": str(Path(model.path).resolve())})
+    teacher = cfg.teacher
+    tpath = teacher.options.get("path")
+    if isinstance(tpath, str) and not tpath.startswith("builtin:") and Path(tpath).exists():
+        teacher = teacher.model_copy(update={"options": {**teacher.options, "path": str(Path(tpath).resolve())}})
+    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model, "teacher": teacher})
+
+
+def _init_ray(cfg: RunConfig, ray_address: str | None):
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if ray.is_initialized():
+        return ray
+    env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.run.threads), "TOKENIZERS_PARALLELISM": "false",
+                        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}}
+    if ray_address:
+        ray.init(address=ray_address, runtime_env=env, log_to_driver=True, logging_level="warning")
+    else:
+        need = cfg.trainer.num_cpus + cfg.engine.num_cpus * cfg.engine.num_engines
+        # address="local": always a fresh cluster, never a stale one left by `ray start`
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, runtime_env=env,
+                 log_to_driver=True, logging_level="warning")
+    return ray
+
+
+class _Local:
+    """Stand-in for the slice of the Ray API ``main_job`` uses, running actors in this process:
+    ``remote(cls).options(...).remote(*args)`` builds the object, ``actor.method.remote(...)``
+    calls it at once (coroutines run on one private event loop), ``get`` unwraps. Used by
+    ``molt run --local`` (debugging) and fast tests. Rollouts run when launched, so with
+    ``async.max_staleness = k`` the queue still holds k steps of groups sampled ahead: every
+    step after the first k trains on groups exactly k versions old (deterministic staleness)."""
+
+    class _Ref:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+    class _Method:
+        def __init__(self, owner: "_Local", fn: Any, num_returns: int = 1) -> None:
+            self.owner, self.fn, self.num_returns = owner, fn, num_returns
+
+        def options(self, num_returns: int = 1, **_: Any) -> "_Local._Method":
+            return _Local._Method(self.owner, self.fn, num_returns)
+
+        def remote(self, *args: Any, **kwargs: Any) -> Any:
+            args = tuple(a.value if isinstance(a, _Local._Ref) else a for a in args)
+            out = self.fn(*args, **kwargs)
+            if asyncio.iscoroutine(out):
+                out = self.owner.loop.run_until_complete(out)
+            if self.num_returns > 1:
+                return tuple(_Local._Ref(x) for x in out)
+            return _Local._Ref(out)
+
+    class _Actor:
+        def __init__(self, owner: "_Local", obj: Any) -> None:
+            self._owner, self._obj = owner, obj
+
+        def __getattr__(self, name: str) -> Any:
+            return _Local._Method(self._owner, getattr(self._obj, name))
+
+    class _Class:
+        def __init__(self, owner: "_Local", cls: type) -> None:
+            self.owner, self.cls = owner, cls
+
+        def options(self, **_: Any) -> "_Local._Class":
+            return self
+
+        def remote(self, *args: Any) -> "_Local._Actor":
+            return _Local._Actor(self.owner, self.cls(*args))
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def remote(self, cls: type) -> "_Local._Class":
+        return _Local._Class(self, cls)
+
+    def get(self, refs: Any) -> Any:
+        if isinstance(refs, list):
+            return [r.value for r in refs]
+        return refs.value
+
+    def wait(self, refs: list, num_returns: int = 1) -> tuple[list, list]:
+        """Every ref is already done here: the first ``num_returns`` (launch order)."""
+        return list(refs[:num_returns]), list(refs[num_returns:])
+
+    def shutdown(self) -> None:
+        self.loop.close()
+
+
+def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
+             resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
+    """Run RL training end to end; returns the run directory. ``local`` runs the rollout
+    worker and trainer in this process without Ray (synchronous; debugging and tests).
+
+    Writes ``config.toml``, ``metrics.jsonl`` (one row per step), ``trajectories.jsonl``
+    (a sample), ``checkpoints/`` and ``reward.png``. With ``resume`` it continues from the
+    run directory's latest checkpoint: weights, optimizer, RNG, version and data cursor.
+
+    Raises:
+        ValueError: bad agent configuration (before any compute).
+        FileNotFoundError: ``resume`` without a checkpoint.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from molt_core.train import latest_checkpoint
+
+    console = Console(stderr=True)
+    cfg = _absolute(cfg)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # validate everything a worker will build before any compute starts
+    agent = load_agent(cfg, host)
+    check_rewards(cfg, host)
+    agent_name = cfg.agent.name or cfg.agent.path
+    check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
+    eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
+    cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
+    ray = _Local() if local else _init_ray(cfg, ray_address)
+    cfg_dict = cfg.model_dump(by_alias=True)
+    t_start = time.perf_counter()
+    Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
+    Worker_ = ray.remote(RolloutWorker).options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus,
+                                                resources=dict(cfg.engine.resources) or None, max_concurrency=1000)
+    trainer = Trainer_.remote(cfg_dict)
+    workers = [Worker_.remote(cfg_dict, i) for i in range(cfg.engine.num_engines)]
+    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers])}
+    (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+
+    cursor = {"step": 0, "tasks": 0}
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume:
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
+        cursor = dict(ray.get(trainer.restore.remote(str(ckpt))))
+        console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} (step {cursor['step']})")
+    log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
+    if not resume and cfg.sft.steps > 0:
+        with console.status(f"SFT warm start: {cfg.sft.steps} steps"):
+            sft_m = ray.get(trainer.sft.remote())
+        console.print(f"SFT warm start: loss {sft_m['sft/loss_first']:.3f} -> {sft_m['sft/loss_last']:.3f}")
+
+    def publish() -> int:
+        # two object refs, resolved inside each worker: weights never pass through the driver
+        state_ref, version_ref = trainer.weights.options(num_returns=2).remote()
+        versions = ray.get([w.load_weights.remote(state_ref, version_ref) for w in workers])
+        return int(versions[0])
+
+    version = publish()
+
+
+    def evaluate() -> dict[str, float]:
+        if not eval_tasks:
+            return {}
+        shards = [eval_tasks[i::len(workers)] for i in range(len(workers))]
+        res = ray.get([w.evaluate.remote(s, cfg.eval.k, cfg.eval.temperature) for w, s in zip(workers, shards) if s])
+        sizes = [len(s) for s in shards if s]
+        return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
+                for k in res[0]}
+
+    train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
+    epoch_of: dict[Any, int] = {}  # group ref -> epoch over the train split of its task
+    start_step = cursor["step"]
+    if start_step == 0:
+        m0 = evaluate()
+        if m0:
+            log.log(0, {"policy_version": float(version), **m0})
+            console.print(f"eval at start: pass@1 {m0['eval/pass@1']:.3f}")
+
+    P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
+    # in flight: one object ref per group, oldest launch first, with the policy version it started at
+    inflight: deque = deque()
+    launched = start_step * P  # groups
+    tasks_done = cursor["tasks"]
+
+    def launch() -> None:
+        # one step's worth of groups, sharded over the workers (one call per worker keeps the
+        # engine's batch full); each group gets its own ref so a step can take whichever are done
+        nonlocal launched
+        tasks, epochs = [], []
+        for _ in range(min(P, cfg.run.steps * P - launched)):
+            tasks += train_stream.take(1)
+            epochs.append(train_stream.epoch)
+        loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
+        order = sorted(range(len(workers)), key=lambda i: loads[i])
+        shards = [tasks[i::len(workers)] for i in range(len(workers))]
+        for i, sh in enumerate(shards):
+            if sh:
+                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(sh, n)
+                refs = refs if len(sh) > 1 else (refs,)
+                inflight.extend((version, r) for r in refs)
+                epoch_of.update(zip(refs, epochs[i::len(workers)]))
+        launched += len(tasks)
+
+    def take(k: int) -> tuple[list[tuple[int, Group]], int]:
+        # the first k groups to finish (oldest launch first among those done); the rest stay in
+        # flight and may be trained later, with tokens older than async.max_staleness (gated).
+        # Also returns the newest epoch (over the train split) among their tasks.
+        ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
+        picked = [(v, r) for v, r in inflight if r in ready]
+        for item in picked:
+            inflight.remove(item)
+        epoch = max((epoch_of.pop(r, 0) for _, r in picked), default=0)
+        return [(v, g) for (v, _), g in zip(picked, ray.get([r for _, r in picked]))], epoch
+
+    columns = [TextColumn("[bold]molt run[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    last_eval: dict[str, float] = {}
+    skipped_steps = 0
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
+        for step in range(start_step, cfg.run.steps):
+            t0 = time.perf_counter()
+            # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
+            # launch order a group is at most max_staleness versions old when trained); the
+            # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
+            while len(inflight) < (1 + cfg.async_.max_staleness) * P and launched < cfg.run.steps * P:
+                launch()
+            started, epoch = take(min(P, len(inflight)))
+            groups = [g for _, g in started]
+            ntasks = len(groups)
+            start_lag = max(version - v for v, _ in started) if started else 0
+            t1 = time.perf_counter()
+            trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter, list(cfg.rewards))
+            for g in groups:
+                for t in g.trajectories:
+                    host.on_trajectory(t)
+            if trajs:
+                tm = ray.get(trainer.train_step.remote(trajs))
+            else:
+                tm = {"train/skipped": 1.0}
+            if tm.get("train/skipped", 0.0) >= 1.0:
+                skipped_steps += 1
+                errors = [t.error for g in groups for t in g.trajectories if t.error]
+                if skipped_steps == 1:  # say why, once, instead of training on nothing silently
+                    why = (f"{len(errors)} of {int(rm['rollout/trajectories'])} rollouts failed, e.g. {errors[0]!r}"
+                           if errors else f"{int(rm['rollout/groups_dropped'])} groups had < 2 usable rollouts, "
+                           f"{int(rm['rollout/groups_filtered'])} were filtered; or the gate dropped every sequence")
+                    progress.console.print(f"[bold yellow]warning:[/] step {step + 1} trained on nothing: {why}")
+            t2 = time.perf_counter()
+            version = publish()
+            t3 = time.perf_counter()
+            tasks_done += ntasks
+            metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch),
+                       "async/start_lag_max": float(start_lag),
+                       "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+                       "time/elapsed": t3 - t_start}
+            s1 = step + 1
+            if cfg.eval.every and s1 % cfg.eval.every == 0 and s1 < cfg.run.steps:
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            if s1 == cfg.run.steps:
+                last_eval = evaluate()
+                metrics.update(last_eval)
+            log.log(s1, metrics)
+            if s1 == 1 or s1 % 10 == 0:
+                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories])
+            if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
+                # in-flight rollouts past this step are regenerated after a resume
+                ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": tasks_done}))
+            if s1 % 10 == 0 or s1 == cfg.run.steps:
+                log.plot()
+            info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
+            if last_eval:
+                info += f"  eval pass@1 {last_eval.get('eval/pass@1', float('nan')):.3f}"
+            progress.update(bar, advance=1, info=info)
+    log.plot()
+    log.close()
+    if cfg.run.steps > start_step and skipped_steps == cfg.run.steps - start_step:
+        ray.shutdown()
+        raise RunFailed(f"no step of {run_dir} trained (every step was skipped; see the warning above and "
+                        f"rollout/failed in metrics.jsonl)")
+    first = next((r for r in log.rows if r.get("eval/pass@1") is not None), None)
+    final = next((r for r in reversed(log.rows) if r.get("eval/pass@1") is not None), None)
+    if first and final:
+        console.print(f"eval pass@1 (held-out, T={cfg.eval.temperature}): {first['eval/pass@1']:.3f} -> {final['eval/pass@1']:.3f}")
+    console.print(f"run directory: {run_dir}  ({time.perf_counter() - t_start:.0f} s)")
+    ray.shutdown()  # stops a cluster we started; only disconnects from a joined one
+    return run_dir

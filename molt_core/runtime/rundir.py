@@ -1,0 +1,91 @@
+"""The run directory: ``config.toml``, ``metrics.jsonl`` (one row per step, also handed to
+every logger plugin), ``trajectories.jsonl`` (a sample) and ``reward.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from molt_core.config import RunConfig
+from molt_core.plugins import PluginHost
+from molt_core.types import Trajectory
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
+    logger plugins."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, host: PluginHost, resume_step: int | None) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.rows: list[dict] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if resume_step is None or row.get("step", 0) <= resume_step:
+                        self.rows.append(row)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.host = host
+        self.loggers = []
+        for name in cfg.loggers:
+            if name == "jsonl":
+                continue
+            self.loggers.append(host.get("loggers", name)(run_dir, cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one row (step + metrics) and forward it to logger plugins and hooks."""
+        row = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for lg in self.loggers:
+            lg.log(step, metrics)
+        self.host.on_step_end(step, metrics)
+
+    def trajectories(self, step: int, trajs: list[Trajectory], tokenizer: Any = None) -> None:
+        """Append a sample of trajectories (JSON) to ``trajectories.jsonl``."""
+        with (self.run_dir / "trajectories.jsonl").open("a") as f:
+            for t in trajs:
+                f.write(json.dumps({"step": step, **t.model_dump(mode="json")}) + "\n")
+
+    def plot(self) -> Path | None:
+        """Redraw ``reward.png``: mean reward per step (and 20-step moving average) and eval
+        pass@1. Returns the path, or None when matplotlib is missing."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover
+            return None
+        xs = [r["step"] for r in self.rows if r.get("reward/mean") is not None]
+        ys = [r["reward/mean"] for r in self.rows if r.get("reward/mean") is not None]
+        ev = [(r["step"], r["eval/pass@1"]) for r in self.rows if r.get("eval/pass@1") is not None]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if xs:
+            ax.plot(xs, ys, color="tab:blue", alpha=0.35, label="reward/mean")
+            w = 20
+            ma = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+            ax.plot(xs, ma, color="tab:blue", label=f"reward ({w}-step avg)")
+        if ev:
+            ax.plot([e[0] for e in ev], [e[1] for e in ev], "o-", color="tab:orange", label="eval pass@1 (held-out)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(self.run_dir.name)
+        fig.tight_layout()
+        out = self.run_dir / "reward.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        """Close logger plugins."""
+        for lg in self.loggers:
+            lg.close()

@@ -1,0 +1,409 @@
+"""Ray actors of the main job: the rollout worker (engine, agent runner, loopback server,
+rewards) and the trainer actor, plus what builds them from the config.
+
+A :class:`RolloutWorker` runs ``n`` rollouts of each task (an Env episode through the ledger,
+or a ChatAgent against the loopback server), scores each group with the reward plugins
+(:mod:`molt_core.rewards`) and evaluates on held-out tasks. A :class:`TrainerWorker` wraps
+one :class:`~molt_core.train.Trainer` (warm start, train step, weights, checkpoints).
+Both run in-process too (``molt run --local``, tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
+from molt_core.config import RunConfig
+from molt_core.plugins import PluginHost, import_path, load_plugins
+from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
+from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
+
+__all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k"]
+
+
+def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
+    """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
+    registered env), with ``agent.options``.
+
+    A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
+    ``ChatAgent`` subclass.
+
+    Raises:
+        ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
+            a file defining no agent or several, or invalid options.
+    """
+    a = cfg.agent
+    if bool(a.name) == bool(a.path):
+        raise ValueError("set exactly one of agent.name (a registered env, see `molt plugins`) or agent.path (a .py file) / --agent")
+    if a.name:
+        try:
+            obj = host.get("envs", a.name)
+        except KeyError as e:
+            raise ValueError(f"agent.name: {e.args[0]}") from None
+        return make_agent(obj, a.options)
+    if not Path(a.path).is_file():
+        raise ValueError(f"agent.path: no such file {a.path!r}")
+    mod = import_path(a.path, prefix="molt_agent")
+    modname = mod.__name__
+    if hasattr(mod, "agent"):
+        obj = mod.agent
+        if isinstance(obj, (Env, ChatAgent)):
+            return obj
+        return make_agent(obj, a.options)
+    found = [v for v in vars(mod).values()
+             if isinstance(v, type) and issubclass(v, (Env, ChatAgent)) and v not in (Env, ChatAgent)
+             and v.__module__ == modname]
+    if len(found) != 1:
+        names = ", ".join(c.__name__ for c in found) or "none"
+        raise ValueError(f"agent.path {a.path!r} must define `agent` or exactly one Env/ChatAgent subclass (found {names})")
+    return make_agent(found[0], a.options)
+
+
+def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
+    """Check every ``[rewards.<name>]`` table before any compute: the name is registered, the
+    reserved keys ``weight`` / ``timeout_s`` are valid and, when the reward declares an
+    ``Options`` Pydantic model, the remaining options validate.
+
+    Raises:
+        ValueError: naming ``rewards.<name>`` (unknown; lists registered names),
+            ``rewards.<name>.weight`` / ``.timeout_s``, or ``rewards.<name>.<field>`` (invalid option).
+    """
+    from pydantic import BaseModel, ValidationError
+
+    for name, table in cfg.rewards.items():
+        try:
+            fn = host.get("rewards", name)
+        except KeyError as e:
+            raise ValueError(f"rewards.{name}: {e.args[0]}") from None
+        opts = reward_spec(name, fn, table).options  # reserved keys (weight, timeout_s) checked and split off
+        model = getattr(fn, "Options", None)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            try:
+                model.model_validate(opts)
+            except ValidationError as e:
+                bad = "; ".join(f"rewards.{name}.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+                raise ValueError(f"invalid reward options: {bad}") from None
+
+
+def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | None = None) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                          top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=list(stop_token_ids))
+
+
+def _success(t: Trajectory) -> float:
+    """1.0 when a finished rollout solved its task (score, else reward, >= 1), else 0.0."""
+    if t.status != "ok":
+        return 0.0
+    v = t.score if t.score is not None else t.reward
+    return 1.0 if v is not None and v >= 1.0 - 1e-9 else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al. 2021, arXiv 2107.03374, eq. 1). Raises: ValueError if k > n."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# what one episode opened, for rewards that want the whole rollout: set per episode task by
+# RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
+_EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
+
+
+class RolloutWorker:
+    """One engine with its agent runners; a Ray actor in ``molt run`` (usable in-process).
+
+    Args:
+        cfg: the run config (a ``RunConfig`` or its dict).
+        index: worker index (seeds differ per worker).
+
+    Raises:
+        ValueError / PluginError: bad agent or engine config (raised in the constructor, i.e.
+            before any rollout).
+    """
+
+    def __init__(self, cfg: RunConfig | dict, index: int = 0) -> None:
+        import torch
+
+        self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
+        torch.set_num_threads(self.cfg.run.threads)
+        self.host = load_plugins(self.cfg.plugins)
+        self.agent = load_agent(self.cfg, self.host)
+        factory = self.host.get("engines", self.cfg.engine.name)
+        e = self.cfg.engine
+        self.engine = factory(model=self.cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                              gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
+                              seed=self.cfg.run.seed * 1000 + index, **e.options)
+        self.tokenizer = self.engine.tokenizer
+        self.rewards = RewardRunner(self.cfg.rewards, lambda name: self.host.get("rewards", name),
+                                    self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
+        self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
+        if self.cfg.teacher.name:
+            try:
+                teacher_cls = self.host.get("teachers", self.cfg.teacher.name)
+            except KeyError as e:
+                raise ValueError(f"teacher.name: {e.args[0]}") from None
+            self.teacher = teacher_cls(self.tokenizer, **self.cfg.teacher.options)
+        self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
+        self.server = None
+        self.inflight = 0
+        if self.rewards.wants_judge_session:
+            self._server()  # judges asking the run's own engine get one loopback session per call
+        from molt_core.ledger import Ledger
+
+        self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
+
+    # -- episodes -------------------------------------------------------------------------
+    def _server(self):
+        """The worker's loopback server (started on first use)."""
+        if self.server is None:
+            from molt_core.server.app import start_server
+
+            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs)
+        return self.server
+
+    def _ledger(self, group_id: str):
+        from molt_core.ledger import Ledger
+
+        ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        seen = _EPISODE.get()
+        if seen is not None:  # rewards that want the whole rollout read its messages
+            seen["ledgers"].append(ledger)
+        return ledger
+
+    def _judge_session(self) -> tuple[JudgeEndpoint, Any]:
+        """A fresh loopback session for one judge call and its closer (the session's
+        trajectory is dropped: judge calls are never trained on)."""
+        sess = self._server().create_session(group_id="judge")
+        return JudgeEndpoint(sess.openai_base_url, sess.api_key), lambda: self.server.close_session(sess.session_id)
+
+    async def _env_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
+        env: Env = self.agent  # type: ignore[assignment]
+        r = self.cfg.rollout
+        ledger = self._ledger(group_id)
+        messages: list[dict[str, Any]] = []
+        sp = getattr(getattr(env, "options", None), "system_prompt", None) or env.system_prompt
+        if sp:
+            messages.append({"role": "system", "content": sp})
+        messages.append({"role": "user", "content": env.reset(task)})
+        state = EpisodeState(task=task)
+        reward, score, truncated, info = 0.0, None, False, {}
+        action = ""
+        for turn in range(r.max_turns):
+            prep = ledger.prepare(messages, params=params)
+            room = r.max_total_tokens - len(prep.prompt_ids)
+            if room <= 0:
+                truncated = True
+                break
+            p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
+            out = await self.engine.generate(prep.prompt_ids, p)
+            ledger.commit(prep, out, p)
+            ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
+            action = self.tokenizer.decode(ids, skip_special_tokens=False)
+            messages = ledger.history
+            state.turn, state.messages = turn, messages
+            res = await asyncio.to_thread(env.step, action, state)  # graders may block (sandbox, judge)
+            reward += res.reward
+            score = res.score if res.score is not None else score
+            info.update(res.info)
+            if res.sampling_params is not None:
+                params = res.sampling_params.model_copy(update={"stop_token_ids": params.stop_token_ids})
+            if res.terminated or res.truncated:
+                truncated = truncated or res.truncated  # a length-cut turn: the ledger marks it
+                break
+            if res.observation is None:
+                break
+            messages = messages + [{"role": "user", "content": res.observation}]
+        else:
+            truncated = True
+        traj = ledger.trajectory(reward=reward, score=score, info=info, task=task, truncated=truncated)
+        return traj, action
+
+    async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
+        sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        ctx = AgentContext(task=task, openai_base_url=sess.openai_base_url, anthropic_base_url=sess.anthropic_base_url,
+                           api_key=sess.api_key, sampling=params)
+        try:
+            res = await self.agent.run(ctx)  # type: ignore[union-attr]
+            messages = self.server.sessions.ledger(sess.session_id).history
+        finally:
+            traj = self.server.close_session(sess.session_id)
+        hist = [m for m in messages if m.get("role") == "assistant"]
+        action = str(hist[-1].get("content", "")) if hist else ""
+        if not isinstance(res, Result):
+            raise TypeError(f"{type(self.agent).__name__}.run returned {type(res).__name__}; return a molt_core.types.Result")
+        # model_copy does not validate: score_group checks reward / score are finite numbers;
+        # the ledger's truncation (a length-cut turn) and its own info keys stand whatever the agent says
+        traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task,
+                                       "truncated": traj.truncated or res.truncated, "info": {**res.info, **traj.info}})
+        seen = _EPISODE.get()
+        if seen is not None:
+            seen["messages"] = messages
+        return traj, action
+
+    async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, Rollout | None]:
+        """Run the agent on ``task``: the unscored trajectory and its :class:`Rollout` (None
+        when the rollout failed; a failure never raises)."""
+        seen: dict[str, Any] = {"ledgers": [], "messages": None}
+        _EPISODE.set(seen)  # this task's context: the episode's ledgers / chat messages land here
+        try:
+            run = self._env_episode if isinstance(self.agent, Env) else self._chat_episode
+            traj, action = await asyncio.wait_for(run(task, group_id, params), self.cfg.rollout.timeout_s)
+        except asyncio.TimeoutError:
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"timeout after {self.cfg.rollout.timeout_s} s"), None
+        except RewardFailed as e:
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}"), None
+        except Exception as e:  # the agent raised: that rollout fails, the run continues
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}"), None
+        ledger = next((lg for lg in seen["ledgers"] if lg.rollout_id == traj.rollout_id), None)
+        messages = seen["messages"] if seen["messages"] is not None else (ledger.history if ledger is not None else [])
+        if not traj.segments or traj.num_sampled == 0:
+            return traj.fail("the rollout sampled no token"), None
+        return traj, Rollout(response=action, task=task, messages=messages, trajectory=traj)
+
+    async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int) -> list[Trajectory]:
+        """``n`` rollouts of ``task``, scored together by the reward plugins
+        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any."""
+        items = await asyncio.gather(*(self._episode(task, group_id, params) for _ in range(n)))
+        trajs = await self.rewards.score(list(items), agent_label=f"agent {type(self.agent).__name__}")
+        if self.teacher is None:
+            return trajs
+        out = []
+        for t in trajs:
+            if t.status == "ok":
+                try:  # a failing teacher marks the trajectory failed, like a failing reward
+                    t = await asyncio.to_thread(self.teacher.annotate, t)
+                except Exception as e:
+                    t = t.fail(f"teacher {self.cfg.teacher.name} raised {type(e).__name__}: {e}")
+            out.append(t)
+        return out
+
+    async def rollout(self, tasks: list[dict], n: int) -> list[Group]:
+        """Run ``n`` rollouts of each task concurrently (the engine batches them); each
+        group is scored as soon as its ``n`` rollouts finish.
+
+        Returns:
+            One :class:`Group` per task, trajectories in completion-independent order.
+        """
+        self.inflight += len(tasks) * n
+        try:
+            params = _sampling(self.cfg, self._stop_ids)
+            groups = [Group(task=t) for t in tasks]
+            scored = await asyncio.gather(*(self._group(g.task, g.group_id, params, n) for g in groups))
+            for g, trajs in zip(groups, scored):
+                g.trajectories = list(trajs)
+            return groups
+        finally:
+            self.inflight -= len(tasks) * n
+
+    async def rollout_each(self, tasks: list[dict], n: int) -> Group | tuple[Group, ...]:
+        """:meth:`rollout` for a call with ``num_returns = len(tasks)``: one return value (so one
+        object ref) per group -- the Group itself for a single task, else a tuple."""
+        groups = await self.rollout(tasks, n)
+        return groups[0] if len(groups) == 1 else tuple(groups)
+
+    async def evaluate(self, tasks: list[dict], k: int, temperature: float) -> dict[str, float]:
+        """Sample ``k`` rollouts per task at ``temperature`` (no training); returns
+        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
+        ``eval/failed``."""
+        params = _sampling(self.cfg, self._stop_ids, temperature=temperature)
+        per_task = await asyncio.gather(*(self._group(t, new_id("eval"), params, k) for t in tasks))
+        trajs = [t for ts in per_task for t in ts]
+        p1, pk, rewards, failed = [], [], [], 0
+        for i in range(len(tasks)):
+            ts = trajs[i * k:(i + 1) * k]
+            c = int(sum(_success(t) for t in ts))
+            p1.append(pass_at_k(k, c, 1))
+            pk.append(pass_at_k(k, c, k))
+            rewards += [t.reward for t in ts if t.status == "ok" and t.reward is not None]
+            failed += sum(t.status != "ok" for t in ts)
+        out = {"eval/pass@1": sum(p1) / max(1, len(p1)), f"eval/pass@{k}": sum(pk) / max(1, len(pk)),
+               "eval/reward": sum(rewards) / max(1, len(rewards)), "eval/failed": float(failed)}
+        return out
+
+    async def load_weights(self, state: dict, version: int) -> int:
+        """Hand new weights to the engine (applied between decode steps); returns ``version``."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, state, version)
+        return version
+
+    def load(self) -> int:
+        """Rollouts in flight on this worker (the router's load measure)."""
+        return self.inflight
+
+    def placement(self) -> dict[str, str]:
+        """Where this worker runs: ``{"node_id", "hostname", "pid"}`` (Ray node id when in Ray)."""
+        import socket
+
+        node = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:  # pragma: no cover
+            pass
+        return {"node_id": node, "hostname": socket.gethostname(), "pid": str(os.getpid())}
+
+
+class TrainerWorker:
+    """The single trainable actor wrapped for Ray (see :class:`molt_core.train.Trainer`)."""
+
+    def __init__(self, cfg: RunConfig | dict) -> None:
+        import torch
+
+        from molt_core.train import Trainer
+
+        self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
+        torch.set_num_threads(self.cfg.run.threads)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
+        self.trainer = Trainer(self.cfg)
+
+    def sft(self) -> dict[str, float]:
+        """Warm start: :func:`molt_core.sft.warm_start` -- the same computation as ``molt sft``
+        (``sft.steps`` of supervised fine-tuning on the agent's train tasks, ``sft.label_noise``
+        of the targets deliberately wrong, ``run.threads`` torch threads). Returns first/last loss."""
+        from molt_core.sft import warm_start
+
+        s = self.cfg.sft
+        host = load_plugins(self.cfg.plugins)
+        agent = load_agent(self.cfg, host)
+        every = max(1, s.steps // 8)
+
+        def progress(step: int, m: dict[str, float]) -> None:
+            if (step + 1) % every == 0:
+                print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
+
+        losses = warm_start(self.trainer, agent, log=progress)
+        return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step; returns the trainer's metrics and ``policy_version``."""
+        m = self.trainer.train_step(trajectories)
+        m["policy_version"] = float(self.trainer.version)
+        return m
+
+    def weights(self) -> tuple[dict, int]:
+        """``(state_dict, version)`` to publish."""
+        return {k: v.detach().clone() for k, v in self.trainer.weights().items()}, self.trainer.version
+
+    def save(self, run_dir: str, cursor: dict) -> str:
+        """Write a checkpoint (atomic, retention per ``checkpoint.keep``); returns its path."""
+        return str(self.trainer.save_checkpoint(run_dir, cursor))
+
+    def restore(self, path: str) -> dict:
+        """Load a checkpoint; returns its data cursor."""
+        return self.trainer.load_checkpoint(path)

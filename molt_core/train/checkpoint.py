@@ -1,0 +1,210 @@
+"""Checkpoints of a :class:`~molt_core.train.trainer.Trainer` on disk.
+
+A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/``: a Hugging Face-loadable
+``model/`` (``save_pretrained`` safetensors, config, tokenizer), ``ref/`` and ``critic/`` when
+present, ``trainer_state.pt`` (optimizers, schedulers, KL controller, RNG states) and
+``state.json`` (step, version, data cursor). It is written into a temporary directory and
+renamed (a kill leaves the whole checkpoint or none), then pruned to ``checkpoint.keep``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CHECKPOINT_DIR", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_DIR = "checkpoints"
+_CKPT_PREFIX = "step_"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``run_dir/checkpoints``, oldest first (by step).
+
+    A checkpoint is complete once its directory carries its final name (it is written under
+    a temporary name and renamed); temporary directories of a killed writer are ignored.
+    """
+    d = Path(run_dir) / CHECKPOINT_DIR
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        if p.is_dir() and p.name.startswith(_CKPT_PREFIX) and (p / "state.json").is_file():
+            try:
+                out.append((int(p.name[len(_CKPT_PREFIX):]), p))
+            except ValueError:
+                continue
+    return [p for _, p in sorted(out)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory of ``run_dir``, or None if there is none."""
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
+
+    Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
+    with ``AutoModelForCausalLM.from_pretrained``), ``ref/`` (the frozen reference, if
+    any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
+    schedulers, KL controller, RNG states of torch,
+    numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
+    into a temporary directory and renamed, so a kill leaves either the complete
+    checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
+
+    Args:
+        run_dir: the run directory.
+        data_cursor: JSON-able position of the data stream, returned by
+            :func:`load_checkpoint`.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        TypeError: ``data_cursor`` is not JSON-serialisable.
+    """
+    cursor = dict(data_cursor or {})
+    try:
+        cursor_json = json.dumps(cursor)
+    except TypeError as e:
+        raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
+    root = Path(run_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_CKPT_PREFIX}{trainer.step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _save_model(trainer.model, tmp / "model")
+    if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
+        trainer.tokenizer.save_pretrained(tmp / "model")
+    if trainer.ref_model is not None:
+        _save_model(trainer.ref_model, tmp / "ref")
+    if trainer.critic is not None:
+        _save_model(trainer.critic, tmp / "critic")
+    torch.save({
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic is not None else None,
+        "critic_scheduler": trainer.critic_scheduler.state_dict() if trainer.critic is not None else None,
+        "kl_coef": trainer.kl_coef,
+        "kl_controller": trainer.kl_controller.state_dict() if trainer.kl_controller is not None else None,
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        },
+    }, tmp / "trainer_state.pt")
+    (tmp / "state.json").write_text(json.dumps(
+        {"step": trainer.step, "version": trainer.version, "data_cursor": json.loads(cursor_json),
+         "time": time.time()}, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-trainer.cfg.checkpoint.keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # left by a writer killed mid-save
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
+    """Restore weights, reference, optimizer, scheduler, RNG states, step and version
+    from a checkpoint directory (or from the latest checkpoint of a run directory).
+
+    Returns:
+        The ``data_cursor`` saved with it.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+    """
+    p = Path(path)
+    if not (p / "state.json").is_file():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(f"{p}: not a checkpoint directory and holds no checkpoints/step_* in it")
+        p = latest
+    _load_model(trainer.model, p / "model")
+    if (p / "ref").is_dir():
+        if trainer.ref_model is None:
+            trainer.reset_reference()
+        _load_model(trainer.ref_model, p / "ref")
+    st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
+    trainer.optimizer.load_state_dict(st["optimizer"])
+    trainer.scheduler.load_state_dict(st["scheduler"])
+    if trainer.critic is not None:
+        if not (p / "critic").is_dir() or st.get("critic_optimizer") is None:
+            raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
+        _load_model(trainer.critic, p / "critic")
+        trainer.critic_optimizer.load_state_dict(st["critic_optimizer"])
+        trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])
+    trainer.kl_coef = float(st["kl_coef"])
+    if trainer.kl_controller is not None and st.get("kl_controller") is not None:
+        trainer.kl_controller.load_state_dict(st["kl_controller"])
+    rng = st["rng"]
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    meta = json.loads((p / "state.json").read_text())
+    trainer.step = int(meta["step"])
+    trainer.version = int(meta["version"])
+    trainer.history.clear()  # older versions' weights are not in a checkpoint
+    return meta["data_cursor"]
+
+
+def _save_model(model: torch.nn.Module, d: Path) -> None:
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(d, safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+
+
+def _load_model(model: torch.nn.Module, d: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
+    # keys dropped by save_pretrained are tied to a saved parameter (e.g. lm_head <- embed_tokens)
+    live = model.state_dict()
+    saved_ptrs = {live[k].data_ptr() for k in state if k in live}
+    untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
+    if untied:
+        raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

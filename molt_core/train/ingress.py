@@ -1,0 +1,281 @@
+"""Trainer ingress: finished rollouts -> one padded :class:`Batch`.
+
+Rows are segments (a rollout whose context was rewritten has several rows sharing one
+reward), right-padded; per-token lengths, sampled-token spans and token ids are re-checked
+(what the :class:`~molt_core.types.Segment` validators check, plus what only the trainer
+knows), and each row points at its rollout, each rollout at its group (one reward per
+rollout). Token identity against the engine's record is checked before this, by
+:func:`molt_core.identity.screen`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from molt_core.types import Trajectory
+
+__all__ = ["Batch", "IngressError", "build_batch"]
+
+
+class IngressError(ValueError):
+    """A trajectory handed to the trainer is malformed (token identity would be violated).
+
+    The message names the rollout, the segment index and the field.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# batch construction (trainer ingress)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """A padded training batch; rows are segments, ``B`` rows of ``T`` tokens (right-padded).
+
+    Per-token tensors index *tokens* (position ``t`` is token ``t``; its logprob comes from
+    the logits at ``t - 1``, so position 0 is never sampled):
+
+    * ``input_ids`` ``[B, T]`` int64 -- token ids, ``pad_id`` past each row's length.
+    * ``mask`` ``[B, T]`` bool -- True exactly on sampled tokens.
+    * ``behaviour_logprobs`` ``[B, T]`` float32 -- the engine's logprob, 0 where not sampled.
+    * ``versions`` ``[B, T]`` int64 -- policy version that sampled the token, -1 elsewhere.
+    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of the sampling transform of
+      each sampled token, -1 elsewhere.
+    * ``params`` -- distinct ``(temperature, top_k, top_p)`` transforms.
+    * ``lengths`` ``[B]`` int64 -- unpadded row lengths.
+    * ``rollout_index`` ``[B]`` int64 -- row -> rollout (index into ``rewards``).
+    * ``rewards`` ``[R]`` float32 -- one reward per rollout.
+    * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
+      ``group_id`` is a group of its own).
+    * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
+    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
+      per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    versions: torch.Tensor
+    param_ids: torch.Tensor
+    params: list[tuple[float, int, float]]
+    lengths: torch.Tensor
+    rollout_index: torch.Tensor
+    rewards: torch.Tensor
+    group_index: torch.Tensor
+    teacher_logprobs: torch.Tensor | None
+    routed_experts: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of rows ``B``."""
+        return int(self.input_ids.shape[0])
+
+
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    pad_id: int = 0,
+    vocab_size: int | None = None,
+    need_teacher: bool = False,
+) -> Batch:
+    """Collate usable trajectories into a :class:`Batch` (trainer ingress).
+
+    Trajectories with ``status == "failed"`` are skipped (excluded, never scored 0); the
+    rest must carry a reward. Re-checks what the :class:`~molt_core.types.Segment`
+    validators check (the objects may have been mutated or built with ``model_construct``)
+    plus what only the trainer knows: ids below ``vocab_size``, no sampled token at position
+    0 (it has no context to be predicted from), and every sampled token inside exactly one
+    sampled span.
+
+    Args:
+        trajectories: finished rollouts.
+        pad_id: id used for right padding (never attended to by a causal model).
+        vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
+        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
+            with one per-token list per segment, a float on each sampled token.
+
+    Returns:
+        The padded :class:`Batch`.
+
+    Raises:
+        IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
+            rollout without sampled tokens, misaligned per-token fields, an id out of range,
+            a sampled token at position 0, a segment with sampled tokens and no span, a
+            sampled token outside every span, conflicting
+            overlapping spans, or missing/misaligned teacher logprobs.
+    """
+    usable = [t for t in trajectories if t.status == "ok"]
+    if not usable:
+        raise IngressError(
+            f"no usable trajectory: all {len(trajectories)} are failed or the list is empty; "
+            "the trainer needs at least one ok trajectory with a reward"
+        )
+    rows: list[tuple[int, Any, int]] = []  # (rollout idx, segment, segment idx)
+    rewards: list[float] = []
+    group_of: list[int] = []
+    groups: dict[str, int] = {}
+    seen: set[str] = set()
+    for traj in usable:
+        rid = traj.rollout_id
+        if rid in seen:
+            raise IngressError(f"rollout_id {rid!r} appears twice; each rollout is one Trajectory (its segments share it)")
+        seen.add(rid)
+        if traj.reward is None:
+            raise IngressError(f"rollout {rid}: reward is None; score it (or mark it failed) before training")
+        if not math.isfinite(traj.reward):
+            raise IngressError(f"rollout {rid}: reward {traj.reward} is not finite")
+        if not traj.segments:
+            raise IngressError(f"rollout {rid}: no segments")
+        if traj.num_sampled == 0:
+            raise IngressError(f"rollout {rid}: no sampled token in any segment (loss_mask is all False); nothing to train on")
+        r = len(rewards)
+        rewards.append(float(traj.reward))
+        if traj.group_id:
+            group_of.append(groups.setdefault(traj.group_id, len(groups)))
+        else:
+            group_of.append(groups.setdefault(f"\0{rid}", len(groups)))
+        for j, seg in enumerate(traj.segments):
+            rows.append((r, seg, j))
+
+    # flatten every per-token field once; check and pad vectorised
+    B = len(rows)
+    where = [f"rollout {usable[r].rollout_id}, segment {j}" for r, _, j in rows]
+    flat_ids: list[int] = []
+    flat_mask: list[bool] = []
+    flat_lp: list[float] = []
+    flat_v: list[int] = []
+    lens: list[int] = []
+    for b, (r, seg, j) in enumerate(rows):
+        n = len(seg.token_ids)
+        if n == 0:
+            raise IngressError(f"{where[b]}: empty segment (no token_ids)")
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(seg, name)) != n:
+                raise IngressError(f"{where[b]}: {name} has length {len(getattr(seg, name))}, token_ids has {n}")
+        lens.append(n)
+        flat_ids += seg.token_ids
+        flat_mask += seg.loss_mask
+        flat_lp += [math.nan if x is None else x for x in seg.logprobs]
+        flat_v += [-1 if x is None else x for x in seg.versions]
+    lengths = torch.tensor(lens, dtype=torch.long)
+    T = max(lens)
+    ids = torch.tensor(flat_ids, dtype=torch.long)
+    m = torch.tensor(flat_mask, dtype=torch.bool)
+    lp = torch.tensor(flat_lp, dtype=torch.float64)
+    v = torch.tensor(flat_v, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(B), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(len(flat_ids)) - starts[row]
+
+    def first_bad(bad: torch.Tensor) -> tuple[int, int, int] | None:
+        if not bool(bad.any()):
+            return None
+        k = int(bad.nonzero()[0])
+        return int(row[k]), int(pos[k]), k
+
+    hi = vocab_size if vocab_size is not None else None
+    bad = first_bad((ids < 0) | (ids >= hi) if hi is not None else ids < 0)
+    if bad:
+        b, i, k = bad
+        raise IngressError(f"{where[b]}: token_ids[{i}] = {flat_ids[k]} is outside the vocabulary [0, {vocab_size})")
+    bad = first_bad(m & (pos == 0))
+    if bad:
+        raise IngressError(f"{where[bad[0]]}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
+    bad = first_bad((m & (~torch.isfinite(lp) | (lp > 0) | (v < 0))) | (~m & (~torch.isnan(lp) | (v != -1))))
+    if bad:
+        b, i, k = bad
+        seg = rows[b][1]
+        raise IngressError(
+            f"{where[b]}: token {i} (loss_mask {flat_mask[k]}) has logprob {seg.logprobs[i]!r} and version "
+            f"{seg.versions[i]!r}; a sampled token needs a finite logprob <= 0 and a version >= 0, "
+            "a non-sampled token neither"
+        )
+
+    # sampling transform of each sampled token, from the spans
+    params: list[tuple[float, int, float]] = []
+    pindex: dict[tuple[float, int, float], int] = {}
+    pid = torch.full((len(flat_ids),), -1, dtype=torch.long)
+    for b, (r, seg, j) in enumerate(rows):
+        off = int(starts[b])
+        if not seg.spans and any(seg.loss_mask):
+            raise IngressError(
+                f"{where[b]}: sampled tokens but no sampled span (spans is empty); the trainer cannot know "
+                "which temperature/top-k/top-p sampled them -- record SampledSpan(start, end, temperature, "
+                "top_k, top_p) for every run of sampled tokens (the ledger does)"
+            )
+        for k, sp in enumerate(seg.spans):
+            if sp.end > lens[b]:
+                raise IngressError(f"{where[b]}: spans[{k}] ends at {sp.end} beyond the {lens[b]} tokens")
+            key = (float(sp.temperature), int(sp.top_k), float(sp.top_p))
+            c = pindex.setdefault(key, len(params))
+            if c == len(params):
+                params.append(key)
+            view = pid[off + sp.start: off + sp.end]  # a view: writes land in pid
+            sampled = m[off + sp.start: off + sp.end]
+            prev = view[sampled]
+            if bool(((prev != -1) & (prev != c)).any()):
+                raise IngressError(f"{where[b]}: spans[{k}] overlaps another span with different sampling settings")
+            view[sampled] = c
+    bad = first_bad(m & (pid == -1))
+    if bad:
+        raise IngressError(
+            f"{where[bad[0]]}: sampled token {bad[1]} lies in no sampled span; the trainer "
+            "cannot know which temperature/top-k/top-p sampled it"
+        )
+
+    def pad(x: torch.Tensor, fill: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((B, T), fill, dtype=dtype)
+        out[row, pos] = x.to(dtype)
+        return out
+
+    input_ids = pad(ids, pad_id, torch.long)
+    mask = pad(m, False, torch.bool)
+    beh = pad(torch.nan_to_num(lp, nan=0.0), 0.0, torch.float32)
+    versions = pad(v, -1, torch.long)
+    param_ids = pad(pid, -1, torch.long)
+    rollout_index = torch.tensor([r for r, _, _ in rows], dtype=torch.long)
+
+    teacher = None
+    if need_teacher:
+        teacher = torch.zeros((B, T), dtype=torch.float32)
+        for b, (r, seg, j) in enumerate(rows):
+            traj = usable[r]
+            n = lens[b]
+            tl = traj.info.get("teacher_logprobs")
+            if not isinstance(tl, list) or len(tl) != len(traj.segments) or len(tl[j]) != n:
+                raise IngressError(
+                    f"{where[b]}: info['teacher_logprobs'] must hold one per-token list per segment "
+                    f"(length {n} here) for advantage 'on_policy_distill'"
+                )
+            for i, sampled in enumerate(seg.loss_mask):
+                if not sampled:
+                    continue
+                x = tl[j][i]
+                if x is None or not math.isfinite(x):
+                    raise IngressError(f"{where[b]}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
+                teacher[b, i] = float(x)
+
+    from molt_core.routing import batch_routed_experts
+
+    try:
+        routed = batch_routed_experts([seg.routed_experts for _, seg, _ in rows], T, where)
+    except ValueError as e:
+        raise IngressError(str(e)) from None
+    return Batch(
+        input_ids=input_ids,
+        mask=mask,
+        behaviour_logprobs=beh,
+        versions=versions,
+        param_ids=param_ids,
+        params=params,
+        lengths=lengths,
+        rollout_index=rollout_index,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_index=torch.tensor(group_of, dtype=torch.long),
+        teacher_logprobs=teacher,
+        routed_experts=routed,
+    )
