@@ -301,6 +301,17 @@ def test_version_changes_mid_generation():
     assert out.versions == [0] * 6 + [1] * 24
     assert eng.version == 1
     assert torch.equal(model.model.norm.weight, new_sd["model.norm.weight"])
+    # each token's logprob is its own version's forward over the whole prefix (partial rollout:
+    # the KV cache is recomputed under the new weights, never new weights over an old cache)
+    seq = torch.tensor([[1, 326, 207] + out.token_ids])
+    for version, seed in ((0, 0), (1, 1)):
+        ref = load_model("builtin:tiny-qwen3", seed=seed)
+        with torch.no_grad():
+            lp = processed_logprobs(ref(input_ids=seq).logits[0, 2:-1].float(), 1.0, -1, 1.0)
+        want = lp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        idx = [i for i, v in enumerate(out.versions) if v == version]
+        diff = max(abs(out.logprobs[i] - float(want[i])) for i in idx)
+        assert diff <= 1e-5, (version, diff)
 
 
 def test_factory_via_plugin_kwargs():

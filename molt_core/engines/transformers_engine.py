@@ -4,7 +4,10 @@ One background worker thread owns the model. Each loop iteration it
 
 1. applies a pending weight update (``load_weights``) -- so a swap lands *between* decode
    steps, and every token sampled afterwards carries the new policy version (partial
-   rollout: an in-flight generation keeps its KV cache and continues under the new weights);
+   rollout: an in-flight generation continues under the new weights after its KV cache is
+   recomputed under them, :meth:`TransformersEngine._reprefill` -- new weights over a cache
+   the old weights wrote would sample from neither version, which the trainer's on-policy
+   check, ``invariants/logprob_absdiff_max_onpolicy``, flags);
 2. admits waiting requests (up to ``max_batch_size`` running rows): their prompts are
    prefilled as one left-padded batch, and their KV caches are left-padded to the running
    batch's length and concatenated to it (continuous batching: requests join and leave at
@@ -152,6 +155,7 @@ class TransformersEngine(WorkerThreadEngine):
         self._n_prefill = 0  # admitted requests being prefilled (neither waiting nor running)
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [B, L] int64, 1 on real tokens
+        self._stale_cache = False  # weights changed under the running rows' KV cache
         # every state_dict name (tied aliases such as lm_head.weight included) -> live tensor
         self._params = dict(model.state_dict(keep_vars=True))
         # transformers >= 5.x names the KV cache argument ``cache``; earlier ``past_key_values``
@@ -278,6 +282,7 @@ class TransformersEngine(WorkerThreadEngine):
                         for name, t in sd.items():
                             self._params[name].copy_(t)
                     self.version = version
+                    self._stale_cache = True
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     err.append(e)
                 done.set()
@@ -285,6 +290,10 @@ class TransformersEngine(WorkerThreadEngine):
                 continue
             try:
                 with torch.inference_mode():
+                    if self._stale_cache:
+                        if self._running:
+                            self._reprefill()
+                        self._stale_cache = False
                     admit = [r for r in admit if not r.future.cancelled()]
                     if admit:
                         self._prefill(admit)
@@ -377,6 +386,34 @@ class TransformersEngine(WorkerThreadEngine):
             self._mask = torch.cat([_lpad(self._mask, L, -1), _lpad(mask, L, -1)], 0)
         with self._cv:
             self._running.extend(new_rows)
+
+    def _reprefill(self) -> None:
+        """Partial rollout after a weight swap: recompute the KV cache of every running row
+        under the weights just loaded.
+
+        A row's cache holds its ``next_pos`` real tokens -- the prompt and every sampled token
+        but the last (fed at the next decode step) -- so one left-padded forward over
+        ``prompt_ids + tokens[:-1]`` rebuilds it exactly as a fresh prefill would. Its logits
+        are discarded (those tokens were already sampled). Routing records (R3) keep the
+        routing of the forwards that produced each sampled token.
+        """
+        rows = self._running
+        ctx = [r.prompt_ids + r.tokens[:-1] for r in rows]
+        n = max(len(c) for c in ctx)
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        mask = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, c in enumerate(ctx):
+            ids[i, n - len(c):] = torch.tensor(c)
+            mask[i, n - len(c):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        _, cache = self._forward(ids, mask, pos, None)
+        self._last_route = None
+        for layer in _layers(cache):  # padded slots hold garbage (possibly NaN): zero them
+            pad = mask[:, None, :, None] == 0
+            layer.keys = layer.keys.masked_fill(pad, 0.0)
+            layer.values = layer.values.masked_fill(pad, 0.0)
+        self._cache, self._mask = cache, mask
 
     def _decode(self) -> None:
         """One decode step for every running row, then drop finished rows."""
