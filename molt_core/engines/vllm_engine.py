@@ -23,8 +23,8 @@ Meets the same :class:`~molt_core.engines.base.RolloutEngine` contract as the em
   ``reset_prefix_cache(reset_running_requests=True)``: cached prefixes computed with the old
   weights are dropped and in-flight requests are preempted and re-prefilled (prompt + tokens
   sampled so far) under the new weights. Their earlier tokens keep the old version, later
-  ones carry the new one (partial rollout). Unlike the transformers engine, whose in-flight
-  rows keep their old KV cache, no stale KV survives a sync here.
+  ones carry the new one (partial rollout). As in the transformers engine (which recomputes
+  its in-flight rows' KV cache after a swap), no stale KV survives a sync.
 * **Stops.** The stop ids are the eos ids (default: the tokenizer's eos, ``<|im_end|>`` and
   ``<|endoftext|>``) plus ``params.stop_token_ids``, passed as vLLM ``stop_token_ids`` with
   ``ignore_eos`` (so the model's own eos does not add a stop the transformers engine lacks);
