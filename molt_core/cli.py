@@ -110,13 +110,17 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
-def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
+@click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.conformance); exit 1 if one fails.")
+def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
     """List installed plugins: distribution, version, hooks and registered names (sandbox
-    backends with which one is active here)."""
+    backends with which one is active here). With --check, check every plugin instead."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
         _fail(str(e))
+    if check:
+        _check_plugins(host, as_json)
+        return
     infos = host.plugin_infos()
     if as_json:
         rows = []
@@ -142,6 +146,25 @@ def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
         desc = _describe(host.get("sandbox_backends", n)) or ""
         if desc.startswith("[active]"):
             click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+
+
+def _check_plugins(host: PluginHost, as_json: bool) -> None:
+    """Print the conformance checks of every loaded plugin (one line each, or JSON) and exit
+    with code 1 when one failed."""
+    from molt_core.conformance import check_host
+
+    checks = check_host(host)
+    failed = [c for c in checks if not c.ok]
+    if as_json:
+        click.echo(json.dumps([c.as_dict() for c in checks], indent=2))
+    else:
+        for c in checks:
+            click.echo(str(c))
+        n_skip = sum(c.status == "skip" for c in checks)
+        click.echo(f"{len(checks) - len(failed) - n_skip} ok, {n_skip} skipped, {len(failed)} failed "
+                   f"({len(host.infos)} plugins)")
+    if failed:
+        sys.exit(1)
 
 
 def _describe(obj: object) -> str | None:
