@@ -1,4 +1,4 @@
-"""The ``molt`` command line (click): run | sft | plugins | recipes | serve.
+"""The ``molt`` command line (click): run | sft | plugins | plugin new | recipes | serve.
 
 Every command validates the recipe and loads plugins before any compute starts, so a bad
 key, a wrong type or a broken plugin fails in a second with a message naming it.
@@ -146,6 +146,28 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
         desc = _describe(host.get("sandbox_backends", n)) or ""
         if desc.startswith("[active]"):
             click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+
+
+@main.group(name="plugin")
+def plugin_group() -> None:
+    """Plugin authoring: scaffold a new plugin package."""
+
+
+@plugin_group.command(name="new")
+@click.argument("kind", type=click.Choice(["reward", "env", "judge", "teacher", "replay"]))
+@click.argument("name")
+@click.option("--dir", "out_dir", default=None, type=click.Path(), help="Package directory (default ./molt-KIND-NAME).")
+def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
+    """Write a ready plugin package registering NAME as a KIND: pyproject with the `molt`
+    entry point, the plugin with typed Options, README, tests that pass as generated, a CI file."""
+    from molt_core.scaffold import render_plugin
+
+    try:
+        out = render_plugin(kind, name, out_dir=out_dir)
+    except ValueError as e:
+        _fail(str(e))
+    click.echo(str(out))
+    console.print(f"next: pip install -e {out} && pytest {out} && molt plugins --check", highlight=False)
 
 
 def _check_plugins(host: PluginHost, as_json: bool) -> None:
