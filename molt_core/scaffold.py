@@ -61,6 +61,13 @@ KINDS: dict[str, dict[str, Any]] = {
 """The kinds ``molt plugin new`` knows, with the README snippets of each."""
 
 
+def next_breaking(version: str) -> str:
+    """The first release that may break the hook API after ``version`` (docs/plugins/compatibility.md):
+    the next minor while 0.x (``0.1.3`` -> ``0.2``), else the next major (``1.4.0`` -> ``2``)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return f"0.{minor + 1}" if major == 0 else f"{major + 1}"
+
+
 def _camel(name: str) -> str:
     return "".join(p[:1].upper() + p[1:] for p in name.split("_") if p)
 
@@ -94,7 +101,7 @@ def render_plugin(kind: str, name: str, out_dir: str | Path | None = None, paren
         raise ValueError(f"{out} exists and is not empty; choose another directory")
     meta = KINDS[kind]
     ctx: dict[str, Any] = {"kind": kind, "name": name, "camel": _camel(name), "dist": dist, "package": package,
-                           "molt_version": __version__, "kind_key": meta["kind_key"], "extra_deps": meta["extra_deps"]}
+                           "molt_version": __version__, "molt_next_breaking": next_breaking(__version__), "kind_key": meta["kind_key"], "extra_deps": meta["extra_deps"]}
     ctx["usage"] = meta["usage"].format(**ctx)
     ctx["options_doc"] = meta["options_doc"]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_core.scaffold import KINDS, TEMPLATES, render_plugin
+from molt_core.scaffold import KINDS, TEMPLATES, next_breaking, render_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 # generated tests per kind: (passed, skipped) when run uninstalled (the entry-point test skips)
@@ -44,8 +44,13 @@ def test_rendered_package_layout_and_entry_point(tmp_path):
     proj = tomllib.loads((out / "pyproject.toml").read_text())["project"]
     assert proj["name"] == "molt-reward-brevity"
     assert proj["entry-points"]["molt"] == {"molt_reward_brevity": "molt_reward_brevity"}
-    assert proj["dependencies"] == ["molt-sdk>=0.1.0", "pydantic>=2.6"]
+    assert proj["dependencies"] == ["molt-sdk>=0.1.0,<0.2", "pydantic>=2.6"]  # the hook-API compatibility policy
     assert "molt plugins --check" in (out / ".github/workflows/test.yml").read_text()
+
+
+@pytest.mark.parametrize("version,bound", [("0.1.0", "0.2"), ("0.9.4", "0.10"), ("1.0.0", "2"), ("2.3.1", "3")])
+def test_next_breaking(version, bound):
+    assert next_breaking(version) == bound
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
