@@ -208,7 +208,8 @@ def check_host(host: Any) -> list[Check]:
             try:
                 ret = impl.function(**{a: (lambda n, o, _s=seen: _s.append(n)) for a in impl.argnames})
             except Exception as e:
-                out.append(Check(impl.plugin_name, kind, "", "hook_returns", "fail", f"{hook_name} raised {type(e).__name__}: {e}"))
+                out.append(Check(impl.plugin_name, kind, "", "hook_returns", "fail",
+                                 f"{hook_name} raised {type(e).__name__}: {e}"))
                 continue
             if inspect.isawaitable(ret):
                 ret.close()  # type: ignore[union-attr]
@@ -229,7 +230,8 @@ def check_host(host: Any) -> list[Check]:
                 st, detail, options = _check_options(obj)
                 add("options", st, detail)
                 if kind == "rewards":
-                    add("deterministic", *(_check_reward(obj, name, options) if st != "fail" else ("skip", "options invalid")))
+                    add("deterministic",
+                        *(_check_reward(obj, name, options) if st != "fail" else ("skip", "options invalid")))
                 elif kind == "envs":
                     add("eval_finite", *(_check_env(obj, options) if st != "fail" else ("skip", "options invalid")))
             except Exception as e:  # a check must not crash the report

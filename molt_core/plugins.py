@@ -4,7 +4,8 @@ Sources, in order: the ``molt`` entry-point group of every installed distributio
 own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
 path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
 name or distribution name; ``MOLT_LOAD_PLUGINS=name,...`` loads only the listed third-party
-entry points (first-party ones always load unless disabled; the deny list wins). Everything is validated before any compute starts:
+entry points (first-party ones always load unless disabled; the deny list wins). Everything
+is validated before any compute starts:
 
 * a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
   naming its distribution, with the original exception chained;

@@ -42,7 +42,8 @@ KINDS: dict[str, dict[str, Any]] = {
             "options_doc": "- `max_number` (int, default 9, >= 1): operands are drawn from 0..max_number.\n"
                            "- `eval_size` (int, default 16, >= 1): held-out eval tasks (disjoint from train)."},
     "judge": {"kind_key": "judges", "extra_deps": ["openai>=1.40"],
-              "usage": "```python\nfrom {package} import {camel}Judge\njudge = {camel}Judge(base_url=\"http://127.0.0.1:8000/v1\")\n"
+              "usage": "```python\nfrom {package} import {camel}Judge\n"
+                       "judge = {camel}Judge(base_url=\"http://127.0.0.1:8000/v1\")\n"
                        "judge.score(\"Paris\", {{\"question\": \"Capital of France?\"}})  # in [0, 1]\n```",
               "options_doc": "- `base_url` (str | None): an OpenAI-compatible endpoint; None: the run's own engine "
                              "(the loopback judge session of `molt_core.rewards.judge_endpoint()`).\n"
@@ -101,7 +102,8 @@ def render_plugin(kind: str, name: str, out_dir: str | Path | None = None, paren
         raise ValueError(f"{out} exists and is not empty; choose another directory")
     meta = KINDS[kind]
     ctx: dict[str, Any] = {"kind": kind, "name": name, "camel": _camel(name), "dist": dist, "package": package,
-                           "molt_version": __version__, "molt_next_breaking": next_breaking(__version__), "kind_key": meta["kind_key"], "extra_deps": meta["extra_deps"]}
+                           "molt_version": __version__, "molt_next_breaking": next_breaking(__version__),
+                           "kind_key": meta["kind_key"], "extra_deps": meta["extra_deps"]}
     ctx["usage"] = meta["usage"].format(**ctx)
     ctx["options_doc"] = meta["options_doc"]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True,
@@ -109,7 +111,8 @@ def render_plugin(kind: str, name: str, out_dir: str | Path | None = None, paren
     files: dict[str, str] = {}
     for src in sorted((TEMPLATES / "common").rglob("*.j2")):
         rel = src.relative_to(TEMPLATES / "common").with_suffix("")
-        files["/".join("." + p[4:] if p.startswith("dot-") else p for p in rel.parts)] = src.relative_to(TEMPLATES).as_posix()
+        dest = "/".join("." + p[4:] if p.startswith("dot-") else p for p in rel.parts)
+        files[dest] = src.relative_to(TEMPLATES).as_posix()
     files[f"{package}/__init__.py"] = f"{kind}/__init__.py.j2"
     files[f"tests/test_{name}.py"] = f"{kind}/test_plugin.py.j2"
     out.mkdir(parents=True, exist_ok=True)

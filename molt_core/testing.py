@@ -243,7 +243,8 @@ def run_episode(agent: Any, task: dict[str, Any], replies: Sequence[Any] | None 
 # --------------------------------------------------------------------------- rewards
 class RewardCallFailed(AssertionError):
     """The runtime would mark the trajectory ``failed`` for this reward call; ``error`` is
-    the trajectory's error text (e.g. ``reward brevity: failed: timeout (no score within 1 s (rewards.brevity.timeout_s))``)."""
+    the trajectory's error text, e.g.
+    ``reward brevity: failed: timeout (no score within 1 s (rewards.brevity.timeout_s))``."""
 
     def __init__(self, error: str) -> None:
         super().__init__(error)

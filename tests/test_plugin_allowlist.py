@@ -64,5 +64,6 @@ def test_deny_list_wins_over_allow_list(two_dists, monkeypatch):
 
 def test_allow_list_naming_a_missing_plugin_is_an_error(two_dists, monkeypatch):
     monkeypatch.setenv("MOLT_LOAD_PLUGINS", "molt_alpha_mod,molt_gamma")
-    with pytest.raises(PluginError, match=r"^MOLT_LOAD_PLUGINS names molt_gamma, not an installed molt plugin \(installed: .*molt_alpha_mod, molt_beta_mod"):
+    msg = r"^MOLT_LOAD_PLUGINS names molt_gamma, not an installed molt plugin \(installed: .*molt_alpha_mod, molt_beta_mod"
+    with pytest.raises(PluginError, match=msg):
         load_plugins()
