@@ -215,6 +215,8 @@ def run_episode(agent: Any, task: dict[str, Any], replies: Sequence[Any] | None 
     w}}``), looked up with ``reward_lookup(name)`` or, by default, among the installed
     plugins.
 
+    Call it from synchronous code (it runs its own event loop with ``asyncio.run``).
+
     Args:
         max_turns / max_tokens / rollout: fields of the recipe's ``[rollout]`` table.
 
@@ -277,7 +279,8 @@ def score_reward(reward: Any, responses: str | Sequence[str], tasks: dict[str, A
     scored as one group (what a group reward sees) -> one float per response. ``tasks`` is
     one task dict for all responses (default ``{}``) or one per response. A reward wanting the
     rollout gets a :class:`~molt_core.rewards.Rollout` with a two-message chat and a
-    one-segment trajectory (ids from ``tokenizer`` when given).
+    one-segment trajectory (ids from ``tokenizer`` when given). Call it from synchronous code
+    (it runs its own event loop with ``asyncio.run``).
 
     Returns:
         The unweighted score(s), as recorded in ``info["rewards"][name]`` (``weight`` only

@@ -188,3 +188,33 @@ def test_score_reward_timeout_and_bad_group_output():
 def test_score_reward_by_installed_name():
     assert score_reward("exact_match", " 7\n", {"answer": "7"}) == 1.0
     assert score_reward("exact_match", "8", {"answer": "7"}) == 0.0
+
+
+FIXTURE_TESTS = '''
+import openai
+from molt_core.testing import ScriptedEngine, run_episode
+
+
+def test_fixtures(molt_tokenizer, molt_scripted_engine, molt_tiny_engine, molt_loopback, molt_run_episode,
+                  molt_score_reward):
+    eng = molt_scripted_engine(["Hi."])
+    assert isinstance(eng, ScriptedEngine) and eng.tokenizer is molt_tokenizer
+    s = molt_loopback(eng).create_session()
+    r = openai.OpenAI(base_url=s.openai_base_url, api_key=s.api_key, max_retries=0).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content == "Hi."
+    s2 = molt_loopback(molt_tiny_engine).create_session()
+    r2 = openai.OpenAI(base_url=s2.openai_base_url, api_key=s2.api_key, max_retries=0).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r2.usage.completion_tokens <= 3
+    assert molt_score_reward(lambda response, task: len(response), "abc") == 3.0
+    assert molt_run_episode is run_episode
+'''
+
+
+def test_pytest_fixtures_through_the_plugin(tmp_path):
+    (tmp_path / "test_fx.py").write_text(FIXTURE_TESTS)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "molt_core.testing", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1].startswith("1 passed")
