@@ -123,10 +123,10 @@ def _check_options(obj: Any) -> tuple[str, str, dict[str, Any]]:
 def _check_reward(obj: Any, name: str, options: dict[str, Any]) -> tuple[str, str]:
     from molt_core.testing import RewardCallFailed, score_reward
 
+    from molt_core.rewards import reward_spec
+
     ex = _example(obj)
-    is_group = bool(getattr(obj, "molt_group", False)) and not callable(getattr(obj, "molt_group", None))
-    if callable(getattr(obj, "molt_group", None)):
-        is_group = bool(obj.molt_group(options))
+    is_group = reward_spec(name, obj, options).group  # the runtime's own calling-convention decision
     resp = ex.get("responses" if is_group else "response", PROBE["responses" if is_group else "response"])
     task = ex.get("task", PROBE["task"])
     outs = []

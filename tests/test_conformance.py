@@ -173,3 +173,21 @@ def test_cli_check_passes_for_every_installed_plugin_and_fails_a_bad_one(tmp_pat
                                           ("rewards", "noisy", "deterministic"), ("rewards", "bad name", "deterministic"),
                                           ("rewards", "bad name", "name"), ("rewards", "needy", "options"),
                                           ("replay_backends", "noroute", "shape")]}
+
+
+def test_group_reward_is_probed_as_a_group(tmp_path):
+    host, _ = _host(tmp_path, '''
+        from molt_core.hookspecs import hookimpl
+        from molt_core.rewards import group_reward
+
+        @group_reward
+        def rank(responses, tasks):
+            return [float(len(r)) for r in responses]
+        rank.molt_example = {"responses": ["a", "abc"], "task": {"q": 1}}
+
+        @hookimpl
+        def molt_register_rewards(register):
+            register("rank", rank)
+    ''')
+    (c,) = [c for c in check_host(host) if c.check == "deterministic"]
+    assert (c.status, c.detail) == ("ok", "[1.0, 3.0]")
