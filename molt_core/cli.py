@@ -1,4 +1,4 @@
-"""The ``molt`` command line (click): run | sft | plugins | recipes | serve.
+"""The ``molt`` command line (click): run | sft | plugins | plugin new | recipes | serve.
 
 Every command validates the recipe and loads plugins before any compute starts, so a bad
 key, a wrong type or a broken plugin fails in a second with a message naming it.
@@ -110,13 +110,17 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
-def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
+@click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.conformance); exit 1 if one fails.")
+def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
     """List installed plugins: distribution, version, hooks and registered names (sandbox
-    backends with which one is active here)."""
+    backends with which one is active here). With --check, check every plugin instead."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
         _fail(str(e))
+    if check:
+        _check_plugins(host, as_json)
+        return
     infos = host.plugin_infos()
     if as_json:
         rows = []
@@ -142,6 +146,47 @@ def plugins(as_json: bool, plugin: tuple[str, ...]) -> None:
         desc = _describe(host.get("sandbox_backends", n)) or ""
         if desc.startswith("[active]"):
             click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+
+
+@main.group(name="plugin")
+def plugin_group() -> None:
+    """Plugin authoring: scaffold a new plugin package."""
+
+
+@plugin_group.command(name="new")
+@click.argument("kind", type=click.Choice(["reward", "env", "judge", "teacher", "replay"]))
+@click.argument("name")
+@click.option("--dir", "out_dir", default=None, type=click.Path(), help="Package directory (default ./molt-KIND-NAME).")
+def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
+    """Write a ready plugin package registering NAME as a KIND: pyproject with the `molt`
+    entry point, the plugin with typed Options, README, tests that pass as generated, a CI file."""
+    from molt_core.scaffold import render_plugin
+
+    try:
+        out = render_plugin(kind, name, out_dir=out_dir)
+    except ValueError as e:
+        _fail(str(e))
+    click.echo(str(out))
+    console.print(f"next: pip install -e {out} && pytest {out} && molt plugins --check", highlight=False)
+
+
+def _check_plugins(host: PluginHost, as_json: bool) -> None:
+    """Print the conformance checks of every loaded plugin (one line each, or JSON) and exit
+    with code 1 when one failed."""
+    from molt_core.conformance import check_host
+
+    checks = check_host(host)
+    failed = [c for c in checks if not c.ok]
+    if as_json:
+        click.echo(json.dumps([c.as_dict() for c in checks], indent=2))
+    else:
+        for c in checks:
+            click.echo(str(c))
+        n_skip = sum(c.status == "skip" for c in checks)
+        click.echo(f"{len(checks) - len(failed) - n_skip} ok, {n_skip} skipped, {len(failed)} failed "
+                   f"({len(host.infos)} plugins)")
+    if failed:
+        sys.exit(1)
 
 
 def _describe(obj: object) -> str | None:

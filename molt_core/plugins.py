@@ -3,7 +3,9 @@
 Sources, in order: the ``molt`` entry-point group of every installed distribution (molt-sdk's
 own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
 path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
-name or distribution name. Everything is validated before any compute starts:
+name or distribution name; ``MOLT_LOAD_PLUGINS=name,...`` loads only the listed third-party
+entry points (first-party ones always load unless disabled; the deny list wins). Everything
+is validated before any compute starts:
 
 * a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
   naming its distribution, with the original exception chained;
@@ -23,6 +25,7 @@ import importlib
 import importlib.metadata as md
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +80,24 @@ class PluginInfo:
 
 def _disabled() -> set[str]:
     raw = os.environ.get("MOLT_DISABLE_PLUGINS", "")
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+FIRST_PARTY = "molt-sdk"
+"""The distribution whose own entry points (the first-party plugins) ``MOLT_LOAD_PLUGINS`` never filters."""
+
+
+def _norm(dist: str) -> str:
+    """A distribution name normalised as in PEP 503 (``Molt_SDK`` -> ``molt-sdk``)."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _allowed() -> set[str] | None:
+    """``MOLT_LOAD_PLUGINS`` as a set of entry-point or distribution names; None when unset
+    (every plugin loads); an empty set when set to ``""`` (no third-party plugin loads)."""
+    raw = os.environ.get("MOLT_LOAD_PLUGINS")
+    if raw is None:
+        return None
     return {x.strip() for x in raw.split(",") if x.strip()}
 
 
@@ -149,17 +170,34 @@ class PluginHost:
         self.infos[name] = PluginInfo(name=name, distribution=dist, version=version, source=source, hooks=hooks)
 
     def load_entry_points(self) -> None:
-        """Load every ``molt`` entry point not disabled by ``MOLT_DISABLE_PLUGINS``.
+        """Load every ``molt`` entry point allowed by ``MOLT_LOAD_PLUGINS`` and not disabled
+        by ``MOLT_DISABLE_PLUGINS``.
+
+        ``MOLT_LOAD_PLUGINS=name,...`` (entry-point or distribution names) is an allow-list for
+        third-party plugins: when set, only those load (``""``: none); molt-sdk's own
+        first-party entry points always load unless disabled. The deny list wins over the
+        allow-list.
 
         Raises:
-            PluginError: an entry point fails to import or is invalid.
+            PluginError: an entry point fails to import or is invalid, or ``MOLT_LOAD_PLUGINS``
+                names a plugin that is not installed.
         """
-        disabled = _disabled()
+        disabled, allowed = _disabled(), _allowed()
         eps = sorted(md.entry_points(group=PROJECT), key=lambda e: e.name)
+        if allowed:
+            known = {ep.name for ep in eps} | {ep.dist.name for ep in eps if ep.dist is not None}
+            missing = sorted(allowed - known)
+            if missing:
+                raise PluginError(
+                    f"MOLT_LOAD_PLUGINS names {', '.join(missing)}, not an installed molt plugin "
+                    f"(installed: {', '.join(sorted(ep.name for ep in eps))})"
+                )
         for ep in eps:
             dist = ep.dist.name if ep.dist is not None else "?"
             version = ep.dist.version if ep.dist is not None else "?"
             if ep.name in disabled or dist in disabled:
+                continue
+            if allowed is not None and _norm(dist) != FIRST_PARTY and ep.name not in allowed and dist not in allowed:
                 continue
             try:
                 obj = ep.load()

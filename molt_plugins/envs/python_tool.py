@@ -141,6 +141,8 @@ class PythonToolEnv(ReasoningGymEnv):
     """
 
     Options = PythonToolOptions
+    molt_example = {"options": {"task": "basic_arithmetic", "size": 16, "eval_size": 4}}
+    """Options for ``molt plugins --check`` (``task`` has no default)."""
 
     def step(self, action_text: str, state: EpisodeState) -> Result:
         """One turn; see the class docstring."""
@@ -167,6 +169,8 @@ class PythonToolChatAgent(ChatAgent):
     """
 
     Options = PythonToolOptions
+    molt_example = {"options": {"task": "basic_arithmetic", "size": 16, "eval_size": 4}}
+    """Options for ``molt plugins --check`` (``task`` has no default)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

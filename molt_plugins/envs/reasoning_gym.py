@@ -98,6 +98,8 @@ class ReasoningGymEnv(Env):
     """
 
     Options = ReasoningGymOptions
+    molt_example = {"options": {"task": "basic_arithmetic", "size": 16, "eval_size": 4}}
+    """Options for ``molt plugins --check`` (``task`` has no default)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -102,3 +102,5 @@ def regex(response: str, task: dict[str, Any], opts: RegexOptions) -> float:
         if got is None or got.strip() != str(task[opts.answer_field]).strip():
             return opts.no_match_reward
     return opts.match_reward
+
+regex.molt_example = {"options": {"pattern": r"answer is (\d+)"}}  # type: ignore[attr-defined]  # molt plugins --check

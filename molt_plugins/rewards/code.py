@@ -111,3 +111,6 @@ def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> f
     prefix = str(task[opts.prefix_field]) if opts.prefix_field else ""
     return grade_tests(f"{prefix}{code}\n", f"{tests}\n", timeout_s=opts.timeout_s, memory_mb=opts.memory_mb,
                        limit_exceeded=opts.limit_exceeded)
+
+code_tests.molt_example = {  # type: ignore[attr-defined]  # molt plugins --check runs it twice
+    "response": "```python\ndef add(a, b):\n    return a + b\n```", "task": {"tests": "assert add(2, 3) == 5"}}

@@ -68,6 +68,8 @@ class HFTeacher:
     """
 
     Options = HFTeacherOptions
+    molt_example = {"options": {"path": "builtin:tiny-qwen3"}}
+    """Options for ``molt plugins --check`` (``path`` has no default)."""
 
     def __init__(self, student_tokenizer: Any, **options: Any) -> None:
         from molt_core.models import load_model, load_tokenizer
