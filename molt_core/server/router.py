@@ -11,8 +11,9 @@ session API as one server (:mod:`molt_core.server.app`), session affinity, load 
 * ``GET /sessions/{sid}/trajectory`` and ``DELETE /sessions/{sid}`` are forwarded with the
   backend's admin key.
 
-Unknown session: 404 in the wire's error shape (Anthropic for ``.../v1/messages``, OpenAI
-otherwise). A backend that cannot be reached: 502 naming the backend and the cause (503 when
+Unknown session or route, wrong method: 404/405 in the wire's error shape (Anthropic for
+``.../v1/messages``, OpenAI otherwise). A client that disconnects closes the forwarded request,
+so the backend aborts the generation and commits nothing. A backend that cannot be reached: 502 naming the backend and the cause (503 when
 no backend can open a session) -- never a 500.
 """
 
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from molt_core.server.app import ServerHandle, _key_of, serve_in_thread
+from molt_core.server.guard import ClientDisconnected, install_http_error_handlers, until_disconnect
 from molt_core.server.wires import anthropic_error, openai_error
 
 __all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
@@ -104,6 +106,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
     owner: dict[str, int] = {}
     app.state.owner = owner
     app.state.base_url = ""  # set by start_router; else the URL the client used
+    install_http_error_handlers(app)
 
     def admin_ok(request: Request) -> bool:
         key = _key_of(request)
@@ -204,8 +207,11 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
             return _error(wire, 404, f"unknown session {sid!r}; create one with POST /sessions", "session_not_found")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        try:
-            resp = await forward(i, request.method, path, headers, await request.body())
+        body = await request.body()
+        try:  # a client that leaves closes the backend request too, so the backend aborts the turn
+            resp = await until_disconnect(request, forward(i, request.method, path, headers, body))
+        except ClientDisconnected:
+            return Response(status_code=499)
         except httpx.TransportError as e:
             return down(wire, i, e, f"owner of session {sid}")
         return relay(i, resp)
