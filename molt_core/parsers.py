@@ -213,10 +213,9 @@ class Llama3JsonParser:
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
         """All calls when the whole visible text is calls, else none."""
-        i = _skip(text, start)
+        a = i = _skip(text, start)
         if text.startswith("<|python_tag|>", i):
             i = _skip(text, i + len("<|python_tag|>"))
-        a = i
         objs, j = _json_values(text, i, _WS + ";")
         if not objs or _skip(text, j) != len(text):
             return []
