@@ -346,3 +346,166 @@ def test_server_uses_the_configured_tool_parser(tok, stack):
     assert (ch.message.content, ch.finish_reason) == (None, "tool_calls")
     assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == [
         ("write_file", {"path": "p", "text": "t"})]
+
+
+# ------------------------------------------------------------------ item 2: huge prompts
+
+
+def _timed_pair(info_a, info_b, big, wire_b="anthropic"):
+    """Send ``big`` to session A and, once it is on its way, a small request to session B;
+    returns (A's response, A's seconds, B's response, B's seconds)."""
+    out = {}
+
+    def send_a():
+        t0 = time.monotonic()
+        out["a"] = post(info_a, "openai", {"model": "m", "messages": [{"role": "user", "content": big}]}, timeout=120)
+        out["ta"] = time.monotonic() - t0
+
+    th = threading.Thread(target=send_a)
+    th.start()
+    time.sleep(0.3)  # A's body is being sent / processed
+    t0 = time.monotonic()
+    out["b"] = post(info_b, wire_b, body_of(wire_b, "quick"), timeout=120)
+    out["tb"] = time.monotonic() - t0
+    out["a_running"] = th.is_alive()
+    th.join()
+    return out
+
+
+def test_10mb_prompt_is_refused_cheaply_and_stalls_no_other_session(tok, stack):
+    h, r = stack(EchoEngine(tok), max_model_len=4096)
+    a, b = open_session(h), open_session(h)
+    big = "word " * (2 * 1024 * 1024)  # 10 MiB
+    out = _timed_pair(a, b, big)
+    assert out["b"].status_code == 200 and out["tb"] < 1.0
+    # refused from its rendered length (10485770 + template characters, at most 16 per token) before tokenizing
+    msg = assert_wire_error(out["a"], "openai", 400, None, "messages", "context_length_exceeded")
+    n_chars = len(h.sessions.ledger(a["session_id"]).render([{"role": "user", "content": big}]))
+    assert msg == (f"the prompt is at least {-(-n_chars // 16)} tokens ({n_chars} characters, at most 16 per token); "
+                   "the model's context is 4096 tokens. Shorten the conversation (or compact it)")
+    assert out["ta"] < 5.0  # was ~44 s (rendered and tokenized on the event loop)
+    assert traj(h, a["session_id"]).segments == []
+
+
+def test_tokenizing_a_huge_prompt_runs_off_the_event_loop(tok, stack):
+    # a context the 3 MB prompt fits: it is rendered and tokenized in full (~2 s here), in a worker thread
+    eng = EchoEngine(tok)
+    h, r = stack(eng, max_model_len=10**9)
+    a, b = open_session(h), open_session(h)
+    out = _timed_pair(a, b, "word " * 600_000, wire_b="openai")
+    assert out["b"].status_code == 200 and out["tb"] < 1.0
+    assert out["a"].status_code == 200 and out["a_running"] is True  # B was answered while A was still being prepared
+
+
+def test_body_limit_enforced_while_reading(tok, stack):
+    h, r = stack(EchoEngine(tok), max_body_bytes=1000)
+    info = open_session(h)
+    body = body_of("anthropic", "x" * 2000)
+    got = post(info, "anthropic", body)
+    n = len(json.dumps({**body, "stream": False}))
+    assert n == 2095
+    assert_wire_error(got, "anthropic", 413, f"request body is {n} bytes; the limit is 1000")  # refused from Content-Length
+    assert got.json()["error"]["type"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit trips while reading
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 200
+        yield b'"}]}'
+
+    got = httpx.post(info["openai_base_url"] + "/chat/completions", content=chunks(),
+                     headers={"x-api-key": info["api_key"], "content-type": "application/json"})
+    assert_wire_error(got, "openai", 413, "request body exceeds the limit of 1000 bytes", None, "request_too_large")
+    assert traj(h, info["session_id"]).segments == []
+
+
+# ------------------------------------------------------------------ item 3: disconnects
+
+
+class HangingEngine(ScriptedEngine):
+    """Never finishes a generation until cancelled; records cancellations."""
+
+    def __init__(self, tok):
+        super().__init__(tok, [])
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+
+    async def generate(self, prompt_ids, params):
+        if self.replies:  # scripted replies are answered normally
+            return await super().generate(prompt_ids, params)
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("wire", WIRES)
+def test_client_disconnect_aborts_generation_and_commits_nothing(tok, stack, wire, target):
+    eng = HangingEngine(tok)
+    h, r = stack(eng)
+    info = open_session(h if target == "direct" else r)
+    with pytest.raises(httpx.ReadTimeout):
+        post(info, wire, body_of(wire), timeout=1.0)  # the client gives up and closes the connection
+    assert eng.started.is_set()
+    assert eng.cancelled.wait(10)  # the generation was cancelled ...
+    t = traj(h, info["session_id"])  # ... and no turn was committed
+    assert t.segments == [] and t.info["requests"] == {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
+    # the session goes on: the same request now generates (not a cached retry) and is recorded once
+    eng.replies.append("Fine.")
+    got = post(info, wire, body_of(wire))
+    assert got.status_code == 200
+    (seg,) = traj(h, info["session_id"]).segments
+    assert [t for t, m in zip(seg.token_ids, seg.loss_mask) if m] == enc(tok, "Fine.") + [2]
+
+
+# ------------------------------------------------------------------ item 7: retries
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_identical_request_is_cached_and_no_cache_asks_for_a_fresh_sample(tok, stack, wire):
+    eng = ScriptedEngine(tok, ["First.", "Second."])
+    h, r = stack(eng)
+    info = open_session(r)
+    texts = []
+    for headers in (None, None, {"Cache-Control": "no-cache"}):
+        j = post(info, wire, body_of(wire), headers=headers).json()
+        texts.append(j["choices"][0]["message"]["content"] if wire == "openai" else j["content"][0]["text"])
+    assert texts == ["First.", "First.", "Second."] and eng.calls == 2
+    t = traj(h, info["session_id"])
+    assert t.info["requests"] == {"start": 1, "extend": 0, "rewrite": 1, "retry": 1}
+    assert [[x for x, m in zip(s.token_ids, s.loss_mask) if m] for s in t.segments] == [
+        enc(tok, "First.") + [2], enc(tok, "Second.") + [2]]
+
+
+# ------------------------------------------------------------------ item 10: tool_choice none
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_tool_choice_none_keeps_tools_in_the_prompt_and_the_next_turn_extends(tok, stack, wire):
+    call = f"<tool_call>\n{json.dumps({'name': 'write_file', 'arguments': {'path': 'p'}})}\n</tool_call>"
+    eng = ScriptedEngine(tok, [f"No tools now. {call}", call])
+    h, r = stack(eng)
+    info = open_session(h)
+    msgs = [{"role": "user", "content": "hi"}]
+    if wire == "openai":
+        j = post(info, wire, {"model": "m", "messages": msgs, "tools": TOOLS, "tool_choice": "none"}).json()
+        m = j["choices"][0]["message"]
+        assert (m["content"], m.get("tool_calls"), j["choices"][0]["finish_reason"]) == (f"No tools now. {call}", None, "stop")
+        msgs += [{"role": "assistant", "content": m["content"]}, {"role": "user", "content": "now write"}]
+        j = post(info, wire, {"model": "m", "messages": msgs, "tools": TOOLS}).json()
+        assert j["choices"][0]["finish_reason"] == "tool_calls"
+    else:
+        j = post(info, wire, {**body_of(wire, "hi"), "tools": A_TOOLS, "tool_choice": {"type": "none"}}).json()
+        assert (j["content"], j["stop_reason"]) == ([{"type": "text", "text": f"No tools now. {call}"}], "end_turn")
+        msgs += [{"role": "assistant", "content": j["content"]}, {"role": "user", "content": "now write"}]
+        j = post(info, wire, {"model": "m", "max_tokens": 200, "messages": msgs, "tools": A_TOOLS}).json()
+        assert j["stop_reason"] == "tool_use"
+    tools = TOOLS if wire == "openai" else [{"type": "function", "function": {
+        "name": "write_file", "description": "write a file", "parameters": TOOLS[0]["function"]["parameters"]}}]
+    first = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools, add_generation_prompt=True, tokenize=False)
+    assert eng.prompts[0] == enc(tok, first)  # the tools were rendered under tool_choice none
+    t = traj(h, info["session_id"])
+    assert len(t.segments) == 1 and t.info["requests"] == {"start": 1, "extend": 1, "rewrite": 0, "retry": 0}
