@@ -509,3 +509,36 @@ def test_tool_choice_none_keeps_tools_in_the_prompt_and_the_next_turn_extends(to
     assert eng.prompts[0] == enc(tok, first)  # the tools were rendered under tool_choice none
     t = traj(h, info["session_id"])
     assert len(t.segments) == 1 and t.info["requests"] == {"start": 1, "extend": 1, "rewrite": 0, "retry": 0}
+
+
+# ------------------------------------------------------------------ item 9: molt serve --host
+
+
+def test_molt_serve_host_beyond_loopback_needs_a_key(monkeypatch):
+    from click.testing import CliRunner
+
+    import molt_core.engines.transformers_engine as te
+    from molt_core.cli import _is_loopback, main
+
+    assert [_is_loopback(x) for x in ("127.0.0.1", "127.0.0.5", "localhost", "::1", "0.0.0.0", "10.1.2.3", "::", "host")] == [
+        True, True, True, True, False, False, False, False]
+    monkeypatch.delenv("MOLT_ADMIN_KEY", raising=False)
+    loaded = []
+
+    def no_model(*a, **k):
+        loaded.append(a)
+        raise ValueError("not loaded in this test")
+
+    monkeypatch.setattr(te, "TransformersEngine", no_model)
+    r = CliRunner().invoke(main, ["serve", "--model", "builtin:tiny-qwen3", "--host", "0.0.0.0"])
+    assert r.exit_code == 2 and loaded == []  # refused before any model is loaded
+    assert " ".join(r.output.split()) == (
+        "error: --host 0.0.0.0 listens beyond loopback: every session keeps its own key, but the admin routes need "
+        "a key you chose. Pass --admin-key (or set MOLT_ADMIN_KEY), or keep the default --host 127.0.0.1")
+    # with a key (flag or environment) the check passes and the model is loaded
+    r = CliRunner().invoke(main, ["serve", "--model", "builtin:tiny-qwen3", "--host", "0.0.0.0", "--admin-key", "k"])
+    assert r.exit_code == 2 and "--model builtin:tiny-qwen3: not loaded in this test" in " ".join(r.output.split())
+    r = CliRunner().invoke(main, ["serve", "--model", "m", "--host", "0.0.0.0"], env={"MOLT_ADMIN_KEY": "k"})
+    assert len(loaded) == 2
+    r = CliRunner().invoke(main, ["serve", "--model", "m", "--tool-parser", "nope"])
+    assert r.exit_code == 2 and "--tool-parser nope: unknown; known: hermes, llama3_json, mistral, qwen, qwen3_coder" in r.output
