@@ -15,6 +15,7 @@ from fake_engine import ScriptedEngine
 from molt_core.models import load_tokenizer
 from molt_core.ledger import normalize_messages
 from molt_core.server import create_app
+from molt_core.server.responses import ResponsesRequest
 from molt_core.server.wires import ChatCompletionRequest, MessagesRequest
 
 torch.set_num_threads(1)
@@ -62,13 +63,13 @@ def _check(env, wire, body=None, content=None):
     tc, info, app, eng = env
     sid = info["session_id"]
     before, calls = app.state.sessions.trajectory(sid), eng.calls
-    path = f"/s/{sid}/v1/chat/completions" if wire == "openai" else f"/s/{sid}/v1/messages"
+    path = f"/s/{sid}/v1/" + {"openai": "chat/completions", "anthropic": "messages", "responses": "responses"}[wire]
     kw = {"content": content} if content is not None else {"content": json.dumps(body, allow_nan=True)}
     r = tc.post(path, headers={"x-api-key": info["api_key"], "content-type": "application/json"}, **kw)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     err = r.json()
-    if wire == "openai":
-        assert isinstance(err["error"]["message"], str) and err["error"]["message"]
+    if wire in ("openai", "responses"):
+        assert set(err) == {"error"} and isinstance(err["error"]["message"], str) and err["error"]["message"]
     else:
         assert err["type"] == "error" and err["error"]["message"]
     after = app.state.sessions.trajectory(sid)
@@ -81,6 +82,8 @@ def _valid(wire, body):
     try:
         if wire == "openai":
             normalize_messages(ChatCompletionRequest.model_validate(body).messages)
+        elif wire == "responses":
+            normalize_messages(ResponsesRequest.model_validate(body).openai_messages())
         else:
             normalize_messages(MessagesRequest.model_validate(body).openai_messages())
         return True
@@ -103,22 +106,23 @@ def test_wrong_typed_field(env, wire, data):
 
 
 @FUZZ
-@given(wire=st.sampled_from(["openai", "anthropic"]), body=json_any)
+@given(wire=st.sampled_from(["openai", "anthropic", "responses"]), body=json_any)
 def test_random_json(env, wire, body):
     # random JSON values: never a valid request (no messages list of the right shape)
     if isinstance(body, dict):
         body.pop("messages", None)
+        body.pop("input", None)
     _check(env, wire, body)
 
 
 @FUZZ
-@given(wire=st.sampled_from(["openai", "anthropic"]), raw=st.binary(max_size=64))
+@given(wire=st.sampled_from(["openai", "anthropic", "responses"]), raw=st.binary(max_size=64))
 def test_random_bytes(env, wire, raw):
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         obj = None
-    if isinstance(obj, dict) and "messages" in obj:
+    if isinstance(obj, dict) and ("messages" in obj or "input" in obj):
         return
     _check(env, wire, content=raw)
 
@@ -199,7 +203,7 @@ def test_unknown_top_level_field_is_refused_by_name(env, wire, name, value):
 @given(method=st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]),
        path=st.sampled_from(["/", "/v1/chat/completions", "/v1/messages", "/v1/models", "/v1/responses", "/sessions",
                              "/sessions/{sid}", "/sessions/{sid}/trajectory", "/sessions/nope/trajectory",
-                             "/s/{sid}/v1/chat/completions", "/s/{sid}/v1/messages", "/s/{sid}/v1/models",
+                             "/s/{sid}/v1/chat/completions", "/s/{sid}/v1/messages", "/s/{sid}/v1/models", "/s/{sid}/v1/responses",
                              "/s/{sid}/v1/nope", "/s/nope/v1/messages", "/s/{sid}", "/chat/completions"]),
        body=json_any, admin=st.booleans())
 def test_any_route_any_method_is_wire_shaped_and_ledger_unchanged(env, method, path, body, admin):
@@ -265,3 +269,18 @@ def test_through_the_router_only_wire_shaped_4xx_and_ledger_unchanged(routed, wi
     err = r.json()
     assert (err["type"] == "error" and err["error"]["message"]) if wire == "anthropic" else err["error"]["message"]
     assert h.trajectory(sid).segments == before.segments and eng.calls == calls
+
+
+GOOD_RS = {"model": "m", "input": "hi", "max_output_tokens": 4}
+
+
+@FUZZ
+@given(items=st.lists(json_any, min_size=1, max_size=3), text=with_surrogate, where=st.sampled_from(["items", "text"]))
+def test_responses_wire_random_input_items(env, items, text, where):
+    # random input items (rejected, or rarely valid -- then skipped) and lone surrogates in input text
+    body = {**GOOD_RS, "input": items if where == "items" else [{"role": "user", "content": text}]}
+    if where == "items" and _valid("responses", body):
+        return
+    r = _check(env, "responses", body)
+    if where == "text":
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("input[0].content", "invalid_unicode")

@@ -180,7 +180,7 @@ def test_404_and_405_in_the_wires_shape_with_a_base_url_hint(tok, stack, target)
                       "method GET is not allowed on /sessions", None, "method_not_allowed")
     assert_wire_error(httpx.post(f"{s}/v1/embeddings", headers=key, json={}), "openai", 404,
                       f"no route /s/{info['session_id']}/v1/embeddings (a session serves /v1/chat/completions, "
-                      "/v1/messages and /v1/models)", None, "not_found")
+                      "/v1/responses, /v1/messages and /v1/models)", None, "not_found")
 
 
 # ------------------------------------------------------------------ item 5: sampling fields

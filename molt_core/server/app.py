@@ -5,6 +5,7 @@ Routes (``{sid}`` is a session id from ``POST /sessions``):
 
 * ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not).
 * ``POST /s/{sid}/v1/messages`` -- Anthropic Messages (stream or not).
+* ``POST /s/{sid}/v1/responses`` -- OpenAI Responses (stream or not; :mod:`molt_core.server.responses`).
 * ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
 * ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
   ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON
@@ -52,6 +53,7 @@ from molt_core.server.guard import (
     until_disconnect,
     wire_error_response,
 )
+from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.wires import (
     ChatCompletionRequest,
     MessagesRequest,
@@ -318,6 +320,24 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             return anthropic_response(turn, model_name)
 
         return await guarded("anthropic", handle)
+
+    @app.post("/s/{sid}/v1/responses")
+    async def responses(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            s = session_for(request, sid)
+            body = await body_of(request)
+            if not isinstance(body, dict):
+                raise WireError(400, "request body must be a JSON object")
+            req = ResponsesRequest.model_validate(body)
+            req.check()
+            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
+            turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_output_tokens,
+                                  req.allow_tool_calls)
+            if req.stream:
+                return StreamingResponse(responses_stream(turn, tokenizer, model_name, req), media_type="text/event-stream")
+            return responses_response(turn, tokenizer, model_name, req)
+
+        return await guarded("openai", handle)
 
     @app.get("/s/{sid}/v1/models")
     async def models(sid: str, request: Request) -> Any:

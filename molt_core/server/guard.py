@@ -167,7 +167,8 @@ def install_http_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and not path.startswith("/s/"):
             msg, code = _not_found_hint(path), "not_found"
         elif exc.status_code == 404:
-            msg, code = f"no route {path} (a session serves /v1/chat/completions, /v1/messages and /v1/models)", "not_found"
+            msg = f"no route {path} (a session serves /v1/chat/completions, /v1/responses, /v1/messages and /v1/models)"
+            code = "not_found"
         elif exc.status_code == 405:
             msg, code = f"method {request.method} is not allowed on {path}", "method_not_allowed"
         else:
