@@ -232,7 +232,7 @@ def recipes() -> None:
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Parameter dtype.")
 @click.option("--enable-thinking/--disable-thinking", default=None, help="Set the chat template's enable_thinking for every session.")
 @click.option("--num-engines", default=1, type=click.IntRange(1), help="Engines in-process, each with its own server, behind one request router (session affinity, least-loaded placement).")
-@click.option("--tool-parser", default=None, help="Tool-call parser of the model family: hermes (default; Qwen), qwen3_coder, llama3_json, mistral.")
+@click.option("--tool-parser", default=None, help="Tool-call parser of the model family: hermes (default; Qwen), qwen3_coder, llama3_json, mistral, or auto (the tokenizer's response schema, else the family its chat template writes).")
 def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str,
           enable_thinking: bool | None, num_engines: int, tool_parser: str | None) -> None:
     """Serve MODEL (on 127.0.0.1 unless --host says otherwise) for any OpenAI or Anthropic SDK,
@@ -252,8 +252,8 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
     if not _is_loopback(host) and not admin_key:
         _fail(f"--host {host} listens beyond loopback: every session keeps its own key, but the admin routes need "
               "a key you chose. Pass --admin-key (or set MOLT_ADMIN_KEY), or keep the default --host 127.0.0.1")
-    if tool_parser is not None and tool_parser not in TOOL_PARSERS:
-        _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(sorted(TOOL_PARSERS))}")
+    if tool_parser is not None and tool_parser != "auto" and tool_parser not in TOOL_PARSERS:
+        _fail(f"--tool-parser {tool_parser}: unknown; known: auto, {', '.join(sorted(TOOL_PARSERS))}")
 
     try:
         engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype) for _ in range(num_engines)]

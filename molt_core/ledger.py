@@ -285,7 +285,8 @@ class Ledger:
         chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
         think_tags / tool_call_tags: the model's reasoning and tool-call delimiters.
         tool_parser: a :mod:`molt_core.parsers` family name (``hermes``, ``qwen3_coder``,
-            ``llama3_json``, ``mistral``) or a parser object; default: Hermes with ``tool_call_tags``.
+            ``llama3_json``, ``mistral``, ``auto``: from the tokenizer) or a parser object;
+            default: Hermes with ``tool_call_tags``.
 
     Raises:
         ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
@@ -303,7 +304,7 @@ class Ledger:
         self.group_id = group_id
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.think = think_tags
-        self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else get_tool_parser(tool_parser)
+        self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else get_tool_parser(tool_parser, tokenizer)
         self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
         #: context tokens re-encoded from text on rewrites (see :meth:`prepare`)
         self.context_reencoded_tokens = 0

@@ -17,6 +17,10 @@ Families (:data:`TOOL_PARSERS`, chosen by name):
 * ``llama3_json`` (Llama 3.x): the whole visible text (after an optional ``<|python_tag|>``) is
   one JSON object ``{"name", "parameters"}`` or several separated by ``;``.
 * ``mistral``: ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}``.
+* ``auto``: the tokenizer's own response schema where transformers provides one
+  (``tokenizer.response_template``, parsed by ``tokenizer.parse_response``); otherwise the
+  family whose call syntax the chat template writes (``<function=`` -> ``qwen3_coder``,
+  ``[TOOL_CALLS]`` -> ``mistral``, ``<|python_tag|>`` -> ``llama3_json``, else ``hermes``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 __all__ = ["ParsedCall", "ToolParser", "HermesParser", "Qwen3CoderParser", "Llama3JsonParser", "MistralParser",
-           "TOOL_PARSERS", "get_tool_parser"]
+           "TransformersResponseParser", "TOOL_PARSERS", "get_tool_parser"]
 
 _DEC = json.JSONDecoder()
 _WS = " \t\r\n"
@@ -248,6 +252,41 @@ class MistralParser:
             i = j
 
 
+class TransformersResponseParser:
+    """The tokenizer's own response schema (transformers ``tokenizer.parse_response`` with its
+    ``response_template``). Its calls follow the visible content, so their span runs from the
+    end of the parsed content to the end of the text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
+        """The calls ``tokenizer.parse_response`` finds in ``text[start:]`` (none if it raises)."""
+        try:
+            msg = self.tokenizer.parse_response(text[start:], tools=tools)
+        except Exception:  # noqa: BLE001 - text the schema does not match holds no call
+            return []
+        out = []
+        content = msg.get("content") or "" if isinstance(msg, dict) else ""
+        at = text.find(content, start) if content else -1
+        a = at + len(content) if at >= 0 else start
+        for c in (msg.get("tool_calls") or []) if isinstance(msg, dict) else []:
+            call = _call_of(c.get("function", c) if isinstance(c, dict) else None)
+            if call is not None:
+                out.append(ParsedCall(call[0], call[1], (a, len(text))))
+        return out
+
+
+def _auto(tokenizer: Any) -> ToolParser:
+    if tokenizer is not None and getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
+        return TransformersResponseParser(tokenizer)
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    for marker, name in (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json")):
+        if marker in template:
+            return TOOL_PARSERS[name]()
+    return HermesParser()
+
+
 #: parser factories by model-family name (``Ledger(tool_parser=...)``, ``molt serve --tool-parser``)
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesParser, "qwen": HermesParser, "qwen3_coder": Qwen3CoderParser,
@@ -255,15 +294,18 @@ TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str | ToolParser) -> ToolParser:
-    """The parser called ``name`` (see :data:`TOOL_PARSERS`), or ``name`` itself when it is one.
+def get_tool_parser(name: str | ToolParser, tokenizer: Any = None) -> ToolParser:
+    """The parser called ``name`` (see :data:`TOOL_PARSERS`; ``auto`` picks one for
+    ``tokenizer``), or ``name`` itself when it is one.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
     if not isinstance(name, str):
         return name
+    if name == "auto":
+        return _auto(tokenizer)
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+        raise ValueError(f"unknown tool parser {name!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}") from None

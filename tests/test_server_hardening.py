@@ -333,8 +333,33 @@ def test_tool_parsers_per_family():
     assert calls("llama3_json", 'Sure: {"name": "f", "parameters": {}}') == []
     mi = 'ok[TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}, {"name": "g", "arguments": {}}]'
     assert calls("mistral", mi) == [("f", {"a": "]"}, (2, len(mi))), ("g", {}, (2, len(mi)))]
-    with pytest.raises(ValueError, match="unknown tool parser 'nope'; known: hermes, llama3_json, mistral, qwen, qwen3_coder"):
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'; known: auto, hermes, llama3_json, mistral, qwen, qwen3_coder"):
         get_tool_parser("nope")
+
+
+def test_auto_tool_parser_follows_the_tokenizer():
+    from types import SimpleNamespace
+
+    from molt_core.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
+                                   TransformersResponseParser, get_tool_parser)
+
+    def kind(template, **kw):
+        return type(get_tool_parser("auto", SimpleNamespace(chat_template=template, **kw)))
+
+    assert [kind("{{ '<tool_call>' }}"), kind("<function={{ name }}>"), kind("[TOOL_CALLS]"), kind("<|python_tag|>")] == [
+        HermesParser, Qwen3CoderParser, MistralParser, Llama3JsonParser]
+
+    class WithSchema:  # transformers' own response schema wins
+        chat_template, response_template = "<function=", {"x": 1}
+
+        def parse_response(self, text, tools=None):
+            return {"role": "assistant", "content": "Writing.",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+
+    p = get_tool_parser("auto", WithSchema())
+    assert type(p) is TransformersResponseParser
+    text = "Writing.\n<call f a=1>"
+    assert [(c.name, c.arguments, c.span) for c in p.parse(text, 0)] == [("f", {"a": 1}, (8, len(text)))]
 
 
 def test_server_uses_the_configured_tool_parser(tok, stack):
@@ -541,4 +566,4 @@ def test_molt_serve_host_beyond_loopback_needs_a_key(monkeypatch):
     r = CliRunner().invoke(main, ["serve", "--model", "m", "--host", "0.0.0.0"], env={"MOLT_ADMIN_KEY": "k"})
     assert len(loaded) == 2
     r = CliRunner().invoke(main, ["serve", "--model", "m", "--tool-parser", "nope"])
-    assert r.exit_code == 2 and "--tool-parser nope: unknown; known: hermes, llama3_json, mistral, qwen, qwen3_coder" in r.output
+    assert r.exit_code == 2 and "--tool-parser nope: unknown; known: auto, hermes, llama3_json, mistral, qwen, qwen3_coder" in r.output

@@ -205,7 +205,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     if tool_parser is not None:
         from molt_core.parsers import get_tool_parser
 
-        tool_parser = get_tool_parser(tool_parser)
+        tool_parser = get_tool_parser(tool_parser, tokenizer)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser)
     app.state.sessions = store
     install_http_error_handlers(app)
