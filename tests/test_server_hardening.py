@@ -397,9 +397,11 @@ def _timed_pair(info_a, info_b, big, wire_b="anthropic"):
     return out
 
 
-def test_10mb_prompt_is_refused_cheaply_and_stalls_no_other_session(tok, stack):
+@pytest.mark.parametrize("target", TARGETS)
+def test_10mb_prompt_is_refused_cheaply_and_stalls_no_other_session(tok, stack, target):
     h, r = stack(EchoEngine(tok), max_model_len=4096)
-    a, b = open_session(h), open_session(h)
+    t = h if target == "direct" else r
+    a, b = open_session(t), open_session(t)
     big = "word " * (2 * 1024 * 1024)  # 10 MiB
     out = _timed_pair(a, b, big)
     assert out["b"].status_code == 200 and out["tb"] < 1.0

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_core.server.wires import WireError, anthropic_error, openai_error
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ClientDisconnected", "find_lone_surrogate", "read_json", "wire_of_path",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ClientDisconnected", "find_lone_surrogate", "read_body", "read_json", "wire_of_path",
            "wire_error_response", "install_http_error_handlers", "until_disconnect"]
 
 #: default request body limit in bytes (``create_app(max_body_bytes=...)``)
@@ -88,15 +88,12 @@ def _decode(raw: bytes) -> Any:
     return obj
 
 
-async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty: Any = ...) -> Any:
-    """Read ``request``'s body as JSON, enforcing ``limit`` bytes *while reading* (a
-    ``Content-Length`` above it is refused before any byte is read) and refusing lone
-    surrogates. Bodies over 1 MiB are decoded in a worker thread (the event loop stays free).
-    An empty (whitespace-only) body returns ``empty`` when given, else is invalid JSON.
+async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """``request``'s body, enforcing ``limit`` bytes while reading (a ``Content-Length`` above
+    it is refused before any byte is read).
 
     Raises:
-        WireError: 413 over ``limit``; 400 for invalid JSON, too-deep nesting, or a lone
-            surrogate (``param`` names the field, ``code`` ``invalid_unicode``).
+        WireError: 413 (``code`` ``request_too_large``) over ``limit``.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -107,7 +104,20 @@ async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty
         if n > limit:
             raise WireError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         parts.append(chunk)
-    raw = b"".join(parts)
+    return b"".join(parts)
+
+
+async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty: Any = ...) -> Any:
+    """Read ``request``'s body as JSON, enforcing ``limit`` bytes *while reading* (a
+    ``Content-Length`` above it is refused before any byte is read) and refusing lone
+    surrogates. Bodies over 1 MiB are decoded in a worker thread (the event loop stays free).
+    An empty (whitespace-only) body returns ``empty`` when given, else is invalid JSON.
+
+    Raises:
+        WireError: 413 over ``limit``; 400 for invalid JSON, too-deep nesting, or a lone
+            surrogate (``param`` names the field, ``code`` ``invalid_unicode``).
+    """
+    raw = await read_body(request, limit)
     if empty is not ... and not raw.strip():
         return empty
     if len(raw) > _THREAD_DECODE_BYTES:

@@ -33,7 +33,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from molt_core.server.app import ServerHandle, _key_of, serve_in_thread
-from molt_core.server.guard import ClientDisconnected, install_http_error_handlers, until_disconnect
+from molt_core.server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    ClientDisconnected,
+    install_http_error_handlers,
+    read_body,
+    until_disconnect,
+    wire_error_response,
+)
+from molt_core.server.wires import WireError
 from molt_core.server.wires import anthropic_error, openai_error
 
 __all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
@@ -73,7 +81,8 @@ def _error(wire: str, status: int, message: str, code: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
-def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None) -> FastAPI:
+def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None,
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The router's ASGI app over ``backends`` (see the module docstring for the routes).
 
     Args:
@@ -82,6 +91,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
             ``app.state.admin_key``).
         timeout: seconds to wait for a backend's response (None: no limit; connecting is
             limited to 5 s).
+        max_body_bytes: request body limit on session routes, enforced while reading (413).
 
     Returns:
         A FastAPI app; ``app.state.owner`` maps session id -> backend index.
@@ -207,7 +217,10 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
             return _error(wire, 404, f"unknown session {sid!r}; create one with POST /sessions", "session_not_found")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        body = await request.body()
+        try:
+            body = await read_body(request, max_body_bytes)
+        except WireError as e:
+            return wire_error_response(wire, e)
         try:  # a client that leaves closes the backend request too, so the backend aborts the turn
             resp = await until_disconnect(request, forward(i, request.method, path, headers, body))
         except ClientDisconnected:
