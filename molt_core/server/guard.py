@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
