@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,7 +71,7 @@ class PromptTooLong(ValueError):
         self.tokens, self.limit, self.estimated = tokens, limit, estimated
 
 
-_MAX_TOKEN_BYTES: dict[int, int] = {}
+_MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def max_token_bytes(tokenizer: Any) -> int:
@@ -80,14 +81,19 @@ def max_token_bytes(tokenizer: Any) -> int:
     SentencePiece entry its text with ``\u2581`` for a space, a byte-fallback entry
     ``<0xNN>`` one byte. So a text of ``c`` characters is at least ``ceil(c / bound)`` tokens
     (cached per tokenizer; 2**20 -- no cheap rejection -- when the vocabulary cannot be read)."""
-    key = id(tokenizer)
-    if key not in _MAX_TOKEN_BYTES:
-        try:
-            vocab = tokenizer.get_vocab()
-            _MAX_TOKEN_BYTES[key] = max(len(t.encode("utf-8", "surrogatepass")) for t in vocab) or 1 << 20
-        except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary
-            _MAX_TOKEN_BYTES[key] = 1 << 20
-    return _MAX_TOKEN_BYTES[key]
+    try:
+        return _MAX_TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        bound = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()) or 1 << 20
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary
+        bound = 1 << 20
+    try:  # cached per tokenizer object (never by id: a freed tokenizer's id is reused)
+        _MAX_TOKEN_BYTES[tokenizer] = bound
+    except TypeError:  # not weak-referenceable: computed each time
+        pass
+    return bound
 
 
 # --------------------------------------------------------------------------- messages

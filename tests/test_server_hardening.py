@@ -569,3 +569,27 @@ def test_molt_serve_host_beyond_loopback_needs_a_key(monkeypatch):
     assert len(loaded) == 2
     r = CliRunner().invoke(main, ["serve", "--model", "m", "--tool-parser", "nope"])
     assert r.exit_code == 2 and "--tool-parser nope: unknown; known: auto, hermes, llama3_json, mistral, qwen, qwen3_coder" in r.output
+
+
+@pytest.mark.parametrize("name,bound", [("builtin:tiny-qwen3", 16), ("builtin:tiny-qwen3-bigvocab", None)])
+def test_cheap_prompt_bound_never_overestimates(name, bound):
+    """The pre-tokenization bound ``ceil(chars / max_token_bytes)`` is a lower bound on the real
+    token count (so the cheap check never refuses a prompt that fits), on the tiny and on the
+    real Qwen2/3 BPE vocabulary, for arbitrary Unicode text."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from molt_core.ledger import max_token_bytes
+
+    t = load_tokenizer(name)
+    L = max_token_bytes(t)
+    if bound is not None:
+        assert L == bound
+    assert max_token_bytes(t) == L  # cached per tokenizer object
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.text(max_size=400) | st.text(alphabet=" \n-=#*abc", max_size=2000))
+    def prop(text):
+        assert len(t.encode(text, add_special_tokens=False)) >= -(-len(text) // L)
+
+    prop()
