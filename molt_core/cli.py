@@ -22,6 +22,18 @@ from molt_core.plugins import PluginError, PluginHost, load_plugins
 console = Console(stderr=True)
 
 
+def _is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _fail(msg: str, code: int = 2) -> None:
     console.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
@@ -256,23 +268,37 @@ def recipes() -> None:
 
 @main.command()
 @click.option("--model", "model", required=True, help="A local Hugging Face model directory or builtin:<name> (e.g. builtin:tiny-qwen3).")
-@click.option("--port", default=0, type=click.IntRange(0, 65535), help="Port on 127.0.0.1 (0: a free random port).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Loopback by default; any other address (e.g. 0.0.0.0) serves the network "
+                   "and refuses to start without an explicit --admin-key (or MOLT_ADMIN_KEY).")
+@click.option("--port", default=0, type=click.IntRange(0, 65535), help="Port (0: a free random port).")
 @click.option("--admin-key", envvar="MOLT_ADMIN_KEY", default=None, help="Key for the /sessions admin routes (env MOLT_ADMIN_KEY; random when unset).")
 @click.option("--max-batch-size", default=16, type=click.IntRange(1), help="Sequences the engine decodes together.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Parameter dtype.")
 @click.option("--enable-thinking/--disable-thinking", default=None, help="Set the chat template's enable_thinking for every session.")
 @click.option("--num-engines", default=1, type=click.IntRange(1), help="Engines in-process, each with its own server, behind one request router (session affinity, least-loaded placement).")
-def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str, enable_thinking: bool | None,
-          num_engines: int) -> None:
-    """Serve MODEL on 127.0.0.1 for any OpenAI or Anthropic SDK, recording every session token-exactly.
+@click.option("--tool-parser", default=None, help="Tool-call parser of the model family: hermes (default; Qwen), qwen3_coder, llama3_json, mistral, or auto (the tokenizer's response schema, else the family its chat template writes).")
+def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str,
+          enable_thinking: bool | None, num_engines: int, tool_parser: str | None) -> None:
+    """Serve MODEL (on 127.0.0.1 unless --host says otherwise) for any OpenAI or Anthropic SDK,
+    recording every session token-exactly.
 
     Prints one JSON line on stdout -- base_url, admin_key and a ready-made session
-    (openai_base_url, anthropic_base_url, api_key) -- then serves until interrupted.
+    (openai_base_url, anthropic_base_url, api_key) -- then serves until interrupted. Exits with
+    code 2 when --host is not a loopback address and no admin key was given, for an unknown
+    --tool-parser, a model that cannot load, or a port that cannot be bound.
     """
     import time
 
     from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.parsers import TOOL_PARSERS
     from molt_core.server import start_server
+
+    if not _is_loopback(host) and not admin_key:
+        _fail(f"--host {host} listens beyond loopback: every session keeps its own key, but the admin routes need "
+              "a key you chose. Pass --admin-key (or set MOLT_ADMIN_KEY), or keep the default --host 127.0.0.1")
+    if tool_parser is not None and tool_parser != "auto" and tool_parser not in TOOL_PARSERS:
+        _fail(f"--tool-parser {tool_parser}: unknown; known: auto, {', '.join(sorted(TOOL_PARSERS))}")
 
     try:
         engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype) for _ in range(num_engines)]
@@ -283,15 +309,16 @@ def serve(model: str, port: int, admin_key: str | None, max_batch_size: int, dty
     backends = []  # with --num-engines N > 1: N servers on random ports behind the router
     try:
         if num_engines == 1:
-            handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, model_name=model,
-                                  chat_template_kwargs=kwargs)
+            handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, host=host, model_name=model,
+                                  chat_template_kwargs=kwargs, tool_parser=tool_parser)
         else:
             from molt_core.server.router import start_router
 
-            backends = [start_server(e, e.tokenizer, model_name=model, chat_template_kwargs=kwargs) for e in engines]
-            handle = start_router(backends, admin_key=admin_key, port=port)
+            backends = [start_server(e, e.tokenizer, model_name=model, chat_template_kwargs=kwargs, tool_parser=tool_parser)
+                        for e in engines]  # the engines' own servers stay on loopback; only the router faces --host
+            handle = start_router(backends, admin_key=admin_key, port=port, host=host)
     except OSError as e:
-        _fail(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e})")
+        _fail(f"--port {port}: cannot listen on {host}:{port} ({e})")
     info = handle.create_session()
     click.echo(json.dumps({"base_url": handle.base_url, "admin_key": handle.admin_key, "model": model,
                            "session": info.model_dump(),

@@ -5,7 +5,8 @@ key, or a value of the wrong type (a string where an int belongs, say), is an er
 *every* bad field is reported at once with its dotted path and the expected type
 (:class:`ConfigError`). ``--set section.key=value`` values are parsed as TOML values (ints,
 floats, bools, lists, quoted strings); anything that is not a TOML value is taken as a bare
-string (``--set model.path=runs/x``).
+string (``--set model.path=runs/x``), and a field declared a string takes the raw text
+whatever it looks like (``--set run.name=2024-01-01``, ``1e-3``, ``true``, ``nan``).
 """
 
 from __future__ import annotations
@@ -373,8 +374,44 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _declared(path: list[str]) -> Any:
+    """The annotation of the :class:`RunConfig` field at ``path`` (section aliases such as
+    ``async`` included), or None when the path is not a declared field."""
+    cls: Any = RunConfig
+    ann: Any = None
+    for p in path:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+            return None
+        f = next((f for n, f in cls.model_fields.items() if p in (n, f.alias)), None)
+        if f is None:
+            return None
+        ann = cls = f.annotation
+    return ann
+
+
+def _wants_str(ann: Any) -> bool:
+    """True when a field of annotation ``ann`` holds a string: ``str``, ``str | None``, or a
+    ``Literal`` of strings."""
+    import types
+    import typing
+
+    if ann is str:
+        return True
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is Literal:
+        return all(isinstance(a, str) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return len(rest) == 1 and _wants_str(rest[0])
+    return False
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Return a copy of ``data`` with each ``section.key=value`` override applied.
+
+    A value is coerced to the declared type of its field: a string field takes the raw text
+    (so ``run.name=2024-01-01``, ``1e-3``, ``true`` or ``nan`` stay the strings typed); other
+    fields take the TOML value (:func:`parse_override`).
 
     Raises:
         ConfigError: an override is malformed or descends into a non-table value.
@@ -384,6 +421,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
+        if not isinstance(value, str) and _wants_str(_declared(path)):
+            value = item.split("=", 1)[1].strip()
         cur = out
         for p in path[:-1]:
             nxt = cur.setdefault(p, {})

@@ -37,16 +37,18 @@ the loopback server (:mod:`molt_core.server`) does the same per HTTP request.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
+from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
-__all__ = ["LEDGER_INFO_KEYS", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "normalize_messages"]
+__all__ = ["LEDGER_INFO_KEYS", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "PromptTooLong",
+           "normalize_messages", "max_token_bytes"]
 
 #: ``Trajectory.info`` keys the ledger owns: an agent's ``info`` never overwrites them
 LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns")
@@ -58,6 +60,40 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class LedgerConflict(RuntimeError):
     """A :class:`Prepared` was committed after another request changed the ledger."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the context: ``tokens`` (exact, or a lower bound when
+    ``estimated``) >= ``limit``."""
+
+    def __init__(self, message: str, tokens: int, limit: int, estimated: bool) -> None:
+        super().__init__(message)
+        self.tokens, self.limit, self.estimated = tokens, limit, estimated
+
+
+_MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes (hence characters) of text any one token of
+    ``tokenizer`` stands for: the longest vocabulary entry (added tokens included) in UTF-8
+    bytes -- a byte-level BPE entry spells each byte as one character of 1-2 bytes, a
+    SentencePiece entry its text with ``\u2581`` for a space, a byte-fallback entry
+    ``<0xNN>`` one byte. So a text of ``c`` characters is at least ``ceil(c / bound)`` tokens
+    (cached per tokenizer; 2**20 -- no cheap rejection -- when the vocabulary cannot be read)."""
+    try:
+        return _MAX_TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        bound = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()) or 1 << 20
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary
+        bound = 1 << 20
+    try:  # cached per tokenizer object (never by id: a freed tokenizer's id is reused)
+        _MAX_TOKEN_BYTES[tokenizer] = bound
+    except TypeError:  # not weak-referenceable: computed each time
+        pass
+    return bound
 
 
 # --------------------------------------------------------------------------- messages
@@ -165,8 +201,8 @@ class AssistantTurn:
 
     ``content``: visible text (no think block, no tool-call blocks, stop string/token
     removed). ``reasoning``: the think block's text or None. ``tool_calls``: ``[{"id",
-    "name", "arguments": dict}]`` parsed from the model's ``<tool_call>{json}</tool_call>``
-    blocks (blocks that are not valid JSON stay in ``content``). ``raw``: the assistant
+    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.parsers`,
+    default Hermes ``<tool_call>{json}</tool_call>``; malformed blocks stay in ``content``). ``raw``: the assistant
     turn's body as the model produced it (generation-prompt body prefix + sampled text,
     tool-call blocks removed) -- what the ledger's history holds. ``finish_reason``:
     ``stop`` / ``length`` / ``abort`` / ``tool_calls``. ``stop_sequence``: the stop string
@@ -201,6 +237,8 @@ class Prepared:
     the segment before the sampled ids (start/rewrite: the whole prompt). ``cached``: the
     earlier :class:`AssistantTurn` on retry. ``reencoded``: on a rewrite, the tokens of the
     prompt that re-render history the ledger held as ids (see :meth:`Ledger.prepare`), else 0.
+    ``allow_tool_calls``: False when the request said ``tool_choice: none`` (the turn's text
+    is not parsed for calls; the tools stay in the prompt).
     """
 
     mode: Literal["start", "extend", "rewrite", "retry"]
@@ -213,6 +251,7 @@ class Prepared:
     epoch: int
     cached: AssistantTurn | None = None
     reencoded: int = 0
+    allow_tool_calls: bool = True
 
 
 @dataclass
@@ -251,15 +290,19 @@ class Ledger:
         group_id: the group (prompt) this rollout belongs to.
         chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
         think_tags / tool_call_tags: the model's reasoning and tool-call delimiters.
+        tool_parser: a :mod:`molt_core.parsers` family name (``hermes``, ``qwen3_coder``,
+            ``llama3_json``, ``mistral``, ``auto``: from the tokenizer) or a parser object;
+            default: Hermes with ``tool_call_tags``.
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
     """
 
     def __init__(self, tokenizer: Any, rollout_id: str | None = None, group_id: str = "",
                  chat_template_kwargs: dict[str, Any] | None = None,
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
-                 tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> None:
+                 tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+                 tool_parser: str | ToolParser | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
         self.tokenizer = tokenizer
@@ -267,7 +310,7 @@ class Ledger:
         self.group_id = group_id
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.think = think_tags
-        self._tool_re = re.compile(re.escape(tool_call_tags[0]) + r"\s*(.*?)\s*" + re.escape(tool_call_tags[1]), re.S)
+        self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else get_tool_parser(tool_parser, tokenizer)
         self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
         #: context tokens re-encoded from text on rewrites (see :meth:`prepare`)
         self.context_reencoded_tokens = 0
@@ -375,13 +418,21 @@ class Ledger:
     # ---------------------------------------------------------------- prepare / commit
 
     def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                params: SamplingParams | None = None) -> Prepared:
+                params: SamplingParams | None = None, max_prompt_tokens: int | None = None,
+                fresh: bool = False, allow_tool_calls: bool = True) -> Prepared:
         """Plan a request without changing the ledger (see the module doc for the modes).
 
         Args:
             messages: the request's chat messages (OpenAI form; normalized here).
             tools: OpenAI-form tool schemas (``[{"type": "function", "function": {...}}]``).
             params: sampling settings (part of the retry key only).
+            max_prompt_tokens: refuse a prompt of this many tokens or more (the context
+                length). Checked cheaply *before* tokenizing -- the text to encode is at least
+                ``ceil(chars / max_token_bytes(tokenizer))`` tokens -- and exactly after.
+            fresh: never answer from the cached turn (a new sample of an identical request; on
+                the same messages that is a rewrite: a new segment).
+            allow_tool_calls: False for ``tool_choice: none``: the turn is not parsed for
+                calls (part of the retry key).
 
         On a rewrite, ``Prepared.reencoded`` is the token count of the chat template's render
         (without generation prompt) of the request's leading messages that equal the committed
@@ -393,26 +444,47 @@ class Ledger:
 
         Raises:
             ValueError: malformed messages (see :func:`normalize_messages`) or no messages.
+            PromptTooLong: the prompt has ``max_prompt_tokens`` tokens or more (a ValueError).
         """
         msgs = normalize_messages(messages)
         if not msgs:
             raise ValueError("messages is empty; send at least one message")
         tools = tools or None
-        key = (msgs, tools, params.model_dump() if params else None)
+        key = (msgs, tools, params.model_dump() if params else None, allow_tool_calls)
         with self._lock:
             epoch = self._epoch
-            if self._last_turn is not None and key == self._last_req:
+            if self._last_turn is not None and key == self._last_req and not fresh:
                 return Prepared("retry", [], [], msgs, tools, self._last_prompt_text, key, epoch, cached=self._last_turn)
-            ext = self._try_extend(msgs, tools)
+            ext = self._try_extend(msgs, tools, max_prompt_tokens)
             if ext is not None:
                 text, tail = ext
+                self._check_fits(len(self._open.token_ids) + len(tail), max_prompt_tokens)
                 return Prepared("extend", self._open.token_ids + tail, tail, self._history + msgs[len(self._history):],
-                                tools, text, key, epoch)
+                                tools, text, key, epoch, allow_tool_calls=allow_tool_calls)
             text = self.render(msgs, tools)
+            self._check_fits_text(0, text, max_prompt_tokens)
             ids = self._encode(text)
+            self._check_fits(len(ids), max_prompt_tokens)
             if not self._open.token_ids:
-                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch)
-            return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch, reencoded=self._reencoded(msgs, tools, len(ids)))
+                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch, allow_tool_calls=allow_tool_calls)
+            return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch,
+                            reencoded=self._reencoded(msgs, tools, len(ids)), allow_tool_calls=allow_tool_calls)
+
+    def _check_fits_text(self, held: int, text: str, limit: int | None) -> None:
+        """Cheap pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
+        if limit is None:
+            return
+        low = held + -(-len(text) // max_token_bytes(self.tokenizer))
+        if low >= limit:
+            raise PromptTooLong(f"the prompt is at least {low} tokens ({len(text)} characters, at most "
+                                f"{max_token_bytes(self.tokenizer)} per token); the model's context is {limit} tokens. "
+                                "Shorten the conversation (or compact it)", low, limit, True)
+
+    @staticmethod
+    def _check_fits(n: int, limit: int | None) -> None:
+        if limit is not None and n >= limit:
+            raise PromptTooLong(f"the prompt is {n} tokens; the model's context is {limit} tokens. "
+                                "Shorten the conversation (or compact it)", n, limit, False)
 
     def _reencoded(self, msgs: list[dict[str, Any]], tools: Any, prompt_len: int) -> int:
         """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`)."""
@@ -428,7 +500,8 @@ class Ledger:
         except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
             return prompt_len
 
-    def _try_extend(self, msgs: list[dict[str, Any]], tools: Any) -> tuple[str, list[int]] | None:
+    def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
+                    max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | None:
         hist = self._history
         k = len(hist)
         if not k or len(msgs) < k or self.turn_close is None or tools != self._tools:
@@ -453,7 +526,9 @@ class Ledger:
             last = self.tokenizer.decode([o.token_ids[-1]], skip_special_tokens=False)
             if last and close.startswith(last):
                 close = close[len(last):]
-        return full, self._encode(close + full[len(held):])
+        tail = close + full[len(held):]
+        self._check_fits_text(len(o.token_ids), tail, max_prompt_tokens)
+        return full, self._encode(tail)
 
     def commit(self, prepared: Prepared, output: GenerationOutput, params: SamplingParams | None = None) -> AssistantTurn:
         """Record one successful generation atomically and return it parsed.
@@ -525,17 +600,16 @@ class Ledger:
         ``max_model_len - prompt length``. An engine error propagates and records nothing.
 
         Raises:
-            ValueError: malformed messages, or a prompt of ``max_model_len`` tokens or more.
+            ValueError: malformed messages; :class:`PromptTooLong` for a prompt of
+                ``max_model_len`` tokens or more.
         """
         params = params or SamplingParams()
-        prepared = self.prepare(messages, tools, params)
+        prepared = self.prepare(messages, tools, params, max_prompt_tokens=max_model_len)
         if prepared.mode == "retry":
             return self.commit(prepared, None)  # type: ignore[arg-type]
         n = len(prepared.prompt_ids)
         update: dict[str, Any] = {"stop_token_ids": sorted(set(params.stop_token_ids) | set(self.stop_token_ids))}
         if max_model_len is not None:
-            if n >= max_model_len:
-                raise ValueError(f"the prompt is {n} tokens; the model's context is {max_model_len} tokens")
             update["max_tokens"] = min(params.max_tokens, max_model_len - n)
         run = params.model_copy(update=update)
         out = await engine.generate(prepared.prompt_ids, run)
@@ -568,8 +642,9 @@ class Ledger:
 
         Removes the stop token (``finish_reason == "stop"`` with a token stop reason, or an
         id in :attr:`stop_token_ids`) or cuts the text at the stop string, splits the think
-        block (a generation prompt that opened ``<think>`` counts, B04) and extracts
-        ``<tool_call>{"name", "arguments"}</tool_call>`` blocks.
+        block (a generation prompt that opened ``<think>`` counts, B04) and extracts the
+        tool calls after it with :attr:`tool_parser` (JSON-aware; none when
+        ``prepared.allow_tool_calls`` is False).
         """
         ids = list(output.token_ids)
         stop_seq = output.stop_reason if isinstance(output.stop_reason, str) else None
@@ -584,23 +659,11 @@ class Ledger:
         calls, spans = [], []
         open_t, close_t = self.think
         visible_from = body.rfind(close_t) + len(close_t) if close_t in body else (len(body) if open_t in body else 0)
-        for m in self._tool_re.finditer(body, visible_from):
-            try:
-                obj = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-                continue
-            args = obj.get("arguments", obj.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    continue
-            if not isinstance(args, dict):
-                continue
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": obj["name"], "arguments": args})
-            spans.append(m.span())
+        found = self.tool_parser.parse(body, visible_from, prepared.tools) if prepared.allow_tool_calls else []
+        for c in found:
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": c.name, "arguments": c.arguments})
+            if not spans or spans[-1] != c.span:
+                spans.append(c.span)
         raw = body
         for a, b in reversed(spans):
             raw = raw[:a] + raw[b:]

@@ -84,3 +84,15 @@ def test_cross_field_rules_fail_before_compute():
     with pytest.raises(ConfigError, match=r"n_samples_per_prompt = 1: algo.advantage = 'grpo' uses a group baseline"):
         load_config("quickstart", ["rollout.n_samples_per_prompt=1"])
     assert load_config("quickstart", ["rollout.n_samples_per_prompt=1", "algo.advantage=reinforce"]).rollout.n_samples_per_prompt == 1
+
+
+@pytest.mark.parametrize("raw", ["2024-01-01", "1e-3", "true", "nan", "42", "[1, 2]", "12:30:00"])
+def test_string_field_override_takes_the_raw_text(raw):
+    """Issue 12 item 14: an override is coerced to its field's declared type; string fields
+    (``run.name``, ``str | None`` ones, Literal choices) take the raw text."""
+    cfg = load_config("quickstart", [f"run.name={raw}"])
+    assert cfg.run.name == raw
+    # non-string fields keep the TOML value, and a wrong one is still refused
+    assert load_config("quickstart", ["trainer.lr=1e-3"]).trainer.lr == 1e-3
+    with pytest.raises(ConfigError, match="rollout.max_tokens"):
+        load_config("quickstart", ["rollout.max_tokens=2024-01-01"])

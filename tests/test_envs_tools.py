@@ -62,6 +62,13 @@ def test_parse_tool_calls_forms():
     assert parse_tool_calls(s) == [{"name": "python", "arguments": {"code": "print(2)"}}]
     assert parse_tool_calls("no calls") == []
     assert len(parse_tool_calls(_call("a") + " and " + _call("b"))) == 2
+    # issue 12 item 6: a closing tag inside the JSON string does not end the call; both calls survive
+    code = 'print("</tool_call>")'
+    assert parse_tool_calls(_call(code) + _call("x=2")) == [{"name": "python", "arguments": {"code": code}},
+                                                            {"name": "python", "arguments": {"code": "x=2"}}]
+    bad = parse_tool_calls('<tool_call>{"name": "python", "arguments": </tool_call> then ' + _call("y=3"))
+    assert bad[0]["error"].startswith("tool call is not valid JSON (Expecting value at char ")
+    assert bad[1:] == [{"name": "python", "arguments": {"code": "y=3"}}]
 
 
 # -- python_tool through the OpenAI SDK (fake OpenAI-compatible server on 127.0.0.1) --------

@@ -272,3 +272,21 @@ def test_molt_serve_num_engines(monkeypatch):
     assert ready["engines"] == [b.base_url for b in router.backends] and len(ready["engines"]) == 2
     assert ready["session"]["openai_base_url"] == f"{router.base_url}/s/{sid}/v1"
     assert all(not b.handle.running for b in router.backends)  # the command stopped its servers
+
+
+def test_router_body_limit_while_reading(tok, stack):
+    """Issue 12 item 2 through the router: its own body limit, enforced while reading, answered
+    in the wire's shape (the backend never sees the body)."""
+    from molt_core.server.router import Backend, create_router_app
+
+    router, backends = stack([EchoEngine(tok)], admin_key="adm")
+    info = router.create_session()
+    from fastapi.testclient import TestClient
+
+    app = create_router_app([Backend(backends[0].base_url, backends[0].admin_key)], "adm", max_body_bytes=100)
+    app.state.owner[info.session_id] = 0
+    with TestClient(app) as tc:
+        r = tc.post(f"/s/{info.session_id}/v1/messages", content=b"x" * 101, headers={"x-api-key": info.api_key})
+        assert r.status_code == 413 and r.json() == {"type": "error", "error": {
+            "type": "request_too_large", "message": "request body is 101 bytes; the limit is 100"}}
+    assert backends[0].trajectory(info.session_id).segments == [] and backends[0].app.state.engine.calls == 0

@@ -1,5 +1,6 @@
-"""Loopback ASGI server: OpenAI ``/v1/chat/completions`` and Anthropic ``/v1/messages`` per
-session, each session recorded token-exactly by its :class:`~molt_core.ledger.Ledger`.
+"""Loopback ASGI server: OpenAI ``/v1/chat/completions`` and ``/v1/responses`` and Anthropic
+``/v1/messages`` per session, each session recorded token-exactly by its
+:class:`~molt_core.ledger.Ledger`.
 
 ``start_server(engine)`` runs it on 127.0.0.1 with a random port in a background thread and
 returns a :class:`ServerHandle` (``base_url``, ``admin_key``, ``create_session()``,

@@ -5,6 +5,7 @@ Routes (``{sid}`` is a session id from ``POST /sessions``):
 
 * ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not).
 * ``POST /s/{sid}/v1/messages`` -- Anthropic Messages (stream or not).
+* ``POST /s/{sid}/v1/responses`` -- OpenAI Responses (stream or not; :mod:`molt_core.server.responses`).
 * ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
 * ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
   ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON
@@ -13,15 +14,24 @@ Routes (``{sid}`` is a session id from ``POST /sessions``):
   ``DELETE /sessions/{sid}`` (admin key).
 
 Session routes take the session's key (``Authorization: Bearer`` or ``x-api-key``), admin
-routes the admin key. Every client error is a 4xx in the wire's own error shape; the
-requests of one session are serialized by a per-session lock, and a request that fails
-appends nothing to the ledger.
+routes the admin key. Every client error is a 4xx in the wire's own error shape (unknown
+routes and methods too, :mod:`molt_core.server.guard`); the requests of one session are
+serialized by a per-session lock, and a request that fails appends nothing to the ledger.
+
+Under load: the body limit is enforced while reading; a prompt that cannot fit the context
+is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); rendering and
+tokenizing run in a worker thread, so one huge prompt never stalls another session.
+
+Retries and disconnects: a request identical to the session's last one (messages, tools,
+sampling fields) is answered from the cached turn, nothing recorded twice; send
+``Cache-Control: no-cache`` for a fresh sample (a new segment). A client that disconnects
+before its answer is ready cancels the generation and nothing is committed (the agent never
+saw that turn, so the trajectory does not hold it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import socket
@@ -31,18 +41,25 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from molt_core.ledger import AssistantTurn, Ledger
+from molt_core.ledger import AssistantTurn, Ledger, PromptTooLong
+from molt_core.server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    ClientDisconnected,
+    install_http_error_handlers,
+    read_json,
+    until_disconnect,
+    wire_error_response,
+)
+from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.wires import (
     ChatCompletionRequest,
     MessagesRequest,
     WireError,
-    anthropic_error,
     anthropic_response,
     anthropic_stream,
-    openai_error,
     openai_response,
     openai_stream,
     validation_message,
@@ -51,7 +68,7 @@ from molt_core.types import SamplingParams, Trajectory
 
 __all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 log = logging.getLogger(__name__)
 
 
@@ -80,10 +97,13 @@ class SessionStore:
         tokenizer: the served model's tokenizer (with a chat template).
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
+        tool_parser: the model family's tool-call parser (:mod:`molt_core.parsers`; default Hermes).
     """
 
-    def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
+                 tool_parser: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_parser = tool_parser
         self.base_url = base_url
         self.template_kwargs = dict(chat_template_kwargs or {})
         self._sessions: dict[str, _Session] = {}
@@ -98,7 +118,8 @@ class SessionStore:
         """
         sid = "s" + secrets.token_hex(12)
         kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
-        ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs)
+        ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs,
+                        tool_parser=self.tool_parser)
         s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger)
         with self._lock:
             self._sessions[sid] = s
@@ -150,7 +171,8 @@ def _key_of(request: Request) -> str | None:
 
 def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
                max_model_len: int | None = None, default_max_tokens: int = 1024,
-               chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
+               chat_template_kwargs: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tool_parser: Any = None) -> FastAPI:
     """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
 
     Args:
@@ -159,9 +181,15 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         model_name: the served model id (requests may name any model).
         max_model_len: context length in tokens (default: the first of ``engine.max_model_len``,
             ``engine.max_positions``, the tokenizer's ``model_max_length`` below 10**7); a
-            prompt that fills it gets a 400, and ``max_tokens`` is capped to what is left.
+            prompt that fills it gets a 400 (from its rendered length, before tokenizing, when
+            that already proves it), and ``max_tokens`` is capped to what is left.
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
+        max_body_bytes: request body limit, enforced while reading (413 above it).
+        tool_parser: tool-call parser name or object for every session (:mod:`molt_core.parsers`).
+
+    Raises:
+        ValueError: an unknown ``tool_parser`` name.
 
     Returns:
         A FastAPI app; ``app.state.sessions`` is its :class:`SessionStore`.
@@ -174,23 +202,20 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 max_model_len = cand
                 break
     app = FastAPI(title="molt loopback server", docs_url=None, redoc_url=None, openapi_url=None)
-    store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs)
+    if tool_parser is not None:
+        from molt_core.parsers import get_tool_parser
+
+        tool_parser = get_tool_parser(tool_parser, tokenizer)
+    store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser)
     app.state.sessions = store
+    install_http_error_handlers(app)
     app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
     app.state.engine = engine
 
-    def error(wire: str, e: WireError) -> JSONResponse:
-        body = (anthropic_error if wire == "anthropic" else openai_error)(e.status, e.message, e.param, e.code)
-        return JSONResponse(body, status_code=e.status)
+    error = wire_error_response
 
-    async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise WireError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise WireError(400, f"request body is not valid JSON: {e}") from None
+    async def body_of(request: Request, empty: Any = ...) -> Any:
+        return await read_json(request, max_body_bytes, empty)
 
     def session_for(request: Request, sid: str) -> _Session:
         try:
@@ -209,12 +234,19 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             raise WireError(401, "missing or wrong admin key: send it as 'Authorization: Bearer <key>' or "
                                  "'x-api-key: <key>'", code="invalid_api_key")
 
-    async def run_turn(s: _Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       params: SamplingParams, max_tokens: int | None) -> AssistantTurn:
+    async def run_turn(s: _Session, request: Request, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None, params: SamplingParams, max_tokens: int | None,
+                       allow_tool_calls: bool = True) -> AssistantTurn:
+        fresh = any(v.strip() in ("no-cache", "no-store")
+                    for v in request.headers.get("cache-control", "").lower().split(","))
         async with s.lock:
             led = s.ledger
-            try:
-                prepared = led.prepare(messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}))
+            try:  # rendering and tokenizing off the event loop: a huge prompt stalls no other session
+                prepared = await asyncio.to_thread(
+                    led.prepare, messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}),
+                    max_prompt_tokens=max_model_len, fresh=fresh, allow_tool_calls=allow_tool_calls)
+            except PromptTooLong as e:
+                raise WireError(400, str(e), "messages", "context_length_exceeded") from None
             except ValueError as e:
                 raise WireError(400, str(e), "messages") from None
             if prepared.mode == "retry":
@@ -222,14 +254,13 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             n = len(prepared.prompt_ids)
             budget = default_max_tokens if max_tokens is None else max_tokens
             if max_model_len is not None:
-                if n >= max_model_len:
-                    raise WireError(400, f"the prompt is {n} tokens; the model's context is {max_model_len} tokens. "
-                                         "Shorten the conversation (or compact it)", "messages", "context_length_exceeded")
                 budget = min(budget, max_model_len - n)
             params = params.model_copy(update={"max_tokens": budget,
                                                "stop_token_ids": sorted(set(params.stop_token_ids) | set(led.stop_token_ids))})
-            try:
-                out = await engine.generate(prepared.prompt_ids, params)
+            try:  # a client that leaves cancels the generation; nothing is committed
+                out = await until_disconnect(request, engine.generate(prepared.prompt_ids, params))
+            except ClientDisconnected:
+                raise
             except Exception as e:  # the engine failed: nothing is recorded
                 raise WireError(503, f"the engine failed: {type(e).__name__}: {e}") from None
             return led.commit(prepared, out, params)
@@ -244,6 +275,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             return await fn()
         except WireError as e:
             return error(wire, e)
+        except ClientDisconnected:  # nobody reads this answer (499: client closed request)
+            return Response(status_code=499)
         except ValidationError as e:
             msg, param = validation_message(e)
             return error(wire, WireError(400, msg, param))
@@ -261,7 +294,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             req = ChatCompletionRequest.model_validate(body)
             req.check()
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
-            turn = await run_turn(s, req.messages, req.tools_openai(), params, req.max_completion_tokens or req.max_tokens)
+            turn = await run_turn(s, request, req.messages, req.tools_openai(), params,
+                                  req.max_completion_tokens or req.max_tokens, req.allow_tool_calls)
             if req.stream:
                 usage = bool((req.stream_options or {}).get("include_usage"))
                 return StreamingResponse(openai_stream(turn, tokenizer, model_name, usage), media_type="text/event-stream")
@@ -279,12 +313,31 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             req = MessagesRequest.model_validate(body)
             req.check()
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
-            turn = await run_turn(s, req.openai_messages(), req.tools_openai(), params, req.max_tokens)
+            turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_tokens,
+                                  req.allow_tool_calls)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
             return anthropic_response(turn, model_name)
 
         return await guarded("anthropic", handle)
+
+    @app.post("/s/{sid}/v1/responses")
+    async def responses(sid: str, request: Request) -> Any:
+        async def handle() -> Any:
+            s = session_for(request, sid)
+            body = await body_of(request)
+            if not isinstance(body, dict):
+                raise WireError(400, "request body must be a JSON object")
+            req = ResponsesRequest.model_validate(body)
+            req.check()
+            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
+            turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_output_tokens,
+                                  req.allow_tool_calls)
+            if req.stream:
+                return StreamingResponse(responses_stream(turn, tokenizer, model_name, req), media_type="text/event-stream")
+            return responses_response(turn, tokenizer, model_name, req)
+
+        return await guarded("openai", handle)
 
     @app.get("/s/{sid}/v1/models")
     async def models(sid: str, request: Request) -> Any:
@@ -300,12 +353,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     async def create_session(request: Request) -> Any:
         async def handle() -> Any:
             check_admin(request)
-            raw = await request.body()
-            body = {}
-            if raw.strip():
-                body = await body_of(request)
-                if not isinstance(body, dict):
-                    raise WireError(400, "request body must be a JSON object (or empty)")
+            body = await body_of(request, empty={})
+            if not isinstance(body, dict):
+                raise WireError(400, "request body must be a JSON object (or empty)")
             unknown = set(body) - {"rollout_id", "group_id", "chat_template_kwargs"}
             if unknown:
                 raise WireError(400, f"unknown field(s) {sorted(unknown)}; allowed: rollout_id, group_id, chat_template_kwargs")

@@ -11,8 +11,9 @@ session API as one server (:mod:`molt_core.server.app`), session affinity, load 
 * ``GET /sessions/{sid}/trajectory`` and ``DELETE /sessions/{sid}`` are forwarded with the
   backend's admin key.
 
-Unknown session: 404 in the wire's error shape (Anthropic for ``.../v1/messages``, OpenAI
-otherwise). A backend that cannot be reached: 502 naming the backend and the cause (503 when
+Unknown session or route, wrong method: 404/405 in the wire's error shape (Anthropic for
+``.../v1/messages``, OpenAI otherwise). A client that disconnects closes the forwarded request,
+so the backend aborts the generation and commits nothing. A backend that cannot be reached: 502 naming the backend and the cause (503 when
 no backend can open a session) -- never a 500.
 """
 
@@ -32,6 +33,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from molt_core.server.app import ServerHandle, _key_of, serve_in_thread
+from molt_core.server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    ClientDisconnected,
+    install_http_error_handlers,
+    read_body,
+    until_disconnect,
+    wire_error_response,
+)
+from molt_core.server.wires import WireError
 from molt_core.server.wires import anthropic_error, openai_error
 
 __all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
@@ -71,7 +81,8 @@ def _error(wire: str, status: int, message: str, code: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
-def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None) -> FastAPI:
+def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None,
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The router's ASGI app over ``backends`` (see the module docstring for the routes).
 
     Args:
@@ -80,6 +91,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
             ``app.state.admin_key``).
         timeout: seconds to wait for a backend's response (None: no limit; connecting is
             limited to 5 s).
+        max_body_bytes: request body limit on session routes, enforced while reading (413).
 
     Returns:
         A FastAPI app; ``app.state.owner`` maps session id -> backend index.
@@ -104,6 +116,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
     owner: dict[str, int] = {}
     app.state.owner = owner
     app.state.base_url = ""  # set by start_router; else the URL the client used
+    install_http_error_handlers(app)
 
     def admin_ok(request: Request) -> bool:
         key = _key_of(request)
@@ -205,7 +218,13 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
-            resp = await forward(i, request.method, path, headers, await request.body())
+            body = await read_body(request, max_body_bytes)
+        except WireError as e:
+            return wire_error_response(wire, e)
+        try:  # a client that leaves closes the backend request too, so the backend aborts the turn
+            resp = await until_disconnect(request, forward(i, request.method, path, headers, body))
+        except ClientDisconnected:
+            return Response(status_code=499)
         except httpx.TransportError as e:
             return down(wire, i, e, f"owner of session {sid}")
         return relay(i, resp)

@@ -58,8 +58,100 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 
 class _Req(BaseModel):
-    # strict: a wrong-typed field is an error (no "1" -> 1 coercion); unknown fields are ignored
+    # strict: a wrong-typed field is an error (no "1" -> 1 coercion); unknown nested fields are
+    # ignored (e.g. a tool's "strict", a block's "cache_control"); unknown top-level fields are
+    # judged by check_fields()
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+# ------------------------------------------------------------------ the one rule for fields
+#
+# A top-level field is either honoured (a declared field of the request model), ignored
+# because it cannot change what is sampled (IGNORED_*: listed in docs/README.md), refused
+# unless it holds its neutral value (REFUSED_*: it would change the sampling distribution or
+# the length, and neither the engine nor the trainer's recompute transform applies it), or
+# unknown -- refused with a 400 naming it, as the OpenAI and Anthropic APIs do.
+
+#: OpenAI chat fields accepted and ignored (they cannot change what is sampled)
+IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+#: Anthropic messages fields accepted and ignored
+IGNORED_ANTHROPIC = frozenset({"metadata", "service_tier"})
+
+_NO_EFFECT = ("it would change the sampling distribution or the length, and neither the engine nor the trainer's "
+              "logprob recompute applies it")
+#: OpenAI chat fields refused unless neutral: name -> (neutral values, why); None is always neutral
+REFUSED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
+    "presence_penalty": ((0,), _NO_EFFECT),
+    "frequency_penalty": ((0,), _NO_EFFECT),
+    "repetition_penalty": ((1,), _NO_EFFECT),
+    "logit_bias": (({},), _NO_EFFECT),
+    "min_p": ((0,), _NO_EFFECT),
+    "min_tokens": ((0,), _NO_EFFECT),
+    "ignore_eos": ((False,), _NO_EFFECT),
+    "length_penalty": ((1,), _NO_EFFECT),
+    "best_of": ((1,), "each sample would be its own rollout"),
+    "use_beam_search": ((False,), _NO_EFFECT),
+    "stop_token_ids": (([],), "the session's stop tokens come from the chat template; use 'stop' strings"),
+    "bad_words": (([],), _NO_EFFECT),
+    "allowed_token_ids": (([],), _NO_EFFECT),
+    "response_format": (({"type": "text"},), "constrained decoding is not applied"),
+    "parallel_tool_calls": ((True,), "every call the model writes is returned"),
+    "reasoning_effort": ((), "reasoning is set per session: POST /sessions with chat_template_kwargs "
+                             "(e.g. {\"enable_thinking\": false})"),
+    "chat_template_kwargs": ((), "template variables are set per session: POST /sessions with chat_template_kwargs"),
+    "functions": ((), "use 'tools'"),
+    "function_call": ((), "use 'tools' and 'tool_choice'"),
+    "modalities": ((["text"],), "only text is generated"),
+    "audio": ((), "only text is generated"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "verbosity": ((), _NO_EFFECT),
+    "skip_special_tokens": ((True,), "the reply's text is decoded one way"),
+    "include_stop_str_in_output": ((False,), "the reply's text is decoded one way"),
+    "echo": ((False,), "the prompt is not echoed"),
+    "add_generation_prompt": ((True,), "the ledger renders the prompt"),
+    "continue_final_message": ((False,), "the ledger renders the prompt"),
+}
+#: Anthropic messages fields refused unless neutral
+REFUSED_ANTHROPIC: dict[str, tuple[tuple[Any, ...], str]] = {
+    "thinking": (({"type": "disabled"},), "thinking is set per session: POST /sessions with chat_template_kwargs "
+                                          "(e.g. {\"enable_thinking\": true}); a token budget is not applied"),
+}
+
+
+def _neutral(v: Any, neutrals: tuple[Any, ...]) -> bool:
+    return v is None or any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutrals)
+
+
+def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
+                 refused: dict[str, tuple[tuple[Any, ...], str]], honoured: list[str]) -> None:
+    """Apply the one rule to a request's undeclared top-level fields ``extra``.
+
+    Raises:
+        WireError: 400 naming the first field that is refused with a non-neutral value
+            (``code`` ``unsupported_parameter``) or unknown (``code`` ``unknown_parameter``).
+    """
+    for name, value in (extra or {}).items():
+        if name in ignored:
+            continue
+        if name in refused:
+            neutrals, why = refused[name]
+            if _neutral(value, neutrals):
+                continue
+            shown = json.dumps(value, ensure_ascii=True)[:80] if _jsonable(value) else repr(value)[:80]
+            omit = "omit it" + (f" or send {json.dumps(neutrals[0])}" if neutrals else "")
+            raise WireError(400, f"{name}={shown} is not supported here: {why}; {omit}", name, "unsupported_parameter")
+        raise WireError(400, f"unknown field {name!r}: this server refuses fields it does not know. It honours "
+                             f"{', '.join(honoured)}; see docs/README.md (Loopback server) for the fields it ignores "
+                             "or refuses", name, "unknown_parameter")
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 _SEED = Field(None, ge=0, lt=2**63)
@@ -98,37 +190,37 @@ class ChatCompletionRequest(_Req):
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """Refuse what the server cannot honour without changing the sampling distribution.
+        """Refuse what the server cannot honour without changing the sampling distribution
+        (the one rule, :func:`check_fields`).
 
         Raises:
-            WireError: 400 naming the field (``n`` > 1, penalties, logit_bias, top_logprobs, forced tool choice).
+            WireError: 400 naming the field (``n`` > 1, top_logprobs, a refused field with a
+                non-neutral value, an unknown field, a forced tool choice, empty stop strings).
         """
         if self.n not in (None, 1):
             raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
                                  "(or omit it) and make one request per sample", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise WireError(400, f"{name} is not supported (it would change the behaviour distribution); "
-                                     "omit it or send 0", name)
         if self.top_logprobs:
             raise WireError(400, "top_logprobs > 0 is not supported (the engine reports the sampled token's logprob "
                             "only, in logprobs.content); omit it or set it to 0", "top_logprobs")
-        if self.logit_bias:
-            raise WireError(400, "logit_bias is not supported (it would change the behaviour distribution); omit it",
-                            "logit_bias")
+        check_fields(self.model_extra, IGNORED_OPENAI, REFUSED_OPENAI, list(type(self).model_fields))
         if self.tool_choice not in (None, "auto", "none"):
             raise WireError(400, "tool_choice may only be 'auto' or 'none' here (forcing a tool is not supported)",
                             "tool_choice")
         if isinstance(self.stop, list) and not all(s for s in self.stop):
             raise WireError(400, "stop strings must be non-empty", "stop")
 
+    @property
+    def allow_tool_calls(self) -> bool:
+        """False for ``tool_choice: "none"``: the tools stay in the prompt (so the next request
+        with tools still extends the conversation) and the reply is not parsed for calls."""
+        return self.tool_choice != "none"
+
     def tools_openai(self) -> list[dict[str, Any]] | None:
-        if not self.tools or self.tool_choice == "none":
+        """The tools in OpenAI form (also under ``tool_choice: "none"``), or None."""
+        if not self.tools:
             return None
         return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
 
@@ -241,15 +333,23 @@ class MessagesRequest(_Req):
     seed: int | None = _SEED
 
     def check(self) -> None:
-        """Raises: WireError (400) for a forced tool choice or empty stop sequences."""
+        """Raises: WireError (400) for a forced tool choice, empty stop sequences, a refused
+        field with a non-neutral value or an unknown field (:func:`check_fields`)."""
+        check_fields(self.model_extra, IGNORED_ANTHROPIC, REFUSED_ANTHROPIC, list(type(self).model_fields))
         if self.tool_choice and self.tool_choice.get("type") not in ("auto", "none"):
             raise WireError(400, "tool_choice.type may only be 'auto' or 'none' here (forcing a tool is not supported)",
                             "tool_choice")
         if self.stop_sequences is not None and not all(self.stop_sequences):
             raise WireError(400, "stop_sequences must be non-empty strings", "stop_sequences")
 
+    @property
+    def allow_tool_calls(self) -> bool:
+        """False for ``tool_choice: {"type": "none"}`` (tools kept in the prompt, reply not parsed for calls)."""
+        return (self.tool_choice or {}).get("type") != "none"
+
     def tools_openai(self) -> list[dict[str, Any]] | None:
-        if not self.tools or (self.tool_choice or {}).get("type") == "none":
+        """The tools in OpenAI form (also under ``tool_choice`` none), or None."""
+        if not self.tools:
             return None
         out = []
         for t in self.tools:

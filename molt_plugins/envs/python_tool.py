@@ -77,13 +77,33 @@ class PythonToolOptions(ReasoningGymOptions):
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
     """Tool calls in ``text``: each ``<tool_call>{json}</tool_call>`` as ``{"name",
-    "arguments"}``; a call whose JSON is malformed is returned as ``{"error": message}``."""
+    "arguments"}``; a call whose JSON is malformed is returned as ``{"error": message}``.
+
+    JSON-aware: a ``</tool_call>`` inside a JSON string (``print("</tool_call>")``) does not
+    end the call (issue 12 item 6)."""
     calls: list[dict[str, Any]] = []
-    for m in _TOOL_CALL.finditer(text):
+    dec, i = json.JSONDecoder(), 0
+    while (a := text.find("<tool_call>", i)) >= 0:
+        j = a + len("<tool_call>")
+        while j < len(text) and text[j].isspace():
+            j += 1
         try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError as e:
-            calls.append({"error": f"tool call is not valid JSON ({e.msg} at char {e.pos})"})
+            obj, k = dec.raw_decode(text, j)
+            while k < len(text) and text[k].isspace():
+                k += 1
+            if not text.startswith("</tool_call>", k):
+                raise json.JSONDecodeError("extra data after the JSON object", text, k)
+            i = k + len("</tool_call>")
+        except json.JSONDecodeError:
+            m = _TOOL_CALL.match(text, a)
+            if m is None:  # no closing tag at all: nothing more to parse
+                break
+            try:
+                json.loads(m.group(1))
+                calls.append({"error": "tool call must hold one JSON object"})
+            except json.JSONDecodeError as e:
+                calls.append({"error": f"tool call is not valid JSON ({e.msg} at char {e.pos})"})
+            i = m.end()
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append({"error": 'tool call must be {"name": ..., "arguments": {...}}'})
