@@ -162,11 +162,13 @@ class AsyncSection(_Section):
     the *oldest token* of each rollout, so a (partial) rollout that finishes late, staler than
     the bound, is dropped and counted (``correction/gated_frac``). ``onpolicy_rows`` -- rows per older version
     recomputed under the weights that sampled them, for
-    ``invariants/logprob_absdiff_max_onpolicy`` (-1: all; 0: off, no weight copies kept);
-    the trainer keeps ``max_staleness`` CPU copies of past weights for it."""
+    ``invariants/logprob_absdiff_max_onpolicy`` (-1, the default: every stale row; n > 0: a
+    random sample of n rows per older version, new each step; 0: off, no weight copies kept);
+    the trainer keeps ``max_staleness`` CPU copies of past weights and one shadow copy of the
+    policy on its device for it (:mod:`molt_core.version_history`)."""
 
     max_staleness: int = Field(0, ge=0)
-    onpolicy_rows: int = Field(16, ge=-1)
+    onpolicy_rows: int = Field(-1, ge=-1)
 
 
 class TrainerSection(_Section):

@@ -19,7 +19,7 @@ import torch
 from molt_core.sampling import processed_logprobs
 from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
-from molt_core.version_history import VersionHistory, onpolicy_metrics
+from molt_core.version_history import VersionHistory, onpolicy_metrics, sample_rows
 from trainer_utils import tiny_cfg
 
 torch.set_num_threads(1)
@@ -116,6 +116,80 @@ def test_onpolicy_metrics_unmeasured_is_nan_and_history_keeps_newest():
     h0 = VersionHistory(0)
     h0.record(0, model)
     assert h0.versions() == []
+
+
+def _fault_in_one_row(rows=None):
+    """Finding 2: 64 stale rollouts, the temperature fault only in rollout 5 (the engine sampled
+    at T = 1, the span records 0.5); the trainer at version 1 holds version 0."""
+    kw = {"max_staleness": 1} if rows is None else {"max_staleness": 1, "onpolicy_rows": rows}
+    tr = Trainer(tiny_cfg(**{"async": kw}, trainer={"lr": 0.1, "grad_clip": 0.0}), model=BiasLM(B0))
+    tr.train_step([_traj("a", 1.0, [2, 0, 1], [_lp(B0, 0, 0.5), _lp(B0, 1, 0.5)], [0, 0], 0.5),
+                   _traj("b", 0.0, [2, 1, 2], [_lp(B0, 1, 0.5), _lp(B0, 2, 0.5)], [0, 0], 0.5)])
+    batch = [_traj(f"r{i}", float(i % 2), [2, 0, 1], [_lp(B0, 0, 1.0 if i == 5 else 0.5), _lp(B0, 1, 1.0 if i == 5 else 0.5)],
+                   [0, 0], 0.5) for i in range(64)]
+    return tr.train_step(batch)
+
+
+def test_onpolicy_default_measures_every_stale_row():
+    """By default every stale row is recomputed under its version: a fault in one row of 64
+    shows (before the fix the default measured 16 evenly spaced rows, the same every step,
+    and read 0.0 here)."""
+    m = _fault_in_one_row()
+    assert m["invariants/onpolicy_tokens"] == 128.0 == m["train/action_tokens"]
+    assert m["invariants/onpolicy_stale_tokens"] == 128.0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.735326, abs=1e-6)
+    # a sample of 16 rows per version: 32 tokens measured
+    m16 = _fault_in_one_row(16)
+    assert m16["invariants/onpolicy_tokens"] == 32.0
+
+
+def test_onpolicy_row_sample_is_random_and_changes_every_step():
+    idx = torch.arange(100, 164)
+    assert torch.equal(sample_rows(idx, -1), idx) and torch.equal(sample_rows(idx, 64), idx)
+    picks = [sample_rows(idx, 16, torch.Generator().manual_seed(1_000_003 * 0 + v)) for v in (1, 2, 3)]
+    for p in picks:
+        assert p.numel() == 16 and len(set(p.tolist())) == 16 and set(p.tolist()) <= set(idx.tolist())
+        assert p.tolist() == sorted(p.tolist())
+    assert picks[0].tolist() != picks[1].tolist() != picks[2].tolist()
+    # over steps the sample covers rows a fixed spread never would: 3 draws of 16 cover > 16 rows
+    assert len(set().union(*[set(p.tolist()) for p in picks])) > 16
+
+
+def test_version_history_copies_tied_weights_once_and_counts_copy_time():
+    """Finding 5: tied input/output embeddings are stored once per version (the tiny Qwen3
+    ties them: before, every version held them twice, +7.7%); the copy is timed in
+    ``time/onpolicy_check``."""
+    import time
+
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 3}}))
+    sd = tr.model.state_dict()
+    tied = [k for k in sd if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+    assert len(tied) == 2 and sd[tied[0]].data_ptr() == sd[tied[1]].data_ptr()
+    unique = sum(p.numel() * p.element_size() for p in tr.model.parameters())
+    with_dups = sum(v.numel() * v.element_size() for v in sd.values())
+    assert with_dups > unique
+    h = VersionHistory(3)
+    h.record(0, tr.model)
+    assert h._states[0][tied[0]] is h._states[0][tied[1]]
+    assert h.nbytes() == unique == 3413504  # the policy's parameters, once (its buffers are not persistent)
+    for v in (1, 2, 3):
+        h.record(v, tr.model)
+    assert h.versions() == [1, 2, 3] and h.nbytes() == 3 * unique  # keep = 3: three copies, not 3.23
+    # the trainer's copy is timed as part of the check, not of the update
+    real = tr.history.record
+
+    def slow(version, model):
+        time.sleep(0.3)
+        real(version, model)
+
+    tr.history.record = slow
+    ts = synthetic_rollouts(0)
+    set_behaviour(tr, ts)
+    m = tr.train_step(ts)
+    assert m["time/onpolicy_check"] >= 0.3 and m["time/train"] < 0.3
+    assert tr.history.versions() == [0]
 
 
 # -- out of the recomputed support ---------------------------------------------------------

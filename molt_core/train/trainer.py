@@ -495,7 +495,9 @@ class Trainer:
             async included: each measured token against the weights of the version that
             sampled it -- the proximal logprobs for the current version, a recompute under a
             held older version otherwise; see :mod:`molt_core.version_history`; NaN when
-            nothing could be measured), ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
+            nothing could be measured; finite: an on-policy token outside its own version's
+            support counts in ``invariants/onpolicy_out_of_support_tokens`` instead),
+            ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
             for an MoE policy with recorded routing the R3 metrics of
             :meth:`_routing_metrics` (``invariants/routing_flip_rate``,
             ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
@@ -513,7 +515,8 @@ class Trainer:
             ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
             (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
             forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
-            ``time/onpolicy_check`` (recompute under older versions),
+            ``time/onpolicy_check`` (recompute under older versions, plus the copy of this
+            version's weights kept for later steps' check),
             ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 
         Raises:
@@ -574,10 +577,10 @@ class Trainer:
         # later steps) and measure this step's tokens sampled by older versions under theirs
         t_check = time.perf_counter()
         onpol = self._onpolicy_stale(batch)
-        t_check = time.perf_counter() - t_check
-        t1 = time.perf_counter()
         if num_tokens > 0:
             self.history.record(self.version, self.model)
+        t_check = time.perf_counter() - t_check
+        t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if num_tokens == 0:
             metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
@@ -649,8 +652,9 @@ class Trainer:
         each under its own version's weights (see :mod:`molt_core.version_history`)."""
         from molt_core.version_history import stale_absdiff
 
+        gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)  # a new sample each step
         return stale_absdiff(batch, self.version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
-                             self.model, self.cfg.async_.onpolicy_rows)
+                             self.model, self.cfg.async_.onpolicy_rows, generator=gen)
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
