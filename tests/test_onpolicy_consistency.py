@@ -316,3 +316,56 @@ def test_moe_stale_tokens_are_recomputed_under_their_version_with_routing_replay
     assert m2["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(m1["invariants/logprob_absdiff_max_onpolicy"],
                                                                           abs=1e-6)
     assert m2["invariants/logprob_absdiff_max"] > 10 * m2["invariants/logprob_absdiff_max_onpolicy"]
+
+
+# -- out of the reference's support (KL) and out of its own version's support ----------------
+
+def _k3(lp, ref):
+    return math.exp(ref - lp) - (ref - lp) - 1
+
+
+@pytest.mark.parametrize("estimator,as_reward", [("k3", False), ("k1", False), ("k3", True)])
+def test_reference_out_of_support_keeps_kl_finite_and_is_counted(estimator, as_reward):
+    """Finding 6: a sampled token inside the policy's top-2 but outside the reference's top-2
+    (reference logprob -inf). Before: ``kl``, ``loss/kl``, ``loss/total`` were inf and written
+    as ``Infinity``. Now the token is left out of the KL term, counted, and every metric is
+    finite; the KL over the other tokens is the hand value."""
+    policy, ref = [2.0, 1.0, 0.0], [0.0, 1.0, 3.0]  # top-2: policy {0, 1}, reference {1, 2}
+    adv = "reinforce" if as_reward else "grpo"
+    tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1, "kl_estimator": estimator, "kl_as_reward": as_reward, "advantage": adv}),
+                 model=BiasLM(policy), ref_model=BiasLM(ref))
+    lp0, lp1 = _lp(policy, 0, top_k=2), _lp(policy, 1, top_k=2)
+    batch = [_traj("a", 1.0, [2, 0, 1], [lp0, lp1], [0, 0], top_k=2),
+             _traj("b", 0.0, [2, 1, 1], [lp1, lp1], [0, 0], top_k=2)]
+    m = tr.train_step(batch)
+    assert [k for k, x in m.items() if not math.isfinite(x)] == []
+    assert bool(torch.isfinite(tr.model.bias).all())
+    assert m["kl/ref_out_of_support_frac"] == 0.25
+    r1 = _lp(ref, 1, top_k=2)  # -log(1 + e^2)
+    want = _k3(lp1, r1) if estimator == "k3" else lp1 - r1
+    assert m["kl"] == pytest.approx(want, abs=1e-6)  # the 3 tokens in the reference's support
+    if not as_reward:
+        assert m["loss/kl"] == pytest.approx(3 * want / 4, abs=1e-6)  # global token mean over 4
+    # clean: the reference is the policy -> nothing out of support, KL 0
+    tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1, "kl_estimator": estimator, "kl_as_reward": as_reward, "advantage": adv}),
+                 model=BiasLM(policy), ref_model=BiasLM(policy))
+    m = tr.train_step(batch)
+    assert m["kl/ref_out_of_support_frac"] == 0.0 and m["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_onpolicy_token_outside_its_own_support_is_counted_and_metrics_stay_finite():
+    """An on-policy token the trainer puts outside the top-2 of the very weights that sampled
+    it (an engine/trainer mismatch at the k-th boundary): counted in
+    ``invariants/onpolicy_out_of_support_tokens`` (before: the max was inf, written as
+    ``Infinity``); the max over the other tokens stays finite (0 here); clean case 0."""
+    policy = [2.0, 1.0, 0.0]
+    lp1 = _lp(policy, 1, top_k=2)
+    bad = [_traj("a", 1.0, [2, 2, 1], [-1.5, lp1], [0, 0], top_k=2),  # token 2 is not in the top 2
+           _traj("b", 0.0, [2, 1, 1], [lp1, lp1], [0, 0], top_k=2)]
+    m = Trainer(tiny_cfg(), model=BiasLM(policy)).train_step(bad)
+    assert [k for k, x in m.items() if not math.isfinite(x)] == []
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 1.0 and m["invariants/onpolicy_tokens"] == 4.0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == 0.0
+    clean = [_traj("a", 1.0, [2, 0, 1], [_lp(policy, 0, top_k=2), lp1], [0, 0], top_k=2), bad[1]]
+    m = Trainer(tiny_cfg(), model=BiasLM(policy)).train_step(clean)
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["invariants/logprob_absdiff_max_onpolicy"] == 0.0

@@ -506,7 +506,11 @@ class Trainer:
             ``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
             (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
-            0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
+            0 without one; over sampled tokens inside the reference's top-k / top-p support),
+            ``kl/ref_out_of_support_frac`` (sampled tokens whose reference logprob is -inf --
+            outside the reference's support -- / sampled tokens: left out of the KL term in the
+            loss, the per-token reward and ``kl``), ``kl/behaviour_k3`` (current vs behaviour
+            policy), ``kl_coef``,
             ``distill/reverse_kl`` (``on_policy_distill`` only: the reverse KL
             ``KL(pi_student || pi_teacher)`` in nats per token, estimated on the student's
             sampled tokens as the mean of ``log pi_student(y_t) - log pi_teacher(y_t)`` -- the
@@ -549,6 +553,15 @@ class Trainer:
         fused = self.fused_recompute_ok(batch)
         t0 = time.perf_counter()
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
+        # a sampled token outside the reference's top-k / top-p support (reference logprob -inf):
+        # no finite KL exists for it; it is left out of the KL term (loss, reward and metric) and
+        # counted in kl/ref_out_of_support_frac, with a finite stand-in so no inf/NaN reaches
+        # the loss or its gradient
+        kl_keep = mask
+        if ref_lp is not None:
+            ref_oos = mask & ~torch.isfinite(ref_lp)
+            kl_keep = mask & ~ref_oos
+            ref_lp = torch.where(ref_oos, beh, ref_lp)
         old_values = self.critic_values(batch) if self.critic is not None else None
         if fused:
             # the gate depends on versions only: with proximal = behaviour it yields keep / loss mask
@@ -566,7 +579,7 @@ class Trainer:
         metrics: dict[str, float] = dict(ingress)
         token_rewards = None
         if ref_lp is not None and cfg.algo.kl_as_reward:
-            token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * mask
+            token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * kl_keep
         distill = cfg.algo.advantage == "on_policy_distill"
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
@@ -591,7 +604,7 @@ class Trainer:
             metrics["train/skipped"] = 0.0
             upd, fused_prox, fused_ent = self._update(batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
                                                       correct if fused else None,
-                                                      None if fused else corr.out_of_support)
+                                                      None if fused else corr.out_of_support, kl_keep)
             metrics.update(upd)
             if fused:
                 prox, ent = fused_prox, fused_ent
@@ -615,8 +628,11 @@ class Trainer:
         metrics.update(self._routing_metrics(batch, prox, noreplay))
         metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
         metrics["kl/behaviour_k3"] = float(kl_estimate(prox, beh, "k3")[mask].mean()) if n_sampled else 0.0
-        kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[mask].mean()) if ref_lp is not None else 0.0
+        kl_ref = 0.0
+        if ref_lp is not None and bool(kl_keep.any()):
+            kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[kl_keep].mean())
         metrics["kl"] = kl_ref
+        metrics["kl/ref_out_of_support_frac"] = float((mask & ~kl_keep).sum()) / n_sampled if n_sampled else 0.0
         metrics["kl_coef"] = self.kl_coef
         if distill:  # KL(student || teacher) on the student's own samples: k1, mean over sampled tokens
             metrics["distill/reverse_kl"] = float((prox - batch.teacher_logprobs)[mask].mean()) if n_sampled else 0.0
@@ -677,12 +693,15 @@ class Trainer:
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
                 and not (cfg.correction.is_mode == "mask" and cfg.correction.is_level != "off"))
 
-    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None):
+    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None,
+                kl_keep=None):
         """``ppo_epochs`` optimizer steps over the batch's micro-batches.
 
         With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
         micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
         otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
+        ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
+        ones outside the reference's support).
 
         Returns:
             ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -732,7 +751,8 @@ class Trainer:
                 pol += float(loss.detach())
                 _merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
                 if ref_lp is not None and not cfg.algo.kl_as_reward and self.kl_coef > 0:
-                    kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), m, num_tokens, cfg.algo.kl_estimator)
+                    km = m if kl_keep is None else m & kl_keep[rows, :T].to(dev)
+                    kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), km, num_tokens, cfg.algo.kl_estimator)
                     klv += float(kl_term.detach())
                     loss = loss + self.kl_coef * kl_term
                 tot += float(loss.detach())
