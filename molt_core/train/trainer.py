@@ -51,7 +51,7 @@ import torch
 from molt_core.config import RunConfig
 from molt_core.sampling import processed_logprobs
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
-from molt_core.train.ingress import Batch, IngressError, build_batch
+from molt_core.train.ingress import Batch, IngressError, build_batch, refuse_malformed
 from molt_core.types import Trajectory
 
 __all__ = ["Trainer", "ValueModel", "lr_factor", "token_logprobs"]
@@ -476,10 +476,15 @@ class Trainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. A rollout whose action tokens differ from the
-        engine's record is refused (:func:`molt_core.identity.screen`). When ingress refuses
-        every ok rollout, or the gate drops every sequence, no optimizer step is taken,
-        ``version`` and ``step`` stay, and ``train/skipped`` is 1.
+        Failed trajectories are skipped. Ingress refuses, one rollout at a time (the rest of
+        the step trains): a malformed rollout (:func:`molt_core.train.ingress.refuse_malformed`:
+        e.g. sampled tokens without a sampled span, misaligned fields, an id out of the
+        vocabulary; ``ingress/refused_malformed``, ``ingress/refused_no_span``), a rollout
+        whose action tokens differ from the engine's record, and -- with
+        ``trainer.refuse_unverified`` (default) -- one whose action tokens carry no engine
+        record (:func:`molt_core.identity.screen`). When ingress refuses every ok rollout, or
+        the gate drops every sequence, no optimizer step is taken, ``version`` and ``step``
+        stay, and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
@@ -487,7 +492,9 @@ class Trainer:
         Returns:
             ``dict[str, float]`` with the ingress metrics of :func:`molt_core.identity.screen`
             (``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
-            ``ingress/refused_rollouts``, ``ledger/context_reencoded_tokens``; only these,
+            ``ingress/refused_retokenized``, ``ingress/refused_unverified``,
+            ``ledger/context_reencoded_tokens``), ``ingress/refused_malformed``,
+            ``ingress/refused_no_span``, ``ingress/refused_rollouts`` (all refusals; only these,
             ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
             left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
             sampled in-support tokens, before the update: policy drift plus mismatch),
@@ -524,7 +531,8 @@ class Trainer:
             ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 
         Raises:
-            IngressError: malformed trajectories (see :func:`build_batch`).
+            IngressError: a step-level fault :func:`build_batch` still finds after the
+                per-rollout refusals (in practice none: each check is made per rollout first).
         """
         from molt_core.algo.advantages import compute_advantages
         from molt_core.algo.correction import apply_correction
@@ -533,11 +541,16 @@ class Trainer:
 
         cfg = self.cfg
         t_start = time.perf_counter()
-        trajectories, ingress = screen(trajectories)
+        distill = cfg.algo.advantage == "on_policy_distill"
+        # one malformed rollout (e.g. sampled tokens without a span) is refused alone, not the step
+        trajectories, malformed, _reasons = refuse_malformed(trajectories, self.pad_id, self.vocab_size,
+                                                             need_teacher=distill)
+        trajectories, ingress = screen(trajectories, refuse_unverified=cfg.trainer.refuse_unverified)
+        ingress.update(malformed)
+        ingress["ingress/refused_rollouts"] += malformed["ingress/refused_malformed"]
         if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
             return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
-        batch = build_batch(trajectories, self.pad_id, self.vocab_size,
-                            need_teacher=cfg.algo.advantage == "on_policy_distill")
+        batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
         mask = batch.mask
         n_sampled = int(mask.sum())
         beh = batch.behaviour_logprobs
@@ -580,7 +593,6 @@ class Trainer:
         token_rewards = None
         if ref_lp is not None and cfg.algo.kl_as_reward:
             token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * kl_keep
-        distill = cfg.algo.advantage == "on_policy_distill"
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
             token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
