@@ -253,6 +253,22 @@ def test_out_of_support_token_icepop_mask_is_rejected():
     assert g == pytest.approx(_grad([(1, -A / 3 * P1), (2, A / 3 * P1)]), abs=1e-6)
 
 
+def test_out_of_support_token_mask_at_level_off_is_rejected():
+    """Finding 7c: ``is_level = "off"`` with ``is_mode = "mask"`` rejects the out-of-support
+    token as the doc says (before: it stayed in the loss's token count with weight 0). The
+    loss-token count then depends on the recompute, so the fused path is not taken."""
+    tr = _oos_trainer(is_level="off", is_mode="mask", low=0.5, high=2.0)
+    assert not tr.fused_recompute_ok()
+    m = tr.train_step(_oos_batch())
+    assert m["train/fused_recompute"] == 0.0
+    assert m["correction/out_of_support_frac"] == 0.25 and m["correction/masked_frac"] == 0.25
+    assert m["train/action_tokens"] == 3.0
+    g = tr.model.bias.grad.tolist()  # weight 1 on the other three tokens, as IcePop's gradient
+    assert g == pytest.approx(_grad([(1, -A / 3 * P1), (2, A / 3 * P1)]), abs=1e-6)
+    clean = _oos_trainer(is_level="off", is_mode="mask", low=0.5, high=2.0).train_step(_oos_batch(fault=False))
+    assert clean["correction/out_of_support_frac"] == 0.0 and clean["train/action_tokens"] == 4.0
+
+
 def test_out_of_support_token_seq_mask_rejects_its_rollout():
     tr = _oos_trainer(is_level="seq", is_mode="mask", low=0.5, high=2.0)
     m = tr.train_step(_oos_batch())

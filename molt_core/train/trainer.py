@@ -692,7 +692,8 @@ class Trainer:
         (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
         Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
         (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
-        on them (not ``is_mode = "mask"``, which can reject tokens). ``fuse_recompute = False``
+        on them (not ``is_mode = "mask"``, which can reject tokens -- out-of-support ones at
+        every level, ``off`` included). ``fuse_recompute = False``
         on the instance forces the separate pass. With ``batch`` given, also not for
         seq/geo weights when a rollout has several rows (its weight needs every row's proximal
         logprobs, which one micro-batch's forward may not hold).
@@ -703,7 +704,7 @@ class Trainer:
                 and not (multi_row and cfg.correction.is_level in ("seq", "geo"))
                 and cfg.algo.advantage != "on_policy_distill"
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
-                and not (cfg.correction.is_mode == "mask" and cfg.correction.is_level != "off"))
+                and cfg.correction.is_mode != "mask")
 
     def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None,
                 kl_keep=None):
