@@ -1,10 +1,11 @@
 """Asynchronous RL end to end, with a policy that learns (issue 10, item 5).
 
 The main job runs in this process (``--local``) with ``async.max_staleness = 1``: every step
-after the first trains on groups sampled one version earlier. The reward (the fraction of
-digit characters in the reply) is dense, so it is non-zero from the start and every group has
-a spread of rewards: ``grad_norm > 0`` on every step and the weights move, which is what makes
-the staleness real (an async run whose reward is always 0 never changes its policy).
+after the first trains on groups sampled one version earlier. A short SFT warm start (10
+steps on "Number n?" -> "n") comes first, as in the shipped recipes. The reward (the fraction
+of digit characters in the reply) is dense, so every group has a spread of rewards:
+``grad_norm > 0`` on every step and the weights move, which is what makes the staleness real
+(an async run whose reward is always 0 never changes its policy).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ENV = textwrap.dedent('''
         def tasks(self, split, seed):
             rng = random.Random(seed + (0 if split == "train" else 1))
             for _ in range(10**9 if split == "train" else 8):
-                yield {"question": f"Number {rng.randint(0, 99)}?"}
+                n = rng.randint(0, 99)
+                yield {"question": f"Number {n}?", "answer": str(n)}  # the answer: the SFT warm start's target
 
         def reset(self, task):
             return task["question"]
@@ -48,10 +50,10 @@ def test_async_run_learns_with_staleness_one(tmp_path):
         "run": {"steps": steps, "seed": 0, "threads": 1},
         "agent": {"path": str(agent)},
         "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 8, "max_tokens": 8, "temperature": 1.0},
-        "async": {"max_staleness": 1, "onpolicy_rows": -1},
+        "async": {"max_staleness": 1},  # onpolicy_rows -1 by default: every stale token measured
         "trainer": {"lr": 3e-3, "grad_clip": 1.0},
         "eval": {"n_problems": 0, "every": 0},
-        "sft": {"steps": 0},
+        "sft": {"steps": 10, "lr": 1e-3, "batch_size": 16, "n_examples": 200},  # the warm start
         "checkpoint": {"every": 0, "keep": 1},
     })
     out = main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True)
@@ -76,7 +78,7 @@ def test_async_run_learns_with_staleness_one(tmp_path):
         assert r["invariants/logprob_absdiff_max"] > 100 * max(r["invariants/logprob_absdiff_max_onpolicy"], 1e-7)
     first = sum(r["reward/mean"] for r in rows[:4]) / 4
     last = sum(r["reward/mean"] for r in rows[-4:]) / 4
-    assert math.isfinite(first) and last > first + 0.1, (first, last)  # measured: 0.012 -> 0.261
+    assert math.isfinite(first) and last > first + 0.3, (first, last)  # measured: 0.094 -> 0.872
 
 
 def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
