@@ -375,6 +375,7 @@ def test_stripped_engine_record_is_refused_by_default(base):
     seg.token_ids[sp.start] = seg.token_ids[sp.start] % 499 + 1
     sp.digest = sp.sampled_ids = None
     n1 = sp.end - sp.start
+    assert n1 == 6
     assert RunConfig().trainer.refuse_unverified is True
     tr = make(base, trainer={"refuse_unverified": True})
     m = tr.train_step(bad)

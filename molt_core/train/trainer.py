@@ -392,6 +392,7 @@ class Trainer:
             out["invariants/routing_replay_mismatch"] = used
         lp_nat = noreplay.get("logprobs", prox)
         diff = (batch.behaviour_logprobs - lp_nat).abs()[mask]
+        diff = diff[torch.isfinite(diff)]  # a token out of the natural forward's support has no finite size
         out["invariants/logprob_absdiff_mean_noreplay"] = float(diff.mean()) if diff.numel() else 0.0
         out["invariants/logprob_absdiff_max_noreplay"] = float(diff.max()) if diff.numel() else 0.0
         return out
@@ -543,14 +544,24 @@ class Trainer:
         t_start = time.perf_counter()
         distill = cfg.algo.advantage == "on_policy_distill"
         # one malformed rollout (e.g. sampled tokens without a span) is refused alone, not the step
-        trajectories, malformed, _reasons = refuse_malformed(trajectories, self.pad_id, self.vocab_size,
-                                                             need_teacher=distill)
+        # (the whole batch first: in the common clean case the per-rollout pass is skipped)
+        try:
+            batch: Batch | None = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
+            malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0}
+        except IngressError:
+            batch = None
+            trajectories, malformed, _reasons = refuse_malformed(trajectories, self.pad_id, self.vocab_size,
+                                                                 need_teacher=distill)
+        n_in = len(trajectories)
         trajectories, ingress = screen(trajectories, refuse_unverified=cfg.trainer.refuse_unverified)
+        if len(trajectories) != n_in:
+            batch = None
         ingress.update(malformed)
         ingress["ingress/refused_rollouts"] += malformed["ingress/refused_malformed"]
         if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
             return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
-        batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
+        if batch is None:
+            batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
         mask = batch.mask
         n_sampled = int(mask.sum())
         beh = batch.behaviour_logprobs
