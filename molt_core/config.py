@@ -163,18 +163,23 @@ class AsyncSection(_Section):
     the *oldest token* of each rollout, so a (partial) rollout that finishes late, staler than
     the bound, is dropped and counted (``correction/gated_frac``). ``onpolicy_rows`` -- rows per older version
     recomputed under the weights that sampled them, for
-    ``invariants/logprob_absdiff_max_onpolicy`` (-1: all; 0: off, no weight copies kept);
-    the trainer keeps ``max_staleness`` CPU copies of past weights for it."""
+    ``invariants/logprob_absdiff_max_onpolicy`` (-1, the default: every stale row; n > 0: a
+    random sample of n rows per older version, new each step; 0: off, no weight copies kept);
+    the trainer keeps ``max_staleness`` CPU copies of past weights and one shadow copy of the
+    policy on its device for it (:mod:`molt_core.version_history`)."""
 
     max_staleness: int = Field(0, ge=0)
-    onpolicy_rows: int = Field(16, ge=-1)
+    onpolicy_rows: int = Field(-1, ge=-1)
 
 
 class TrainerSection(_Section):
     """``[trainer]``: AdamW (``lr``, ``betas``, ``eps``, ``weight_decay``), ``grad_clip``
     (max global grad norm, 0 disables), ``warmup_steps``, ``lr_schedule``,
     ``micro_batch_size`` sequences per forward, ``ppo_epochs`` passes over a step's batch;
-    ``critic_lr`` of the GAE critic (None: ``lr``)."""
+    ``critic_lr`` of the GAE critic (None: ``lr``); ``refuse_unverified`` -- refuse at ingress
+    a rollout whose action tokens carry no engine record of what was sampled (default true:
+    every first-party engine records; false trains on them, counted in
+    ``invariants/tokens_unverified``; :mod:`molt_core.identity`)."""
 
     lr: float = Field(3e-4, gt=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
@@ -186,6 +191,7 @@ class TrainerSection(_Section):
     micro_batch_size: int = Field(64, ge=1)
     ppo_epochs: int = Field(1, ge=1)
     critic_lr: float | None = Field(None, gt=0)
+    refuse_unverified: bool = True
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
 

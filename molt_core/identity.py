@@ -14,10 +14,21 @@ The digest is BLAKE2b (RFC 7693) with a 16-byte output over the ids as consecuti
 little-endian signed integers: ``blake2b(b"".join(i.to_bytes(8, "little", signed=True)
 for i in ids), digest_size=16).hexdigest()`` (32 hex characters).
 
-A sampled span without a digest (data written before this record existed, or an engine that
-does not produce one) cannot be checked: its action tokens count in
-``invariants/tokens_unverified`` and are trained on (refusing them would make old data and
-third-party engines unusable; the metric makes them visible; every first-party engine records).
+A sampled span without a digest (data written before this record existed, an engine that
+does not produce one, or a record stripped on the way) cannot be checked: its action tokens
+count in ``invariants/tokens_unverified``. By default (``trainer.refuse_unverified = true``)
+such a rollout is refused like a mismatching one (``ingress/refused_unverified``): every
+first-party engine records, so stripping the record cannot smuggle altered ids into training.
+Set it to false to train on data from an engine that keeps no record (the tokens stay
+counted).
+
+What the digest guards against, and what not: it is an unkeyed hash, so it detects every
+accidental change of sampled ids between the sampler and the trainer (re-tokenization, a
+template or ledger bug, truncation, corruption in transit or on disk, a plugin editing
+``token_ids``). It is not an authenticator: a party with write access to the trajectory that
+rewrites ``token_ids``, ``sampled_ids`` and ``digest`` consistently is not detected (a keyed
+MAC with a per-run secret shared only by engines and trainer would be needed for that; the
+framework does not claim it).
 
 Context tokens the ledger re-encoded from text when a chat template rewrote the history are
 legitimate (they are never trained on) and are reported separately, summed from the
@@ -132,26 +143,32 @@ def check_tokens(traj: Trajectory) -> TokenCheck:
     return TokenCheck(bad, unverified, first)
 
 
-def screen(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
+           ) -> tuple[list[Trajectory], dict[str, float]]:
     """Trainer ingress for token identity: refuse rollouts whose action tokens are not the
     engine's, and measure the step.
 
     Failed trajectories pass through untouched (the batch builder skips them). Each ``ok``
     one is checked with :func:`check_tokens`; one with a mismatching action token is
-    dropped from the returned list (never trained on).
+    dropped from the returned list (never trained on); with ``refuse_unverified`` so is one
+    with an action token no engine record covers.
 
     Args:
         trajectories: the step's rollouts.
+        refuse_unverified: refuse rollouts with unverified action tokens (the trainer passes
+            ``trainer.refuse_unverified``, default true).
 
     Returns:
         ``(kept, metrics)``; ``metrics`` (floats): ``invariants/tokens_retokenized`` (action
         tokens whose id differs from the engine's record, summed over ok rollouts, 0 when
         clean), ``invariants/tokens_unverified`` (action tokens without an engine record),
-        ``ingress/refused_rollouts`` (rollouts dropped), ``ledger/context_reencoded_tokens``
-        (sum of ``info["context_reencoded_tokens"]`` over ok rollouts).
+        ``ingress/refused_retokenized`` and ``ingress/refused_unverified`` (rollouts dropped
+        for each cause; a rollout with both counts as retokenized), ``ingress/refused_rollouts``
+        (their sum), ``ledger/context_reencoded_tokens`` (sum of
+        ``info["context_reencoded_tokens"]`` over ok rollouts).
     """
     kept: list[Trajectory] = []
-    retok = unver = refused = reenc = 0
+    retok = unver = ref_retok = ref_unver = reenc = 0
     for t in trajectories:
         if t.status != "ok":
             kept.append(t)
@@ -161,8 +178,12 @@ def screen(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], dict[s
         unver += c.unverified
         reenc += int(t.info.get("context_reencoded_tokens", 0) or 0)
         if c.retokenized:
-            refused += 1
+            ref_retok += 1
+        elif c.unverified and refuse_unverified:
+            ref_unver += 1
         else:
             kept.append(t)
     return kept, {"invariants/tokens_retokenized": float(retok), "invariants/tokens_unverified": float(unver),
-                  "ingress/refused_rollouts": float(refused), "ledger/context_reencoded_tokens": float(reenc)}
+                  "ingress/refused_retokenized": float(ref_retok), "ingress/refused_unverified": float(ref_unver),
+                  "ingress/refused_rollouts": float(ref_retok + ref_unver),
+                  "ledger/context_reencoded_tokens": float(reenc)}

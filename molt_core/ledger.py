@@ -434,10 +434,12 @@ class Ledger:
             allow_tool_calls: False for ``tool_choice: none``: the turn is not parsed for
                 calls (part of the retry key).
 
-        On a rewrite, ``Prepared.reencoded`` is the token count of the chat template's render
-        (without generation prompt) of the request's leading messages that equal the committed
-        history (compared as the extend check does) -- history the ledger held as ids and now
-        re-encodes from text; the whole prompt when the template refuses to render that prefix.
+        On a rewrite, ``Prepared.reencoded`` is the token count, in the chat template's render
+        (without generation prompt), of every request message that equals a committed history
+        message (compared as the extend check does, matched in order wherever it sits: after a
+        prepended system message or an edited earlier message too, assistant replies included)
+        -- history the ledger held as ids and now re-encodes from text; the whole prompt when
+        the template refuses to render a prefix.
 
         Returns:
             A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
@@ -487,16 +489,33 @@ class Ledger:
                                 "Shorten the conversation (or compact it)", n, limit, False)
 
     def _reencoded(self, msgs: list[dict[str, Any]], tools: Any, prompt_len: int) -> int:
-        """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`)."""
-        k = 0
-        for a, b in zip(self._history, msgs):
-            if not _same_message(a, b, self.think):
-                break
-            k += 1
-        if not k:
+        """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`).
+
+        Every request message equal to a committed history message (matched in order, as a
+        subsequence: a prepended system message or an edited earlier message does not hide
+        the held messages after it, model replies included) counts with its rendered tokens:
+        ``len(encode(render(msgs[:i + 1]))) - len(encode(render(msgs[:i])))`` (no generation
+        prompt). The whole prompt counts when the template refuses to render a prefix."""
+        hist = self._history
+        matched: list[int] = []
+        j = 0
+        for i, m in enumerate(msgs):
+            for jj in range(j, len(hist)):
+                if _same_message(hist[jj], m, self.think):
+                    matched.append(i)
+                    j = jj + 1
+                    break
+        if not matched:
             return 0
+        lens: dict[int, int] = {0: 0}
+
+        def upto(k: int) -> int:
+            if k not in lens:
+                lens[k] = len(self._encode(self.render(msgs[:k], tools, add_generation_prompt=False)))
+            return lens[k]
+
         try:
-            return len(self._encode(self.render(msgs[:k], tools, add_generation_prompt=False)))
+            return sum(max(0, upto(i + 1) - upto(i)) for i in matched)
         except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
             return prompt_len
 

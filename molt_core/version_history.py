@@ -6,14 +6,25 @@ it*. On-policy tokens (version = the trainer's current version) use the step's p
 logprobs. In an asynchronous run (``async.max_staleness >= 1``) most tokens were sampled by
 an older version, and their difference to the current weights mixes policy drift with
 engine/trainer mismatch; so the trainer keeps CPU copies of the last ``max_staleness``
-published versions (:class:`VersionHistory`) and recomputes a sample of the rows of each
-older version under that version's weights, in a shadow model. The difference is then a
-pure forward-consistency measure: 0 up to float rounding when engine and trainer run the
-same function, and it flags e.g. an engine sampling at a different temperature than the
-span records (tests/test_onpolicy_consistency.py).
+published versions (:class:`VersionHistory`) and recomputes the rows of each older version
+under that version's weights, in a shadow model. By default (``async.onpolicy_rows = -1``)
+every stale row is measured; ``onpolicy_rows = n > 0`` measures a uniformly random sample of
+``n`` rows per older version, drawn afresh each step (seeded by run seed and version, so a run
+is reproducible), so a fault confined to some rows is still found over a few steps. The
+difference is then a pure forward-consistency measure: 0 up to float rounding when engine and
+trainer run the same function, and it flags e.g. an engine sampling at a different
+temperature than the span records (tests/test_onpolicy_consistency.py).
 
-Cost: ``max_staleness`` state-dict copies on CPU and, per step, one extra no-grad forward over
-at most ``async.onpolicy_rows`` rows per older version present in the batch.
+Cost, exactly:
+
+* host memory: one CPU copy of the weights per held version (``max_staleness`` of them);
+  tensors that share storage (tied input/output embeddings) are copied once
+  (:meth:`VersionHistory.nbytes`);
+* accelerator memory: the shadow model -- a deep copy of the policy on the trainer's device
+  (a second full copy of the weights there), built on the first stale recompute and kept for
+  the run (loading a version into it is a host-to-device copy, no new allocation);
+* time, counted in ``time/onpolicy_check``: the copy of the weights at each step and, per
+  step, one extra no-grad forward over the measured rows of each older version in the batch.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["VersionHistory", "onpolicy_metrics", "select_rows", "stale_absdiff"]
+__all__ = ["VersionHistory", "onpolicy_metrics", "sample_rows", "select_rows", "stale_absdiff"]
 
 
 class VersionHistory:
@@ -51,13 +62,31 @@ class VersionHistory:
         """Copy ``model``'s weights (CPU) as policy ``version``; keep only the newest ``keep``.
 
         Call it with the weights the engines received as ``version`` -- in the trainer, just
-        before the optimizer step that turns them into ``version + 1``.
+        before the optimizer step that turns them into ``version + 1``. State-dict entries that
+        are views of the same storage (tied weights, e.g. ``lm_head.weight`` and
+        ``embed_tokens.weight``) are copied once and share the copy.
         """
         if self.keep == 0:
             return
-        self._states[version] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        copies: dict[tuple, torch.Tensor] = {}
+        state: dict[str, torch.Tensor] = {}
+        for k, v in model.state_dict().items():
+            v = v.detach()
+            key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+            if key not in copies:
+                copies[key] = v.to("cpu", copy=True)
+            state[k] = copies[key]
+        self._states[version] = state
         for old in sorted(self._states)[:-self.keep]:
             del self._states[old]
+
+    def nbytes(self) -> int:
+        """Host bytes held by the copies of every held version (shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        for st in self._states.values():
+            for v in st.values():
+                seen[id(v)] = v.numel() * v.element_size()
+        return sum(seen.values())
 
     def versions(self) -> list[int]:
         """Versions held, oldest first."""
@@ -91,16 +120,19 @@ def select_rows(batch, rows: torch.Tensor):
     return dataclasses.replace(batch, **per_row)
 
 
-def _spread(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """At most ``n`` entries of ``idx``, evenly spaced (all of them when ``n < 0``)."""
+def sample_rows(idx: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """At most ``n`` entries of ``idx`` (``[M]`` long): all of them when ``n < 0`` or
+    ``M <= n``, else ``n`` drawn uniformly without replacement with ``generator`` (kept in
+    ``idx``'s order)."""
     if n < 0 or idx.numel() <= n:
         return idx
-    return idx[torch.linspace(0, idx.numel() - 1, n).round().long()]
+    pick = torch.randperm(idx.numel(), generator=generator)[:n].sort().values
+    return idx[pick]
 
 
 def stale_absdiff(batch, current_version: int, history: VersionHistory,
                   recompute: Callable[[object, torch.nn.Module], torch.Tensor], like: torch.nn.Module,
-                  max_rows: int = -1) -> torch.Tensor:
+                  max_rows: int = -1, generator: torch.Generator | None = None) -> torch.Tensor:
     """``|behaviour - logprob under the behaviour version|`` of sampled tokens that an *older*
     version sampled, for every older version ``history`` holds.
 
@@ -113,11 +145,14 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
         recompute: ``recompute(sub_batch, model) -> [N, T] float32`` logprobs of the sampled
             tokens of ``sub_batch`` under ``model`` (the trainer's ``recompute_logprobs``).
         like: the policy (template for the shadow model).
-        max_rows: rows recomputed per older version (an evenly spaced sample; < 0: all; 0: none).
+        max_rows: rows recomputed per older version (< 0: all; 0: none; n > 0: a uniformly
+            random sample of n rows, :func:`sample_rows`).
+        generator: the random source of that sample (the trainer seeds one per step).
 
     Returns:
         ``[N]`` float64 absolute differences in nats (``inf`` for a token outside the support
-        its own version recomputes -- a forward-consistency violation too).
+        its own version recomputes -- a forward-consistency violation, counted apart by
+        :func:`onpolicy_metrics`).
     """
     mask, ver = batch.mask, batch.versions
     out = [torch.zeros(0, dtype=torch.float64)]
@@ -127,7 +162,7 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
         if v >= current_version:
             continue
         tok = mask & (ver == v)
-        rows = _spread(tok.any(-1).nonzero().flatten(), max_rows)
+        rows = sample_rows(tok.any(-1).nonzero().flatten(), max_rows, generator)
         if rows.numel() == 0:
             continue
         sub = select_rows(batch, rows)
@@ -145,17 +180,27 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
             proximal).
         stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
 
+    A token whose difference is not finite (the trainer puts it outside the top-k / top-p
+    support of the very version that sampled it: logprob -inf) is a forward-consistency
+    violation with no finite size: it is counted in
+    ``invariants/onpolicy_out_of_support_tokens`` (0 when engine and trainer agree) and left
+    out of the max and mean, which stay finite.
+
     Returns:
-        ``invariants/logprob_absdiff_max_onpolicy`` and ``_mean_onpolicy`` (NaN -- logged as
-        null -- when no token could be measured, e.g. on the first step after a resume, whose
-        older versions are not held), ``invariants/onpolicy_tokens`` (tokens measured),
-        ``invariants/onpolicy_stale_tokens`` (of those, sampled by an older version).
+        ``invariants/logprob_absdiff_max_onpolicy`` and ``_mean_onpolicy`` over the finite
+        differences (NaN -- logged as null -- when no token could be measured, e.g. on the
+        first step after a resume, whose older versions are not held),
+        ``invariants/onpolicy_out_of_support_tokens``, ``invariants/onpolicy_tokens`` (tokens
+        measured, out-of-support ones included), ``invariants/onpolicy_stale_tokens`` (of
+        those, sampled by an older version).
     """
     d = torch.cat([current.double().flatten(), stale.double().flatten()])
     n = d.numel()
+    fin = d[torch.isfinite(d)]
     return {
-        "invariants/logprob_absdiff_max_onpolicy": float(d.max()) if n else math.nan,
-        "invariants/logprob_absdiff_mean_onpolicy": float(d.mean()) if n else math.nan,
+        "invariants/logprob_absdiff_max_onpolicy": float(fin.max()) if fin.numel() else math.nan,
+        "invariants/logprob_absdiff_mean_onpolicy": float(fin.mean()) if fin.numel() else math.nan,
+        "invariants/onpolicy_out_of_support_tokens": float(n - fin.numel()),
         "invariants/onpolicy_tokens": float(n),
         "invariants/onpolicy_stale_tokens": float(stale.numel()),
     }

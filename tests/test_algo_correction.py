@@ -161,6 +161,10 @@ def _oos_rows():
     ("seq", "mask", [[0, 0, 0], [0, 1.2, 1.2]], [[0, 0, 0], [0, 1, 1]]),    # the whole sequence rejected
     ("geo", "mask", [[0, 0, 0], [0, 1.2 ** 0.5, 1.2 ** 0.5]], [[0, 0, 0], [0, 1, 1]]),
     ("off", "trunc", [[0, 0, 1], [0, 1, 1]], [[0, 1, 1], [0, 1, 1]]),
+    ("off", "clip", [[0, 0, 1], [0, 1, 1]], [[0, 1, 1], [0, 1, 1]]),
+    ("off", "mask", [[0, 0, 1], [0, 1, 1]], [[0, 0, 1], [0, 1, 1]]),  # finding 7c: mask rejects it at level off too
+    ("geo", "trunc", [[0, 0, 0], [0, 1.2 ** 0.5, 1.2 ** 0.5]], [[0, 1, 1], [0, 1, 1]]),
+    ("geo", "clip", [[0, 0, 0.5], [0, 1.2 ** 0.5, 1.2 ** 0.5]], [[0, 1, 1], [0, 1, 1]]),
 ])
 def test_out_of_support_token_has_ratio_zero_and_never_raises(level, mode, weights, loss_mask):
     beh, ver, prox, mask = _oos_rows()

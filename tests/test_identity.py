@@ -89,7 +89,7 @@ def test_altered_record_counts_the_whole_span(tok):
     assert check_tokens(ok) == TokenCheck(0, 0)
 
 
-def test_engine_without_record_is_unverified_not_refused(tok):
+def test_engine_without_record_is_unverified_and_refused_when_asked(tok):
     led = Ledger(tok)
     p = led.prepare([{"role": "user", "content": "hi"}])
     led.commit(p, GenerationOutput(token_ids=[11, 12, 13], logprobs=[-1.0] * 3, versions=[0] * 3, finish_reason="length"))
@@ -98,6 +98,19 @@ def test_engine_without_record_is_unverified_not_refused(tok):
     assert check_tokens(traj) == TokenCheck(0, 3)
     kept, m = screen([traj])
     assert kept == [traj] and m["invariants/tokens_unverified"] == 3.0 and m["ingress/refused_rollouts"] == 0.0
+    # trainer.refuse_unverified (the default) refuses it
+    kept, m = screen([traj], refuse_unverified=True)
+    assert kept == [] and m["invariants/tokens_unverified"] == 3.0
+    assert m["ingress/refused_unverified"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
+    # a rollout whose ids were altered AND whose record was stripped: unverified, so refused
+    clean, _, _ = _session(tok)
+    forged = clean.model_copy(deep=True)
+    sp = forged.segments[0].spans[0]
+    forged.segments[0].token_ids[sp.start] += 1
+    sp.digest = sp.sampled_ids = None
+    kept, m = screen([forged, clean.model_copy(update={"rollout_id": "c"})], refuse_unverified=True)
+    assert [t.rollout_id for t in kept] == ["c"] and m["ingress/refused_unverified"] == 1.0
+    assert m["invariants/tokens_unverified"] == float(sp.end - sp.start)
 
 
 def test_record_round_trips_json_and_old_data_loads(tok):

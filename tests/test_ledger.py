@@ -364,3 +364,31 @@ def test_reencoded_counts_the_whole_prompt_when_the_template_refuses_the_prefix(
                             {"role": "user", "content": "b"}])
     assert p2.mode == "rewrite" and p2.reencoded == len(p2.prompt_ids) > 0
     assert led.trajectory().info["context_reencoded_tokens"] == len(p2.prompt_ids)
+
+
+@pytest.mark.parametrize("variant,want", [("prepend_system", 21), ("edit_first_user", 14), ("edit_reply", 7)])
+def test_reencoded_counts_held_turns_after_an_edit_or_a_prepended_system_message(tok, variant, want):
+    """Finding 4: a rewrite that prepends a system message or edits the first user message
+    re-renders the held assistant reply from text; before, only a leading run of unchanged
+    messages counted, so both read 0. Every held message the request repeats counts with its
+    rendered tokens -- at least the reply's own ids plus its template frame."""
+    reply = "The answer is forty two."
+    eng = ScriptedEngine(tok, [reply, "Bye now."])
+    led = Ledger(tok)
+    turn(led, eng, [{"role": "user", "content": "hi"}])
+    h = led.history
+    if variant == "prepend_system":
+        msgs = [{"role": "system", "content": "be brief"}] + h + [{"role": "user", "content": "bye"}]
+    elif variant == "edit_first_user":
+        msgs = [{"role": "user", "content": "hi!"}] + h[1:] + [{"role": "user", "content": "bye"}]
+    else:  # the reply edited: only the held user turn is re-rendered
+        msgs = h[:1] + [{"role": "assistant", "content": "Something else."}, {"role": "user", "content": "bye"}]
+    p2, _ = turn(led, eng, msgs)
+    assert p2.mode == "rewrite" and len(led.segments()) == 2
+    user_frame = len(enc(tok, "<|im_start|>user\nhi<|im_end|>\n"))  # 7
+    reply_frame = len(enc(tok, f"<|im_start|>assistant\n{reply}<|im_end|>\n"))
+    assert reply_frame >= len(enc(tok, reply)) + 4
+    assert p2.reencoded == want
+    assert want == {"prepend_system": user_frame + reply_frame, "edit_first_user": reply_frame,
+                    "edit_reply": user_frame}[variant]
+    assert led.trajectory().info["context_reencoded_tokens"] == want

@@ -19,7 +19,7 @@ import torch
 from molt_core.sampling import processed_logprobs
 from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
-from molt_core.version_history import VersionHistory, onpolicy_metrics
+from molt_core.version_history import VersionHistory, onpolicy_metrics, sample_rows
 from trainer_utils import tiny_cfg
 
 torch.set_num_threads(1)
@@ -118,6 +118,80 @@ def test_onpolicy_metrics_unmeasured_is_nan_and_history_keeps_newest():
     assert h0.versions() == []
 
 
+def _fault_in_one_row(rows=None):
+    """Finding 2: 64 stale rollouts, the temperature fault only in rollout 5 (the engine sampled
+    at T = 1, the span records 0.5); the trainer at version 1 holds version 0."""
+    kw = {"max_staleness": 1} if rows is None else {"max_staleness": 1, "onpolicy_rows": rows}
+    tr = Trainer(tiny_cfg(**{"async": kw}, trainer={"lr": 0.1, "grad_clip": 0.0}), model=BiasLM(B0))
+    tr.train_step([_traj("a", 1.0, [2, 0, 1], [_lp(B0, 0, 0.5), _lp(B0, 1, 0.5)], [0, 0], 0.5),
+                   _traj("b", 0.0, [2, 1, 2], [_lp(B0, 1, 0.5), _lp(B0, 2, 0.5)], [0, 0], 0.5)])
+    batch = [_traj(f"r{i}", float(i % 2), [2, 0, 1], [_lp(B0, 0, 1.0 if i == 5 else 0.5), _lp(B0, 1, 1.0 if i == 5 else 0.5)],
+                   [0, 0], 0.5) for i in range(64)]
+    return tr.train_step(batch)
+
+
+def test_onpolicy_default_measures_every_stale_row():
+    """By default every stale row is recomputed under its version: a fault in one row of 64
+    shows (before the fix the default measured 16 evenly spaced rows, the same every step,
+    and read 0.0 here)."""
+    m = _fault_in_one_row()
+    assert m["invariants/onpolicy_tokens"] == 128.0 == m["train/action_tokens"]
+    assert m["invariants/onpolicy_stale_tokens"] == 128.0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.735326, abs=1e-6)
+    # a sample of 16 rows per version: 32 tokens measured
+    m16 = _fault_in_one_row(16)
+    assert m16["invariants/onpolicy_tokens"] == 32.0
+
+
+def test_onpolicy_row_sample_is_random_and_changes_every_step():
+    idx = torch.arange(100, 164)
+    assert torch.equal(sample_rows(idx, -1), idx) and torch.equal(sample_rows(idx, 64), idx)
+    picks = [sample_rows(idx, 16, torch.Generator().manual_seed(1_000_003 * 0 + v)) for v in (1, 2, 3)]
+    for p in picks:
+        assert p.numel() == 16 and len(set(p.tolist())) == 16 and set(p.tolist()) <= set(idx.tolist())
+        assert p.tolist() == sorted(p.tolist())
+    assert picks[0].tolist() != picks[1].tolist() != picks[2].tolist()
+    # over steps the sample covers rows a fixed spread never would: 3 draws of 16 cover > 16 rows
+    assert len(set().union(*[set(p.tolist()) for p in picks])) > 16
+
+
+def test_version_history_copies_tied_weights_once_and_counts_copy_time():
+    """Finding 5: tied input/output embeddings are stored once per version (the tiny Qwen3
+    ties them: before, every version held them twice, +7.7%); the copy is timed in
+    ``time/onpolicy_check``."""
+    import time
+
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 3}}))
+    sd = tr.model.state_dict()
+    tied = [k for k in sd if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+    assert len(tied) == 2 and sd[tied[0]].data_ptr() == sd[tied[1]].data_ptr()
+    unique = sum(p.numel() * p.element_size() for p in tr.model.parameters())
+    with_dups = sum(v.numel() * v.element_size() for v in sd.values())
+    assert with_dups > unique
+    h = VersionHistory(3)
+    h.record(0, tr.model)
+    assert h._states[0][tied[0]] is h._states[0][tied[1]]
+    assert h.nbytes() == unique == 3413504  # the policy's parameters, once (its buffers are not persistent)
+    for v in (1, 2, 3):
+        h.record(v, tr.model)
+    assert h.versions() == [1, 2, 3] and h.nbytes() == 3 * unique  # keep = 3: three copies, not 3.23
+    # the trainer's copy is timed as part of the check, not of the update
+    real = tr.history.record
+
+    def slow(version, model):
+        time.sleep(0.3)
+        real(version, model)
+
+    tr.history.record = slow
+    ts = synthetic_rollouts(0)
+    set_behaviour(tr, ts)
+    m = tr.train_step(ts)
+    assert m["time/onpolicy_check"] >= 0.3 and m["time/train"] < 0.3
+    assert tr.history.versions() == [0]
+
+
 # -- out of the recomputed support ---------------------------------------------------------
 
 # the trainer's weights now: token 0 ranks 6th (logits 7, 6, 5, 4, 3 are above it)
@@ -177,6 +251,22 @@ def test_out_of_support_token_icepop_mask_is_rejected():
     assert m["train/action_tokens"] == 3.0
     g = tr.model.bias.grad.tolist()
     assert g == pytest.approx(_grad([(1, -A / 3 * P1), (2, A / 3 * P1)]), abs=1e-6)
+
+
+def test_out_of_support_token_mask_at_level_off_is_rejected():
+    """Finding 7c: ``is_level = "off"`` with ``is_mode = "mask"`` rejects the out-of-support
+    token as the doc says (before: it stayed in the loss's token count with weight 0). The
+    loss-token count then depends on the recompute, so the fused path is not taken."""
+    tr = _oos_trainer(is_level="off", is_mode="mask", low=0.5, high=2.0)
+    assert not tr.fused_recompute_ok()
+    m = tr.train_step(_oos_batch())
+    assert m["train/fused_recompute"] == 0.0
+    assert m["correction/out_of_support_frac"] == 0.25 and m["correction/masked_frac"] == 0.25
+    assert m["train/action_tokens"] == 3.0
+    g = tr.model.bias.grad.tolist()  # weight 1 on the other three tokens, as IcePop's gradient
+    assert g == pytest.approx(_grad([(1, -A / 3 * P1), (2, A / 3 * P1)]), abs=1e-6)
+    clean = _oos_trainer(is_level="off", is_mode="mask", low=0.5, high=2.0).train_step(_oos_batch(fault=False))
+    assert clean["correction/out_of_support_frac"] == 0.0 and clean["train/action_tokens"] == 4.0
 
 
 def test_out_of_support_token_seq_mask_rejects_its_rollout():
@@ -242,3 +332,56 @@ def test_moe_stale_tokens_are_recomputed_under_their_version_with_routing_replay
     assert m2["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(m1["invariants/logprob_absdiff_max_onpolicy"],
                                                                           abs=1e-6)
     assert m2["invariants/logprob_absdiff_max"] > 10 * m2["invariants/logprob_absdiff_max_onpolicy"]
+
+
+# -- out of the reference's support (KL) and out of its own version's support ----------------
+
+def _k3(lp, ref):
+    return math.exp(ref - lp) - (ref - lp) - 1
+
+
+@pytest.mark.parametrize("estimator,as_reward", [("k3", False), ("k1", False), ("k3", True)])
+def test_reference_out_of_support_keeps_kl_finite_and_is_counted(estimator, as_reward):
+    """Finding 6: a sampled token inside the policy's top-2 but outside the reference's top-2
+    (reference logprob -inf). Before: ``kl``, ``loss/kl``, ``loss/total`` were inf and written
+    as ``Infinity``. Now the token is left out of the KL term, counted, and every metric is
+    finite; the KL over the other tokens is the hand value."""
+    policy, ref = [2.0, 1.0, 0.0], [0.0, 1.0, 3.0]  # top-2: policy {0, 1}, reference {1, 2}
+    adv = "reinforce" if as_reward else "grpo"
+    tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1, "kl_estimator": estimator, "kl_as_reward": as_reward, "advantage": adv}),
+                 model=BiasLM(policy), ref_model=BiasLM(ref))
+    lp0, lp1 = _lp(policy, 0, top_k=2), _lp(policy, 1, top_k=2)
+    batch = [_traj("a", 1.0, [2, 0, 1], [lp0, lp1], [0, 0], top_k=2),
+             _traj("b", 0.0, [2, 1, 1], [lp1, lp1], [0, 0], top_k=2)]
+    m = tr.train_step(batch)
+    assert [k for k, x in m.items() if not math.isfinite(x)] == []
+    assert bool(torch.isfinite(tr.model.bias).all())
+    assert m["kl/ref_out_of_support_frac"] == 0.25
+    r1 = _lp(ref, 1, top_k=2)  # -log(1 + e^2)
+    want = _k3(lp1, r1) if estimator == "k3" else lp1 - r1
+    assert m["kl"] == pytest.approx(want, abs=1e-6)  # the 3 tokens in the reference's support
+    if not as_reward:
+        assert m["loss/kl"] == pytest.approx(3 * want / 4, abs=1e-6)  # global token mean over 4
+    # clean: the reference is the policy -> nothing out of support, KL 0
+    tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1, "kl_estimator": estimator, "kl_as_reward": as_reward, "advantage": adv}),
+                 model=BiasLM(policy), ref_model=BiasLM(policy))
+    m = tr.train_step(batch)
+    assert m["kl/ref_out_of_support_frac"] == 0.0 and m["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_onpolicy_token_outside_its_own_support_is_counted_and_metrics_stay_finite():
+    """An on-policy token the trainer puts outside the top-2 of the very weights that sampled
+    it (an engine/trainer mismatch at the k-th boundary): counted in
+    ``invariants/onpolicy_out_of_support_tokens`` (before: the max was inf, written as
+    ``Infinity``); the max over the other tokens stays finite (0 here); clean case 0."""
+    policy = [2.0, 1.0, 0.0]
+    lp1 = _lp(policy, 1, top_k=2)
+    bad = [_traj("a", 1.0, [2, 2, 1], [-1.5, lp1], [0, 0], top_k=2),  # token 2 is not in the top 2
+           _traj("b", 0.0, [2, 1, 1], [lp1, lp1], [0, 0], top_k=2)]
+    m = Trainer(tiny_cfg(), model=BiasLM(policy)).train_step(bad)
+    assert [k for k, x in m.items() if not math.isfinite(x)] == []
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 1.0 and m["invariants/onpolicy_tokens"] == 4.0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == 0.0
+    clean = [_traj("a", 1.0, [2, 0, 1], [_lp(policy, 0, top_k=2), lp1], [0, 0], top_k=2), bad[1]]
+    m = Trainer(tiny_cfg(), model=BiasLM(policy)).train_step(clean)
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["invariants/logprob_absdiff_max_onpolicy"] == 0.0

@@ -270,3 +270,26 @@ def test_chat_episode_length_cut_is_truncated_whatever_the_agent_says(tmp_path):
     (t,) = g.trajectories
     assert t.status == "ok" and t.info["finish"] == "length"
     assert t.truncated is True and t.info["length_cut_turns"] == 1
+
+
+def test_runlog_writes_every_non_finite_float_as_null(tmp_path):
+    """metrics.jsonl is strict JSON: NaN, +inf and -inf (also numpy floats and inside lists)
+    are written as null (before: only NaN; inf was written as ``Infinity``)."""
+    import json
+    import math
+
+    import numpy as np
+
+    from molt_core.runtime import RunLog
+
+    cfg = RunConfig.model_validate({})
+    log = RunLog(tmp_path, cfg, load_plugins([]), resume_step=None)
+    log.log(1, {"a": math.inf, "b": -math.inf, "c": math.nan, "d": 1.5, "e": np.float32("inf"), "f": [1.0, math.inf]})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+
+    def strict(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    row = json.loads(line, parse_constant=strict)
+    assert row == {"step": 1, "a": None, "b": None, "c": None, "d": 1.5, "e": None, "f": [1.0, None]}
+    log.close()

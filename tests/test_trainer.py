@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from molt_core.config import RunConfig
 from molt_core.models import load_model, load_tokenizer
 from molt_core.train import IngressError, Trainer, build_batch, lr_factor, token_logprobs
 from molt_core.types import SampledSpan, Segment, Trajectory
@@ -259,37 +260,48 @@ def test_ingress_errors(base):
     ok = _seg([1, 5, 6], [False, True, True])
     with pytest.raises(IngressError, match="no usable trajectory"):
         tr.train_step([Trajectory(segments=[ok], reward=1.0, status="failed", error="boom")])
+    # build_batch still rejects each malformed input; train_step refuses such a rollout alone
+    # (test_one_malformed_rollout_is_refused_and_the_rest_trains) with the same message
     with pytest.raises(IngressError, match="reward is None"):
-        tr.train_step([Trajectory(segments=[ok])])
+        build_batch([Trajectory(segments=[ok])])
     with pytest.raises(IngressError, match="appears twice"):
-        tr.train_step([Trajectory(rollout_id="x", segments=[ok], reward=1.0),
-                       Trajectory(rollout_id="x", segments=[ok], reward=0.0)])
+        build_batch([Trajectory(rollout_id="x", segments=[ok], reward=1.0),
+                     Trajectory(rollout_id="x", segments=[ok], reward=0.0)])
     with pytest.raises(IngressError, match=r"loss_mask\[0\] is True"):
-        tr.train_step([Trajectory(segments=[_seg([1, 5], [True, True])], reward=1.0)])
+        build_batch([Trajectory(segments=[_seg([1, 5], [True, True])], reward=1.0)])
     with pytest.raises(IngressError, match="outside the vocabulary"):
-        tr.train_step([Trajectory(segments=[_seg([1, 5, 512], [False, True, True])], reward=1.0)])
+        build_batch([Trajectory(segments=[_seg([1, 5, 512], [False, True, True])], reward=1.0)], vocab_size=512)
     with pytest.raises(IngressError, match="lies in no sampled span"):
-        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True],
-                                                 spans=[SampledSpan(start=1, end=2)])], reward=1.0)])
+        build_batch([Trajectory(segments=[_seg([1, 5, 6], [False, True, True],
+                                               spans=[SampledSpan(start=1, end=2)])], reward=1.0)])
     with pytest.raises(IngressError, match=r"rollout nospan, segment 1: sampled tokens but no sampled span"):
-        tr.train_step([Trajectory(rollout_id="nospan", segments=[_seg([1, 5, 6], [False, True, True]),
-                                                                 _seg([1, 5, 6], [False, True, True], spans=[])],
-                                  reward=1.0)])
+        build_batch([Trajectory(rollout_id="nospan", segments=[_seg([1, 5, 6], [False, True, True]),
+                                                               _seg([1, 5, 6], [False, True, True], spans=[])],
+                                reward=1.0)])
     with pytest.raises(IngressError, match="overlaps another span"):
-        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, True, True], spans=[
+        build_batch([Trajectory(segments=[_seg([1, 5, 6], [False, True, True], spans=[
             SampledSpan(start=1, end=3), SampledSpan(start=2, end=3, temperature=0.5)])], reward=1.0)])
     with pytest.raises(IngressError, match="no sampled token"):
-        tr.train_step([Trajectory(segments=[_seg([1, 5, 6], [False, False, False])], reward=1.0)])
+        build_batch([Trajectory(segments=[_seg([1, 5, 6], [False, False, False])], reward=1.0)])
     # a segment mutated after validation (validate_assignment is off): lengths re-checked
     bad = Trajectory(segments=[_seg([1, 5, 6], [False, True, True])], reward=1.0)
     bad.segments[0].logprobs = [None, -1.0]
     with pytest.raises(IngressError, match="logprobs has length 2, token_ids has 3"):
-        tr.train_step([bad])
+        build_batch([bad])
     bad = Trajectory(segments=[_seg([1, 5, 6], [False, True, True])], reward=1.0)
     bad.segments[0].logprobs = [None, 0.5, -1.0]
     with pytest.raises(IngressError, match="finite logprob <= 0"):
-        tr.train_step([bad])
+        build_batch([bad])
     assert tr.version == 0
+    from molt_core.train.ingress import refuse_malformed
+
+    nospan = Trajectory(rollout_id="nospan", segments=[_seg([1, 5, 6], [False, True, True]),
+                                                       _seg([1, 5, 6], [False, True, True], spans=[])], reward=1.0)
+    kept, m, reasons = refuse_malformed([nospan])
+    assert kept == [] and m == {"ingress/refused_malformed": 1.0, "ingress/refused_no_span": 1.0}
+    assert reasons[0].startswith("rollout nospan, segment 1: sampled tokens but no sampled span")
+    m = tr.train_step([nospan])
+    assert m["train/skipped"] == 1.0 and m["ingress/refused_no_span"] == 1.0 and tr.version == 0
 
 
 def test_failed_trajectories_are_skipped_and_counts(base):
@@ -342,9 +354,90 @@ def test_altered_sampled_id_is_counted_and_not_trained_on(base):
     tr = make(base)
     m = tr.train_step(bad3)
     assert m == {"invariants/tokens_retokenized": 3.0, "invariants/tokens_unverified": 0.0,
+                 "ingress/refused_retokenized": 1.0, "ingress/refused_unverified": 0.0,
+                 "ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0,
                  "ingress/refused_rollouts": 1.0, "ledger/context_reencoded_tokens": 0.0,
                  "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": 0.0}
     assert tr.version == 0 and tr.step == 0
+
+
+def test_stripped_engine_record_is_refused_by_default(base):
+    """Finding 3: altered ids with the engine's record stripped (``digest`` and
+    ``sampled_ids`` None) cannot be checked. Default (``trainer.refuse_unverified = true``):
+    the rollout is refused, counted, never trained on; the update equals training on the rest.
+    With the option off it is trained on, its tokens counted as unverified. Clean: 0."""
+    trajs = synthetic_rollouts(8, n_groups=1, n_per_group=4)
+    set_behaviour(make(base), trajs)
+    record_engine_ids(trajs)
+    bad = copy.deepcopy(trajs)
+    seg = bad[1].segments[0]
+    sp = seg.spans[0]
+    seg.token_ids[sp.start] = seg.token_ids[sp.start] % 499 + 1
+    sp.digest = sp.sampled_ids = None
+    n1 = sp.end - sp.start
+    assert n1 == 6
+    assert RunConfig().trainer.refuse_unverified is True
+    tr = make(base, trainer={"refuse_unverified": True})
+    m = tr.train_step(bad)
+    assert m["invariants/tokens_unverified"] == float(n1) and m["invariants/tokens_retokenized"] == 0.0
+    assert m["ingress/refused_unverified"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
+    assert m["train/rollouts"] == 3.0
+    ref = make(base)
+    ref.train_step([t for i, t in enumerate(copy.deepcopy(trajs)) if i != 1])
+    for (name, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(p, q), name
+    off = make(base, trainer={"refuse_unverified": False}).train_step(copy.deepcopy(bad))
+    assert off["invariants/tokens_unverified"] == float(n1) and off["ingress/refused_rollouts"] == 0.0
+    assert off["train/rollouts"] == 4.0
+    clean = make(base, trainer={"refuse_unverified": True}).train_step(copy.deepcopy(trajs))
+    assert clean["invariants/tokens_unverified"] == 0.0 and clean["ingress/refused_rollouts"] == 0.0
+    assert clean["train/rollouts"] == 4.0
+
+
+def _malformed(kind: str, good: Trajectory) -> Trajectory:
+    """A copy of ``good`` (rollout id ``x``) broken one way (built with ``model_construct``
+    where the validators would refuse it)."""
+    t = copy.deepcopy(good)
+    t.rollout_id = "x"
+    seg = t.segments[0]
+    if kind == "no_span":
+        seg.spans = []
+    elif kind == "token_outside_span":
+        seg.spans = [SampledSpan(start=seg.spans[0].start + 1, end=seg.spans[0].end)]
+    elif kind == "misaligned":
+        t.segments[0] = Segment.model_construct(**{**seg.__dict__, "logprobs": seg.logprobs[:-1]})
+    elif kind == "id_out_of_vocab":
+        t.segments[0] = Segment.model_construct(**{**seg.__dict__, "token_ids": [10**6] + seg.token_ids[1:]})
+    elif kind == "reward_none":
+        t = Trajectory.model_construct(**{**t.__dict__, "reward": None})
+    elif kind == "duplicate_id":
+        t.rollout_id = good.rollout_id
+    return t
+
+
+@pytest.mark.parametrize("kind,no_span", [("no_span", 1.0), ("token_outside_span", 1.0), ("misaligned", 0.0),
+                                          ("id_out_of_vocab", 0.0), ("reward_none", 0.0), ("duplicate_id", 0.0)])
+def test_one_malformed_rollout_is_refused_and_the_rest_trains(base, kind, no_span):
+    """Finding 7b: a rollout whose sampled tokens have no span ended the whole step with an
+    IngressError. Now it -- and every other malformed rollout -- is refused alone, counted
+    (``ingress/refused_malformed``; ``ingress/refused_no_span`` for the span cases), and the
+    step trains on the rest exactly as if it had never been there."""
+    trajs = synthetic_rollouts(8, n_groups=1, n_per_group=4)
+    set_behaviour(make(base), trajs)
+    tr = make(base)
+    m = tr.train_step(copy.deepcopy(trajs) + [_malformed(kind, trajs[0])])
+    assert m["ingress/refused_malformed"] == 1.0 and m["ingress/refused_no_span"] == no_span
+    assert m["ingress/refused_rollouts"] == 1.0 and m["train/rollouts"] == 4.0 and m["train/skipped"] == 0.0
+    ref = make(base)
+    clean = ref.train_step(copy.deepcopy(trajs))
+    assert clean["ingress/refused_malformed"] == 0.0 and clean["ingress/refused_rollouts"] == 0.0
+    for (name, p), q in zip(tr.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(p, q), name
+    # alone it leaves nothing: the step is skipped, counted, the trainer does not move
+    tr = make(base)
+    if kind != "duplicate_id":
+        m = tr.train_step([_malformed(kind, trajs[0])])
+        assert m["train/skipped"] == 1.0 and m["ingress/refused_malformed"] == 1.0 and tr.version == 0
 
 
 def test_context_reencoded_tokens_summed_from_ledger_info(base):
@@ -519,7 +612,10 @@ def test_on_policy_distill_hand_gradient():
     assert tr.model.bias.grad.tolist() == pytest.approx(want, abs=1e-6)
     bad = t.model_copy(deep=True, update={"info": {}})
     with pytest.raises(IngressError, match="teacher_logprobs"):
-        tr.train_step([bad])
+        build_batch([bad], need_teacher=True)
+    # through the trainer the rollout without teacher logprobs is refused alone (counted)
+    m = tr.train_step([bad])
+    assert m["ingress/refused_malformed"] == 1.0 and m["train/skipped"] == 1.0
 
 
 def test_kl_as_reward_with_reinforce(base):

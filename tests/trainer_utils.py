@@ -11,8 +11,13 @@ from molt_core.types import SampledSpan, Segment, Trajectory
 
 
 def tiny_cfg(**sections) -> RunConfig:
-    """A RunConfig on builtin:tiny-qwen3 with section overrides, e.g. ``trainer={"lr": 1e-3}``."""
-    data = {k: v for k, v in sections.items()}
+    """A RunConfig on builtin:tiny-qwen3 with section overrides, e.g. ``trainer={"lr": 1e-3}``.
+
+    Rollouts built by hand in tests carry no engine record of their ids, so unless the test
+    sets ``trainer.refuse_unverified`` itself it is false here (the product default is true:
+    tests/test_identity.py covers it)."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in sections.items()}
+    data.setdefault("trainer", {}).setdefault("refuse_unverified", False)
     return RunConfig.model_validate(data)
 
 

@@ -32,11 +32,12 @@ loss, :func:`apply_correction` does two things, and nothing else in the project 
     **Out of support.** A sampled token that the trainer's recomputed top-k / top-p filter
     removes has proximal logprob ``-inf`` (a stale token after a weight change, or bf16/fp32
     drift at the k-th boundary): its ratio is 0. It never raises: under ``mask`` it is
-    rejected (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
-    ``clip`` its own weight is 0 (for seq/geo the rest of its rollout gets ``min(0, high) = 0``
-    under trunc, ``low`` under clip). It stays out of the gradient in every mode
-    (``Correction.out_of_support``) and is counted in
-    ``correction/out_of_support_frac``.
+    rejected -- out of ``loss_mask`` and of the loss's token count -- at every level, ``off``
+    included (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
+    ``clip`` its own weight is 0 and it stays in ``loss_mask`` (for seq/geo the rest of its
+    rollout gets ``min(0, high) = 0`` under trunc, ``low`` under clip; with ``off`` only the
+    token). It stays out of the gradient in every mode (``Correction.out_of_support``) and
+    is counted in ``correction/out_of_support_frac``.
 
     Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
     2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
@@ -87,8 +88,9 @@ class Correction:
             tokens), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox - log
             pi_behaviour|`` over kept in-support tokens, before the band).
         loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens`` denominator):
-            sampled, kept by the gate, not rejected by mask mode. Under trunc/clip an
-            out-of-support token stays here with weight 0.
+            sampled, kept by the gate, not rejected by mask mode (which rejects an
+            out-of-support token at every level). Under trunc/clip an out-of-support token
+            stays here with weight 0.
         out_of_support: ``[B, T]`` bool, sampled tokens whose proximal logprob is -inf; the
             caller keeps them out of the gradient (their logprob has no finite value).
     """
@@ -238,7 +240,7 @@ def apply_correction(
             w = torch.where(rejected, 0.0, w)
         else:
             raise ValueError(f"correction.is_mode must be mask/clip/trunc, got {cfg.is_mode!r}")
-    if cfg.is_mode == "mask" and cfg.is_level != "off":
+    if cfg.is_mode == "mask":  # at every level, "off" included: mask is the mode that rejects
         rejected = rejected | oos
     loss_mask = live & ~rejected
     weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)

@@ -164,6 +164,23 @@ class _Local:
         self.loop.close()
 
 
+def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> list[tuple[int, dict, int]]:
+    """``(index, task, epoch)`` of the train stream's tasks at the 0-based ``indices`` (sorted),
+    read from a fresh :class:`~molt_core.tasks.TaskStream` (the stream is deterministic in
+    the seed)."""
+    out: list[tuple[int, dict, int]] = []
+    if not indices:
+        return out
+    stream = TaskStream(agent, seed, name=name)
+    want = set(indices)
+    while stream.drawn <= indices[-1]:
+        idx = stream.drawn
+        task = stream.next()
+        if idx in want:
+            out.append((idx, task, stream.epoch))
+    return out
+
+
 def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
              resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
     """Run RL training end to end; returns the run directory. ``local`` runs the rollout
@@ -172,6 +189,11 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     Writes ``config.toml``, ``metrics.jsonl`` (one row per step), ``trajectories.jsonl``
     (a sample), ``checkpoints/`` and ``reward.png``. With ``resume`` it continues from the
     run directory's latest checkpoint: weights, optimizer, RNG, version and data cursor.
+    The cursor (``{"step", "tasks", "untrained"}``) records the stream position and the
+    stream indices of groups launched but not yet trained at the checkpoint (in flight in an
+    async run); a resume relaunches exactly those first, so every task is trained exactly once
+    whatever order groups finished in (an older cursor without ``untrained`` resumes the
+    stream at ``tasks``).
 
     Raises:
         ValueError: bad agent configuration (before any compute).
@@ -236,8 +258,16 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
                 for k in res[0]}
 
+    # the data cursor: "tasks" = tasks drawn from the stream (its position), "untrained" = the
+    # stream indices of launched groups not yet trained (still in flight at the checkpoint).
+    # On resume those are relaunched first, then the stream continues at "tasks": every task is
+    # trained exactly once however groups finished. A cursor without "untrained" (written
+    # before it existed) resumes the stream at "tasks", as it did then.
+    untrained = sorted(int(i) for i in cursor.get("untrained", []))
+    redo: deque = deque(_tasks_at(agent, cfg.run.seed, untrained, agent_name))  # (index, task, epoch)
     train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
     epoch_of: dict[Any, int] = {}  # group ref -> epoch over the train split of its task
+    index_of: dict[Any, int] = {}  # group ref -> index of its task in the stream
     start_step = cursor["step"]
     if start_step == 0:
         m0 = evaluate()
@@ -248,27 +278,30 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
     # in flight: one object ref per group, oldest launch first, with the policy version it started at
     inflight: deque = deque()
-    launched = start_step * P  # groups
-    tasks_done = cursor["tasks"]
+    launched = int(cursor["tasks"])  # groups drawn from the stream (relaunches not counted)
 
     def launch() -> None:
         # one step's worth of groups, sharded over the workers (one call per worker keeps the
-        # engine's batch full); each group gets its own ref so a step can take whichever are done
+        # engine's batch full); each group gets its own ref so a step can take whichever are done.
+        # Groups a resumed checkpoint had in flight untrained go first.
         nonlocal launched
-        tasks, epochs = [], []
-        for _ in range(min(P, cfg.run.steps * P - launched)):
-            tasks += train_stream.take(1)
-            epochs.append(train_stream.epoch)
+        picked: list[tuple[int, dict, int]] = []
+        while redo and len(picked) < P:
+            picked.append(redo.popleft())
+        while len(picked) < P and launched < cfg.run.steps * P:
+            idx = train_stream.drawn
+            picked.append((idx, train_stream.next(), train_stream.epoch))
+            launched += 1
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
-        shards = [tasks[i::len(workers)] for i in range(len(workers))]
-        for i, sh in enumerate(shards):
+        for i in range(len(workers)):
+            sh = picked[i::len(workers)]
             if sh:
-                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(sh, n)
+                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote([t for _, t, _ in sh], n)
                 refs = refs if len(sh) > 1 else (refs,)
                 inflight.extend((version, r) for r in refs)
-                epoch_of.update(zip(refs, epochs[i::len(workers)]))
-        launched += len(tasks)
+                epoch_of.update(zip(refs, [e for _, _, e in sh]))
+                index_of.update(zip(refs, [j for j, _, _ in sh]))
 
     def take(k: int) -> tuple[list[tuple[int, Group]], int]:
         # the first k groups to finish (oldest launch first among those done); the rest stay in
@@ -278,6 +311,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         picked = [(v, r) for v, r in inflight if r in ready]
         for item in picked:
             inflight.remove(item)
+            index_of.pop(item[1], None)
         epoch = max((epoch_of.pop(r, 0) for _, r in picked), default=0)
         return [(v, g) for (v, _), g in zip(picked, ray.get([r for _, r in picked]))], epoch
 
@@ -292,11 +326,10 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
             # launch order a group is at most max_staleness versions old when trained); the
             # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
-            while len(inflight) < (1 + cfg.async_.max_staleness) * P and launched < cfg.run.steps * P:
+            while len(inflight) < (1 + cfg.async_.max_staleness) * P and (redo or launched < cfg.run.steps * P):
                 launch()
             started, epoch = take(min(P, len(inflight)))
             groups = [g for _, g in started]
-            ntasks = len(groups)
             start_lag = max(version - v for v, _ in started) if started else 0
             t1 = time.perf_counter()
             trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter, list(cfg.rewards))
@@ -318,7 +351,6 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             t2 = time.perf_counter()
             version = publish()
             t3 = time.perf_counter()
-            tasks_done += ntasks
             metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch),
                        "async/start_lag_max": float(start_lag),
                        "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
@@ -334,8 +366,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             if s1 == 1 or s1 % 10 == 0:
                 log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories])
             if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
-                # in-flight rollouts past this step are regenerated after a resume
-                ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": tasks_done}))
+                # groups in flight now are relaunched first after a resume (each task trained once)
+                pending = sorted([index_of[r] for _, r in inflight] + [j for j, _, _ in redo])
+                ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": launched, "untrained": pending}))
             if s1 % 10 == 0 or s1 == cfg.run.steps:
                 log.plot()
             info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"

@@ -15,6 +15,21 @@ from molt_core.types import Trajectory
 __all__ = ["RunLog"]
 
 
+def _finite_or_none(v: Any) -> Any:
+    """``None`` for a non-finite float (numpy floats included, inside lists and dicts too),
+    else ``v`` unchanged."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_none(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _finite_or_none(x) for k, x in v.items()}
+    if hasattr(v, "dtype") and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        x = v.item()
+        return None if isinstance(x, float) and not math.isfinite(x) else x
+    return v
+
+
 class RunLog:
     """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
     logger plugins."""
@@ -38,11 +53,15 @@ class RunLog:
             self.loggers.append(host.get("loggers", name)(run_dir, cfg))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one row (step + metrics) and forward it to logger plugins and hooks."""
-        row = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}}
+        """Append one row (step + metrics) and forward it to logger plugins and hooks.
+
+        Every non-finite float (NaN, +inf, -inf) is written as ``null``: ``metrics.jsonl`` is
+        strict JSON (RFC 8259 has no NaN/Infinity), readable by any JSON parser.
+        """
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.rows.append(row)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
         for lg in self.loggers:
             lg.log(step, metrics)
         self.host.on_step_end(step, metrics)

@@ -10,6 +10,7 @@ rollout). Token identity against the engine's record is checked before this, by
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,14 +19,22 @@ import torch
 
 from molt_core.types import Trajectory
 
-__all__ = ["Batch", "IngressError", "build_batch"]
+__all__ = ["Batch", "IngressError", "build_batch", "refuse_malformed"]
+
+_log = logging.getLogger("molt.ingress")
 
 
 class IngressError(ValueError):
     """A trajectory handed to the trainer is malformed (token identity would be violated).
 
-    The message names the rollout, the segment index and the field.
+    The message names the rollout, the segment index and the field. ``reason`` is a short
+    machine-readable tag (``"no_span"`` for a sampled token in no sampled span, else
+    ``"malformed"``).
     """
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,8 +214,7 @@ def build_batch(
             raise IngressError(
                 f"{where[b]}: sampled tokens but no sampled span (spans is empty); the trainer cannot know "
                 "which temperature/top-k/top-p sampled them -- record SampledSpan(start, end, temperature, "
-                "top_k, top_p) for every run of sampled tokens (the ledger does)"
-            )
+                "top_k, top_p) for every run of sampled tokens (the ledger does)", reason="no_span")
         for k, sp in enumerate(seg.spans):
             if sp.end > lens[b]:
                 raise IngressError(f"{where[b]}: spans[{k}] ends at {sp.end} beyond the {lens[b]} tokens")
@@ -224,8 +232,7 @@ def build_batch(
     if bad:
         raise IngressError(
             f"{where[bad[0]]}: sampled token {bad[1]} lies in no sampled span; the trainer "
-            "cannot know which temperature/top-k/top-p sampled it"
-        )
+            "cannot know which temperature/top-k/top-p sampled it", reason="no_span")
 
     def pad(x: torch.Tensor, fill: float | int | bool, dtype: torch.dtype) -> torch.Tensor:
         out = torch.full((B, T), fill, dtype=dtype)
@@ -279,3 +286,50 @@ def build_batch(
         teacher_logprobs=teacher,
         routed_experts=routed,
     )
+
+
+def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_size: int | None = None,
+                     need_teacher: bool = False) -> tuple[list[Trajectory], dict[str, float], list[str]]:
+    """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject, so
+    one malformed rollout costs only itself, never the step.
+
+    Each ``ok`` rollout is checked alone with :func:`build_batch` (every check it makes: a
+    missing or non-finite reward, no segments, no sampled token, misaligned per-token fields,
+    an id outside the vocabulary, a sampled token at position 0 or outside every sampled span
+    -- e.g. a segment with sampled tokens and no span --, conflicting overlapping spans,
+    missing teacher logprobs); a second rollout with an already seen ``rollout_id`` is refused
+    too. Failed rollouts pass through untouched (the batch builder skips them).
+
+    Args:
+        trajectories: the step's rollouts.
+        pad_id, vocab_size, need_teacher: as for :func:`build_batch`.
+
+    Returns:
+        ``(kept, metrics, reasons)``: the rollouts to train on (order kept); floats
+        ``ingress/refused_malformed`` (rollouts refused here) and ``ingress/refused_no_span``
+        (of those, the ones with a sampled token in no sampled span); and one message per
+        refused rollout naming it, the segment index and the field (also logged as a warning
+        on the ``molt.ingress`` logger).
+    """
+    kept: list[Trajectory] = []
+    reasons: list[str] = []
+    seen: set[str] = set()
+    no_span = 0
+    for t in trajectories:
+        if t.status != "ok":
+            kept.append(t)
+            continue
+        try:
+            if t.rollout_id in seen:
+                raise IngressError(f"rollout_id {t.rollout_id!r} appears twice; each rollout is one Trajectory "
+                                   "(its segments share it); the later one is refused")
+            build_batch([t], pad_id, vocab_size, need_teacher)
+        except IngressError as e:
+            msg = str(e)
+            reasons.append(msg)
+            no_span += e.reason == "no_span"
+            _log.warning("ingress refused a rollout: %s", msg)
+            continue
+        seen.add(t.rollout_id)
+        kept.append(t)
+    return kept, {"ingress/refused_malformed": float(len(reasons)), "ingress/refused_no_span": float(no_span)}, reasons

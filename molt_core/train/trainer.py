@@ -51,7 +51,7 @@ import torch
 from molt_core.config import RunConfig
 from molt_core.sampling import processed_logprobs
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
-from molt_core.train.ingress import Batch, IngressError, build_batch
+from molt_core.train.ingress import Batch, IngressError, build_batch, refuse_malformed
 from molt_core.types import Trajectory
 
 __all__ = ["Trainer", "ValueModel", "lr_factor", "token_logprobs"]
@@ -392,6 +392,7 @@ class Trainer:
             out["invariants/routing_replay_mismatch"] = used
         lp_nat = noreplay.get("logprobs", prox)
         diff = (batch.behaviour_logprobs - lp_nat).abs()[mask]
+        diff = diff[torch.isfinite(diff)]  # a token out of the natural forward's support has no finite size
         out["invariants/logprob_absdiff_mean_noreplay"] = float(diff.mean()) if diff.numel() else 0.0
         out["invariants/logprob_absdiff_max_noreplay"] = float(diff.max()) if diff.numel() else 0.0
         return out
@@ -476,10 +477,15 @@ class Trainer:
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. A rollout whose action tokens differ from the
-        engine's record is refused (:func:`molt_core.identity.screen`). When ingress refuses
-        every ok rollout, or the gate drops every sequence, no optimizer step is taken,
-        ``version`` and ``step`` stay, and ``train/skipped`` is 1.
+        Failed trajectories are skipped. Ingress refuses, one rollout at a time (the rest of
+        the step trains): a malformed rollout (:func:`molt_core.train.ingress.refuse_malformed`:
+        e.g. sampled tokens without a sampled span, misaligned fields, an id out of the
+        vocabulary; ``ingress/refused_malformed``, ``ingress/refused_no_span``), a rollout
+        whose action tokens differ from the engine's record, and -- with
+        ``trainer.refuse_unverified`` (default) -- one whose action tokens carry no engine
+        record (:func:`molt_core.identity.screen`). When ingress refuses every ok rollout, or
+        the gate drops every sequence, no optimizer step is taken, ``version`` and ``step``
+        stay, and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
@@ -487,7 +493,9 @@ class Trainer:
         Returns:
             ``dict[str, float]`` with the ingress metrics of :func:`molt_core.identity.screen`
             (``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
-            ``ingress/refused_rollouts``, ``ledger/context_reencoded_tokens``; only these,
+            ``ingress/refused_retokenized``, ``ingress/refused_unverified``,
+            ``ledger/context_reencoded_tokens``), ``ingress/refused_malformed``,
+            ``ingress/refused_no_span``, ``ingress/refused_rollouts`` (all refusals; only these,
             ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
             left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
             sampled in-support tokens, before the update: policy drift plus mismatch),
@@ -495,7 +503,9 @@ class Trainer:
             async included: each measured token against the weights of the version that
             sampled it -- the proximal logprobs for the current version, a recompute under a
             held older version otherwise; see :mod:`molt_core.version_history`; NaN when
-            nothing could be measured), ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
+            nothing could be measured; finite: an on-policy token outside its own version's
+            support counts in ``invariants/onpolicy_out_of_support_tokens`` instead),
+            ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
             for an MoE policy with recorded routing the R3 metrics of
             :meth:`_routing_metrics` (``invariants/routing_flip_rate``,
             ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
@@ -504,7 +514,11 @@ class Trainer:
             ``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
             ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
             (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
-            0 without one), ``kl/behaviour_k3`` (current vs behaviour policy), ``kl_coef``,
+            0 without one; over sampled tokens inside the reference's top-k / top-p support),
+            ``kl/ref_out_of_support_frac`` (sampled tokens whose reference logprob is -inf --
+            outside the reference's support -- / sampled tokens: left out of the KL term in the
+            loss, the per-token reward and ``kl``), ``kl/behaviour_k3`` (current vs behaviour
+            policy), ``kl_coef``,
             ``distill/reverse_kl`` (``on_policy_distill`` only: the reverse KL
             ``KL(pi_student || pi_teacher)`` in nats per token, estimated on the student's
             sampled tokens as the mean of ``log pi_student(y_t) - log pi_teacher(y_t)`` -- the
@@ -513,11 +527,13 @@ class Trainer:
             ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
             (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
             forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
-            ``time/onpolicy_check`` (recompute under older versions),
+            ``time/onpolicy_check`` (recompute under older versions, plus the copy of this
+            version's weights kept for later steps' check),
             ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 
         Raises:
-            IngressError: malformed trajectories (see :func:`build_batch`).
+            IngressError: a step-level fault :func:`build_batch` still finds after the
+                per-rollout refusals (in practice none: each check is made per rollout first).
         """
         from molt_core.algo.advantages import compute_advantages
         from molt_core.algo.correction import apply_correction
@@ -526,11 +542,26 @@ class Trainer:
 
         cfg = self.cfg
         t_start = time.perf_counter()
-        trajectories, ingress = screen(trajectories)
+        distill = cfg.algo.advantage == "on_policy_distill"
+        # one malformed rollout (e.g. sampled tokens without a span) is refused alone, not the step
+        # (the whole batch first: in the common clean case the per-rollout pass is skipped)
+        try:
+            batch: Batch | None = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
+            malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0}
+        except IngressError:
+            batch = None
+            trajectories, malformed, _reasons = refuse_malformed(trajectories, self.pad_id, self.vocab_size,
+                                                                 need_teacher=distill)
+        n_in = len(trajectories)
+        trajectories, ingress = screen(trajectories, refuse_unverified=cfg.trainer.refuse_unverified)
+        if len(trajectories) != n_in:
+            batch = None
+        ingress.update(malformed)
+        ingress["ingress/refused_rollouts"] += malformed["ingress/refused_malformed"]
         if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
             return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
-        batch = build_batch(trajectories, self.pad_id, self.vocab_size,
-                            need_teacher=cfg.algo.advantage == "on_policy_distill")
+        if batch is None:
+            batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
         mask = batch.mask
         n_sampled = int(mask.sum())
         beh = batch.behaviour_logprobs
@@ -546,6 +577,15 @@ class Trainer:
         fused = self.fused_recompute_ok(batch)
         t0 = time.perf_counter()
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
+        # a sampled token outside the reference's top-k / top-p support (reference logprob -inf):
+        # no finite KL exists for it; it is left out of the KL term (loss, reward and metric) and
+        # counted in kl/ref_out_of_support_frac, with a finite stand-in so no inf/NaN reaches
+        # the loss or its gradient
+        kl_keep = mask
+        if ref_lp is not None:
+            ref_oos = mask & ~torch.isfinite(ref_lp)
+            kl_keep = mask & ~ref_oos
+            ref_lp = torch.where(ref_oos, beh, ref_lp)
         old_values = self.critic_values(batch) if self.critic is not None else None
         if fused:
             # the gate depends on versions only: with proximal = behaviour it yields keep / loss mask
@@ -563,8 +603,7 @@ class Trainer:
         metrics: dict[str, float] = dict(ingress)
         token_rewards = None
         if ref_lp is not None and cfg.algo.kl_as_reward:
-            token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * mask
-        distill = cfg.algo.advantage == "on_policy_distill"
+            token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * kl_keep
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
             token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
@@ -574,10 +613,10 @@ class Trainer:
         # later steps) and measure this step's tokens sampled by older versions under theirs
         t_check = time.perf_counter()
         onpol = self._onpolicy_stale(batch)
-        t_check = time.perf_counter() - t_check
-        t1 = time.perf_counter()
         if num_tokens > 0:
             self.history.record(self.version, self.model)
+        t_check = time.perf_counter() - t_check
+        t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if num_tokens == 0:
             metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
@@ -588,7 +627,7 @@ class Trainer:
             metrics["train/skipped"] = 0.0
             upd, fused_prox, fused_ent = self._update(batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
                                                       correct if fused else None,
-                                                      None if fused else corr.out_of_support)
+                                                      None if fused else corr.out_of_support, kl_keep)
             metrics.update(upd)
             if fused:
                 prox, ent = fused_prox, fused_ent
@@ -612,8 +651,11 @@ class Trainer:
         metrics.update(self._routing_metrics(batch, prox, noreplay))
         metrics["entropy"] = float(ent[mask].mean()) if n_sampled else 0.0
         metrics["kl/behaviour_k3"] = float(kl_estimate(prox, beh, "k3")[mask].mean()) if n_sampled else 0.0
-        kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[mask].mean()) if ref_lp is not None else 0.0
+        kl_ref = 0.0
+        if ref_lp is not None and bool(kl_keep.any()):
+            kl_ref = float(kl_estimate(prox, ref_lp, cfg.algo.kl_estimator)[kl_keep].mean())
         metrics["kl"] = kl_ref
+        metrics["kl/ref_out_of_support_frac"] = float((mask & ~kl_keep).sum()) / n_sampled if n_sampled else 0.0
         metrics["kl_coef"] = self.kl_coef
         if distill:  # KL(student || teacher) on the student's own samples: k1, mean over sampled tokens
             metrics["distill/reverse_kl"] = float((prox - batch.teacher_logprobs)[mask].mean()) if n_sampled else 0.0
@@ -649,8 +691,9 @@ class Trainer:
         each under its own version's weights (see :mod:`molt_core.version_history`)."""
         from molt_core.version_history import stale_absdiff
 
+        gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)  # a new sample each step
         return stale_absdiff(batch, self.version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
-                             self.model, self.cfg.async_.onpolicy_rows)
+                             self.model, self.cfg.async_.onpolicy_rows, generator=gen)
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
@@ -660,7 +703,8 @@ class Trainer:
         (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
         Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
         (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
-        on them (not ``is_mode = "mask"``, which can reject tokens). ``fuse_recompute = False``
+        on them (not ``is_mode = "mask"``, which can reject tokens -- out-of-support ones at
+        every level, ``off`` included). ``fuse_recompute = False``
         on the instance forces the separate pass. With ``batch`` given, also not for
         seq/geo weights when a rollout has several rows (its weight needs every row's proximal
         logprobs, which one micro-batch's forward may not hold).
@@ -671,14 +715,17 @@ class Trainer:
                 and not (multi_row and cfg.correction.is_level in ("seq", "geo"))
                 and cfg.algo.advantage != "on_policy_distill"
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
-                and not (cfg.correction.is_mode == "mask" and cfg.correction.is_level != "off"))
+                and cfg.correction.is_mode != "mask")
 
-    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None):
+    def _update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct, out_of_support=None,
+                kl_keep=None):
         """``ppo_epochs`` optimizer steps over the batch's micro-batches.
 
         With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
         micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
         otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
+        ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
+        ones outside the reference's support).
 
         Returns:
             ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -728,7 +775,8 @@ class Trainer:
                 pol += float(loss.detach())
                 _merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
                 if ref_lp is not None and not cfg.algo.kl_as_reward and self.kl_coef > 0:
-                    kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), m, num_tokens, cfg.algo.kl_estimator)
+                    km = m if kl_keep is None else m & kl_keep[rows, :T].to(dev)
+                    kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), km, num_tokens, cfg.algo.kl_estimator)
                     klv += float(kl_term.detach())
                     loss = loss + self.kl_coef * kl_term
                 tot += float(loss.detach())
