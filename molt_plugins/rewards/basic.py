@@ -102,3 +102,8 @@ def regex(response: str, task: dict[str, Any], opts: RegexOptions) -> float:
         if got is None or got.strip() != str(task[opts.answer_field]).strip():
             return opts.no_match_reward
     return opts.match_reward
+
+
+# ``re`` holds the GIL for a whole match: a backtracking pattern on policy-written text could
+# stall the worker beyond any thread deadline; run it in a killable reward process.
+regex.molt_isolation = "process"  # type: ignore[attr-defined]
