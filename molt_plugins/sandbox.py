@@ -306,6 +306,17 @@ def _solution(fd):
         sys.stderr.write("MemoryError: the program exceeded its memory limit\n")
         sys.stderr.flush()
         os._exit(C["memory_exit"])
+    except SystemExit as e:  # the solution ended itself before the tests: keep its status
+        code = e.code
+        if code is not None and not isinstance(code, int):
+            sys.stderr.write(str(code) + "\n")
+            code = 1
+        for s_ in (sys.stdout, sys.stderr):
+            try:
+                s_.flush()
+            except BaseException:  # noqa: BLE001
+                pass
+        os._exit((code or 0) & 0xFF)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         sys.stderr.flush()

@@ -15,7 +15,7 @@ import pytest
 
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.code import code_tests, extract_code
-from molt_plugins.sandbox import SANDBOX_UID, available_backends, get_backend, network_isolation, run_python
+from molt_plugins.sandbox import MEMORY_EXIT_CODE, RETURN_MARGIN_S, SANDBOX_UID, TESTS_UID, available_backends, get_backend, network_isolation, run_python
 
 
 def _alive(comm: str) -> list[int]:
@@ -170,19 +170,26 @@ def test_code_reward_tests_template_humaneval_style():
         code_tests("x", p, tests_template="{nope}")
 
 
-def test_code_reward_timeout_is_failed_not_zero():
+def test_code_reward_timeout_scores_zero_by_default_and_fails_only_when_asked():
+    # default limit_exceeded = "zero": a run past its limit is just a run whose tests did not complete
     t0 = time.monotonic()
-    with pytest.raises(RewardFailed) as ei:
-        code_tests("import time\ntime.sleep(20)\ndef add(a, b):\n    return a + b", TASK, timeout_s=1.0)
+    assert code_tests("import time\ntime.sleep(20)\ndef add(a, b):\n    return a + b", TASK, timeout_s=1.0) == 0.0
     assert time.monotonic() - t0 < 2.0
-    assert ei.value.reason == "timeout" and str(ei.value).startswith("failed: timeout")
-    assert code_tests("while True: pass", TASK, timeout_s=0.5, limit_exceeded="zero") == 0.0
-
-
-def test_code_reward_memory_is_failed():
+    assert code_tests("while True: pass", TASK, timeout_s=0.5) == 0.0
+    # "fail": only a timeout the supervisor saw (its wall clock) fails the trajectory
     with pytest.raises(RewardFailed) as ei:
-        code_tests("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", TASK, memory_mb=256)
-    assert ei.value.reason == "memory" and str(ei.value).startswith("failed: memory")
+        code_tests("while True: pass", TASK, timeout_s=0.5, limit_exceeded="fail")
+    assert ei.value.reason == "timeout" and str(ei.value).startswith("failed: timeout")
+
+
+def test_code_reward_memory_is_zero_never_failed():
+    # the program reports a MemoryError itself (exit code, stderr): never a failure, under either mode
+    for mode in ("zero", "fail"):
+        assert code_tests("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", TASK, memory_mb=256,
+                          limit_exceeded=mode) == 0.0
+    r = run_python("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", tests="assert add(2, 3) == 5",
+                   memory_mb=256)
+    assert (r.status, r.returncode, r.timed_out, r.tests_completed) == ("memory", MEMORY_EXIT_CODE, False, False)
 
 
 def test_code_reward_network_fails(listener):
@@ -427,7 +434,10 @@ def test_code_reward_wrong_solution_cannot_end_early_with_success(solution):
 ])
 def test_code_reward_tests_see_the_real_builtins(solution):
     assert code_tests(solution, ABS_TASK) == 0.0
-    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == 1.0  # a right add still passes
+    # a right add still passes -- unless the solution wrecks its own interpreter (clears the
+    # builtins its process needs to answer the tests): then it cannot answer, 0.0
+    want = 0.0 if "clear()" in solution else 1.0
+    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == want
 
 
 @pytest.mark.parametrize("extra", [
@@ -459,17 +469,27 @@ def test_tests_completed_is_the_token_and_keep_names():
     assert r.tests_completed is False
 
 
-def test_documented_residuals_of_a_hostile_solution():
-    """What remains possible in one interpreter (docs/plugins/sandbox.md): these score 1.0.
-    If one starts scoring 0.0, the hole was closed -- update the docs."""
+def test_token_theft_and_always_equal_objects_score_zero():
+    """Closed in review 11 (finding 2): the tests run in their own process, so the solution
+    holds neither the token nor its pipe, and its objects never answer the tests' ``==``."""
     steal = ("import os\ntok = b''\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
              "    try:\n        os.set_blocking(fd, False)\n        b = os.read(fd, 64)\n"
              "        tok = b if len(b) == 32 else tok\n    except OSError:\n        pass\n"
              "for fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n        os.write(fd, tok)\n"
              "    except OSError:\n        pass\nos._exit(0)\n")
-    assert code_tests(WRONG + steal, TASK) == 1.0  # reads the token pipe itself
+    assert code_tests(WRONG + steal, TASK) == 0.0  # reads every fd it has: no token among them
+    # the reviewer's scan (blocking reads on fds 3..40, token written to every fd, exit 0)
+    fdscan = ("import os\nfor t in range(3, 40):\n    try:\n        tok = os.read(t, 256)\n    except OSError:\n"
+              "        continue\n    if len(tok) == 32:\n        for d in range(3, 40):\n            try:\n"
+              "                os.write(d, tok)\n            except OSError:\n                pass\n        os._exit(0)\n")
+    assert code_tests(WRONG + fdscan, TASK, timeout_s=2.0) == 0.0
     always_equal = "class _Eq:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return _Eq()\n"
-    assert code_tests(always_equal, TASK) == 1.0  # tests that compare with == trust __eq__
+    assert code_tests(always_equal, TASK) == 0.0  # an opaque handle: equality is identity
+    sub = "class _I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\ndef add(a, b):\n    return _I(0)\n"
+    assert code_tests(sub, TASK) == 0.0  # an int subclass is no plain int either
+    patched = WRONG + "import math\nmath.isclose = lambda *a, **k: True\n"
+    assert code_tests(patched, {"tests": "import math\nassert math.isclose(add(2, 3), 5)"}) == 0.0
+    assert code_tests(patched.replace("return 0", "return a + b"), {"tests": "assert math.isclose(add(2, 3), 5)"}) == 1.0
 
 
 def test_humaneval_env_grades_through_the_token():
@@ -487,11 +507,13 @@ def test_humaneval_env_grades_through_the_token():
     assert env.score("    return 0.0\nimport os\nos._exit(0)\n", task) == 0.0
 
 
-def test_a_killed_supervisor_is_a_crash_not_a_verdict(monkeypatch):
+def test_a_killed_supervisor_scores_zero_not_crash(monkeypatch):
     if "process" not in BACKENDS or _dropped("process") or not ROOT:
         pytest.skip("only the process backend without a uid drop lets the program kill its supervisor")
-    with pytest.raises(OSError, match="supervisor did not report"):
-        run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    # the supervisor had started (it says so first): a missing verdict is the program's doing
+    r = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    assert (r.status, r.returncode, r.timed_out) == ("error", None, False)
     monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")
-    with pytest.raises(RewardFailed, match="failed: crash"):
-        code_tests("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + RIGHT, TASK)
+    kill = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+    assert code_tests(kill + WRONG, TASK) == 0.0
+    assert code_tests(kill + RIGHT, TASK) == 1.0  # the tests process still ran them all: the token decides

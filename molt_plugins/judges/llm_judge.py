@@ -87,7 +87,7 @@ _NUM_TOKEN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:/(?:\d
 
 
 def whole_token(text: str, span: tuple[int, int]) -> str:
-    """The text of ``span`` (a pattern's capture) widened to every number token it overlaps.
+    r"""The text of ``span`` (a pattern's capture) widened to every number token it overlaps.
 
     A custom ``score_pattern`` such as ``Score: (\d+)`` captures only ``1`` of ``Score: 1e-1``
     and ``0`` of ``Score: 0.9``; read alone, those would be 1 and 0. The capture is therefore
@@ -354,7 +354,7 @@ class LLMJudge:
         return o.request_timeout_s if o.request_timeout_s is not None else o.timeout_s / min(3, o.max_retries + 1)
 
     def parse(self, text: str) -> float:
-        """The normalised score in [0, 1] of the judge's reply ``text``: the last match of
+        r"""The normalised score in [0, 1] of the judge's reply ``text``: the last match of
         ``score_pattern``, its token read whole by :func:`parse_number` (``Score: 1e-1`` is
         0.1, never 1; ``**Score:** 7``, ``Score = 7``, ``Score: 7/10``, ``Score: 7.`` read 7).
         The capture is widened to the whole number token it cuts (:func:`whole_token`), so a
