@@ -517,3 +517,78 @@ def test_a_killed_supervisor_scores_zero_not_crash(monkeypatch):
     kill = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
     assert code_tests(kill + WRONG, TASK) == 0.0
     assert code_tests(kill + RIGHT, TASK) == 1.0  # the tests process still ran them all: the token decides
+
+# -- review 11, finding 3: nothing the solution controls turns its 0.0 into a failure -----------
+
+@pytest.mark.parametrize("mode", ["zero", "fail"])
+@pytest.mark.parametrize("solution", [
+    WRONG + "import sys; sys.exit(86)",                                    # the old memory exit code
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGXCPU)",   # a self-sent CPU-limit signal
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGXFSZ)",   # a self-sent file-size signal
+    WRONG + "import sys; sys.stderr.write('MemoryError\\n'); sys.exit(3)",  # a forged stderr line
+    "def add(a, b):\n    raise MemoryError\n",                            # raised while the tests run
+    WRONG + "print('x' * 2_000_000)",                                     # output past the cap
+    WRONG + "import sys; sys.stderr.write('[Errno 27] File too large\\n'); sys.exit(1)",
+    "x = bytearray(2 * 1024 ** 3)\n" + RIGHT,                              # a real RLIMIT_AS hit
+])
+def test_program_controlled_limits_score_zero_never_failed(solution, mode):
+    t0 = time.monotonic()
+    assert code_tests(solution, TASK, memory_mb=256, limit_exceeded=mode) == 0.0
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_self_sent_sigxcpu_is_no_timeout_but_a_real_cpu_limit_is():
+    r = run_python("import os, signal; os.kill(os.getpid(), signal.SIGXCPU)", timeout_s=5.0)
+    assert (r.status, r.returncode, r.timed_out) == ("error", -signal.SIGXCPU, False)
+    assert r.cpu_s is not None and r.cpu_s < 1.0
+    # wall deadline seen by the supervisor: attested
+    r = run_python("while True: pass", timeout_s=0.5)
+    assert (r.status, r.returncode, r.timed_out) == ("timeout", -signal.SIGKILL, True)
+
+
+def test_code_tests_runtime_bound_is_the_sandbox_limit_plus_margin():
+    from molt_core.rewards import reward_spec
+
+    assert RETURN_MARGIN_S == 15.0
+    assert reward_spec("code_tests", code_tests, {"timeout_s": 1.0}).timeout_s == 16.0
+    assert reward_spec("code_tests", code_tests, {}).timeout_s == 20.0  # default timeout_s 5 + 15
+    assert reward_spec("code_tests", code_tests, {"timeout_s": 1.0}).options == {"timeout_s": 1.0}
+
+
+# -- review 11, finding 2: the tests run in a process the solution cannot reach ---------------
+
+def test_tests_process_is_out_of_the_solutions_reach():
+    """The solution tries every other process it can see: open its fds, signal it. Under a
+    uid drop the tests run as TESTS_UID (the solution cannot signal them) and the tests process
+    is non-dumpable (no /proc/<pid>/fd, mem or ptrace)."""
+    if not ROOT or not _dropped(BACKENDS[0]):
+        pytest.skip("needs the uid drop (root caller)")
+    probe = ("import os, signal\nfds, sig = [], []\nfor d in os.listdir('/proc'):\n"
+             "    if not d.isdigit() or int(d) == os.getpid():\n        continue\n"
+             "    try:\n        fds.append((d, os.listdir('/proc/%s/fd' % d)))\n    except OSError:\n        pass\n"
+             "    try:\n        os.kill(int(d), signal.SIGSTOP)\n        sig.append(d)\n    except OSError:\n        pass\n"
+             "print('reached', fds, sig)\n")
+    r = run_python(RIGHT + probe, tests="assert add(2, 3) == 5\nimport os\nprint('tests uid', os.getuid())")
+    assert r.tests_completed is True, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["reached [] []", f"tests uid {TESTS_UID}"]
+
+
+def test_solution_objects_reach_the_tests_through_proxies():
+    sol = ("import math\nfrom math import sqrt\nfrom collections import Counter\nLIMIT = 10 ** 30\n"
+           "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+           "        self.items.append(x)\n        return len(self.items)\n    def peek(self):\n        return self.items[-1]\n"
+           "def gen(n):\n    yield from range(n)\ndef boom(x):\n    raise ValueError('bad %r' % (x,))\n"
+           "def mixed(a, *, k=1):\n    return {'t': (a, k), 's': {1, 2}, 'f': frozenset([3]), 'b': b'\\x00', 'c': 1j, 'n': None,"
+           " 'nan': float('nan'), (1, 2): [True]}\n"
+           "def counts(s):\n    return Counter(s)\ndef apply(f, x):\n    return f(x)\n")
+    tests = ("s = Stack()\nassert s.push(4) == 1 and s.push(5) == 2 and s.peek() == 5\n"
+             "assert list(gen(3)) == [0, 1, 2] and 2 in gen(3) and len(s.items) == 2\n"
+             "try:\n    boom(1)\nexcept ValueError as e:\n    assert str(e) == 'bad 1'\nelse:\n    assert False\n"
+             "m = mixed([1], k=2)\nassert m['t'] == ([1], 2) and m['s'] == {1, 2} and m['f'] == frozenset([3])\n"
+             "assert m['b'] == b'\\x00' and m['c'] == 1j and m['n'] is None and m['nan'] != m['nan'] and m[(1, 2)] == [True]\n"
+             "assert sqrt(16) == 4.0 and math.pi > 3 and LIMIT == 10 ** 30\n"
+             "assert type(counts('aab')).__name__ == 'Handle' and counts('aab')['a'] == 2\n"
+             "assert apply(sqrt, 9) == 3.0 and apply(len, [1, 2]) == 2\n"
+             "try:\n    apply(lambda x: x, 1)\nexcept TypeError:\n    pass\nelse:\n    assert False\n")
+    r = run_python(sol, tests=tests)
+    assert (r.tests_completed, r.stderr) == (True, "")
