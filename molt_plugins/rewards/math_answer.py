@@ -44,8 +44,9 @@ def extract_boxed(text: str) -> str | None:
       the first non-letter, and an undelimited macro argument is the next token): the answer
       is the one *word* that follows (an optional leading control word such as ``\frac``,
       then everything up to the next whitespace, ``$`` or backslash -- ``\]``, ``\)``,
-      ``\quad``), with trailing sentence punctuation (``.,;:!?``) removed (nothing left: None). So ``\boxed 4. Check: 2+3=5`` gives ``4`` and ``\boxed 5 apples`` gives
-      ``5``: prose after the box is never part of the answer.
+      ``\quad``), with trailing sentence punctuation (``.,;:``) removed (nothing left: None;
+      a ``!`` stays, it is a factorial). So ``\boxed 4. Check: 2+3=5`` gives ``4`` and
+      ``\boxed 5 apples`` gives ``5``: prose after the box is never part of the answer.
       TeX itself would box only the next token (``\boxed 42`` boxes the ``4``); the whole
       word is taken instead, because models write ``\boxed 42`` meaning 42 (the MATH
       benchmark's reference grader, Hendrycks et al. 2021, ``last_boxed_only_string`` in
@@ -66,7 +67,7 @@ def extract_boxed(text: str) -> str | None:
         return None
     if text[start] != "{":
         m = _WORD.match(text, start)
-        arg = m.group(0).rstrip(".,;:!?") if m else ""
+        arg = m.group(0).rstrip(".,;:") if m else ""
         return arg or None
     i = start = start + 1
     depth = 1
