@@ -33,17 +33,23 @@ When the program ends (or the deadline passes) every process it left behind is k
 :func:`run_python` returns: the PID namespace dies with its init (``bwrap``/``unshare``), or the
 subreaper supervisor kills its descendants (``process``).
 
-**Graded test runs** (``tests=``): the solution and the tests run in one interpreter, the tests
-in a namespace whose builtins are a copy taken before the solution ran (a solution cannot
-rebind ``abs``, ``range``, ``AssertionError``... for the tests). Only after the tests' last
-statement returns does the harness read a per-run random token (``secrets.token_hex(16)``)
-from an inherited pipe and write it to another; the caller checks it
-(:attr:`SandboxResult.tests_completed`). The exit status is never the signal: an early
-``sys.exit(0)`` / ``os._exit(0)`` / ``exit()``, an excepthook, a signal, closed stdout or a
-printed fake token all leave the token unwritten. What remains possible for a hostile solution
-in the same interpreter -- reading the token pipe itself, rewriting the harness's frames or
-memory (``sys.settrace`` jumps, ``ctypes``), returning objects whose ``__eq__`` always holds,
-patching shared modules (``math.isclose``) -- is listed in ``docs/plugins/sandbox.md``.
+**Graded test runs** (``tests=``): the supervisor forks a *tests process* (T) first, then the
+*solution process* (S). T compiles and runs the tests with its own builtins and never runs a
+line of the solution: every solution name is a proxy that asks S over a socket; values cross
+as JSON-encoded plain data (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
+``complex`` and the builtin containers, exact types only), decoded by T into builtin types;
+modules and functions of an allowlist of pure standard-library modules are T's own; any other
+object stays in S behind an opaque handle (call, attribute, iteration, ``len``, index;
+identity equality -- its ``__eq__`` is never consulted). T is non-dumpable and, where the
+caller is root, runs as :data:`TESTS_UID` (65533), not the program's uid: S cannot signal it,
+open its ``/proc/<pid>/fd`` or read its memory. Only T holds the token pipe (a per-run
+``secrets.token_hex(16)``) and the result pipe; the supervisor closes its copies before S
+exists, and makes itself non-dumpable. After the tests' last statement returned, T writes the
+token; the caller checks it (:attr:`SandboxResult.tests_completed`). The exit status, signals
+or stderr of the solution are never a signal of anything but themselves
+(:attr:`SandboxResult.timed_out` is the only supervisor-attested limit). What remains for a
+hostile solution -- hard-coding answers from the arguments it sees, turning its run into a
+timeout, and more where the caller is not root -- is listed in ``docs/plugins/sandbox.md``.
 
 Not isolated anywhere: CPU cores and memory bandwidth (no cgroup), reading world-readable
 files, kernel attack surface (no seccomp filter). ``process`` as root where the interpreter is
