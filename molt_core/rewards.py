@@ -388,13 +388,23 @@ class _ProcessWorker:
             pass
 
 
-_POOLS: dict[int, list[_ProcessWorker]] = {}
+# idle workers per reward function: id(fn) -> (fn, workers); the entry holds fn itself, so its
+# id cannot be reused by another function while workers loaded with fn are kept
+_POOLS: dict[int, tuple[Callable[..., Any], list[_ProcessWorker]]] = {}
 _POOL_LOCK = threading.Lock()
+
+
+def _idle(fn: Callable[..., Any]) -> list[_ProcessWorker]:
+    """The idle-worker list of ``fn`` (call with ``_POOL_LOCK`` held)."""
+    entry = _POOLS.get(id(fn))
+    if entry is None or entry[0] is not fn:
+        entry = _POOLS[id(fn)] = (fn, [])
+    return entry[1]
 
 
 def _close_pools() -> None:
     with _POOL_LOCK:
-        workers = [w for ws in _POOLS.values() for w in ws]
+        workers = [w for _, ws in _POOLS.values() for w in ws]
         _POOLS.clear()
     for w in workers:
         w.kill()
@@ -414,9 +424,8 @@ async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
         TimeoutError: the deadline passed (the worker is killed).
         RewardFailed: ``crash`` -- the worker could not start, or died during the call.
     """
-    key = id(spec.fn)
     with _POOL_LOCK:
-        idle = _POOLS.setdefault(key, [])
+        idle = _idle(spec.fn)
         w = None
         while idle and w is None:
             w = idle.pop()
@@ -435,6 +444,10 @@ async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
         async with asyncio.timeout(spec.timeout_s):
             out = await _run_sync(w.call, (args, kwargs), {}, spec.name)
     except EOFError:
+        if w.alive():  # the reward's own EOFError, re-raised from the worker
+            with _POOL_LOCK:
+                _idle(spec.fn).append(w)
+            raise
         w.kill()
         raise RewardFailed("crash", f"the reward process died (exit {w.proc.returncode})") from None
     except BaseException:
@@ -444,10 +457,10 @@ async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
             w.kill()
         else:
             with _POOL_LOCK:
-                _POOLS.setdefault(key, []).append(w)
+                _idle(spec.fn).append(w)
         raise
     with _POOL_LOCK:
-        _POOLS.setdefault(key, []).append(w)
+        _idle(spec.fn).append(w)
     return out
 
 

@@ -378,7 +378,7 @@ def test_process_reward_holding_the_gil_is_killed_at_its_deadline_and_the_loop_r
     assert out[0].error == "reward hog: failed: timeout (no score within 1 s (rewards.hog.timeout_s))"
     # worker start (importing this module) is outside the deadline; the loop kept ticking throughout
     assert elapsed < 15.0 and ticks >= 0.5 * elapsed / 0.01
-    assert R._POOLS.get(id(gil_hog), []) == []  # the killed worker is gone, not reused
+    assert R._POOLS.get(id(gil_hog), (gil_hog, []))[1] == []  # the killed worker is gone, not reused
 
 
 def test_math_answer_runs_in_a_killed_process_whatever_sympy_does():
@@ -546,3 +546,17 @@ def test_decorated_reward_returns_unconverted_and_the_runtime_judges_it():
                                       "per response: 2 responses, got dict)"] * 2
     out = score([spec("huge", huge)], items("a"))
     assert out[0].error == "reward huge: failed: non_finite (reward huge returned int beyond the float range)"
+
+
+def proc_dies(response, task):
+    import os
+
+    os._exit(3)
+
+
+def test_a_reward_process_that_dies_fails_crash_and_is_replaced():
+    s = spec("dies", proc_dies, isolation="process")
+    out = score([s], items("a"))
+    assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
+    out = score([s], items("b"))  # a fresh worker, same verdict
+    assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
