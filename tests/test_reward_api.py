@@ -560,3 +560,21 @@ def test_a_reward_process_that_dies_fails_crash_and_is_replaced():
     assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
     out = score([s], items("b"))  # a fresh worker, same verdict
     assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
+
+
+@reward(RewardOptions, isolation="process")
+def decorated_in_process(response, task, opts):
+    import os
+
+    return 1.0 if os.getpid() != task["parent"] else 0.0
+
+
+def test_reward_decorator_sets_the_default_isolation():
+    import os
+
+    s = spec("d", decorated_in_process)
+    assert s.isolation == "process" and spec("d", decorated_in_process, isolation="thread").isolation == "thread"
+    its = [(traj(), Rollout(response="a", task={"parent": os.getpid()}))]
+    assert score([s], its)[0].reward == 1.0  # it ran in another process
+    with pytest.raises(ValueError, match="isolation must be 'thread' or 'process', got 'fork'"):
+        reward(RewardOptions, isolation="fork")(lambda response, task, opts: 1.0)
