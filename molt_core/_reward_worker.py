@@ -6,8 +6,10 @@ the parent sends ``pickle((sys_path, fn_bytes))``; the child loads ``fn`` (cloud
 pickle) and answers ``("ready", None)`` or ``("err", exception)``; then, per call, the parent
 sends ``pickle((args, kwargs))`` and the child answers ``("ok", value)`` or ``("err",
 exception)``. A coroutine (an ``async def`` reward) is run to completion on a fresh event loop.
-The child exits at end of input (the parent closed the pipe or died). The parent kills it
-(``SIGKILL`` to its process group) when a call passes its deadline.
+The child exits at end of input (the parent closed the pipe or died), and is killed by the
+kernel when the thread that started it ends (``PR_SET_PDEATHSIG``), so a call stuck in C code
+never outlives the rollout worker. The parent kills it (``SIGKILL`` to its process group)
+when a call passes its deadline.
 
 Whatever the reward prints goes to the child's stderr (fd 1 is redirected there), never into
 the protocol stream.
@@ -54,8 +56,26 @@ def _dumps(obj) -> bytes:
         return pickle.dumps(("err", TypeError(f"the reward's {what} {type(val).__name__} cannot be sent back: {e}")))
 
 
+def _die_with_parent() -> None:
+    """``SIGKILL`` this process when the parent (thread) that started it ends (Linux), so that
+    a call stuck in C code does not outlive the rollout worker; exit now if it already has."""
+    parent = os.environ.get("MOLT_REWARD_PARENT")
+    if sys.platform != "linux" or not parent:
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(0)
+
+
 def main() -> None:
     """Serve calls of one reward function until the input ends (see the module docstring)."""
+    _die_with_parent()
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the reward's prints go to stderr
     sys.stdout = sys.stderr

@@ -323,10 +323,17 @@ def _dump_fn(fn: Callable[..., Any]) -> bytes:
     return cloudpickle.dumps(fn)
 
 
+class _WorkerDied(Exception):
+    """The reward worker process ended during a call."""
+
+
 class _ProcessWorker:
     """One reward worker process (:mod:`molt_core._reward_worker`) holding one function."""
 
     def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        """Start the process (call this on a long-lived thread, the event loop's: the child
+        asks for ``SIGKILL`` when the thread that started it ends, so that it never outlives
+        the rollout worker) and send it ``fn``; :meth:`ready` waits for it to load."""
         import os
         import pickle
         import subprocess
@@ -334,28 +341,46 @@ class _ProcessWorker:
 
         from molt_core._reward_worker import read_frame, write_frame
 
-        self._read, self._write = read_frame, write_frame
+        self._read, self._write, self.name = read_frame, write_frame, name
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["MOLT_REWARD_PARENT"] = str(os.getpid())
         self.proc = subprocess.Popen([sys.executable, "-c", "from molt_core._reward_worker import main; main()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._init = pickle.dumps((list(sys.path), _dump_fn(fn)))
+
+    def ready(self) -> "_ProcessWorker":
+        """Send the function and wait until the process has loaded it (blocking).
+
+        Raises:
+            RuntimeError: the process could not load the function.
+            EOFError / OSError: the process died.
+        """
+        import pickle
+
         try:
-            write_frame(self.proc.stdin, pickle.dumps((list(sys.path), _dump_fn(fn))))
-            tag, val = pickle.loads(read_frame(self.proc.stdout))
+            self._write(self.proc.stdin, self._init)
+            tag, val = pickle.loads(self._read(self.proc.stdout))
         except BaseException:
             self.kill()
             raise
         if tag != "ready":
             self.kill()
-            raise RuntimeError(f"reward {name}: the reward process could not load the function: "
+            raise RuntimeError(f"reward {self.name}: the reward process could not load the function: "
                                f"{type(val).__name__}: {val}")
+        return self
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         """One call (blocking); the reward's result, or its exception re-raised."""
         import pickle
 
-        self._write(self.proc.stdin, pickle.dumps((args, kwargs)))
-        tag, val = pickle.loads(self._read(self.proc.stdout))
+        data = pickle.dumps((args, kwargs))
+        try:
+            self._write(self.proc.stdin, data)
+            frame = self._read(self.proc.stdout)
+        except (EOFError, BrokenPipeError, ValueError) as e:  # ValueError: the pipe was closed by kill()
+            raise _WorkerDied(str(e)) from None
+        tag, val = pickle.loads(frame)
         if tag == "err":
             raise val
         return val
@@ -434,20 +459,25 @@ async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
                 w = None
     if w is None:
         try:
+            w = _ProcessWorker(spec.fn, spec.name)  # here, on the loop's thread (see its docstring)
+        except OSError as e:
+            raise RewardFailed("crash", f"the reward process could not start: {e}") from None
+        try:
             async with asyncio.timeout(PROCESS_START_TIMEOUT_S):
-                w = await _run_sync(_ProcessWorker, (spec.fn, spec.name), {}, f"{spec.name}-start")
+                await _run_sync(w.ready, (), {}, f"{spec.name}-start")
         except TimeoutError:
+            w.kill()
             raise RewardFailed("crash", f"the reward process did not start within {PROCESS_START_TIMEOUT_S:g} s") from None
         except (OSError, EOFError, RuntimeError) as e:
+            w.kill()
             raise RewardFailed("crash", f"the reward process could not start: {e}") from None
+        except BaseException:
+            w.kill()
+            raise
     try:
         async with asyncio.timeout(spec.timeout_s):
             out = await _run_sync(w.call, (args, kwargs), {}, spec.name)
-    except EOFError:
-        if w.alive():  # the reward's own EOFError, re-raised from the worker
-            with _POOL_LOCK:
-                _idle(spec.fn).append(w)
-            raise
+    except _WorkerDied:
         w.kill()
         raise RewardFailed("crash", f"the reward process died (exit {w.proc.returncode})") from None
     except BaseException:

@@ -578,3 +578,25 @@ def test_reward_decorator_sets_the_default_isolation():
     assert score([s], its)[0].reward == 1.0  # it ran in another process
     with pytest.raises(ValueError, match="isolation must be 'thread' or 'process', got 'fork'"):
         reward(RewardOptions, isolation="fork")(lambda response, task, opts: 1.0)
+
+
+def proc_quarter(response, task):
+    return 0.25
+
+
+def test_reward_process_never_outlives_the_thread_that_started_it():
+    from molt_core import rewards as R
+
+    s = spec("q", proc_quarter, isolation="process")
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("out", score([s], items("a"))))
+    th.start()
+    th.join(60)
+    assert box["out"][0].reward == 0.25
+    workers = list(R._POOLS[id(proc_quarter)][1])
+    assert len(workers) == 1  # idle in the pool ...
+    t0 = time.monotonic()
+    while workers[0].alive() and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert not workers[0].alive() and workers[0].proc.returncode == -9  # ... killed with its thread (PDEATHSIG)
+    assert score([s], items("b"))[0].reward == 0.25  # a dead idle worker is replaced, not used
