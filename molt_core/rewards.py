@@ -31,8 +31,11 @@ Failures (counted per reward as ``reward/NAME/failed``; the trajectory is ``fail
 from training, never scored 0): the reward raises (:class:`~molt_core.types.RewardFailed` or
 anything else), it runs past ``timeout_s`` (``failed: timeout``), or it returns something
 other than a finite real number (NaN, +-inf, None, a string: ``failed: non_finite`` /
-``failed: not_a_number``). An agent's own ``Result.reward`` / ``score`` that is not a finite
-number fails the trajectory the same way.
+``failed: not_a_number``). A group reward that returns anything but a list, tuple or 1-d
+array of one score per response (a dict, a set, a generator, the wrong count) fails the whole
+group (``failed: bad_output``); one bad score in a good list fails only its own rollout. An
+agent's own ``Result.reward`` / ``score`` that is not a finite number fails the trajectory
+the same way.
 
 Where a call runs, and what its deadline can stop (never the worker's event loop: it only
 awaits):
@@ -43,8 +46,9 @@ awaits):
   the call survives, whatever it was doing -- a long C call holding the GIL (sympy, a huge
   integer power, a backtracking regex) included. Arguments and the result cross by pickle:
   the function must be importable by reference or by value (cloudpickle), and a reward that
-  needs the run's judge session cannot use it. First-party ``math_answer`` and ``regex``
-  default to it (they run parsers on policy-written text).
+  needs the run's judge session cannot use it. A worker process is killed by the kernel when
+  the thread that started it (the worker's event loop) ends. First-party ``math_answer`` and
+  ``regex`` default to it (they run parsers on policy-written text).
 * ``isolation = "thread"`` (the default for plugins: a reward may hold a model, a client, a
   cache that a process would not share) -- the call runs in its own daemon thread; an
   ``async def`` reward (or a sync one returning an awaitable) runs on a fresh event loop in that
