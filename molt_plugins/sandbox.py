@@ -253,6 +253,8 @@ def _solution(fd):
 
     def enc(v):
         t = type(v)
+        if t is int and not -(1 << 62) < v < (1 << 62):
+            return ["i", hex(v)]  # hex: no int_max_str_digits limit, any size
         if t in plain:
             return v
         if t is list:
@@ -283,6 +285,8 @@ def _solution(fd):
         tag = x[0]
         if tag == "h":
             return table[x[1]]
+        if tag == "i":
+            return int(x[1], 16)
         vals = [dec(y) for y in x[1]] if tag != "d" else None
         if tag == "l":
             return vals
@@ -468,6 +472,10 @@ def _tests(fd):
                 return x
             raise ValueError("bad value from the solution process")
         tag = x[0]
+        if tag == "i":
+            if type(x[1]) is not str:
+                raise ValueError("bad value from the solution process")
+            return int(x[1], 16)
         if tag == "l":
             return [dec(y) for y in x[1]]
         if tag == "t":
@@ -494,6 +502,8 @@ def _tests(fd):
 
     def enc(v):
         t = type(v)
+        if t is int and not -(1 << 62) < v < (1 << 62):
+            return ["i", hex(v)]
         if t in (type(None), bool, int, float, str):
             return v
         if t is list:

@@ -592,3 +592,8 @@ def test_solution_objects_reach_the_tests_through_proxies():
              "try:\n    apply(lambda x: x, 1)\nexcept TypeError:\n    pass\nelse:\n    assert False\n")
     r = run_python(sol, tests=tests)
     assert (r.tests_completed, r.stderr) == (True, "")
+    # integers of any size cross both ways (beyond Python's 4300-digit str limit too)
+    big = ("import math\ndef fact(n):\n    return math.factorial(n)\ndef neg(x):\n    return -x\n",
+           "import math\nassert fact(3000) == math.factorial(3000)\nassert neg(-(2 ** 20000)) == 2 ** 20000\n"
+           "assert neg(5) == -5 and neg(2 ** 62) == -(2 ** 62)")
+    assert run_python(big[0], tests=big[1]).tests_completed is True
