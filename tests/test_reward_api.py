@@ -144,11 +144,12 @@ def test_reserved_keys_are_split_from_options():
     from molt_plugins.judges.llm_judge import llm_judge
 
     j = spec("llm_judge", llm_judge, weight=2, timeout_s=30.0, base_url="http://x/v1")
-    # llm_judge declares timeout_s (its own deadline): it also receives it; never weight
-    assert (j.weight, j.timeout_s, j.options) == (2.0, 30.0, {"timeout_s": 30.0, "base_url": "http://x/v1"})
-    assert (j.group, j.judge_session) == (False, False)
+    # llm_judge declares timeout_s (its own deadline): it also receives it; never weight. The
+    # runtime's bound is that deadline + 2 s, so the judge's own verdict comes first
+    assert (j.weight, j.timeout_s, j.options) == (2.0, 32.0, {"timeout_s": 30.0, "base_url": "http://x/v1"})
+    assert (j.group, j.judge_session, j.isolation) == (False, False, "thread")
     g = spec("llm_judge", llm_judge, mode="group")
-    assert (g.group, g.judge_session, g.timeout_s, g.weight) == (True, True, 60.0, 1.0)
+    assert (g.group, g.judge_session, g.timeout_s, g.weight) == (True, True, 62.0, 1.0)
 
 
 @pytest.mark.parametrize("table,error", [

@@ -144,8 +144,8 @@ class LLMJudgeOptions(BaseModel):
       the token is read whole by :func:`parse_number`).
     * ``min_score`` / ``max_score`` -- the rubric's range, mapped to [0, 1].
     * ``max_concurrency`` -- requests in flight per judge.
-    * ``timeout_s`` -- deadline of one score, retries included (in a recipe also the runtime's
-      bound on the reward call); ``request_timeout_s`` -- per attempt (None:
+    * ``timeout_s`` -- deadline of one score, retries included (in a recipe the runtime bounds
+      the reward call at ``timeout_s + 2``); ``request_timeout_s`` -- per attempt (None:
       ``timeout_s / min(3, max_retries + 1)``, so that a request that times out is retried
       within the deadline; see :attr:`LLMJudge.request_timeout_s`).
     * ``max_retries`` / ``backoff_s`` -- retries of transient failures (429, 408, 409, 5xx,
@@ -548,3 +548,8 @@ def llm_judge(response: Any, task: Any, **options: Any) -> Any:
 llm_judge.Options = LLMJudgeOptions  # type: ignore[attr-defined]
 llm_judge.molt_group = lambda options: options.get("mode") == "group"  # type: ignore[attr-defined]
 llm_judge.molt_judge_session = lambda options: not options.get("base_url")  # type: ignore[attr-defined]
+#: Extra seconds the runtime allows beyond the judge's own ``timeout_s`` (its deadline, retries
+#: included): the judge's own verdict -- a score, or ``failed: timeout`` -- comes first; the
+#: runtime's bound is a backstop (an HTTP read timeout is per read, not per response).
+JUDGE_TIMEOUT_MARGIN_S = 2.0
+llm_judge.molt_timeout = lambda options: float(options.get("timeout_s", 60.0)) + JUDGE_TIMEOUT_MARGIN_S  # type: ignore[attr-defined]
