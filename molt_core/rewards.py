@@ -20,20 +20,45 @@ deadline too):
 
 * ``weight`` (default 1.0) -- the final reward is ``Result.reward + sum(weight * score)``.
 * ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) -- the bound on one call (one rollout, or
-  one group for a group reward).
+  one group for a group reward). A reward whose own options bound its work (``code_tests``:
+  the sandbox's ``timeout_s``) declares ``molt_timeout(options) -> seconds``, and the runtime
+  bound is that (the sandbox limit plus its start-up and kill margin), so the runtime never
+  times out a run the sandbox would still have judged.
+* ``isolation`` -- ``"thread"`` or ``"process"``: where a call runs (below). Default: the
+  reward's ``molt_isolation`` attribute, else ``"thread"``.
 
 Failures (counted per reward as ``reward/NAME/failed``; the trajectory is ``failed``, excluded
 from training, never scored 0): the reward raises (:class:`~molt_core.types.RewardFailed` or
 anything else), it runs past ``timeout_s`` (``failed: timeout``), or it returns something
 other than a finite real number (NaN, +-inf, None, a string: ``failed: non_finite`` /
-``failed: not_a_number``). An agent's own ``Result.reward`` / ``score`` that is not a finite
-number fails the trajectory the same way.
+``failed: not_a_number``). A group reward that returns anything but a list, tuple or 1-d
+array of one score per response (a dict, a set, a generator, the wrong count) fails the whole
+group (``failed: bad_output``); one bad score in a good list fails only its own rollout. An
+agent's own ``Result.reward`` / ``score`` that is not a finite number fails the trajectory
+the same way.
 
-Timeouts: an ``async`` reward is cancelled at its deadline. A sync reward runs in its own
-daemon thread, which Python cannot kill: at the deadline the step stops waiting for it (its
-concurrency slot is released and its late result discarded), but the thread runs on until the
-function returns, or until the process exits. Prefer ``async def`` (or a timeout inside the
-reward) for calls that can hang.
+Where a call runs, and what its deadline can stop (never the worker's event loop: it only
+awaits):
+
+* ``isolation = "process"`` -- the call runs in a reward worker process (one per call in
+  flight, reused between calls, started outside the deadline; :mod:`molt_core._reward_worker`).
+  At the deadline the process (and its process group) is killed with ``SIGKILL``: nothing of
+  the call survives, whatever it was doing -- a long C call holding the GIL (sympy, a huge
+  integer power, a backtracking regex) included. Arguments and the result cross by pickle:
+  the function must be importable by reference or by value (cloudpickle), and a reward that
+  needs the run's judge session cannot use it. A worker process is killed by the kernel when
+  the thread that started it (the worker's event loop) ends. First-party ``math_answer`` and
+  ``regex`` default to it (they run parsers on policy-written text).
+* ``isolation = "thread"`` (the default for plugins: a reward may hold a model, a client, a
+  cache that a process would not share) -- the call runs in its own daemon thread; an
+  ``async def`` reward (or a sync one returning an awaitable) runs on a fresh event loop in that
+  thread, so a reward that blocks (``time.sleep``, a sync HTTP call inside ``async def``)
+  stalls only its own thread. At the deadline the step stops waiting (the trajectory fails
+  ``timeout``, the concurrency slot is released, the late result discarded) and an async
+  reward's task is cancelled; but Python cannot kill a thread: a sync reward runs on until it
+  returns, and while it holds the GIL in one long C call (no bytecode boundary) *every* thread
+  of the worker is stalled and no deadline can fire. Set ``isolation = "process"`` for a
+  reward that can do that.
 
 Concurrency: every reward call of a worker (all groups, all rewards) shares one
 ``asyncio.Semaphore`` of ``rollout.reward_concurrency`` slots.
@@ -50,17 +75,21 @@ import contextvars
 import inspect
 import math
 import numbers
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from molt_core.types import Group, RewardFailed, Trajectory
 
-__all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "Rollout", "RewardSpec", "RewardRunner", "JudgeEndpoint",
+__all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "PROCESS_START_TIMEOUT_S", "Rollout", "RewardSpec", "RewardRunner", "JudgeEndpoint",
            "group_reward", "reward_spec", "judge_endpoint", "as_score", "score_group", "component_metrics"]
 
-RESERVED_KEYS = ("weight", "timeout_s")
+RESERVED_KEYS = ("weight", "timeout_s", "isolation")
 DEFAULT_TIMEOUT_S = 60.0
+#: Seconds a reward worker process may take to start and load its function (not charged to
+#: the reward's own deadline; a worker that does not start in time fails the call ``crash``).
+PROCESS_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -138,15 +167,22 @@ class RewardSpec:
     trajectory: bool = False
     is_async: bool = False
     judge_session: bool = False
+    isolation: str = "thread"
 
 
 def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> RewardSpec:
     """Split a recipe's ``[rewards.<name>]`` table into the reserved keys and the options, and
     decide the calling convention (see the module docstring).
 
+    The bound on one call is the reward's ``molt_timeout(options)`` when it declares one (its
+    own limit plus a margin), else ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`).
+
     Raises:
-        ValueError: ``rewards.<name>.weight`` is not a finite number, or
-            ``rewards.<name>.timeout_s`` is not a positive finite number.
+        ValueError: ``rewards.<name>.weight`` is not a finite number,
+            ``rewards.<name>.timeout_s`` is not a positive finite number,
+            ``rewards.<name>.isolation`` is not ``"thread"`` / ``"process"``, or ``"process"``
+            for a reward that cannot be sent to a process (not picklable, or asks for the
+            run's judge session).
     """
     table = dict(table)
     weight, timeout = table.get("weight", 1.0), table.get("timeout_s", DEFAULT_TIMEOUT_S)
@@ -159,8 +195,26 @@ def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> Rew
     options = {k: v for k, v in table.items() if k not in RESERVED_KEYS or k in declared}
     group = _flag(fn, "molt_group", options)
     traj = _flag(fn, "molt_trajectory", options) or _accepts(fn, "trajectories" if group else "trajectory")
+    judge = _flag(fn, "molt_judge_session", options)
+    bound = getattr(fn, "molt_timeout", None)
+    if callable(bound):
+        timeout = bound(options)
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < timeout < math.inf):
+            raise ValueError(f"rewards.{name}: the reward's molt_timeout gave {timeout!r}, not a positive number of seconds")
+    iso = table.get("isolation", getattr(fn, "molt_isolation", "thread"))
+    if iso not in ("thread", "process"):
+        raise ValueError(f"rewards.{name}.isolation = {iso!r}: must be 'thread' or 'process'")
+    if iso == "process":
+        if judge:
+            raise ValueError(f"rewards.{name}.isolation = 'process': this reward asks the run's own engine "
+                             f"(judge session), which a reward process cannot reach; use 'thread'")
+        try:
+            _dump_fn(fn)
+        except Exception as e:  # noqa: BLE001 -- any pickling failure
+            raise ValueError(f"rewards.{name}.isolation = 'process': the reward cannot be sent to a process "
+                             f"({type(e).__name__}: {e}); use 'thread'") from None
     return RewardSpec(name=name, fn=fn, options=options, weight=float(weight), timeout_s=float(timeout), group=group,
-                      trajectory=traj, is_async=_is_async(fn), judge_session=_flag(fn, "molt_judge_session", options))
+                      trajectory=traj, is_async=_is_async(fn), judge_session=judge, isolation=iso)
 
 
 class _Failed(Exception):
@@ -172,13 +226,15 @@ def as_score(value: Any, what: str) -> float:
 
     Accepts any real number (``int``, ``float``, numpy scalars, ``bool``) or a 0-d object with
     ``__float__`` (a numpy / torch scalar). Raises:
-        RewardFailed: ``not_a_number`` (None, a string, a list...) or ``non_finite`` (NaN, +-inf),
-            naming ``what``.
+        RewardFailed: ``not_a_number`` (None, a string, a list...) or ``non_finite`` (NaN, +-inf,
+            an integer beyond the float range), naming ``what``.
     """
     if isinstance(value, (str, bytes)) or value is None or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         raise RewardFailed("not_a_number", f"{what} returned {type(value).__name__} {value!r:.60}; return a finite float")
     try:
         f = float(value)
+    except OverflowError:  # an int / Fraction beyond the float range
+        raise RewardFailed("non_finite", f"{what} returned {type(value).__name__} beyond the float range") from None
     except (TypeError, ValueError) as e:
         raise RewardFailed("not_a_number", f"{what} returned {type(value).__name__}: {e}") from None
     if not math.isfinite(f):
@@ -195,16 +251,51 @@ def _finish_thread(fut: asyncio.Future, value: Any, exc: BaseException | None) -
         fut.set_result(value)
 
 
+def _drive(aw: Any, holder: dict[str, Any]) -> Any:
+    """Run the awaitable ``aw`` to completion on a fresh event loop of the calling thread;
+    ``holder`` gets the loop and the task, so that the caller can cancel it at the deadline."""
+    async def main() -> Any:
+        return await aw
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(main())
+        holder["loop"], holder["task"] = loop, task
+        return loop.run_until_complete(task)
+    finally:
+        holder.pop("loop", None)
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def _cancel_remote(holder: dict[str, Any]) -> None:
+    loop, task = holder.get("loop"), holder.get("task")
+    if loop is not None and task is not None:
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # that loop already closed
+            pass
+
+
 async def _run_sync(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> Any:
     """Run ``fn`` in a fresh daemon thread (never a pool: a hung reward must not starve other
-    work or block interpreter exit) with this task's context variables."""
+    work or block interpreter exit) with this task's context variables. A coroutine (an
+    ``async def`` ``fn``, or a sync ``fn`` returning an awaitable) runs to completion on a fresh
+    event loop in that thread, never on the caller's loop; when the caller is cancelled (its
+    deadline) that coroutine's task is cancelled too."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
     ctx = contextvars.copy_context()
+    holder: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            out, err = ctx.run(fn, *args, **kwargs), None
+            out = ctx.run(fn, *args, **kwargs)
+            if inspect.isawaitable(out):
+                out = ctx.run(_drive, out, holder)
+            err = None
         except BaseException as e:  # noqa: BLE001 -- handed to the awaiting task
             out, err = None, e
         try:
@@ -213,9 +304,197 @@ async def _run_sync(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str
             pass
 
     threading.Thread(target=target, daemon=True, name=f"molt-reward-{name}").start()
-    out = await fut
-    if inspect.isawaitable(out):  # a sync callable that returned a coroutine
-        out = await out
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        _cancel_remote(holder)
+        raise
+
+
+def _dump_fn(fn: Callable[..., Any]) -> bytes:
+    """``fn`` pickled for a reward process: by reference when importable (``pickle``), else by
+    value (``cloudpickle``, when installed)."""
+    import pickle
+
+    try:
+        blob = pickle.dumps(fn)
+        if getattr(fn, "__module__", None) != "__main__":
+            return blob
+    except Exception:  # noqa: BLE001 -- try by value
+        pass
+    import cloudpickle
+
+    return cloudpickle.dumps(fn)
+
+
+class _WorkerDied(Exception):
+    """The reward worker process ended during a call."""
+
+
+class _ProcessWorker:
+    """One reward worker process (:mod:`molt_core._reward_worker`) holding one function."""
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        """Start the process (call this on a long-lived thread, the event loop's: the child
+        asks for ``SIGKILL`` when the thread that started it ends, so that it never outlives
+        the rollout worker) and send it ``fn``; :meth:`ready` waits for it to load."""
+        import os
+        import pickle
+        import subprocess
+        import sys
+
+        from molt_core._reward_worker import read_frame, write_frame
+
+        self._read, self._write, self.name = read_frame, write_frame, name
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["MOLT_REWARD_PARENT"] = str(os.getpid())
+        self.proc = subprocess.Popen([sys.executable, "-c", "from molt_core._reward_worker import main; main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._init = pickle.dumps((list(sys.path), _dump_fn(fn)))
+
+    def ready(self) -> "_ProcessWorker":
+        """Send the function and wait until the process has loaded it (blocking).
+
+        Raises:
+            RuntimeError: the process could not load the function.
+            EOFError / OSError: the process died.
+        """
+        import pickle
+
+        try:
+            self._write(self.proc.stdin, self._init)
+            tag, val = pickle.loads(self._read(self.proc.stdout))
+        except BaseException:
+            self.kill()
+            raise
+        if tag != "ready":
+            self.kill()
+            raise RuntimeError(f"reward {self.name}: the reward process could not load the function: "
+                               f"{type(val).__name__}: {val}")
+        return self
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        """One call (blocking); the reward's result, or its exception re-raised."""
+        import pickle
+
+        data = pickle.dumps((args, kwargs))
+        try:
+            self._write(self.proc.stdin, data)
+            frame = self._read(self.proc.stdout)
+        except (EOFError, BrokenPipeError, ValueError) as e:  # ValueError: the pipe was closed by kill()
+            raise _WorkerDied(str(e)) from None
+        tag, val = pickle.loads(frame)
+        if tag == "err":
+            raise val
+        return val
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """``SIGKILL`` the process and its process group; reap it."""
+        import os
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 -- best effort
+            pass
+
+
+# idle workers per reward function: id(fn) -> (fn, workers); the entry holds fn itself, so its
+# id cannot be reused by another function while workers loaded with fn are kept
+_POOLS: dict[int, tuple[Callable[..., Any], list[_ProcessWorker]]] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _idle(fn: Callable[..., Any]) -> list[_ProcessWorker]:
+    """The idle-worker list of ``fn`` (call with ``_POOL_LOCK`` held)."""
+    entry = _POOLS.get(id(fn))
+    if entry is None or entry[0] is not fn:
+        entry = _POOLS[id(fn)] = (fn, [])
+    return entry[1]
+
+
+def _close_pools() -> None:
+    with _POOL_LOCK:
+        workers = [w for _, ws in _POOLS.values() for w in ws]
+        _POOLS.clear()
+    for w in workers:
+        w.kill()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_pools)
+
+
+async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
+    """Run one call in an idle reward worker process of ``spec`` (a new one started when none
+    is idle, within :data:`PROCESS_START_TIMEOUT_S`, outside the reward's deadline), bounded
+    by ``spec.timeout_s``; at the deadline the process is killed.
+
+    Raises:
+        TimeoutError: the deadline passed (the worker is killed).
+        RewardFailed: ``crash`` -- the worker could not start, or died during the call.
+    """
+    with _POOL_LOCK:
+        idle = _idle(spec.fn)
+        w = None
+        while idle and w is None:
+            w = idle.pop()
+            if not w.alive():
+                w.kill()
+                w = None
+    if w is None:
+        try:
+            w = _ProcessWorker(spec.fn, spec.name)  # here, on the loop's thread (see its docstring)
+        except OSError as e:
+            raise RewardFailed("crash", f"the reward process could not start: {e}") from None
+        try:
+            async with asyncio.timeout(PROCESS_START_TIMEOUT_S):
+                await _run_sync(w.ready, (), {}, f"{spec.name}-start")
+        except TimeoutError:
+            w.kill()
+            raise RewardFailed("crash", f"the reward process did not start within {PROCESS_START_TIMEOUT_S:g} s") from None
+        except (OSError, EOFError, RuntimeError) as e:
+            w.kill()
+            raise RewardFailed("crash", f"the reward process could not start: {e}") from None
+        except BaseException:
+            w.kill()
+            raise
+    try:
+        async with asyncio.timeout(spec.timeout_s):
+            out = await _run_sync(w.call, (args, kwargs), {}, spec.name)
+    except _WorkerDied:
+        w.kill()
+        raise RewardFailed("crash", f"the reward process died (exit {w.proc.returncode})") from None
+    except BaseException:
+        if not w.alive():
+            w.kill()
+        elif isinstance(sys.exc_info()[1], (TimeoutError, asyncio.CancelledError)):
+            w.kill()
+        else:
+            with _POOL_LOCK:
+                _idle(spec.fn).append(w)
+        raise
+    with _POOL_LOCK:
+        _idle(spec.fn).append(w)
     return out
 
 
@@ -227,12 +506,12 @@ async def _call(spec: RewardSpec, args: tuple, kwargs: dict, slots: asyncio.Sema
         close = None
         token = None
         try:
+            if spec.isolation == "process":
+                return await _run_process(spec, args, kwargs)
             if spec.judge_session and open_session is not None:
                 endpoint, close = open_session()
                 token = _JUDGE.set(endpoint)
             async with asyncio.timeout(spec.timeout_s):
-                if spec.is_async:
-                    return await spec.fn(*args, **kwargs)
                 return await _run_sync(spec.fn, args, kwargs, name)
         except TimeoutError:
             raise _Failed(f"reward {name}: {RewardFailed('timeout', f'no score within {spec.timeout_s:g} s (rewards.{name}.timeout_s)')}") from None
@@ -266,15 +545,38 @@ async def _per_response(spec: RewardSpec, item: tuple[Trajectory, Rollout], slot
 
 
 async def _per_group(spec: RewardSpec, items: list[tuple[Trajectory, Rollout]], slots: asyncio.Semaphore,
-                     open_session: Any) -> list[float]:
+                     open_session: Any) -> list[float | _Failed]:
     kw = dict(spec.options)
     if spec.trajectory:
         kw["trajectories"] = [ro for _, ro in items]
     out = await _call(spec, ([ro.response for _, ro in items], [ro.task for _, ro in items]), kw, slots, open_session)
-    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != len(items):
-        got = f"{len(out)} scores" if hasattr(out, "__len__") and not isinstance(out, (str, bytes)) else type(out).__name__
-        raise _Failed(f"reward {spec.name}: {RewardFailed('bad_output', f'a group reward must return one score per response: {len(items)} responses, got {got}')}")
-    return [_check(v, spec.name) for v in out]
+    vals = _group_scores(out, len(items), spec.name)
+    res: list[float | _Failed] = []
+    for v in vals:  # one bad score fails its own rollout only
+        try:
+            res.append(_check(v, spec.name))
+        except _Failed as e:
+            res.append(e)
+    return res
+
+
+def _group_scores(out: Any, n: int, name: str) -> list[Any]:
+    """The ``n`` scores of a group reward's output: a ``list`` / ``tuple`` or a 1-d array
+    (numpy, torch) of length ``n``. Raises :class:`_Failed` (``bad_output``) for anything else:
+    a mapping (its keys are no scores), a set (no order), a string, a generator, a scalar, an
+    array of another shape, the wrong length."""
+    shape = getattr(out, "shape", None)
+    if isinstance(out, (list, tuple)):
+        vals: list[Any] | None = list(out)
+    elif shape is not None and hasattr(out, "tolist") and len(shape) == 1:
+        vals = list(out)
+    else:
+        vals = None
+    if vals is None or len(vals) != n:
+        got = f"{len(vals)} scores" if vals is not None else (
+            f"an array of shape {tuple(shape)}" if shape is not None else type(out).__name__)
+        raise _Failed(f"reward {name}: {RewardFailed('bad_output', f'a group reward must return a list of one score per response: {n} responses, got {got}')}")
+    return vals
 
 
 async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rollout | None]], slots: asyncio.Semaphore,
@@ -285,7 +587,8 @@ async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rol
     ``items`` pairs each trajectory with its :class:`Rollout` (None for one that already
     failed: it passes through untouched). Each ok trajectory first has its own reward / score
     checked finite (``agent_label`` names the source in the error), then every reward runs
-    (concurrently, bounded by ``slots`` and each reward's ``timeout_s``). An ok result gets
+    (concurrently, bounded by ``slots`` and each reward's ``timeout_s``); a group reward's
+    non-finite or non-numeric score fails only the rollout it belongs to. An ok result gets
     ``reward = own reward + sum(weight * score)`` and ``info["rewards"] = {name: score}``; a
     failed one gets the first failing reward's error (in recipe order) and
     ``info["rewards_failed"] = [names]``. Never raises for a reward's fault.
@@ -323,7 +626,10 @@ async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rol
         else:
             vals = res if spec.group else [res]
             for i, v in zip(idx, vals):
-                scores[i][spec.name] = v
+                if isinstance(v, _Failed):
+                    errors[i][spec.name] = str(v)
+                else:
+                    scores[i][spec.name] = v
     for i in live:
         t = out[i]
         info = {**t.info, "rewards": scores[i]}

@@ -33,17 +33,23 @@ When the program ends (or the deadline passes) every process it left behind is k
 :func:`run_python` returns: the PID namespace dies with its init (``bwrap``/``unshare``), or the
 subreaper supervisor kills its descendants (``process``).
 
-**Graded test runs** (``tests=``): the solution and the tests run in one interpreter, the tests
-in a namespace whose builtins are a copy taken before the solution ran (a solution cannot
-rebind ``abs``, ``range``, ``AssertionError``... for the tests). Only after the tests' last
-statement returns does the harness read a per-run random token (``secrets.token_hex(16)``)
-from an inherited pipe and write it to another; the caller checks it
-(:attr:`SandboxResult.tests_completed`). The exit status is never the signal: an early
-``sys.exit(0)`` / ``os._exit(0)`` / ``exit()``, an excepthook, a signal, closed stdout or a
-printed fake token all leave the token unwritten. What remains possible for a hostile solution
-in the same interpreter -- reading the token pipe itself, rewriting the harness's frames or
-memory (``sys.settrace`` jumps, ``ctypes``), returning objects whose ``__eq__`` always holds,
-patching shared modules (``math.isclose``) -- is listed in ``docs/plugins/sandbox.md``.
+**Graded test runs** (``tests=``): the supervisor forks a *tests process* (T) first, then the
+*solution process* (S). T compiles and runs the tests with its own builtins and never runs a
+line of the solution: every solution name is a proxy that asks S over a socket; values cross
+as JSON-encoded plain data (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
+``complex`` and the builtin containers, exact types only), decoded by T into builtin types;
+modules and functions of an allowlist of pure standard-library modules are T's own; any other
+object stays in S behind an opaque handle (call, attribute, iteration, ``len``, index;
+identity equality -- its ``__eq__`` is never consulted). T is non-dumpable and, where the
+caller is root, runs as :data:`TESTS_UID` (65533), not the program's uid: S cannot signal it,
+open its ``/proc/<pid>/fd`` or read its memory. Only T holds the token pipe (a per-run
+``secrets.token_hex(16)``) and the result pipe; the supervisor closes its copies before S
+exists, and makes itself non-dumpable. After the tests' last statement returned, T writes the
+token; the caller checks it (:attr:`SandboxResult.tests_completed`). The exit status, signals
+or stderr of the solution are never a signal of anything but themselves
+(:attr:`SandboxResult.timed_out` is the only supervisor-attested limit). What remains for a
+hostile solution -- hard-coding answers from the arguments it sees, turning its run into a
+timeout, and more where the caller is not root -- is listed in ``docs/plugins/sandbox.md``.
 
 Not isolated anywhere: CPU cores and memory bandwidth (no cgroup), reading world-readable
 files, kernel attack surface (no seccomp filter). ``process`` as root where the interpreter is
@@ -70,13 +76,22 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
     "SandboxResult", "SandboxRequest", "SandboxBackend", "LocalBackend", "run_python", "network_isolation",
-    "MEMORY_EXIT_CODE", "SANDBOX_UID", "sandbox_backend", "available_backends", "get_backend", "BACKEND_ENV",
+    "MEMORY_EXIT_CODE", "SANDBOX_UID", "TESTS_UID", "RETURN_MARGIN_S", "sandbox_backend", "available_backends", "get_backend", "BACKEND_ENV",
 ]
 
 #: Exit code the child uses when the user's code dies of ``MemoryError``.
 MEMORY_EXIT_CODE = 86
 #: uid and gid the program runs as when the caller is root (``nobody``).
 SANDBOX_UID = 65534
+#: uid and gid of the tests process of a graded run when the caller is root (not the program's:
+#: the program cannot signal it).
+TESTS_UID = 65533
+#: :func:`run_python` returns within ``timeout_s + RETURN_MARGIN_S`` seconds: the backstop kill
+#: comes 10 s after the deadline, plus start-up and clean-up. A caller bounding a sandboxed
+#: run (``code_tests``'s runtime bound) allows this margin, so it never cuts a run the sandbox
+#: would still have judged.
+RETURN_MARGIN_S = 15.0
+_BACKSTOP_S = 10.0
 #: Environment variable naming the backend (``bwrap``, ``unshare``, ``process`` or a plugin's).
 BACKEND_ENV = "MOLT_SANDBOX_BACKEND"
 
@@ -132,26 +147,22 @@ def _harden_mounts(m):
     os.chdir(m["work"])               # the cwd still pointed at the dir under the bind mount
 
 
-def _child():
-    os.close(C["status_fd"])
+def _limits(uid, nproc):
+    """Resource limits, no_new_privs, the uid drop and the network block of a forked child."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     import resource
-    tests = None
-    if C["tests_fd"] >= 0:
-        with os.fdopen(C["tests_fd"], "rb") as f:
-            tests = f.read().decode("utf-8")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if C["cpu"] > 0:
         resource.setrlimit(resource.RLIMIT_CPU, (C["cpu"], C["cpu"]))
     if C["fsize"] > 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (C["fsize"], C["fsize"]))
-    if C["nproc"] > 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (C["nproc"], C["nproc"]))
+    if nproc > 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     _libc().prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary regains privileges
-    if C["uid"] is not None:
+    if uid is not None:
         os.setgroups([])
-        os.setresgid(C["uid"], C["uid"], C["uid"])
-        os.setresuid(C["uid"], C["uid"], C["uid"])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     if C["block_net"]:
         _NET = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
                 "socket.gethostbyname", "socket.gethostbyaddr", "socket.sendto", "socket.socketpair"}
@@ -160,59 +171,390 @@ def _child():
             if event in _NET:
                 raise PermissionError("network access is disabled in the molt sandbox (" + event + ")")
         sys.addaudithook(_no_net)
-    import builtins, types
-    snapshot = dict(builtins.__dict__)
-    tests_code = compile(tests, "tests.py", "exec") if tests is not None else None
+
+
+def _user_traceback(t, v, tb, _orig=sys.excepthook):
+    # drop the harness's own frames: the traceback starts at the program's first frame
+    user = tb
+    while user is not None and user.tb_frame.f_code.co_filename not in ("main.py", "tests.py"):
+        user = user.tb_next
+    if user is None and isinstance(v, SyntaxError):  # the program did not compile: no frame of it
+        v, tb = v.with_traceback(None), None
+    elif user is not None and isinstance(v, BaseException):
+        v, tb = v.with_traceback(user), user
+    _orig(t, v, tb)
+
+
+def _child():
+    """The program alone (no tests): ``main.py`` as ``__main__``."""
+    os.close(C["status_fd"])
+    _limits(C["uid"], C["nproc"])
+    import resource
     if C["mem"] > 0:
         resource.setrlimit(resource.RLIMIT_AS, (C["mem"], C["mem"]))
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
-
-    def _user_traceback(t, v, tb, _orig=sys.excepthook):
-        # drop the harness's own frames: the traceback starts at the program's first frame
-        user = tb
-        while user is not None and user.tb_frame.f_code.co_filename not in ("main.py", "tests.py"):
-            user = user.tb_next
-        if user is None and isinstance(v, SyntaxError):  # the program did not compile: no frame of it
-            v, tb = v.with_traceback(None), None
-        elif user is not None and isinstance(v, BaseException):
-            v, tb = v.with_traceback(user), user
-        _orig(t, v, tb)
     sys.excepthook = _user_traceback
     try:
-        if tests_code is None:
-            import runpy
-            runpy.run_path("main.py", run_name="__main__")
-            return
-        with open("main.py", "rb") as f:
-            solution = compile(f.read(), "main.py", "exec")
-        mod = types.ModuleType("__main__")
-        mod.__file__ = os.path.join(os.getcwd(), "main.py")
-        sys.modules["__main__"] = mod
-        # what the harness uses after the solution ran, bound now (the solution may rebind or
-        # clear builtins and modules' attributes)
-        _exec, _dict, _exc = exec, dict, Exception
-        _read, _write, _exit, _stdio = os.read, os.write, os._exit, (sys.stdout, sys.stderr)
-        tok_fd, done_fd, keep = C["tok_fd"], C["done_fd"], C["keep_names"]
-        _exec(solution, mod.__dict__)
-        g = {k: v for k, v in mod.__dict__.items() if k not in snapshot or k in keep}
-        g.update(__name__="__main__", __builtins__=_dict(snapshot))
-        _exec(tests_code, g)
+        import runpy
+        runpy.run_path("main.py", run_name="__main__")
     except MemoryError:
         try:
             sys.stderr.write("MemoryError: the program exceeded its memory limit\n")
             sys.stderr.flush()
         finally:
             os._exit(C["memory_exit"])
-    # every test statement ran to completion: only now fetch the token and hand it back
-    token = _read(tok_fd, 256)
-    for s in _stdio:
+
+
+# -- graded test runs: the solution (S) and the tests (T) in two processes ----------------
+# T runs the task's tests and never runs a line of the solution: every solution name the
+# tests use is a proxy that asks S over a socket. Values cross as plain data (JSON with tags
+# for the builtin containers), decoded by T into builtin types only; any other object stays
+# in S behind an opaque handle (call, attribute, iteration, len, index; identity equality).
+
+def _send(fd, obj):
+    import json
+    data = json.dumps(obj).encode()
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _recv(fd, limit=1 << 28):
+    import json
+
+    def exact(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the solution process closed the connection")
+            buf += chunk
+        return buf
+    n = int.from_bytes(exact(8), "little")
+    if n > limit:
+        raise ValueError("the solution process sent %d bytes" % n)
+    return json.loads(exact(n))
+
+
+def _solution(fd):
+    """S: run ``main.py`` as ``__main__``, then serve the tests' requests until they end."""
+    for f in (C["status_fd"],):
+        os.close(f)
+    _limits(C["uid"], C["nproc"])
+    import builtins, json, resource, types  # noqa: F401 -- json before the solution can shadow it
+    if C["mem"] > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (C["mem"], C["mem"]))
+    sys.argv = ["main.py"]
+    sys.path.insert(0, os.getcwd())
+    sys.excepthook = _user_traceback
+    table = {}
+    plain = (type(None), bool, int, float, str)
+
+    def enc(v):
+        t = type(v)
+        if t is int and not -(1 << 62) < v < (1 << 62):
+            return ["i", hex(v)]  # hex: no int_max_str_digits limit, any size
+        if t in plain:
+            return v
+        if t is list:
+            return ["l", [enc(x) for x in v]]
+        if t is tuple:
+            return ["t", [enc(x) for x in v]]
+        if t is dict:
+            return ["d", [[enc(k), enc(x)] for k, x in v.items()]]
+        if t is set:
+            return ["s", [enc(x) for x in v]]
+        if t is frozenset:
+            return ["f", [enc(x) for x in v]]
+        if t is bytes:
+            return ["b", v.hex()]
+        if t is complex:
+            return ["c", v.real, v.imag]
+        table[id(v)] = v
+        if t is types.ModuleType:
+            return ["m", v.__name__, id(v)]
+        mod, qual = getattr(v, "__module__", None), getattr(v, "__qualname__", None)
+        if isinstance(mod, str) and isinstance(qual, str) and mod not in ("__main__", "builtins"):
+            return ["r", mod, qual, id(v), t.__name__]
+        return ["h", id(v), t.__name__]
+
+    def dec(x):
+        if not isinstance(x, list):
+            return x
+        tag = x[0]
+        if tag == "h":
+            return table[x[1]]
+        if tag == "i":
+            return int(x[1], 16)
+        vals = [dec(y) for y in x[1]] if tag != "d" else None
+        if tag == "l":
+            return vals
+        if tag == "t":
+            return tuple(vals)
+        if tag == "s":
+            return set(vals)
+        if tag == "f":
+            return frozenset(vals)
+        if tag == "d":
+            return {dec(k): dec(v) for k, v in x[1]}
+        if tag == "b":
+            return bytes.fromhex(x[1])
+        if tag == "c":
+            return complex(x[1], x[2])
+        if tag == "r":
+            import importlib
+            obj = importlib.import_module(x[1])
+            for part in x[2].split("."):
+                obj = getattr(obj, part)
+            return obj
+        raise ValueError("bad tag %r" % (tag,))
+
+    mod = types.ModuleType("__main__")
+    mod.__file__ = os.path.join(os.getcwd(), "main.py")
+    sys.modules["__main__"] = mod
+    try:
+        with open("main.py", "rb") as f:
+            code = compile(f.read(), "main.py", "exec")
+        exec(code, mod.__dict__)
+        names = {k: enc(v) for k, v in list(mod.__dict__.items()) if not k.startswith("__")}
+    except MemoryError:
+        sys.stderr.write("MemoryError: the program exceeded its memory limit\n")
+        sys.stderr.flush()
+        os._exit(C["memory_exit"])
+    except SystemExit as e:  # the solution ended itself before the tests: keep its status
+        code = e.code
+        if code is not None and not isinstance(code, int):
+            sys.stderr.write(str(code) + "\n")
+            code = 1
+        for s_ in (sys.stdout, sys.stderr):
+            try:
+                s_.flush()
+            except BaseException:  # noqa: BLE001
+                pass
+        os._exit((code or 0) & 0xFF)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        os._exit(1)
+    _send(fd, ["ok", names])
+    while True:
         try:
-            s.flush()
-        except _exc:
+            req = _recv(fd)
+        except (EOFError, OSError):
+            break
+        try:
+            op, obj = req[0], table[req[1]]
+            if op == "call":
+                out = obj(*[dec(a) for a in req[2]], **{k: dec(v) for k, v in req[3]})
+            elif op == "getattr":
+                out = getattr(obj, req[2])
+            elif op == "iter":
+                out = iter(obj)
+            elif op == "next":
+                try:
+                    out = next(obj)
+                except StopIteration:
+                    _send(fd, ["stop"])
+                    continue
+            elif op == "len":
+                out = len(obj)
+            elif op == "getitem":
+                out = obj[dec(req[2])]
+            else:
+                raise ValueError("unknown request %r" % (op,))
+            reply = ["ok", enc(out)]
+        except BaseException as e:  # noqa: BLE001 -- the tests see it as an exception of the call
+            reply = ["err", type(e).__name__, str(e)[:2000]]
+        try:
+            _send(fd, reply)
+        except (TypeError, ValueError, RecursionError) as e:  # not JSON-able (a NaN key...): an error
+            _send(fd, ["err", type(e).__name__, str(e)[:2000]])
+    for s_ in (sys.stdout, sys.stderr):
+        try:
+            s_.flush()
+        except BaseException:  # noqa: BLE001
             pass
-    _write(done_fd, token)
-    _exit(0)
+    os._exit(0)
+
+
+def _tests(fd):
+    """T: run the tests against proxies of the solution's names; only after their last
+    statement returned, read the run's token and hand it back."""
+    _libc().prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no /proc/<pid>/fd, mem or ptrace of T
+    os.close(C["status_fd"])
+    with os.fdopen(C["tests_fd"], "rb") as f:
+        tests = f.read().decode("utf-8")
+    _limits(C["tests_uid"], 0)
+    _libc().prctl(4, 0, 0, 0, 0)
+    import builtins, importlib, resource
+    if C["mem"] > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (C["mem"], C["mem"]))
+    sys.excepthook = _user_traceback
+    # standard-library modules whose objects the tests may take locally (a solution's
+    # ``import math`` / ``from math import sqrt`` become T's own, unpatched math); any other
+    # module or object of the solution stays in S behind a handle
+    pure = {"math", "cmath", "collections", "collections.abc", "itertools", "functools", "heapq", "bisect", "re",
+            "string", "typing", "operator", "fractions", "decimal", "statistics", "random", "copy", "datetime",
+            "json", "array", "numbers", "dataclasses", "enum", "textwrap", "unicodedata", "hashlib", "calendar"}
+    handles = {}
+
+    class SolutionError(Exception):
+        """An exception raised by the solution that is not a builtin exception type."""
+
+    def rpc(msg):
+        _send(fd, msg)
+        r = _recv(fd)
+        if r[0] == "ok":
+            return dec(r[1])
+        if r[0] == "stop":
+            raise StopIteration
+        cls = getattr(builtins, r[1], None) if isinstance(r[1], str) else None
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            raise cls(r[2])
+        raise SolutionError("%s: %s" % (r[1], r[2]))
+
+    class Handle:
+        """An object of the solution process: calls, attributes, iteration, len and indexing
+        are asked of it; equality is identity (its own ``__eq__`` is never consulted)."""
+        __slots__ = ("_id", "_type", "__weakref__")
+
+        def __call__(self, *a, **k):
+            return rpc(["call", self._id, [enc(x) for x in a], [[n, enc(v)] for n, v in k.items()]])
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return rpc(["getattr", self._id, name])
+
+        def __iter__(self):
+            it = rpc(["iter", self._id])
+            while True:
+                try:
+                    yield rpc(["next", it._id])
+                except StopIteration:
+                    return
+
+        def __len__(self):
+            n = rpc(["len", self._id])
+            if type(n) is not int:
+                raise TypeError("len() of a solution object gave %r" % (n,))
+            return n
+
+        def __getitem__(self, key):
+            return rpc(["getitem", self._id, enc(key)])
+
+        def __repr__(self):
+            return "<solution %s object>" % (self._type,)
+
+    def handle(i, tname):
+        h = handles.get(i)
+        if h is None:
+            h = handles[i] = Handle()
+            h._id, h._type = i, str(tname)[:100]
+        return h
+
+    def local(modname, qual):
+        if not isinstance(modname, str) or modname not in pure:
+            return None
+        try:
+            obj = importlib.import_module(modname)
+            for part in qual.split(".") if qual is not None else ():
+                obj = getattr(obj, part)
+            return obj
+        except Exception:  # noqa: BLE001
+            return None
+
+    def dec(x):
+        t = type(x)
+        if t is not list:
+            if t in (type(None), bool, int, float, str):
+                return x
+            raise ValueError("bad value from the solution process")
+        tag = x[0]
+        if tag == "i":
+            if type(x[1]) is not str:
+                raise ValueError("bad value from the solution process")
+            return int(x[1], 16)
+        if tag == "l":
+            return [dec(y) for y in x[1]]
+        if tag == "t":
+            return tuple(dec(y) for y in x[1])
+        if tag == "s":
+            return set(dec(y) for y in x[1])
+        if tag == "f":
+            return frozenset(dec(y) for y in x[1])
+        if tag == "d":
+            return {dec(k): dec(v) for k, v in x[1]}
+        if tag == "b":
+            return bytes.fromhex(x[1])
+        if tag == "c":
+            return complex(float(x[1]), float(x[2]))
+        if tag == "h":
+            return handle(int(x[1]), x[2])
+        if tag == "r":
+            obj = local(x[1], x[2])
+            return obj if obj is not None else handle(int(x[3]), x[4])
+        if tag == "m":
+            obj = local(x[1], None)
+            return obj if obj is not None else handle(int(x[2]), "module")
+        raise ValueError("bad value from the solution process")
+
+    def enc(v):
+        t = type(v)
+        if t is int and not -(1 << 62) < v < (1 << 62):
+            return ["i", hex(v)]
+        if t in (type(None), bool, int, float, str):
+            return v
+        if t is list:
+            return ["l", [enc(x) for x in v]]
+        if t is tuple:
+            return ["t", [enc(x) for x in v]]
+        if t is dict:
+            return ["d", [[enc(k), enc(x)] for k, x in v.items()]]
+        if t is set:
+            return ["s", [enc(x) for x in v]]
+        if t is frozenset:
+            return ["f", [enc(x) for x in v]]
+        if t is bytes:
+            return ["b", v.hex()]
+        if t is complex:
+            return ["c", v.real, v.imag]
+        if t is Handle:
+            return ["h", v._id]
+        mod, qual = getattr(v, "__module__", None), getattr(v, "__qualname__", None)
+        if isinstance(mod, str) and isinstance(qual, str) and (
+                local(mod, qual) is v or (mod == "builtins" and getattr(builtins, qual, None) is v)):
+            return ["r", mod, qual]  # a standard-library function or class: the solution imports it
+        raise TypeError("cannot pass %s to the solution (plain data and the solution's own objects only)" % t.__name__)
+
+    try:
+        code = compile(tests, "tests.py", "exec")
+        first = _recv(fd)
+        if first[0] != "ok" or type(first[1]) is not dict:
+            raise RuntimeError("the solution process sent no names")
+        g = {}
+        for k, v in first[1].items():
+            if type(k) is str and not k.startswith("__") and (k not in builtins.__dict__ or k in C["keep_names"]):
+                try:
+                    g[k] = dec(v)
+                except Exception:  # noqa: BLE001 -- a name the tests cannot use; they fail if they do
+                    pass
+        g.update(__name__="__main__", __builtins__=builtins)
+        exec(code, g)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        os._exit(1)
+    # every test statement ran to completion: only now fetch the token and hand it back
+    token = os.read(C["tok_fd"], 256)
+    for s_ in (sys.stdout, sys.stderr):
+        try:
+            s_.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os.write(C["done_fd"], token)
+    os._exit(0)
 
 
 def _descendants():
@@ -233,30 +575,33 @@ def _descendants():
     return out
 
 
-def _supervise(pid):
-    for fd in (C["tok_fd"], C["done_fd"], C["tests_fd"]):
-        if fd >= 0:
-            os.close(fd)
+def _supervise(main, prog):
+    """Wait for ``main`` (the tests process, or the program without tests) until the deadline,
+    give the program a moment to end, kill every descendant, report what *this* process saw:
+    whether the deadline passed, the program's exit status and the CPU seconds it used."""
     st = {}
 
     def reap():
         while True:
             try:
-                r, s = os.waitpid(-1, os.WNOHANG)
+                r, s, ru = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if r == 0:
                 return
-            if r == pid:
-                st["wait"] = s
+            st[r] = (s, ru.ru_utime + ru.ru_stime)
 
     timed_out = False
-    while "wait" not in st:
+    while main not in st:
         left = C["deadline"] - time.monotonic()
         if left <= 0:
             timed_out = True
             break
         signal.sigtimedwait([signal.SIGCHLD], min(left, 0.25))
+        reap()
+    grace = min(C["deadline"], time.monotonic() + 0.5)
+    while prog not in st and not timed_out and time.monotonic() < grace:  # S ends at the tests' EOF
+        signal.sigtimedwait([signal.SIGCHLD], 0.02)
         reap()
     for _ in range(10000):  # kill every descendant (orphans are re-parented to us)
         ds = _descendants()
@@ -270,9 +615,10 @@ def _supervise(pid):
         reap()
         time.sleep(0.001)
     reap()
-    s = st.get("wait")
-    out = {"timeout": timed_out, "exit": None, "signal": None}
-    if s is not None:
+    out = {"timeout": timed_out, "exit": None, "signal": None, "cpu": None}
+    if prog in st:
+        s, cpu = st[prog]
+        out["cpu"] = cpu
         if os.WIFSIGNALED(s):
             out["signal"] = os.WTERMSIG(s)
         else:
@@ -283,13 +629,30 @@ def _supervise(pid):
 
 if C["mounts"]:
     _harden_mounts(C["mounts"])
+_libc().prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE 0: the program cannot open our fds via /proc or ptrace us
 _libc().prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans (setsid grandchildren) come to us
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
-_pid = os.fork()
-if _pid == 0:
-    _child()
-else:
-    _supervise(_pid)
+os.write(C["status_fd"], b"S")  # started: from here on, a missing verdict is the program's doing
+if C["tests_fd"] < 0:
+    _pid = os.fork()
+    if _pid == 0:
+        _child()
+        sys.exit(0)  # a normal interpreter exit (atexit handlers, buffered output flushed)
+    _supervise(_pid, _pid)
+import socket
+_s_sock, _t_sock = socket.socketpair()
+_tpid = os.fork()  # T first: the supervisor drops the token before the solution exists
+if _tpid == 0:
+    _s_sock.close()
+    _tests(_t_sock.fileno())
+for _fd in (C["tok_fd"], C["done_fd"], C["tests_fd"]):
+    os.close(_fd)
+_t_sock.close()
+_spid = os.fork()
+if _spid == 0:
+    _solution(_s_sock.fileno())
+_s_sock.close()
+_supervise(_tpid, _spid)
 '''
 
 
@@ -298,9 +661,20 @@ class SandboxResult:
     """Outcome of :func:`run_python`.
 
     * ``status`` -- ``ok`` (exit 0), ``error`` (non-zero exit or a signal), ``timeout``
-      (killed at the wall or CPU time limit), ``memory`` (``MemoryError`` under the
-      ``RLIMIT_AS`` cap), ``output_limit`` (a written file passed ``max_output_bytes``).
-    * ``returncode`` -- the program's exit status (negative: killed by that signal).
+      (= ``timed_out``), ``memory`` (``MemoryError`` under the ``RLIMIT_AS`` cap),
+      ``output_limit`` (a written file passed ``max_output_bytes``). Only ``timeout`` is
+      attested by the supervisor; ``memory`` and ``output_limit`` are read from what the
+      program did or printed (its exit code, its stderr, its signals), so a program can fake
+      them: they describe, they never grade (:func:`molt_plugins.rewards.code.grade_tests`
+      reads only ``tests_completed`` and ``timed_out``).
+    * ``timed_out`` -- True only when the supervisor (or the caller's backstop) saw the wall
+      deadline pass with the program (graded run: the tests) still running, or measured the
+      program's CPU time at the ``RLIMIT_CPU`` limit (``int(timeout_s) + 2`` s) when it died.
+      A program cannot make it True by itself except by actually running that long.
+    * ``cpu_s`` -- CPU seconds (user + system) the program used, measured by the supervisor
+      (None where unknown).
+    * ``returncode`` -- the program's exit status (negative: killed by that signal; None when
+      unknown). In a graded run, the solution process's.
     * ``stdout`` / ``stderr`` -- decoded UTF-8 (errors replaced), each at most
       ``max_output_bytes``.
     * ``duration_s`` -- wall seconds from start to reap.
@@ -320,6 +694,8 @@ class SandboxResult:
     tests_completed: bool | None = None
     backend: str = "process"
     uid: int | None = None
+    timed_out: bool = False
+    cpu_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -598,7 +974,8 @@ class LocalBackend:
             cfg = {
                 "mem": int(req.memory_mb) * 1024 * 1024 if req.memory_mb else 0, "cpu": int(req.timeout_s) + 2,
                 "fsize": req.max_output_bytes, "nproc": nproc, "block_net": iso == "audit",
-                "uid": SANDBOX_UID if drop else None, "timeout": req.timeout_s, "status_fd": status_w,
+                "uid": SANDBOX_UID if drop else None, "tests_uid": TESTS_UID if drop else None,
+                "timeout": req.timeout_s, "status_fd": status_w,
                 "tok_fd": tok_r, "done_fd": done_w, "tests_fd": tests_fd, "keep_names": list(req.keep_names),
                 "memory_exit": MEMORY_EXIT_CODE, "mounts": mounts,
             }
@@ -606,7 +983,7 @@ class LocalBackend:
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work), "TMPDIR": str(work),
                    "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
             out_p, err_p = io_dir / "stdout", io_dir / "stderr"
-            backstop = req.timeout_s + 10.0  # the supervisor kills at its deadline; this is a backstop
+            backstop = req.timeout_s + _BACKSTOP_S  # the supervisor kills at its deadline; this is a backstop
             with open(out_p, "wb") as out_f, open(err_p, "wb") as err_f:
                 p = subprocess.Popen(
                     argv, cwd=work, env=env, stdout=out_f, stderr=err_f,
@@ -675,21 +1052,28 @@ def _result(req: SandboxRequest, backend_rc: int | None, sup: bytes, hard_timeou
 
     stdout, stderr = _read(out_p), _read(err_p)
     hit_fsize = any(f.stat().st_size >= req.max_output_bytes for f in (out_p, err_p))
+    started, sup = sup[:1] == b"S", sup[1:] if sup[:1] == b"S" else sup
     try:
         s = json.loads(sup.decode()) if sup else None
     except ValueError:
         s = None
-    if s is None and not hard_timeout:  # the supervisor could not start, or was killed: no verdict
+    if s is None and not hard_timeout and not started:  # the supervisor could not start: no verdict
         last = stderr.strip().splitlines()[-1:] or [""]
         raise OSError(f"the {backend} sandbox's supervisor did not report (exit {backend_rc}): {last[0][:300]}")
-    if s is None:
-        rc, timed_out = backend_rc, True
+    cpu_limit = int(req.timeout_s) + 2
+    cpu = None
+    if s is None:  # killed by the backstop, or (same uid only) by the program: no verdict, not a pass
+        rc, timed_out = (-signal.SIGKILL, True) if hard_timeout else (None, False)
     else:
         timed_out = bool(s["timeout"]) or hard_timeout
         rc = -int(s["signal"]) if s["signal"] is not None else s["exit"]
+        cpu = s.get("cpu")
         if timed_out:
             rc = -signal.SIGKILL
-    if timed_out or rc == -signal.SIGXCPU:
+        # CPU limit: only when the supervisor measured the CPU time (a self-sent SIGXCPU is no limit)
+        elif rc in (-signal.SIGXCPU, -signal.SIGKILL) and cpu is not None and cpu >= cpu_limit - 0.05:
+            timed_out = True
+    if timed_out:
         status: Status = "timeout"
     elif rc == MEMORY_EXIT_CODE or (rc != 0 and stderr.rstrip().splitlines()[-1:] and
                                     stderr.rstrip().splitlines()[-1].startswith("MemoryError")):
@@ -701,7 +1085,8 @@ def _result(req: SandboxRequest, backend_rc: int | None, sup: bytes, hard_timeou
     else:
         status = "error"
     return SandboxResult(status=status, returncode=rc, stdout=stdout, stderr=stderr, duration_s=dur,
-                         isolation=iso, tests_completed=tests_completed, backend=backend, uid=uid)
+                         isolation=iso, tests_completed=tests_completed, backend=backend, uid=uid,
+                         timed_out=timed_out, cpu_s=cpu)
 
 
 @functools.lru_cache(maxsize=None)

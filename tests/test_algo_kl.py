@@ -112,13 +112,84 @@ def test_kl_loss_poisoned_token_masked_or_not_keeps_grad_finite():
         assert lp.grad[0].tolist() == pytest.approx([g / 2, (1 - math.e) / 2], rel=1e-6)
 
 
-def test_kl_as_reward_token_rewards_stay_finite():
-    # the trainer's kl_as_reward: token_rewards = (-kl_coef * kl_estimate(prox, ref)) * mask
-    prox = torch.tensor([[-101.0, -2.0, 0.0]], dtype=torch.float32)
-    ref = torch.tensor([[-1.0, -1.0, 0.0]], dtype=torch.float32)
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    r = (-0.1 * kl_estimate(prox, ref, "k3")) * mask
-    assert r[0].tolist() == pytest.approx([-0.1 * (81 * E20 - 101), -0.071828183, 0.0], rel=1e-6)
+class _BiasLM(torch.nn.Module):
+    """Logits = a bias, the same at every position (``[B, T, V]``)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        B, T = input_ids.shape
+        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
+
+
+def _k3(x: float) -> float:
+    """k3 with the documented tangent continuation above LOG_RATIO_BOUND (float64)."""
+    return math.expm1(min(x, 20.0)) + math.exp(20.0) * max(x - 20.0, 0.0) - x
+
+
+def test_kl_as_reward_through_the_real_trainer_stays_finite(monkeypatch):
+    """Finding 11: the poisoned token goes through ``Trainer.train_step`` (reinforce with
+    ``kl_as_reward``); the per-token rewards the trainer hands to ``compute_advantages`` are
+    read there, not re-typed."""
+    import molt_core.algo.advantages as adv_mod
+    from molt_core.train import Trainer
+    from molt_core.types import SampledSpan, Segment, Trajectory
+    from trainer_utils import tiny_cfg
+
+    seen = {}
+    real = adv_mod.compute_advantages
+
+    def spy(*a, **k):
+        seen["token_rewards"] = k["token_rewards"].clone()
+        return real(*a, **k)
+
+    monkeypatch.setattr(adv_mod, "compute_advantages", spy)
+    pol, ref = [0.0, -100.0, 0.0], [0.0, 0.0, 0.0]  # token 1: -100.69 nats under the policy, -1.10 under ref
+    cfg = tiny_cfg(algo={"advantage": "reinforce", "kl_coef": 0.1, "kl_as_reward": True},
+                   trainer={"grad_clip": 0.0, "lr": 1e-3})
+    tr = Trainer(cfg, model=_BiasLM(pol), ref_model=_BiasLM(ref))
+    lse = math.log(2 + math.exp(-100.0))
+    lp_pol = [0.0 - lse, -100.0 - lse]  # tokens 0 and 1 under the policy (float64)
+    lp_ref = -math.log(3.0)
+    traj = Trajectory(rollout_id="a", group_id="g", reward=1.0, segments=[Segment(
+        token_ids=[2, 1, 0], loss_mask=[False, True, True], logprobs=[None, lp_pol[1], lp_pol[0]],
+        versions=[None, 0, 0], spans=[SampledSpan(start=1, end=3, temperature=1.0)])])
+    m = tr.train_step([traj])
+    tok = seen["token_rewards"][0].tolist()
+    x1, x0 = lp_ref - lp_pol[1], lp_ref - lp_pol[0]  # 99.59 and -0.405 nats
+    assert x1 == pytest.approx(99.5945, abs=1e-4)
+    assert tok == pytest.approx([0.0, -0.1 * _k3(x1), -0.1 * _k3(x0)], rel=1e-5)
+    assert tok[1] == pytest.approx(-0.1 * (80.5945 * math.exp(20.0) - 100.5945), rel=1e-5)  # -3.91e9, finite
+    assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+    assert m["kl"] == pytest.approx((_k3(x1) + _k3(x0)) / 2, rel=1e-5)
+    assert torch.isfinite(tr.model.bias).all()
+
+
+def test_estimators_are_finite_for_every_finite_input():
+    """The docstring's claim, at its edges: log r is clamped to +-LOG_RATIO_MAX (1e4) first,
+    so k3's linear tangent (which would overflow float32 near 7e29) and k2's square (2.6e19)
+    stay finite; beyond the clamp the estimate is constant and its gradient 0."""
+    from molt_core.algo.kl import LOG_RATIO_MAX
+
+    assert LOG_RATIO_MAX == 1e4
+    k3_max = _k3(1e4)  # e^20 * (1 + 1e4 - 20) - 1e4 = 4.84e12
+    for x in (1e4, 1e20, 1e31, 3e38):
+        lp = torch.tensor([[-x]], dtype=torch.float32, requires_grad=True)
+        ref = torch.zeros(1, 1)
+        k3 = kl_estimate(lp, ref, "k3")
+        k3.sum().backward()
+        assert k3.item() == pytest.approx(k3_max, rel=1e-6)
+        assert lp.grad.item() == (0.0 if x > 1e4 else pytest.approx(1 - math.exp(20.0), rel=1e-6))
+        assert kl_estimate(lp.detach(), ref, "k2").item() == 5e7
+        assert kl_estimate(lp.detach(), ref, "k1").item() == -1e4
+    # the other side: log r = -3e38 (policy far above the reference)
+    lp = torch.tensor([[0.0]]); ref = torch.tensor([[-3e38]])
+    assert kl_estimate(lp, ref, "k3").item() == pytest.approx(math.expm1(-1e4) + 1e4, rel=1e-9)
+    assert kl_estimate(lp, ref, "k2").item() == 5e7 and kl_estimate(lp, ref, "k1").item() == 1e4
 
 
 def test_adaptive_kl_controller_non_finite_kl():

@@ -170,11 +170,16 @@ def test_humaneval_program_forms():
     assert full.rstrip().endswith("check(f)")
 
 
-def test_humaneval_timeout_is_failed(he):
+def test_humaneval_timeout_scores_zero_unless_fail_is_asked(he):
     task = he.split("eval")[0]
+    r = HumanEvalEnv(timeout_s=0.5).step("    while True: pass\n", EpisodeState(task=task))
+    assert (r.reward, r.score) == (0.0, 0.0)  # default limit_exceeded = "zero"
     with pytest.raises(RewardFailed) as ei:
-        HumanEvalEnv(timeout_s=0.5).step("    while True: pass\n", EpisodeState(task=task))
+        HumanEvalEnv(timeout_s=0.5, limit_exceeded="fail").step("    while True: pass\n", EpisodeState(task=task))
     assert ei.value.reason == "timeout"
+    # a self-reported memory failure is never a failure: 0.0
+    r = HumanEvalEnv(limit_exceeded="fail").step("    raise MemoryError\n", EpisodeState(task=task))
+    assert (r.reward, r.score) == (0.0, 0.0)
 
 
 # -- gymnasium -----------------------------------------------------------------------------

@@ -192,7 +192,8 @@ def test_score_parsing_refusals(reply, lo, hi, message, judge_env, server):
 
 class ScriptedJudge:
     """Replies from ``script`` in order: ``(status, content)``; 429/5xx carry
-    ``retry-after-ms: 10``. Records each request's JSON body."""
+    ``retry-after-ms: 10``; content ``"SLEEP <s> <reply>"`` answers ``<reply>`` after ``<s>``
+    seconds. Records each request's JSON body."""
 
     def __init__(self) -> None:
         self.script: list[tuple[int, str]] = []
@@ -206,6 +207,9 @@ class ScriptedJudge:
             body = await req.json()
             self.bodies.append(body)
             status, text = self.script.pop(0) if self.script else (200, "Score: 5")
+            if text.startswith("SLEEP "):  # "SLEEP <seconds> <reply>": answer late
+                _, secs, text = text.split(" ", 2)
+                await asyncio.sleep(float(secs))
             if status != 200:
                 return JSONResponse({"error": {"message": text, "type": "x"}}, status_code=status,
                                     headers={"retry-after-ms": "10"})
@@ -249,6 +253,49 @@ def test_retries_exhausted_or_non_transient_fail(scripted, judge_env):
         j.score("x", TASK)
     assert len(scripted.bodies) == 1  # a 400 is not retried
     scripted.script = []
+
+
+def test_request_timeout_default_leaves_room_for_retries(judge_env):
+    o = dict(base_url="http://127.0.0.1:1/v1", api_key_env="MOLT_TEST_JUDGE_KEY")
+    assert LLMJudge(**o).request_timeout_s == 20.0                       # 60 s / min(3, 3 + 1)
+    assert LLMJudge(**o, timeout_s=9.0, max_retries=1).request_timeout_s == 4.5
+    assert LLMJudge(**o, timeout_s=9.0, max_retries=0).request_timeout_s == 9.0  # one attempt: all of it
+    assert LLMJudge(**o, timeout_s=9.0, request_timeout_s=2.0).request_timeout_s == 2.0
+
+
+def test_a_request_that_times_out_is_retried_with_default_options(scripted, judge_env):
+    # finding 10: with request_timeout_s unset the first attempt used to get all of timeout_s
+    j = LLMJudge(base_url=scripted.url, api_key_env="MOLT_TEST_JUDGE_KEY", timeout_s=3.0, backoff_s=0.01)
+    scripted.bodies.clear()
+    scripted.script = [(200, "SLEEP 5 Score: 1"), (200, "Score: 7")]
+    t0 = time.monotonic()
+    assert j.score("x", TASK) == pytest.approx(0.7, abs=1e-12)
+    assert len(scripted.bodies) == 2 and 1.0 <= time.monotonic() - t0 < 2.5  # 1 s attempt, then the retry
+    scripted.script = []
+
+
+@pytest.mark.parametrize("pattern,reply,hi,expected", [
+    (r"Score: (\d+)", "Score: 1e-1", 1, 0.1),      # finding 6: the capture '1' is read whole as 1e-1
+    (r"Score: (\d+)", "Score: 0.9", 1, 0.9),       # not 0
+    (r"Score: (\d+)", "Score: 7/10", 10, 0.7),     # the fraction the capture cut
+    (r"Score: (\d+)", "Score: 7.", 10, 0.7),       # a full stop is no decimal
+    (r"Score: (\d)", "Score: 10", 10, 1.0),        # a capture that cuts a longer integer
+    (r"Rating=(\d+)", "Rating=2.5E-1 and more", 1, 0.25),
+    (r"\[(\d+)\]", "[8]", 10, 0.8),
+])
+def test_custom_pattern_capture_is_read_as_the_whole_number(pattern, reply, hi, expected, judge_env):
+    j = LLMJudge(base_url="http://127.0.0.1:1/v1", api_key_env="MOLT_TEST_JUDGE_KEY", score_pattern=pattern, max_score=hi)
+    assert j.parse(reply) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("pattern,reply,message", [
+    (r"Score: (\d+)", "Score: 6-7", r"the judge's score '6-7' is not a number"),
+    (r"Score: (\d+)", "Score: 7.5.3", r"the judge's score '7.5.3' is not a number"),
+])
+def test_custom_pattern_capture_inside_a_bad_number_is_refused(pattern, reply, message, judge_env):
+    j = LLMJudge(base_url="http://127.0.0.1:1/v1", api_key_env="MOLT_TEST_JUDGE_KEY", score_pattern=pattern, max_score=10)
+    with pytest.raises(RewardFailed, match=message):
+        j.parse(reply)
 
 
 def test_structured_output_sends_a_json_schema(scripted, judge_env):

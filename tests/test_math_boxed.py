@@ -53,3 +53,23 @@ def test_braceless_graded_by_math_verify():
     assert math_answer(r"$\boxed 4$ wait, no: \boxed{5}", {"answer": "5"}) == 1.0
     assert math_answer(r"\boxed{5} wait, no: $\boxed 4$", {"answer": "5"}) == 0.0
     assert math_answer(r"$\boxed .$", {"answer": "5"}) == 0.0  # empty after punctuation
+
+
+@pytest.mark.parametrize("text, want", [
+    (r"\boxed 4. Check: 2+3=5", "4"),             # review 11 finding 7: prose after the box is no answer
+    (r"The answer is \boxed 5 apples.", "5"),
+    (r"\boxed 3.14.", "3.14"),                     # a decimal point stays, the full stop goes
+    (r"\boxed -3, since", "-3"),
+    (r"\boxed 5\quad done", "5"),                  # a control word after the argument ends it
+    (r"\boxed \sqrt2 is it", r"\sqrt2"),           # a leading control word is part of the word
+    (r"\boxed x = 5", "x"),                        # one word only: use braces for x = 5
+    (r"\boxed 7! is big", "7!"),                   # a factorial, not punctuation
+])
+def test_braceless_argument_is_one_word(text, want):
+    assert extract_boxed(text) == want
+
+
+def test_braceless_box_followed_by_prose_is_graded_on_the_box_only():
+    assert math_answer(r"\boxed 4. Check: 2+3=5", {"answer": "5"}) == 0.0
+    assert math_answer(r"The answer is \boxed 5 apples.", {"answer": "5"}) == 1.0
+    assert math_answer(r"\boxed 5. Check: 2+3=5", {"answer": "5"}) == 1.0

@@ -144,11 +144,12 @@ def test_reserved_keys_are_split_from_options():
     from molt_plugins.judges.llm_judge import llm_judge
 
     j = spec("llm_judge", llm_judge, weight=2, timeout_s=30.0, base_url="http://x/v1")
-    # llm_judge declares timeout_s (its own deadline): it also receives it; never weight
-    assert (j.weight, j.timeout_s, j.options) == (2.0, 30.0, {"timeout_s": 30.0, "base_url": "http://x/v1"})
-    assert (j.group, j.judge_session) == (False, False)
+    # llm_judge declares timeout_s (its own deadline): it also receives it; never weight. The
+    # runtime's bound is that deadline + 2 s, so the judge's own verdict comes first
+    assert (j.weight, j.timeout_s, j.options) == (2.0, 32.0, {"timeout_s": 30.0, "base_url": "http://x/v1"})
+    assert (j.group, j.judge_session, j.isolation) == (False, False, "thread")
     g = spec("llm_judge", llm_judge, mode="group")
-    assert (g.group, g.judge_session, g.timeout_s, g.weight) == (True, True, 60.0, 1.0)
+    assert (g.group, g.judge_session, g.timeout_s, g.weight) == (True, True, 62.0, 1.0)
 
 
 @pytest.mark.parametrize("table,error", [
@@ -199,7 +200,12 @@ def test_async_reward_past_its_timeout_is_cancelled():
 
     out = score([spec("slow", slow, timeout_s=0.1)], items("a", "b"))
     assert [t.error for t in out] == ["reward slow: failed: timeout (no score within 0.1 s (rewards.slow.timeout_s))"] * 2
-    assert sorted(cancelled) == ["a", "b"]
+    # each call runs on its own loop in its own thread: the cancel is delivered there, at once
+    # but asynchronously (the step does not wait for the reward to acknowledge it)
+    t0 = time.monotonic()
+    while len(cancelled) < 2 and time.monotonic() - t0 < 2.0:
+        time.sleep(0.01)
+    assert sorted(cancelled) == ["a", "b"] and time.monotonic() - t0 < 0.5
 
 
 def test_a_timed_out_reward_releases_its_slot():
@@ -255,8 +261,8 @@ def test_group_reward_scores_the_ok_rollouts_of_a_group_at_once():
 
 def test_group_reward_with_the_wrong_count_fails_the_group():
     out = score([spec("g", group_reward(lambda responses, tasks: [1.0]))], items("a", "b"))
-    assert [t.error for t in out] == ["reward g: failed: bad_output (a group reward must return one score per "
-                                      "response: 2 responses, got 1 scores)"] * 2
+    assert [t.error for t in out] == ["reward g: failed: bad_output (a group reward must return a list of one score "
+                                      "per response: 2 responses, got 1 scores)"] * 2
 
 
 def test_decorated_async_group_reward_with_trajectories():
@@ -318,3 +324,280 @@ def test_check_rewards_validates_reserved_keys_before_compute():
         check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "weight": "hi"}}}), host)
     with pytest.raises(ValueError, match=r"rewards.regex.patern: Extra inputs are not permitted"):
         check_rewards(RunConfig.model_validate({"rewards": {"regex": {"pattern": "x", "patern": "y", "weight": 1}}}), host)
+
+
+# -- review 11: every form of a reward that cannot finish is bounded, and never stalls the loop --
+
+def gil_hog(response, task):
+    """One C call holding the GIL for minutes (a 1.2e9-bit integer power)."""
+    return float(9 ** (9 ** 9) > 0)
+
+
+def proc_boom(response, task):
+    raise ValueError("boom")
+
+
+def proc_nan(response, task):
+    return float("nan")
+
+
+def proc_pid(response, task):
+    import os
+
+    return float(os.getpid())
+
+
+def _timed_with_ticks(coro_fn):
+    """Run ``coro_fn()`` while a ticker sleeps 10 ms at a time; (result, elapsed s, ticks)."""
+    async def go():
+        ticks = 0
+        stop = False
+
+        async def ticker():
+            nonlocal ticks
+            while not stop:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tk = asyncio.create_task(ticker())
+        t0 = time.monotonic()
+        out = await coro_fn()
+        elapsed = time.monotonic() - t0
+        stop = True
+        await tk
+        return out, elapsed, ticks
+
+    return asyncio.run(go())
+
+
+def test_process_reward_holding_the_gil_is_killed_at_its_deadline_and_the_loop_runs():
+    from molt_core import rewards as R
+
+    s = spec("hog", gil_hog, timeout_s=1.0, isolation="process")
+    assert (s.isolation, s.timeout_s) == ("process", 1.0)
+    out, elapsed, ticks = _timed_with_ticks(lambda: score_group([s], items("a"), asyncio.Semaphore(4)))
+    assert out[0].error == "reward hog: failed: timeout (no score within 1 s (rewards.hog.timeout_s))"
+    # worker start (importing this module) is outside the deadline; the loop kept ticking throughout
+    assert elapsed < 15.0 and ticks >= 0.5 * elapsed / 0.01
+    assert R._POOLS.get(id(gil_hog), (gil_hog, []))[1] == []  # the killed worker is gone, not reused
+
+
+def test_math_answer_runs_in_a_killed_process_whatever_sympy_does():
+    from molt_core.rewards import RewardRunner
+    from molt_plugins.rewards.math_answer import math_answer
+
+    s = reward_spec("math_answer", math_answer, {"timeout_s": 2})
+    assert (s.isolation, s.timeout_s, s.options) == ("process", 3.0, {"timeout_s": 2})
+    rr = RewardRunner({"math_answer": {"timeout_s": 2}}, lambda n: math_answer, 4)
+    task = {"answer": "5"}
+    its = [(traj(), Rollout(response=r"so \boxed{9^{9^{9^{9}}}}", task=task)),
+           (traj(), Rollout(response=r"so \boxed{5}", task=task))]
+    out, elapsed, ticks = _timed_with_ticks(lambda: rr.score(its))
+    assert out[0].status == "failed" and out[0].error.startswith("reward math_answer: failed: timeout (")
+    assert (out[1].status, out[1].reward) == ("ok", 1.0)
+    assert elapsed < 30.0 and ticks >= 0.5 * elapsed / 0.01
+
+
+def test_regex_backtracking_is_killed_at_its_deadline():
+    from molt_plugins.rewards.basic import regex
+
+    s = reward_spec("regex", regex, {"pattern": "^(a+)+$", "timeout_s": 1.0})
+    assert s.isolation == "process"
+    out, elapsed, ticks = _timed_with_ticks(lambda: score_group([s], items("a" * 40 + "b"), asyncio.Semaphore(4)))
+    assert out[0].error == "reward regex: failed: timeout (no score within 1 s (rewards.regex.timeout_s))"
+    assert ticks >= 0.5 * elapsed / 0.01
+
+
+def test_process_rewards_report_like_thread_ones_and_reuse_their_worker():
+    out = score([spec("boom", proc_boom, isolation="process"), spec("nan", proc_nan, isolation="process")], items("a"))
+    assert out[0].error == "reward boom raised ValueError: boom"
+    assert out[0].info["rewards_failed"] == ["boom", "nan"]
+    lam = spec("lam", lambda response, task: 0.25, isolation="process")  # by value (cloudpickle)
+    assert [t.reward for t in score([lam], items("a", "b"))] == [0.25, 0.25]
+    s = spec("pid", proc_pid, isolation="process")
+    first = score([s], items("a"), limit=1)[0].reward
+    assert score([s], items("a"), limit=1)[0].reward == first  # the same live worker served both calls
+
+
+def test_bad_isolation_is_refused_at_spec_time():
+    with pytest.raises(ValueError, match=r"rewards.r.isolation = 'fork': must be 'thread' or 'process'"):
+        spec("r", proc_nan, isolation="fork")
+
+    def judge(response, task):
+        return 1.0
+
+    judge.molt_judge_session = True
+    with pytest.raises(ValueError, match=r"rewards.j.isolation = 'process': this reward asks the run's own engine"):
+        spec("j", judge, isolation="process")
+
+
+def test_blocking_async_reward_times_out_at_its_deadline_without_stalling_the_loop():
+    async def blocks(response, task):
+        time.sleep(3)  # blocks whatever loop it runs on
+        return 1.0
+
+    s = spec("a", blocks, timeout_s=0.5)
+    out, elapsed, ticks = _timed_with_ticks(lambda: score_group([s], items("x", "y"), asyncio.Semaphore(4)))
+    assert [t.error for t in out] == ["reward a: failed: timeout (no score within 0.5 s (rewards.a.timeout_s))"] * 2
+    assert 0.5 <= elapsed < 1.0 and ticks >= 25
+
+
+def test_async_reward_that_swallows_cancellation_still_fails_at_its_deadline():
+    async def stubborn(response, task):
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+    def returns_coroutine(response, task):  # a sync callable handing back a blocking awaitable
+        async def inner():
+            time.sleep(3)
+            return 1.0
+        return inner()
+
+    t0 = time.monotonic()
+    out = score([spec("s", stubborn, timeout_s=0.3), spec("c", returns_coroutine, timeout_s=0.3)], items("x"))
+    assert out[0].info["rewards_failed"] == ["s", "c"]
+    assert out[0].error == "reward s: failed: timeout (no score within 0.3 s (rewards.s.timeout_s))"
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_code_tests_through_the_runner_is_bounded_by_the_sandbox_not_before_it():
+    from molt_plugins.rewards.code import code_tests
+
+    task = {"tests": "assert add(2, 3) == 5\n"}
+
+    def run(table, code):
+        s = reward_spec("code_tests", code_tests, table)
+        its = [(traj(), Rollout(response="```python\n" + code + "```", task=task))]
+        return score([s], its)[0]
+
+    slow_right = "import time\ntime.sleep(0.5)\ndef add(a, b):\n    return a + b\n"
+    loop = "def add(a, b):\n    while True:\n        pass\n"
+    r = run({"timeout_s": 1.0}, slow_right)
+    assert (r.status, r.reward) == ("ok", 1.0)
+    r = run({"timeout_s": 1.0}, loop)  # default limit_exceeded = "zero"
+    assert (r.status, r.reward, r.info["rewards"]) == ("ok", 0.0, {"code_tests": 0.0})
+    r = run({"timeout_s": 1.0, "limit_exceeded": "zero"}, loop)
+    assert (r.status, r.reward) == ("ok", 0.0)
+    r = run({"timeout_s": 1.0, "limit_exceeded": "fail"}, loop)
+    assert r.status == "failed" and r.error.startswith("reward code_tests: failed: timeout (timeout (exit -9, 1.")
+
+
+# -- review 11: group outputs and decorated rewards ------------------------------------------
+
+def test_one_bad_score_of_a_group_fails_only_its_rollout():
+    out = score([spec("g", group_reward(lambda responses, tasks: [1.0, float("nan"), 0.5]))], items("a", "b", "c"))
+    assert [(t.status, t.reward) for t in out] == [("ok", 1.0), ("failed", None), ("ok", 0.5)]
+    assert out[1].error == "reward g: failed: non_finite (reward g returned nan; a reward must be a finite number)"
+    out = score([spec("g", group_reward(lambda responses, tasks: (None, 0.25, "0.5")))], items("a", "b", "c"))
+    assert [(t.status, t.reward) for t in out] == [("failed", None), ("ok", 0.25), ("failed", None)]
+    assert out[0].error == "reward g: failed: not_a_number (reward g returned NoneType None; return a finite float)"
+    assert out[2].error == "reward g: failed: not_a_number (reward g returned str '0.5'; return a finite float)"
+
+
+@pytest.mark.parametrize("value,got", [
+    ({0: 1.0, 1: 2.0}, "dict"),
+    ({1.0, 2.0}, "set"),
+    ((x for x in [1.0, 2.0]), "generator"),
+    ("ab", "str"),
+    (np.array([[1.0], [2.0]]), "an array of shape (2, 1)"),
+    (np.float64(1.0), "an array of shape ()"),
+    ([1.0, 2.0, 3.0], "3 scores"),
+])
+def test_group_output_that_is_not_a_list_of_scores_is_bad_output(value, got):
+    out = score([spec("g", group_reward(lambda responses, tasks: value))], items("a", "b"))
+    assert [t.error for t in out] == [f"reward g: failed: bad_output (a group reward must return a list of one score "
+                                      f"per response: 2 responses, got {got})"] * 2
+
+
+def test_group_output_as_tuple_or_1d_array():
+    import torch
+
+    for value in ((0.5, 1.0), np.array([0.5, 1.0]), torch.tensor([0.5, 1.0])):
+        out = score([spec("g", group_reward(lambda responses, tasks, v=value: v))], items("a", "b"))
+        assert [t.reward for t in out] == [0.5, 1.0]
+
+
+def test_decorated_reward_returns_unconverted_and_the_runtime_judges_it():
+    @reward(RewardOptions)
+    def as_text(response, task, opts):
+        return "0.75"
+
+    @reward(RewardOptions)
+    def nothing(response, task, opts):
+        return None
+
+    @reward(RewardOptions, group=True)
+    def keyed(responses, tasks, opts):
+        return {0: 1.0, 1: 0.0}
+
+    @reward(RewardOptions)
+    def huge(response, task, opts):
+        return 10 ** 400
+
+    assert as_text("r", {}) == "0.75" and nothing("r", {}) is None
+    out = score([spec("as_text", as_text)], items("a"))
+    assert out[0].error == "reward as_text: failed: not_a_number (reward as_text returned str '0.75'; return a finite float)"
+    out = score([spec("nothing", nothing)], items("a"))
+    assert out[0].error == "reward nothing: failed: not_a_number (reward nothing returned NoneType None; return a finite float)"
+    out = score([spec("keyed", keyed)], items("a", "b"))
+    assert [t.error for t in out] == ["reward keyed: failed: bad_output (a group reward must return a list of one score "
+                                      "per response: 2 responses, got dict)"] * 2
+    out = score([spec("huge", huge)], items("a"))
+    assert out[0].error == "reward huge: failed: non_finite (reward huge returned int beyond the float range)"
+
+
+def proc_dies(response, task):
+    import os
+
+    os._exit(3)
+
+
+def test_a_reward_process_that_dies_fails_crash_and_is_replaced():
+    s = spec("dies", proc_dies, isolation="process")
+    out = score([s], items("a"))
+    assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
+    out = score([s], items("b"))  # a fresh worker, same verdict
+    assert out[0].error == "reward dies: failed: crash (the reward process died (exit 3))"
+
+
+@reward(RewardOptions, isolation="process")
+def decorated_in_process(response, task, opts):
+    import os
+
+    return 1.0 if os.getpid() != task["parent"] else 0.0
+
+
+def test_reward_decorator_sets_the_default_isolation():
+    import os
+
+    s = spec("d", decorated_in_process)
+    assert s.isolation == "process" and spec("d", decorated_in_process, isolation="thread").isolation == "thread"
+    its = [(traj(), Rollout(response="a", task={"parent": os.getpid()}))]
+    assert score([s], its)[0].reward == 1.0  # it ran in another process
+    with pytest.raises(ValueError, match="isolation must be 'thread' or 'process', got 'fork'"):
+        reward(RewardOptions, isolation="fork")(lambda response, task, opts: 1.0)
+
+
+def proc_quarter(response, task):
+    return 0.25
+
+
+def test_reward_process_never_outlives_the_thread_that_started_it():
+    from molt_core import rewards as R
+
+    s = spec("q", proc_quarter, isolation="process")
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("out", score([s], items("a"))))
+    th.start()
+    th.join(60)
+    assert box["out"][0].reward == 0.25
+    workers = list(R._POOLS[id(proc_quarter)][1])
+    assert len(workers) == 1  # idle in the pool ...
+    t0 = time.monotonic()
+    while workers[0].alive() and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert not workers[0].alive() and workers[0].proc.returncode == -9  # ... killed with its thread (PDEATHSIG)
+    assert score([s], items("b"))[0].reward == 0.25  # a dead idle worker is replaced, not used

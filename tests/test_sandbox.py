@@ -15,7 +15,7 @@ import pytest
 
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.code import code_tests, extract_code
-from molt_plugins.sandbox import SANDBOX_UID, available_backends, get_backend, network_isolation, run_python
+from molt_plugins.sandbox import MEMORY_EXIT_CODE, RETURN_MARGIN_S, SANDBOX_UID, TESTS_UID, available_backends, get_backend, network_isolation, run_python
 
 
 def _alive(comm: str) -> list[int]:
@@ -170,19 +170,26 @@ def test_code_reward_tests_template_humaneval_style():
         code_tests("x", p, tests_template="{nope}")
 
 
-def test_code_reward_timeout_is_failed_not_zero():
+def test_code_reward_timeout_scores_zero_by_default_and_fails_only_when_asked():
+    # default limit_exceeded = "zero": a run past its limit is just a run whose tests did not complete
     t0 = time.monotonic()
-    with pytest.raises(RewardFailed) as ei:
-        code_tests("import time\ntime.sleep(20)\ndef add(a, b):\n    return a + b", TASK, timeout_s=1.0)
+    assert code_tests("import time\ntime.sleep(20)\ndef add(a, b):\n    return a + b", TASK, timeout_s=1.0) == 0.0
     assert time.monotonic() - t0 < 2.0
-    assert ei.value.reason == "timeout" and str(ei.value).startswith("failed: timeout")
-    assert code_tests("while True: pass", TASK, timeout_s=0.5, limit_exceeded="zero") == 0.0
-
-
-def test_code_reward_memory_is_failed():
+    assert code_tests("while True: pass", TASK, timeout_s=0.5) == 0.0
+    # "fail": only a timeout the supervisor saw (its wall clock) fails the trajectory
     with pytest.raises(RewardFailed) as ei:
-        code_tests("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", TASK, memory_mb=256)
-    assert ei.value.reason == "memory" and str(ei.value).startswith("failed: memory")
+        code_tests("while True: pass", TASK, timeout_s=0.5, limit_exceeded="fail")
+    assert ei.value.reason == "timeout" and str(ei.value).startswith("failed: timeout")
+
+
+def test_code_reward_memory_is_zero_never_failed():
+    # the program reports a MemoryError itself (exit code, stderr): never a failure, under either mode
+    for mode in ("zero", "fail"):
+        assert code_tests("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", TASK, memory_mb=256,
+                          limit_exceeded=mode) == 0.0
+    r = run_python("x = bytearray(2 * 1024 ** 3)\ndef add(a, b):\n    return a + b", tests="assert add(2, 3) == 5",
+                   memory_mb=256)
+    assert (r.status, r.returncode, r.timed_out, r.tests_completed) == ("memory", MEMORY_EXIT_CODE, False, False)
 
 
 def test_code_reward_network_fails(listener):
@@ -427,7 +434,10 @@ def test_code_reward_wrong_solution_cannot_end_early_with_success(solution):
 ])
 def test_code_reward_tests_see_the_real_builtins(solution):
     assert code_tests(solution, ABS_TASK) == 0.0
-    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == 1.0  # a right add still passes
+    # a right add still passes -- unless the solution wrecks its own interpreter (clears the
+    # builtins its process needs to answer the tests): then it cannot answer, 0.0
+    want = 0.0 if "clear()" in solution else 1.0
+    assert code_tests(solution.replace(WRONG, RIGHT), ABS_TASK) == want
 
 
 @pytest.mark.parametrize("extra", [
@@ -459,17 +469,27 @@ def test_tests_completed_is_the_token_and_keep_names():
     assert r.tests_completed is False
 
 
-def test_documented_residuals_of_a_hostile_solution():
-    """What remains possible in one interpreter (docs/plugins/sandbox.md): these score 1.0.
-    If one starts scoring 0.0, the hole was closed -- update the docs."""
+def test_token_theft_and_always_equal_objects_score_zero():
+    """Closed in review 11 (finding 2): the tests run in their own process, so the solution
+    holds neither the token nor its pipe, and its objects never answer the tests' ``==``."""
     steal = ("import os\ntok = b''\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
              "    try:\n        os.set_blocking(fd, False)\n        b = os.read(fd, 64)\n"
              "        tok = b if len(b) == 32 else tok\n    except OSError:\n        pass\n"
              "for fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n        os.write(fd, tok)\n"
              "    except OSError:\n        pass\nos._exit(0)\n")
-    assert code_tests(WRONG + steal, TASK) == 1.0  # reads the token pipe itself
+    assert code_tests(WRONG + steal, TASK) == 0.0  # reads every fd it has: no token among them
+    # the reviewer's scan (blocking reads on fds 3..40, token written to every fd, exit 0)
+    fdscan = ("import os\nfor t in range(3, 40):\n    try:\n        tok = os.read(t, 256)\n    except OSError:\n"
+              "        continue\n    if len(tok) == 32:\n        for d in range(3, 40):\n            try:\n"
+              "                os.write(d, tok)\n            except OSError:\n                pass\n        os._exit(0)\n")
+    assert code_tests(WRONG + fdscan, TASK, timeout_s=2.0) == 0.0
     always_equal = "class _Eq:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return _Eq()\n"
-    assert code_tests(always_equal, TASK) == 1.0  # tests that compare with == trust __eq__
+    assert code_tests(always_equal, TASK) == 0.0  # an opaque handle: equality is identity
+    sub = "class _I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\ndef add(a, b):\n    return _I(0)\n"
+    assert code_tests(sub, TASK) == 0.0  # an int subclass is no plain int either
+    patched = WRONG + "import math\nmath.isclose = lambda *a, **k: True\n"
+    assert code_tests(patched, {"tests": "import math\nassert math.isclose(add(2, 3), 5)"}) == 0.0
+    assert code_tests(patched.replace("return 0", "return a + b"), {"tests": "assert math.isclose(add(2, 3), 5)"}) == 1.0
 
 
 def test_humaneval_env_grades_through_the_token():
@@ -487,11 +507,93 @@ def test_humaneval_env_grades_through_the_token():
     assert env.score("    return 0.0\nimport os\nos._exit(0)\n", task) == 0.0
 
 
-def test_a_killed_supervisor_is_a_crash_not_a_verdict(monkeypatch):
+def test_a_killed_supervisor_scores_zero_not_crash(monkeypatch):
     if "process" not in BACKENDS or _dropped("process") or not ROOT:
         pytest.skip("only the process backend without a uid drop lets the program kill its supervisor")
-    with pytest.raises(OSError, match="supervisor did not report"):
-        run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    # the supervisor had started (it says so first): a missing verdict is the program's doing
+    r = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", backend="process")
+    assert (r.status, r.returncode, r.timed_out) == ("error", None, False)
     monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")
-    with pytest.raises(RewardFailed, match="failed: crash"):
-        code_tests("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + RIGHT, TASK)
+    kill = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+    assert code_tests(kill + WRONG, TASK) == 0.0
+    assert code_tests(kill + RIGHT, TASK) == 1.0  # the tests process still ran them all: the token decides
+
+# -- review 11, finding 3: nothing the solution controls turns its 0.0 into a failure -----------
+
+@pytest.mark.parametrize("mode", ["zero", "fail"])
+@pytest.mark.parametrize("solution", [
+    WRONG + "import sys; sys.exit(86)",                                    # the old memory exit code
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGXCPU)",   # a self-sent CPU-limit signal
+    WRONG + "import os, signal; os.kill(os.getpid(), signal.SIGXFSZ)",   # a self-sent file-size signal
+    WRONG + "import sys; sys.stderr.write('MemoryError\\n'); sys.exit(3)",  # a forged stderr line
+    "def add(a, b):\n    raise MemoryError\n",                            # raised while the tests run
+    WRONG + "print('x' * 2_000_000)",                                     # output past the cap
+    WRONG + "import sys; sys.stderr.write('[Errno 27] File too large\\n'); sys.exit(1)",
+    "x = bytearray(2 * 1024 ** 3)\n" + RIGHT,                              # a real RLIMIT_AS hit
+])
+def test_program_controlled_limits_score_zero_never_failed(solution, mode):
+    t0 = time.monotonic()
+    assert code_tests(solution, TASK, memory_mb=256, limit_exceeded=mode) == 0.0
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_self_sent_sigxcpu_is_no_timeout_but_a_real_cpu_limit_is():
+    r = run_python("import os, signal; os.kill(os.getpid(), signal.SIGXCPU)", timeout_s=5.0)
+    assert (r.status, r.returncode, r.timed_out) == ("error", -signal.SIGXCPU, False)
+    assert r.cpu_s is not None and r.cpu_s < 1.0
+    # wall deadline seen by the supervisor: attested
+    r = run_python("while True: pass", timeout_s=0.5)
+    assert (r.status, r.returncode, r.timed_out) == ("timeout", -signal.SIGKILL, True)
+
+
+def test_code_tests_runtime_bound_is_the_sandbox_limit_plus_margin():
+    from molt_core.rewards import reward_spec
+
+    assert RETURN_MARGIN_S == 15.0
+    assert reward_spec("code_tests", code_tests, {"timeout_s": 1.0}).timeout_s == 16.0
+    assert reward_spec("code_tests", code_tests, {}).timeout_s == 20.0  # default timeout_s 5 + 15
+    assert reward_spec("code_tests", code_tests, {"timeout_s": 1.0}).options == {"timeout_s": 1.0}
+
+
+# -- review 11, finding 2: the tests run in a process the solution cannot reach ---------------
+
+def test_tests_process_is_out_of_the_solutions_reach():
+    """The solution tries every other process it can see: open its fds, signal it. Under a
+    uid drop the tests run as TESTS_UID (the solution cannot signal them) and the tests process
+    is non-dumpable (no /proc/<pid>/fd, mem or ptrace)."""
+    if not ROOT or not _dropped(BACKENDS[0]):
+        pytest.skip("needs the uid drop (root caller)")
+    probe = ("import os, signal\nfds, sig = [], []\nfor d in os.listdir('/proc'):\n"
+             "    if not d.isdigit() or int(d) == os.getpid():\n        continue\n"
+             "    try:\n        fds.append((d, os.listdir('/proc/%s/fd' % d)))\n    except OSError:\n        pass\n"
+             "    try:\n        os.kill(int(d), signal.SIGSTOP)\n        sig.append(d)\n    except OSError:\n        pass\n"
+             "print('reached', fds, sig)\n")
+    r = run_python(RIGHT + probe, tests="assert add(2, 3) == 5\nimport os\nprint('tests uid', os.getuid())")
+    assert r.tests_completed is True, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["reached [] []", f"tests uid {TESTS_UID}"]
+
+
+def test_solution_objects_reach_the_tests_through_proxies():
+    sol = ("import math\nfrom math import sqrt\nfrom collections import Counter\nLIMIT = 10 ** 30\n"
+           "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+           "        self.items.append(x)\n        return len(self.items)\n    def peek(self):\n        return self.items[-1]\n"
+           "def gen(n):\n    yield from range(n)\ndef boom(x):\n    raise ValueError('bad %r' % (x,))\n"
+           "def mixed(a, *, k=1):\n    return {'t': (a, k), 's': {1, 2}, 'f': frozenset([3]), 'b': b'\\x00', 'c': 1j, 'n': None,"
+           " 'nan': float('nan'), (1, 2): [True]}\n"
+           "def counts(s):\n    return Counter(s)\ndef apply(f, x):\n    return f(x)\n")
+    tests = ("s = Stack()\nassert s.push(4) == 1 and s.push(5) == 2 and s.peek() == 5\n"
+             "assert list(gen(3)) == [0, 1, 2] and 2 in gen(3) and len(s.items) == 2\n"
+             "try:\n    boom(1)\nexcept ValueError as e:\n    assert str(e) == 'bad 1'\nelse:\n    assert False\n"
+             "m = mixed([1], k=2)\nassert m['t'] == ([1], 2) and m['s'] == {1, 2} and m['f'] == frozenset([3])\n"
+             "assert m['b'] == b'\\x00' and m['c'] == 1j and m['n'] is None and m['nan'] != m['nan'] and m[(1, 2)] == [True]\n"
+             "assert sqrt(16) == 4.0 and math.pi > 3 and LIMIT == 10 ** 30\n"
+             "assert type(counts('aab')).__name__ == 'Handle' and counts('aab')['a'] == 2\n"
+             "assert apply(sqrt, 9) == 3.0 and apply(len, [1, 2]) == 2\n"
+             "try:\n    apply(lambda x: x, 1)\nexcept TypeError:\n    pass\nelse:\n    assert False\n")
+    r = run_python(sol, tests=tests)
+    assert (r.tests_completed, r.stderr) == (True, "")
+    # integers of any size cross both ways (beyond Python's 4300-digit str limit too)
+    big = ("import math\ndef fact(n):\n    return math.factorial(n)\ndef neg(x):\n    return -x\n",
+           "import math\nassert fact(3000) == math.factorial(3000)\nassert neg(-(2 ** 20000)) == 2 ** 20000\n"
+           "assert neg(5) == -5 and neg(2 ** 62) == -(2 ** 62)")
+    assert run_python(big[0], tests=big[1]).tests_completed is True

@@ -15,10 +15,16 @@ through ``kl_as_reward``). k3 therefore evaluates the exponential only up to
 it beyond by its tangent there: ``exp(x) ~ e^B (1 + x - B)`` for ``x > B``. Exact for
 ``log r <= 20`` (a ratio of 4.85e8 -- far outside any KL a run should reach); above, k3 is
 biased low (the tangent lies below the convex exponential) and its gradient is capped at
-``e^20 - 1 = 4.85e8`` per token with the right sign (towards the reference), so the loss stays
-finite for every finite input. k1 and k2 have no exponential and need no bound (k2 of
-+100 nats is 5000). Low-precision inputs (float16/bfloat16) are computed and returned in float32,
-where ``e^20`` is finite.
+``e^20 - 1 = 4.85e8`` per token with the right sign (towards the reference). The tangent is
+linear, so it still overflows float32 far out (``log r`` ~ 7e29), and k2's square overflows at
+``|log r|`` ~ 2.6e19: every estimator therefore first clamps ``log r`` to ``[-LOG_RATIO_MAX,
+LOG_RATIO_MAX]`` (1e4 nats; no pair of finite model logprobs is that far apart in practice --
+a float32 log-softmax spans less than ~200 nats -- and beyond it the estimate is constant, its
+gradient 0). With both bounds every estimator is finite for every pair of finite inputs:
+at most ``k3(1e4) = e^20 (1 + 1e4 - 20) - 1e4 = 4.84e12``, ``k2 = 5e7``, ``|k1| = 1e4``.
+A single token far off the reference still dominates (k3 of +100 nats is 3.9e10): the bound
+keeps the step finite, not balanced. Low-precision inputs (float16/bfloat16) are computed and
+returned in float32, where ``e^20`` is finite.
 
 Use as a per-token reward penalty (``token_rewards = -kl_coef * kl_estimate(...)``, detached)
 or as a loss term (:func:`kl_loss`, aggregated like the policy loss over the global token count).
@@ -33,7 +39,10 @@ from torch import Tensor
 
 from molt_core.algo.losses import LOG_RATIO_BOUND, aggregate_tokens
 
-__all__ = ["kl_estimate", "kl_loss", "AdaptiveKLController", "LOG_RATIO_BOUND"]
+__all__ = ["kl_estimate", "kl_loss", "AdaptiveKLController", "LOG_RATIO_BOUND", "LOG_RATIO_MAX"]
+
+#: Every estimator clamps ``log r`` to ``[-LOG_RATIO_MAX, LOG_RATIO_MAX]`` nats first (module docstring).
+LOG_RATIO_MAX = 1e4
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
@@ -46,8 +55,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 
     Returns:
         ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16 inputs);
-        differentiable through both inputs; finite wherever both inputs are finite (k3 beyond
-        ``log r > LOG_RATIO_BOUND`` is the tangent continuation, see the module docstring).
+        differentiable through both inputs; finite wherever both inputs are finite (``log r``
+        clamped to +-``LOG_RATIO_MAX`` first; k3 beyond ``log r > LOG_RATIO_BOUND`` is the
+        tangent continuation, see the module docstring).
 
     Raises:
         ValueError: unknown estimator or mismatched shapes.
@@ -59,7 +69,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
         logprobs = logprobs.float()
     if ref_logprobs.dtype in (torch.float16, torch.bfloat16):
         ref_logprobs = ref_logprobs.float()
-    log_r = ref_logprobs - logprobs
+    log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":

@@ -40,8 +40,10 @@ class HumanEvalOptions(BaseModel):
       ``{task_id}``.
     * ``system_prompt`` -- optional system message.
     * ``timeout_s`` / ``memory_mb`` -- sandbox limits of one grading run.
-    * ``limit_exceeded`` -- ``fail``: a timeout / memory kill raises ``RewardFailed`` (the
-      trajectory is excluded); ``zero``: it scores 0.0.
+    * ``limit_exceeded`` -- ``zero`` (default): a run the supervisor saw pass its time limit
+      scores 0.0; ``fail``: it raises ``RewardFailed`` ``timeout`` (the trajectory is
+      excluded -- which a policy can then reach on purpose by looping). Memory / output limits
+      always score 0.0 (see :func:`molt_plugins.rewards.code.grade_tests`).
     * ``reward_weight`` -- the env's reward is ``reward_weight * score`` (0 leaves the reward
       to ``[rewards.*]`` plugins; ``score`` still drives eval pass@k).
     """
@@ -53,7 +55,7 @@ class HumanEvalOptions(BaseModel):
     system_prompt: str | None = None
     timeout_s: float = Field(10.0, gt=0)
     memory_mb: int = Field(1024, ge=64)
-    limit_exceeded: Literal["fail", "zero"] = "fail"
+    limit_exceeded: Literal["fail", "zero"] = "zero"
     reward_weight: float = 1.0
 
 

@@ -50,7 +50,7 @@ from molt_core.rewards import judge_endpoint
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.base import validate_options
 
-__all__ = ["LLMJudge", "LLMJudgeOptions", "llm_judge", "DEFAULT_RUBRIC", "DEFAULT_GROUP_RUBRIC", "DEFAULT_RANKING_RUBRIC",
+__all__ = ["LLMJudge", "LLMJudgeOptions", "whole_token", "llm_judge", "DEFAULT_RUBRIC", "DEFAULT_GROUP_RUBRIC", "DEFAULT_RANKING_RUBRIC",
            "parse_number", "rank_scores"]
 
 DEFAULT_RUBRIC = (
@@ -81,6 +81,28 @@ DEFAULT_RANKING_RUBRIC = (
 )
 
 _NUMBER = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)(?:/((?:\d+(?:\.\d*)?|\.\d+)))?")
+
+
+_NUM_TOKEN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:/(?:\d+(?:\.\d*)?|\.\d+))?")
+
+
+def whole_token(text: str, span: tuple[int, int]) -> str:
+    r"""The text of ``span`` (a pattern's capture) widened to every number token it overlaps.
+
+    A custom ``score_pattern`` such as ``Score: (\d+)`` captures only ``1`` of ``Score: 1e-1``
+    and ``0`` of ``Score: 0.9``; read alone, those would be 1 and 0. The capture is therefore
+    extended to the start and end of each number token (sign, decimals, exponent, ``/D``) it
+    overlaps or touches: ``1e-1`` and ``0.9`` are read whole, and ``Score: 6-7`` (two
+    touching tokens) becomes ``6-7``, which :func:`parse_number` refuses. A capture that cuts
+    no number is returned as is.
+    """
+    a, b = span
+    for m in _NUM_TOKEN.finditer(text, text.rfind("\n", 0, a) + 1):
+        if m.start() > b:
+            break
+        if m.end() >= a and m.end() > m.start():  # overlaps or touches the capture
+            a, b = min(a, m.start()), max(b, m.end())
+    return text[a:b]
 
 
 def parse_number(token: str, min_score: float, max_score: float) -> float:
@@ -122,8 +144,10 @@ class LLMJudgeOptions(BaseModel):
       the token is read whole by :func:`parse_number`).
     * ``min_score`` / ``max_score`` -- the rubric's range, mapped to [0, 1].
     * ``max_concurrency`` -- requests in flight per judge.
-    * ``timeout_s`` -- deadline of one score, retries included (in a recipe also the runtime's
-      bound on the reward call); ``request_timeout_s`` -- per attempt (None: ``timeout_s``).
+    * ``timeout_s`` -- deadline of one score, retries included (in a recipe the runtime bounds
+      the reward call at ``timeout_s + 2``); ``request_timeout_s`` -- per attempt (None:
+      ``timeout_s / min(3, max_retries + 1)``, so that a request that times out is retried
+      within the deadline; see :attr:`LLMJudge.request_timeout_s`).
     * ``max_retries`` / ``backoff_s`` -- retries of transient failures (429, 408, 409, 5xx,
       connection errors, request timeouts), waiting ``backoff_s * 2**k`` or ``Retry-After``.
     * ``structured`` -- ask for ``{"score": <number>}`` through a JSON-schema
@@ -320,20 +344,32 @@ class LLMJudge:
         o = self.options
         return (s - o.min_score) / (o.max_score - o.min_score)
 
+    @property
+    def request_timeout_s(self) -> float:
+        """Seconds one attempt may take: ``request_timeout_s`` when set, else ``timeout_s /
+        min(3, max_retries + 1)`` (60 s, 3 retries: 20 s), so that a timed-out request leaves
+        time for a retry within the deadline (with ``max_retries = 0`` the one attempt gets
+        all of ``timeout_s``)."""
+        o = self.options
+        return o.request_timeout_s if o.request_timeout_s is not None else o.timeout_s / min(3, o.max_retries + 1)
+
     def parse(self, text: str) -> float:
-        """The normalised score in [0, 1] of the judge's reply ``text``: the last match of
+        r"""The normalised score in [0, 1] of the judge's reply ``text``: the last match of
         ``score_pattern``, its token read whole by :func:`parse_number` (``Score: 1e-1`` is
         0.1, never 1; ``**Score:** 7``, ``Score = 7``, ``Score: 7/10``, ``Score: 7.`` read 7).
+        The capture is widened to the whole number token it cuts (:func:`whole_token`), so a
+        custom pattern such as ``Score: (\d+)`` also reads ``Score: 1e-1`` as 0.1 and
+        ``Score: 0.9`` as 0.9, and ``Score: 6-7`` is refused.
 
         Raises:
             RewardFailed: ``parse`` when there is no score, it is malformed or outside the range.
         """
         o = self.options
-        found = self._pattern.findall(text or "")
+        text = text or ""
+        found = list(self._pattern.finditer(text))
         if not found:
-            raise RewardFailed("parse", f"the judge's reply has no score matching {o.score_pattern!r}: {(text or '')[:200]!r}")
-        last = found[-1]
-        return self._normalise(parse_number(last[0] if isinstance(last, tuple) else last, o.min_score, o.max_score))
+            raise RewardFailed("parse", f"the judge's reply has no score matching {o.score_pattern!r}: {text[:200]!r}")
+        return self._normalise(parse_number(whole_token(text, found[-1].span(1)), o.min_score, o.max_score))
 
     def parse_json(self, text: str, n: int | None = None) -> float | list[float]:
         """Structured output: ``{"score": x}`` (or, with ``n``, ``{"scores": [n numbers]}``),
@@ -429,7 +465,7 @@ class LLMJudge:
                     try:
                         r = client.chat.completions.create(model=o.model, messages=msgs, temperature=o.temperature,
                                                            max_tokens=o.max_tokens,
-                                                           timeout=min(o.request_timeout_s or o.timeout_s, remaining), **extra)
+                                                           timeout=min(self.request_timeout_s, remaining), **extra)
                         return r.choices[0].message.content or ""
                     except openai.OpenAIError as e:
                         attempt += 1
@@ -512,3 +548,8 @@ def llm_judge(response: Any, task: Any, **options: Any) -> Any:
 llm_judge.Options = LLMJudgeOptions  # type: ignore[attr-defined]
 llm_judge.molt_group = lambda options: options.get("mode") == "group"  # type: ignore[attr-defined]
 llm_judge.molt_judge_session = lambda options: not options.get("base_url")  # type: ignore[attr-defined]
+#: Extra seconds the runtime allows beyond the judge's own ``timeout_s`` (its deadline, retries
+#: included): the judge's own verdict -- a score, or ``failed: timeout`` -- comes first; the
+#: runtime's bound is a backstop (an HTTP read timeout is per read, not per response).
+JUDGE_TIMEOUT_MARGIN_S = 2.0
+llm_judge.molt_timeout = lambda options: float(options.get("timeout_s", 60.0)) + JUDGE_TIMEOUT_MARGIN_S  # type: ignore[attr-defined]

@@ -43,7 +43,8 @@ def validate_options(model: type[BaseModel], options: dict[str, Any], where: str
         raise ValueError(f"invalid options: {bad}") from None
 
 
-def reward(options: type[BaseModel] = RewardOptions, *, group: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def reward(options: type[BaseModel] = RewardOptions, *, group: bool = False,
+           isolation: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator turning ``fn(response, task, opts: options) -> float`` into a registered-reward
     callable ``fn(response, task, **options) -> float`` with ``.Options = options``.
 
@@ -51,10 +52,17 @@ def reward(options: type[BaseModel] = RewardOptions, *, group: bool = False) -> 
     async too and the runtime awaits it); with ``group=True`` it is a group reward
     ``fn(responses, tasks, opts) -> list[float]``; when ``fn`` has a ``trajectory`` parameter
     (group: ``trajectories``) the runtime passes the whole :class:`molt_core.rewards.Rollout`.
-    Scores are converted with ``float`` (the runtime then rejects non-finite ones).
+    ``isolation`` (``"thread"`` / ``"process"``) sets the reward's default ``molt_isolation``
+    (see :mod:`molt_core.rewards`: use ``"process"`` for a reward that can sit in one long C
+    call, e.g. a parser run on policy-written text; a recipe's ``isolation`` overrides it).
+    Scores are returned as ``fn`` gave them, unconverted: the runtime accepts only real
+    numbers (``"0.75"`` or ``None`` fail the trajectory ``not_a_number``, NaN / inf
+    ``non_finite``) and, for a group, only a list / tuple / 1-d array of one score per response
+    (a dict fails ``bad_output``); see :func:`molt_core.rewards.as_score`.
 
-    Raises (when called):
-        ValueError: invalid options, naming ``rewards.<fn name>.<field>``.
+    Raises:
+        ValueError: (when decorating) a bad ``isolation``; (when called) invalid options,
+            naming ``rewards.<fn name>.<field>``.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,23 +74,24 @@ def reward(options: type[BaseModel] = RewardOptions, *, group: bool = False) -> 
             extra = {key: kw.pop(key)} if wants and key in kw else {}
             return validate_options(options, kw, where), extra
 
-        def convert(out: Any) -> Any:
-            return [float(x) for x in out] if group else float(out)
-
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def wrapper(response: Any, task: Any, **kw: Any) -> Any:
                 opts, extra = split(kw)
-                return convert(await fn(response, task, opts, **extra))
+                return await fn(response, task, opts, **extra)
         else:
             @functools.wraps(fn)
             def wrapper(response: Any, task: Any, **kw: Any) -> Any:  # type: ignore[misc]
                 opts, extra = split(kw)
-                return convert(fn(response, task, opts, **extra))
+                return fn(response, task, opts, **extra)
 
         wrapper.Options = options  # type: ignore[attr-defined]
         wrapper.molt_group = group  # type: ignore[attr-defined]
         wrapper.molt_trajectory = wants  # type: ignore[attr-defined]
+        if isolation is not None:
+            if isolation not in ("thread", "process"):
+                raise ValueError(f"reward({fn.__name__}): isolation must be 'thread' or 'process', got {isolation!r}")
+            wrapper.molt_isolation = isolation  # type: ignore[attr-defined]
         return wrapper
 
     return deco

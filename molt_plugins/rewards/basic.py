@@ -104,3 +104,7 @@ def regex(response: str, task: dict[str, Any], opts: RegexOptions) -> float:
     return opts.match_reward
 
 regex.molt_example = {"options": {"pattern": r"answer is (\d+)"}}  # type: ignore[attr-defined]  # molt plugins --check
+
+# ``re`` holds the GIL for a whole match: a backtracking pattern on policy-written text could
+# stall the worker beyond any thread deadline; run it in a killable reward process.
+regex.molt_isolation = "process"  # type: ignore[attr-defined]

@@ -1,9 +1,12 @@
 """Code execution reward: run the response's code against the task's tests in the sandbox.
 
-Graded on a positive signal only: the sandbox harness writes a per-run random token after the
-tests' last statement returned (:attr:`molt_plugins.sandbox.SandboxResult.tests_completed`);
-an exit status of 0 alone never passes (issue 11: ``sys.exit(0)`` after a wrong solution scored
-1.0). See ``docs/plugins/code_tests.md`` for what a hostile solution can still do.
+Graded on a positive signal only: the tests run in their own process, which never runs the
+solution's code (every solution name is a proxy to the solution's process, values cross as
+plain data), and writes a per-run random token only after the tests' last statement returned
+(:attr:`molt_plugins.sandbox.SandboxResult.tests_completed`). An exit status of 0 never passes
+(issue 11: ``sys.exit(0)`` after a wrong solution scored 1.0) and no exit status, signal,
+stderr line or output flood of the solution turns its 0.0 into a failure. See
+``docs/plugins/code_tests.md`` for what a hostile solution can still do.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pydantic import Field
 
 from molt_core.types import RewardFailed
 from molt_plugins.rewards.base import RewardOptions, reward
-from molt_plugins.sandbox import run_python
+from molt_plugins.sandbox import RETURN_MARGIN_S, run_python
 
 __all__ = ["extract_code", "code_tests", "CodeTestsOptions", "grade_tests"]
 
@@ -42,9 +45,16 @@ class CodeTestsOptions(RewardOptions):
     * ``prefix_field`` -- optional task key whose text is put before the solution (e.g. a
       function signature the response completes).
     * ``extract`` -- ``last_block`` / ``first_block`` fenced code block, or ``raw``.
-    * ``timeout_s`` (wall seconds), ``memory_mb`` (address-space cap) -- sandbox limits.
-    * ``limit_exceeded`` -- ``fail`` (default): a timeout, memory or output-limit kill
-      raises :class:`RewardFailed` and the trajectory is excluded; ``zero``: it scores 0.0.
+    * ``timeout_s`` (wall seconds), ``memory_mb`` (address-space cap) -- sandbox limits. In a
+      recipe the runtime's bound on the reward call is ``timeout_s +
+      sandbox.RETURN_MARGIN_S`` (``molt_timeout``), never the sandbox limit itself.
+    * ``limit_exceeded`` -- what a run the supervisor saw pass its time limit (wall deadline,
+      or the measured CPU time at ``RLIMIT_CPU``) scores: ``zero`` (default) 0.0, like any
+      other run whose tests did not complete; ``fail`` raises :class:`RewardFailed`
+      ``timeout`` and the trajectory is excluded from training. ``fail`` lets a policy trade
+      a 0.0 for an exclusion by looping or blocking until the deadline; use it only where
+      slow infrastructure, not the policy, is the likely cause. Memory and output limits are
+      never a failure (only the program itself reports them): 0.0.
     """
 
     tests_field: str = "tests"
@@ -53,26 +63,32 @@ class CodeTestsOptions(RewardOptions):
     extract: Literal["last_block", "first_block", "raw"] = "last_block"
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(1024, ge=16)
-    limit_exceeded: Literal["fail", "zero"] = "fail"
+    limit_exceeded: Literal["fail", "zero"] = "zero"
 
 
 def grade_tests(solution: str, tests: str, *, timeout_s: float, memory_mb: int,
-                limit_exceeded: Literal["fail", "zero"] = "fail", keep_names: tuple[str, ...] = (),
+                limit_exceeded: Literal["fail", "zero"] = "zero", keep_names: tuple[str, ...] = (),
                 label: str = "") -> float:
-    """1.0 when ``tests`` ran to completion after ``solution`` in the sandbox (the harness
-    returned the run's token), else 0.0. Shared by ``code_tests`` and the ``humaneval`` env.
+    """1.0 when ``tests`` ran to completion against ``solution`` in the sandbox (the tests
+    process returned the run's token, :attr:`SandboxResult.tests_completed`), else 0.0. Shared
+    by ``code_tests`` and the ``humaneval`` env.
+
+    Graded only on signals the solution cannot forge: the token (held by a tests process the
+    solution's code never runs in) and the supervisor's own clock. The solution's exit status,
+    signals, stderr or output size never decide anything: ``sys.exit(86)``, a self-sent
+    ``SIGXCPU``, ``raise MemoryError`` or a flood of output all score 0.0.
 
     Args:
-        solution: program text run first (as ``main.py``).
-        tests: test code run after it, in its namespace with the builtins restored.
-        timeout_s: wall seconds; memory_mb: address-space cap (MiB).
-        limit_exceeded: ``fail`` -- a timeout / memory / output-limit kill raises; ``zero``.
+        solution: program text run first (as ``main.py``), in its own process.
+        tests: test code, run in a separate process against proxies of the solution's names.
+        timeout_s: wall seconds; memory_mb: address-space cap (MiB) of each process.
+        limit_exceeded: ``zero`` -- a run past its time limit scores 0.0; ``fail`` -- it raises.
         keep_names: solution names the tests must see even if they shadow a builtin.
         label: prefix of the failure message (e.g. a task id).
 
     Raises:
-        RewardFailed: ``timeout`` / ``memory`` / ``output_limit`` (unless ``limit_exceeded =
-            "zero"``) when the tests did not complete; ``crash`` when the sandbox cannot start.
+        RewardFailed: ``timeout`` with ``limit_exceeded = "fail"`` when the supervisor saw the
+            time limit pass (``SandboxResult.timed_out``); ``crash`` when the sandbox cannot start.
     """
     try:
         res = run_python(solution, tests=tests, keep_names=keep_names, timeout_s=timeout_s, memory_mb=memory_mb)
@@ -80,9 +96,9 @@ def grade_tests(solution: str, tests: str, *, timeout_s: float, memory_mb: int,
         raise RewardFailed("crash", f"sandbox could not start: {e}") from e
     if res.tests_completed:
         return 1.0
-    if res.status in ("ok", "error") or limit_exceeded == "zero":
-        return 0.0
-    raise RewardFailed(res.status, f"{label}{': ' if label else ''}{res.reason()}")
+    if res.timed_out and limit_exceeded == "fail":
+        raise RewardFailed("timeout", f"{label}{': ' if label else ''}{res.reason()}")
+    return 0.0
 
 
 @reward(CodeTestsOptions)
@@ -93,9 +109,8 @@ def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> f
 
     Raises:
         KeyError: the task has no ``tests_field`` (or ``prefix_field``).
-        RewardFailed: ``timeout`` / ``memory`` / ``output_limit`` when the program hits a
-            sandbox limit (unless ``limit_exceeded = "zero"``); ``crash`` when the sandbox
-            could not start.
+        RewardFailed: ``timeout`` when the supervisor saw the time limit pass and
+            ``limit_exceeded = "fail"``; ``crash`` when the sandbox could not start.
     """
     for f in (None if opts.tests_template else opts.tests_field, opts.prefix_field):
         if f is not None and f not in task:
@@ -114,3 +129,7 @@ def code_tests(response: str, task: dict[str, Any], opts: CodeTestsOptions) -> f
 
 code_tests.molt_example = {  # type: ignore[attr-defined]  # molt plugins --check runs it twice
     "response": "```python\ndef add(a, b):\n    return a + b\n```", "task": {"tests": "assert add(2, 3) == 5"}}
+
+# the runtime's bound on one call: the sandbox limit plus its start-up / kill margin, so that the
+# runtime never cuts a run the sandbox would still have judged (a 0.97 s solution, timeout_s = 1)
+code_tests.molt_timeout = lambda options: CodeTestsOptions.model_validate(options).timeout_s + RETURN_MARGIN_S  # type: ignore[attr-defined]

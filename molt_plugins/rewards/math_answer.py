@@ -26,8 +26,10 @@ __all__ = ["extract_boxed", "math_equal", "math_answer", "MathAnswerOptions"]
 # ``\boxed`` / ``\fbox`` as a whole control word (not ``\boxedx``), then spaces and at most
 # one line break (TeX reads those as one space; a blank line would be a paragraph).
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*(?:\n[ \t]*)?")
-# Where a brace-less argument's math ends: closing ``$``, ``\]`` or ``\)``, a line break.
-_MATH_END = re.compile(r"\$|\\\]|\\\)|\n")
+# A brace-less argument: one word -- an optional leading control word (``\frac``), then
+# characters up to whitespace, ``$`` or the next backslash (``\]``, ``\)``, ``\quad``...);
+# sentence punctuation at its end is dropped afterwards.
+_WORD = re.compile(r"(?:\\[A-Za-z]+)?[^\s$\\]*")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -40,14 +42,17 @@ def extract_boxed(text: str) -> str | None:
       generation) gives None, never a truncated prefix of the answer.
     * brace-less ``\boxed 5`` / ``\boxed5`` / ``\fbox 5`` (legal TeX: a control word ends at
       the first non-letter, and an undelimited macro argument is the next token): the answer
-      is the rest of the math -- up to the next ``$``, ``\]``, ``\)`` or line break, or the
-      end of the text -- with trailing spaces and sentence punctuation (``.,;:``) removed
-      (nothing left: None).
-      TeX itself would box only the next token (``\boxed 42`` boxes the ``4``); the whole run
-      is taken instead, as the MATH benchmark's reference grader does (Hendrycks et al. 2021,
-      ``last_boxed_only_string`` / ``remove_boxed`` in github.com/hendrycks/math), because
-      models write ``\boxed 42`` meaning 42. ``\boxed\frac12`` therefore gives ``\frac12``
-      (math-verify reads it as 1/2). A control word such as ``\boxedx`` is no box.
+      is the one *word* that follows (an optional leading control word such as ``\frac``,
+      then everything up to the next whitespace, ``$`` or backslash -- ``\]``, ``\)``,
+      ``\quad``), with trailing sentence punctuation (``.,;:``) removed (nothing left: None;
+      a ``!`` stays, it is a factorial). So ``\boxed 4. Check: 2+3=5`` gives ``4`` and
+      ``\boxed 5 apples`` gives ``5``: prose after the box is never part of the answer.
+      TeX itself would box only the next token (``\boxed 42`` boxes the ``4``); the whole
+      word is taken instead, because models write ``\boxed 42`` meaning 42 (the MATH
+      benchmark's reference grader, Hendrycks et al. 2021, ``last_boxed_only_string`` in
+      github.com/hendrycks/math, also reads past the first digit). ``\boxed\frac12`` gives
+      ``\frac12`` (math-verify reads it as 1/2); ``\boxed x = 5`` gives ``x`` (use braces for
+      an answer with spaces). A control word such as ``\boxedx`` is no box.
 
     Examples: ``extract_boxed(r"so \boxed{\frac{1}{2}}.")`` -> ``"\frac{1}{2}"``;
     ``extract_boxed(r"so the answer is $\boxed 5$.")`` -> ``"5"``;
@@ -61,8 +66,8 @@ def extract_boxed(text: str) -> str | None:
     if start >= n:
         return None
     if text[start] != "{":
-        m = _MATH_END.search(text, start)
-        arg = text[start:m.start() if m else n].rstrip().rstrip(".,;:").rstrip()
+        m = _WORD.match(text, start)
+        arg = m.group(0).rstrip(".,;:") if m else ""
         return arg or None
     i = start = start + 1
     depth = 1
@@ -163,6 +168,12 @@ def math_answer(response: str, task: dict[str, Any], opts: MathAnswerOptions) ->
     """1.0 when the response's final answer equals ``task[answer_field]`` (math-verify),
     else 0.0. Only ``response`` (the completion) is read; the prompt never is.
 
+    In a run it executes in a reward worker process (``molt_isolation = "process"``, see
+    :mod:`molt_core.rewards`): ``timeout_s`` is math-verify's own ``SIGALRM`` limit there (the
+    process's main thread), and the runtime kills the process at ``timeout_s + 1`` s
+    (``molt_timeout``) whatever sympy is doing -- a C call holding the GIL included. Either way
+    the trajectory fails ``timeout``.
+
     Raises:
         KeyError: the task has no ``answer_field``.
         RewardFailed: see :func:`math_equal`.
@@ -178,3 +189,9 @@ def math_answer(response: str, task: dict[str, Any], opts: MathAnswerOptions) ->
     if not box:
         return 0.0
     return 1.0 if math_equal(gold, box, opts.float_rounding, opts.timeout_s) else 0.0
+
+
+# math-verify runs sympy on policy-written text: one call can sit in a C routine holding the GIL
+# (``9^{9^{9^{9}}}``), where no thread deadline can fire; run it in a killable reward process.
+math_answer.molt_isolation = "process"  # type: ignore[attr-defined]
+math_answer.molt_timeout = lambda options: MathAnswerOptions.model_validate(options).timeout_s + 1.0  # type: ignore[attr-defined]
