@@ -293,3 +293,28 @@ def test_runlog_writes_every_non_finite_float_as_null(tmp_path):
     row = json.loads(line, parse_constant=strict)
     assert row == {"step": 1, "a": None, "b": None, "c": None, "d": 1.5, "e": None, "f": [1.0, None]}
     log.close()
+
+
+def test_runlog_resume_drops_redone_steps_from_both_files(tmp_path):
+    """Issue 12 item 13: after --resume from the checkpoint of step 2, the rows of steps 3-4
+    (redone) leave metrics.jsonl *and* trajectories.jsonl; each step then appears once."""
+    import json
+
+    from molt_core.runtime import RunLog
+    from molt_core.types import Trajectory
+
+    cfg = RunConfig.model_validate({})
+    log = RunLog(tmp_path, cfg, load_plugins([]), resume_step=None)
+    for s in (1, 2, 3, 4):
+        log.log(s, {"reward/mean": float(s)})
+        log.trajectories(s, [Trajectory(rollout_id=f"r{s}", status="failed", error="x")])
+    log.close()
+    log = RunLog(tmp_path, cfg, load_plugins([]), resume_step=2)
+    for s in (3, 4):
+        log.log(s, {"reward/mean": 10.0 + s})
+        log.trajectories(s, [Trajectory(rollout_id=f"again{s}", status="failed", error="x")])
+    log.close()
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trajs = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["reward/mean"]) for m in metrics] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    assert [(t["step"], t["rollout_id"]) for t in trajs] == [(1, "r1"), (2, "r2"), (3, "again3"), (4, "again4")]

@@ -32,7 +32,8 @@ def _finite_or_none(v: Any) -> Any:
 
 class RunLog:
     """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
-    logger plugins."""
+    logger plugins. On resume from the checkpoint of step ``resume_step``, rows of both files
+    after that step are dropped (those steps are redone), so each step appears once."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig, host: PluginHost, resume_step: int | None) -> None:
         self.run_dir = run_dir
@@ -45,6 +46,12 @@ class RunLog:
                     if resume_step is None or row.get("step", 0) <= resume_step:
                         self.rows.append(row)
             self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        traj_path = run_dir / "trajectories.jsonl"
+        if resume_step is not None and traj_path.exists():
+            # a resumed run redoes the steps after its checkpoint: drop their sampled rows too
+            kept = [line for line in traj_path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            traj_path.write_text("".join(line + "\n" for line in kept))
         self.host = host
         self.loggers = []
         for name in cfg.loggers:
