@@ -161,3 +161,44 @@ def test_gae_critic_checkpoint_round_trip(tmp_path):
     Trainer(tiny_cfg(**SECTIONS)).save_checkpoint(plain, {})
     with pytest.raises(FileNotFoundError, match="no critic"):
         Trainer(tiny_cfg(**sections)).load_checkpoint(plain)
+
+
+def test_corrupt_checkpoints_are_named_and_skipped(tmp_path):
+    """Issue 12 item 12: SHA-256 per file at save; a flipped byte, a truncated file or a
+    garbage state.json raises CheckpointCorrupt naming the file; from a run directory the
+    newest intact checkpoint is used instead, and the skipped one is reported."""
+    from molt_core.train.checkpoint import CheckpointCorrupt, latest_intact_checkpoint, verify_checkpoint
+
+    tr = Trainer(tiny_cfg(**{**SECTIONS, "checkpoint": {"keep": 5}}))
+    paths = []
+    for i in range(3):
+        step(tr, i)
+        paths.append(tr.save_checkpoint(tmp_path, {"next_batch": i + 1}))
+    p1, p2, p3 = paths
+    manifest = json.loads((p3 / "checksums.json").read_text())
+    assert "model/model.safetensors" in manifest and "state.json" in manifest and "trainer_state.pt" in manifest
+    assert verify_checkpoint(p3)["step"] == 3
+    # one flipped byte in the newest weights
+    w = p3 / "model" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    w.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"step_00000003/model/model\.safetensors: SHA-256 differs"):
+        verify_checkpoint(p3)
+    # a truncated trainer state in the one before
+    st = p2 / "trainer_state.pt"
+    st.write_bytes(st.read_bytes()[:100])
+    fresh = Trainer(tiny_cfg(**SECTIONS))
+    with pytest.raises(CheckpointCorrupt, match=r"step_00000002/trainer_state\.pt: SHA-256 differs"):
+        fresh.load_checkpoint(p2)
+    ck, skipped = latest_intact_checkpoint(tmp_path)
+    assert ck == p1 and len(skipped) == 2
+    assert "model.safetensors" in skipped[0] and "trainer_state.pt" in skipped[1]
+    assert fresh.load_checkpoint(tmp_path) == {"next_batch": 1} and fresh.step == 1
+    # garbage state.json, checked even when the manifest is gone (a pre-checksum checkpoint)
+    (p1 / "checksums.json").unlink()
+    (p1 / "state.json").write_text("{not json")
+    with pytest.raises(CheckpointCorrupt, match=r"step_00000001/state\.json: unreadable"):
+        fresh.load_checkpoint(p1)
+    with pytest.raises(CheckpointCorrupt, match="no intact checkpoint"):
+        fresh.load_checkpoint(tmp_path)

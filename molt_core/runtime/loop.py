@@ -202,7 +202,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from molt_core.train import latest_checkpoint
+    from molt_core.train.checkpoint import latest_intact_checkpoint
 
     console = Console(stderr=True)
     cfg = _absolute(cfg)
@@ -228,10 +228,13 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     cursor = {"step": 0, "tasks": 0}
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt, skipped = latest_intact_checkpoint(run_dir) if resume else (None, [])
+    for why in skipped:
+        console.print(f"[bold yellow]warning:[/] skipping a corrupt checkpoint: {why}")
     if resume:
         if ckpt is None:
-            raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
+            what = "no intact checkpoint" if skipped else "no checkpoint"
+            raise FileNotFoundError(f"--resume {run_dir}: {what} in {run_dir / 'checkpoints'}")
         cursor = dict(ray.get(trainer.restore.remote(str(ckpt))))
         console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} (step {cursor['step']})")
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)

@@ -5,10 +5,18 @@ A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/``: a Hugging Face-loada
 present, ``trainer_state.pt`` (optimizers, schedulers, KL controller, RNG states) and
 ``state.json`` (step, version, data cursor). It is written into a temporary directory and
 renamed (a kill leaves the whole checkpoint or none), then pruned to ``checkpoint.keep``.
+
+Integrity: ``checksums.json`` holds the SHA-256 of every other file of the checkpoint,
+written last. :func:`verify_checkpoint` checks it (and that ``state.json`` parses) before
+anything is loaded; a truncated, missing or bit-flipped file raises
+:class:`CheckpointCorrupt` naming the file. :func:`latest_intact_checkpoint` -- what
+``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
+skipped. A checkpoint written before checksums existed is accepted unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -20,10 +28,62 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_DIR", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
+           "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 CHECKPOINT_DIR = "checkpoints"
 _CKPT_PREFIX = "step_"
+MANIFEST = "checksums.json"
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint file is missing, truncated or altered; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_manifest(d: Path) -> None:
+    files = sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST)
+    (d / MANIFEST).write_text(json.dumps({str(p.relative_to(d)): _sha256(p) for p in files}, indent=1))
+
+
+def verify_checkpoint(d: str | Path) -> dict[str, Any]:
+    """Check checkpoint directory ``d`` against its ``checksums.json`` (SHA-256 per file) and
+    parse its ``state.json``.
+
+    Returns:
+        The parsed ``state.json``.
+
+    Raises:
+        CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json``
+            or ``state.json`` is not valid JSON, or ``state.json`` lacks ``step`` / ``version``
+            -- the message names the file and says to resume from an earlier checkpoint.
+    """
+    d = Path(d)
+    fix = "resume from an earlier checkpoint (molt run --resume picks the newest intact one)"
+    if (d / MANIFEST).is_file():
+        try:
+            want = json.loads((d / MANIFEST).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointCorrupt(f"{d / MANIFEST}: not valid JSON ({e}); {fix}") from None
+        for rel, digest in want.items():
+            f = d / rel
+            if not f.is_file():
+                raise CheckpointCorrupt(f"{f}: missing from the checkpoint; {fix}")
+            if _sha256(f) != digest:
+                raise CheckpointCorrupt(f"{f}: SHA-256 differs from checksums.json (truncated or altered); {fix}")
+    try:
+        meta = json.loads((d / "state.json").read_text())
+        int(meta["step"]), int(meta["version"])
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointCorrupt(f"{d / 'state.json'}: unreadable ({type(e).__name__}: {e}); {fix}") from None
+    return meta
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -49,6 +109,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint directory of ``run_dir``, or None if there is none."""
     cks = list_checkpoints(run_dir)
     return cks[-1] if cks else None
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of ``run_dir`` that passes :func:`verify_checkpoint`, and the
+    reasons the newer ones were skipped (one message per corrupt checkpoint, naming the file).
+
+    Returns:
+        ``(path or None, skipped messages)``.
+    """
+    skipped: list[str] = []
+    for ck in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ck)
+        except CheckpointCorrupt as e:
+            skipped.append(str(e))
+            continue
+        return ck, skipped
+    return None, skipped
 
 
 def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
@@ -109,6 +187,7 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     (tmp / "state.json").write_text(json.dumps(
         {"step": trainer.step, "version": trainer.version, "data_cursor": json.loads(cursor_json),
          "time": time.time()}, indent=1))
+    _write_manifest(tmp)
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -130,13 +209,33 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
+        CheckpointCorrupt: a file of the checkpoint is missing, truncated or altered (see
+            :func:`verify_checkpoint`; given a run directory, corrupt checkpoints are skipped
+            for the newest intact one, and only raise when none is intact).
     """
     p = Path(path)
     if not (p / "state.json").is_file():
-        latest = latest_checkpoint(p)
+        latest, skipped = latest_intact_checkpoint(p)
         if latest is None:
+            if skipped:
+                raise CheckpointCorrupt(f"{p}: no intact checkpoint: " + "; ".join(skipped))
             raise FileNotFoundError(f"{p}: not a checkpoint directory and holds no checkpoints/step_* in it")
         p = latest
+    meta = verify_checkpoint(p)
+    try:
+        _load_checkpoint_files(trainer, p)
+    except (CheckpointCorrupt, FileNotFoundError):  # named already (e.g. no critic for algo 'gae')
+        raise
+    except Exception as e:  # an unverified (pre-checksum) checkpoint that does not load
+        raise CheckpointCorrupt(f"{p}: cannot be loaded ({type(e).__name__}: {e}); resume from an earlier "
+                                f"checkpoint") from e
+    trainer.step = int(meta["step"])
+    trainer.version = int(meta["version"])
+    trainer.history.clear()  # older versions' weights are not in a checkpoint
+    return meta["data_cursor"]
+
+
+def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     _load_model(trainer.model, p / "model")
     if (p / "ref").is_dir():
         if trainer.ref_model is None:
@@ -160,11 +259,6 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
         torch.cuda.set_rng_state_all(rng["cuda"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
-    meta = json.loads((p / "state.json").read_text())
-    trainer.step = int(meta["step"])
-    trainer.version = int(meta["version"])
-    trainer.history.clear()  # older versions' weights are not in a checkpoint
-    return meta["data_cursor"]
 
 
 def _save_model(model: torch.nn.Module, d: Path) -> None:
