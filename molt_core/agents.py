@@ -102,7 +102,7 @@ class AgentContext:
     anthropic_base_url: str
     api_key: str
     model: str = "policy"
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams())
 
 
 class ChatAgent(Agent):
@@ -198,7 +198,7 @@ class GymnasiumEnv(Env):
         self.eval_size = eval_size
         self.invalid_action_reward = invalid_action_reward
         if system_prompt is not None:
-            self.system_prompt = system_prompt
+            self.system_prompt = system_prompt  # type: ignore[misc]  # an instance override of the class default
 
     def tasks(self, split: str, seed: int) -> Iterator[dict[str, Any]]:
         """``{"seed": s}`` dicts: ``"train"`` endless from ``seed``, ``"eval"`` ``eval_size`` of them.

@@ -188,7 +188,7 @@ def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> Rew
     weight, timeout = table.get("weight", 1.0), table.get("timeout_s", DEFAULT_TIMEOUT_S)
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
         raise ValueError(f"rewards.{name}.weight = {weight!r}: must be a finite number (e.g. weight = 0.5)")
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < timeout < math.inf):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < float(timeout) < math.inf):
         raise ValueError(f"rewards.{name}.timeout_s = {timeout!r}: must be a positive number of seconds (e.g. timeout_s = 30)")
     model = getattr(fn, "Options", None)
     declared = set(getattr(model, "model_fields", {}) or {})
@@ -199,7 +199,7 @@ def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> Rew
     bound = getattr(fn, "molt_timeout", None)
     if callable(bound):
         timeout = bound(options)
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < timeout < math.inf):
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < float(timeout) < math.inf):
             raise ValueError(f"rewards.{name}: the reward's molt_timeout gave {timeout!r}, not a positive number of seconds")
     iso = table.get("isolation", getattr(fn, "molt_isolation", "thread"))
     if iso not in ("thread", "process"):
@@ -408,7 +408,8 @@ class _ProcessWorker:
             pass
         for f in (self.proc.stdin, self.proc.stdout):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
         try:

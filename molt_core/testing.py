@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from molt_core.engines.base import GenerationOutput
 from molt_core.identity import digest_ids
@@ -83,7 +83,8 @@ class ScriptedEngine:
             ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.stop_id]
         else:
             ids = list(reply)
-        finish, reason = "length", None
+        finish: Literal["stop", "length"] = "length"
+        reason: int | str | None = None
         stops = set(params.stop_token_ids) | {self.stop_id}
         for j, t in enumerate(ids):
             if t in stops:
@@ -299,7 +300,7 @@ def score_reward(reward: Any, responses: str | Sequence[str], tasks: dict[str, A
         name, reward = reward, load_plugins().get("rewards", reward)
     name = name or getattr(reward, "__name__", None) or type(reward).__name__
     single = isinstance(responses, str)
-    resp = [responses] if single else list(responses)
+    resp: list[str] = [responses] if isinstance(responses, str) else list(responses)
     if tasks is None or isinstance(tasks, dict):
         task_list = [dict(tasks or {}) for _ in resp]
     else:

@@ -179,7 +179,7 @@ def test_score_reward_timeout_and_bad_group_output():
     with pytest.raises(RewardCallFailed, match=r"^reward slow: failed: timeout \(no score within 0\.05 s \(rewards\.slow\.timeout_s\)\)$"):
         score_reward(slow, "x", timeout_s=0.05)
     short = group_reward(lambda rs, ts: [1.0])
-    with pytest.raises(RewardCallFailed, match="a group reward must return one score per response: 2 responses, got 1 scores"):
+    with pytest.raises(RewardCallFailed, match=r"^reward short: failed: bad_output \(a group reward must return a list of one score per response: 2 responses, got 1 scores\)$"):
         score_reward(short, ["a", "b"], name="short")
     with pytest.raises(ValueError, match=r"rewards.x.weight = inf"):
         score_reward(lambda r, t: 1.0, "a", name="x", weight=math.inf)
