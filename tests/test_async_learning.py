@@ -183,6 +183,7 @@ def _crash_resume(tmp_path, monkeypatch, newest_first: bool, staleness: int, cra
         meta = json.loads(state.read_text())
         meta["data_cursor"] = edit_cursor(meta["data_cursor"])
         state.write_text(json.dumps(meta))
+        (state.parent / "checksums.json").unlink()  # an old checkpoint: written before checksums existed
     crash["at"] = None
     main_job(cfg, load_plugins(cfg.plugins), out_dir=str(out), local=True, resume=True)
     return trained
