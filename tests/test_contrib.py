@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,14 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
 
 
+# only this package among third-party plugins: a user's own plugin (say one scaffolded with
+# `molt plugin new reward brevity`) must not clash with the example and fail these tests
+ONLY_EXAMPLE = {**os.environ, "MOLT_LOAD_PLUGINS": "molt-reward-example"}
+
+
 def _plugins_json() -> list[dict]:
     out = subprocess.run([sys.executable, "-m", "molt_core.cli", "plugins", "--json"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=ONLY_EXAMPLE)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -47,7 +53,7 @@ def test_reward_example_installed_is_listed(installed_reward_example):
 def test_reward_example_values(installed_reward_example):
     code = ("from molt_core.plugins import load_plugins; f = load_plugins().get('rewards', 'brevity'); "
             "print(f('12345678', {}, max_chars=4), f(' ab ', {}, max_chars=4), f('abcdef', {}, max_chars=3, weight=0.1))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ONLY_EXAMPLE)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0.5", "1.0", "0.05"]
 
