@@ -71,9 +71,16 @@ def main() -> None:
 @click.option("--ray-address", default=None, help="Join an existing Ray cluster instead of starting a local one.")
 @click.option("--resume", "resume", default=None, type=click.Path(), help="Continue a killed run from its directory.")
 @click.option("--local", is_flag=True, help="Run workers in this process without Ray (synchronous; for debugging).")
+@click.option("--steps", type=click.IntRange(1), default=None,
+              help="RL steps (run.steps); the SFT warm start still runs its sft.steps first.")
+@click.option("--sft-steps", type=click.IntRange(0), default=None,
+              help="SFT warm-start steps before RL (sft.steps; 0 skips the warm start).")
 def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None,
-        agent: str | None, ray_address: str | None, resume: str | None, local: bool) -> None:
-    """Train the agent of RECIPE (a TOML path or a shipped recipe name) with RL."""
+        agent: str | None, ray_address: str | None, resume: str | None, local: bool, steps: int | None,
+        sft_steps: int | None) -> None:
+    """Train the agent of RECIPE (a TOML path or a shipped recipe name) with RL.
+
+    A few steps to try a recipe: ``molt run quickstart --steps 3 --sft-steps 0``."""
     if resume:
         resume_dir = Path(resume)
         if not (resume_dir / "config.toml").is_file():
@@ -82,7 +89,11 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
         out = str(resume_dir)
     if recipe is None:
         _fail("give a RECIPE (see `molt recipes`) or --resume DIR")
-    extra = list(overrides)
+    extra = list(overrides)  # the dedicated flags win over a --set of the same field
+    if steps is not None:
+        extra.append(f"run.steps={steps}")
+    if sft_steps is not None:
+        extra.append(f"sft.steps={sft_steps}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
@@ -106,7 +117,11 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None) -> None:
     """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks ([sft] table)
     and write OUT/model, a Hugging Face directory to use as model.path."""
-    extra = list(overrides)
+    extra = list(overrides)  # the dedicated flags win over a --set of the same field
+    if steps is not None:
+        extra.append(f"run.steps={steps}")
+    if sft_steps is not None:
+        extra.append(f"sft.steps={sft_steps}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})

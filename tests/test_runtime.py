@@ -318,3 +318,26 @@ def test_runlog_resume_drops_redone_steps_from_both_files(tmp_path):
     trajs = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     assert [(m["step"], m["reward/mean"]) for m in metrics] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
     assert [(t["step"], t["rollout_id"]) for t in trajs] == [(1, "r1"), (2, "r2"), (3, "again3"), (4, "again4")]
+
+
+def test_run_steps_and_sft_steps_flags(tmp_path):
+    """`molt run RECIPE --steps N --sft-steps M` sets run.steps / sft.steps (over a --set of the
+    same field): 2 RL steps, no warm start."""
+    import json
+
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", "quickstart", "--local", "--out", str(out), "--steps", "2", "--sft-steps", "0",
+                                    "--set", "run.steps=50", "--set", "eval.n_problems=2",
+                                    "--set", "rollout.prompts_per_step=2", "--set", "rollout.n_samples_per_prompt=2"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    cfg = (out / "config.toml").read_text()
+    assert "steps = 2\n" in cfg and "steps = 0\n" in cfg and "steps = 50" not in cfg
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "0"])
+    assert res.exit_code == 2 and "--steps" in res.output
