@@ -117,11 +117,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None) -> None:
     """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks ([sft] table)
     and write OUT/model, a Hugging Face directory to use as model.path."""
-    extra = list(overrides)  # the dedicated flags win over a --set of the same field
-    if steps is not None:
-        extra.append(f"run.steps={steps}")
-    if sft_steps is not None:
-        extra.append(f"sft.steps={sft_steps}")
+    extra = list(overrides)
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
