@@ -112,20 +112,6 @@ def test_kl_loss_poisoned_token_masked_or_not_keeps_grad_finite():
         assert lp.grad[0].tolist() == pytest.approx([g / 2, (1 - math.e) / 2], rel=1e-6)
 
 
-class _BiasLM(torch.nn.Module):
-    """Logits = a bias, the same at every position (``[B, T, V]``)."""
-
-    def __init__(self, logits):
-        super().__init__()
-        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
-
-    def forward(self, input_ids, use_cache=False):
-        from types import SimpleNamespace
-
-        B, T = input_ids.shape
-        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
-
-
 def _k3(x: float) -> float:
     """k3 with the documented tangent continuation above LOG_RATIO_BOUND (float64)."""
     return math.expm1(min(x, 20.0)) + math.exp(20.0) * max(x - 20.0, 0.0) - x
@@ -138,7 +124,7 @@ def test_kl_as_reward_through_the_real_trainer_stays_finite(monkeypatch):
     import molt_core.algo.advantages as adv_mod
     from molt_core.train import Trainer
     from molt_core.types import SampledSpan, Segment, Trajectory
-    from trainer_utils import tiny_cfg
+    from trainer_utils import BiasLM, tiny_cfg
 
     seen = {}
     real = adv_mod.compute_advantages
@@ -151,7 +137,7 @@ def test_kl_as_reward_through_the_real_trainer_stays_finite(monkeypatch):
     pol, ref = [0.0, -100.0, 0.0], [0.0, 0.0, 0.0]  # token 1: -100.69 nats under the policy, -1.10 under ref
     cfg = tiny_cfg(algo={"advantage": "reinforce", "kl_coef": 0.1, "kl_as_reward": True},
                    trainer={"grad_clip": 0.0, "lr": 1e-3})
-    tr = Trainer(cfg, model=_BiasLM(pol), ref_model=_BiasLM(ref))
+    tr = Trainer(cfg, model=BiasLM(pol), ref_model=BiasLM(ref))
     lse = math.log(2 + math.exp(-100.0))
     lp_pol = [0.0 - lse, -100.0 - lse]  # tokens 0 and 1 under the policy (float64)
     lp_ref = -math.log(3.0)

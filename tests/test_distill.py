@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from molt_core.runtime import RolloutWorker
 from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
 from molt_plugins.teachers.hf_teacher import HFTeacher, check_same_vocab
-from trainer_utils import tiny_cfg
+from trainer_utils import BiasLM, tiny_cfg
 
 torch.set_num_threads(1)
 
@@ -76,17 +75,6 @@ def test_large_builtin_is_a_bigger_model_on_the_same_vocabulary():
     assert sum(p.numel() for p in m.parameters()) == 512 * 192 + 6 * per_layer + 192 == 2755392
     check_same_vocab(load_tokenizer("builtin:tiny-qwen3-large"), load_tokenizer("builtin:tiny-qwen3"))
 
-
-class BiasLM(torch.nn.Module):
-    """Logits = a learnable bias, the same at every position: ``[B, T, V]``."""
-
-    def __init__(self, logits):
-        super().__init__()
-        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
-
-    def forward(self, input_ids, use_cache=False):
-        B, T = input_ids.shape
-        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
 
 
 def test_trainer_reports_reverse_kl_by_hand():

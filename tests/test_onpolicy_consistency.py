@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,21 +19,10 @@ from molt_core.sampling import processed_logprobs
 from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
 from molt_core.version_history import VersionHistory, onpolicy_metrics, sample_rows
-from trainer_utils import tiny_cfg
+from trainer_utils import BiasLM, tiny_cfg
 
 torch.set_num_threads(1)
 
-
-class BiasLM(torch.nn.Module):
-    """Logits = a learnable bias, the same at every position: ``[B, T, V]``."""
-
-    def __init__(self, logits):
-        super().__init__()
-        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
-
-    def forward(self, input_ids, use_cache=False):
-        B, T = input_ids.shape
-        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
 
 
 def _lp(bias, tok, temperature=1.0, top_k=-1):

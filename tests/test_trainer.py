@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from molt_core.config import RunConfig
 from molt_core.models import load_model, load_tokenizer
 from molt_core.train import IngressError, Trainer, build_batch, lr_factor, token_logprobs
 from molt_core.types import SampledSpan, Segment, Trajectory
-from trainer_utils import (clone_params, record_engine_ids, resample_completions, set_behaviour, synthetic_rollouts,
+from trainer_utils import (BiasLM, clone_params, record_engine_ids, resample_completions, set_behaviour, synthetic_rollouts,
                            tiny_cfg)
 
 
@@ -30,17 +29,6 @@ def make(base, **sections) -> Trainer:
     model, tok = base
     return Trainer(tiny_cfg(**sections), model=copy.deepcopy(model), tokenizer=tok)
 
-
-class BiasLM(torch.nn.Module):
-    """Logits = a learnable bias, the same at every position: ``[B, T, V]``."""
-
-    def __init__(self, logits):
-        super().__init__()
-        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
-
-    def forward(self, input_ids, use_cache=False):
-        B, T = input_ids.shape
-        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
 
 
 def _b08_traj(rid, reward, lp=None):

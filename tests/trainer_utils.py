@@ -103,3 +103,18 @@ def resample_completions(model: torch.nn.Module, trajectories: list[Trajectory],
                     probs = processed_logprobs(logits, sp.temperature, sp.top_k, sp.top_p).exp()
                     ids[i] = int(torch.multinomial(probs, 1, generator=g))
             seg.token_ids = ids
+
+
+class BiasLM(torch.nn.Module):
+    """A stand-in causal LM for exact-value trainer tests: logits ``[B, T, V]`` float32 are a
+    learnable bias ``[V]``, the same at every position (so each token's logprob is known by hand)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float32))
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        B, T = input_ids.shape
+        return SimpleNamespace(logits=self.bias.expand(B, T, -1))
