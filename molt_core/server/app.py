@@ -284,15 +284,20 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             log.exception("internal error")
             return error(wire, WireError(500, f"internal server error: {type(e).__name__}: {e}"))
 
+    async def session_request(request: Request, sid: str, model: Any) -> tuple[Any, Any]:
+        # the session, then the body as ``model`` (a wire's request type), validated and checked
+        s = session_for(request, sid)
+        body = await body_of(request)
+        if not isinstance(body, dict):
+            raise WireError(400, "request body must be a JSON object")
+        req = model.model_validate(body)
+        req.check()
+        return s, req
+
     @app.post("/s/{sid}/v1/chat/completions")
     async def chat_completions(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s = session_for(request, sid)
-            body = await body_of(request)
-            if not isinstance(body, dict):
-                raise WireError(400, "request body must be a JSON object")
-            req = ChatCompletionRequest.model_validate(body)
-            req.check()
+            s, req = await session_request(request, sid, ChatCompletionRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
             turn = await run_turn(s, request, req.messages, req.tools_openai(), params,
                                   req.max_completion_tokens or req.max_tokens, req.allow_tool_calls)
@@ -306,12 +311,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     @app.post("/s/{sid}/v1/messages")
     async def messages(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s = session_for(request, sid)
-            body = await body_of(request)
-            if not isinstance(body, dict):
-                raise WireError(400, "request body must be a JSON object")
-            req = MessagesRequest.model_validate(body)
-            req.check()
+            s, req = await session_request(request, sid, MessagesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
             turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_tokens,
                                   req.allow_tool_calls)
@@ -324,12 +324,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     @app.post("/s/{sid}/v1/responses")
     async def responses(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s = session_for(request, sid)
-            body = await body_of(request)
-            if not isinstance(body, dict):
-                raise WireError(400, "request body must be a JSON object")
-            req = ResponsesRequest.model_validate(body)
-            req.check()
+            s, req = await session_request(request, sid, ResponsesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
             turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls)
