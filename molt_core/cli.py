@@ -255,6 +255,21 @@ def _options_brief(obj: object) -> str:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--step", type=int, default=None, help="Step to show (default: the latest step with samples).")
+@click.option("-n", "n", type=click.IntRange(1), default=4, show_default=True, help="Rollouts to show.")
+def show(run_dir: str, step: int | None, n: int) -> None:
+    """Print sampled rollouts of RUN_DIR: turns (context and response text), reward, status
+    and policy versions."""
+    from molt_core.show import show_run
+
+    try:
+        show_run(run_dir, step=step, n=n)
+    except ValueError as e:
+        _fail(str(e))
+
+
+@main.command()
 def recipes() -> None:
     """List the shipped recipes."""
     import tomllib

@@ -20,11 +20,12 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Example", "render_example", "sft", "examples_from_agent", "noisy_answer", "warm_start", "run_sft"]
+__all__ = ["Example", "render_example", "sft", "iter_sft", "examples_from_agent", "noisy_answer", "warm_start",
+           "warm_start_steps", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
@@ -80,7 +81,33 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
 def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
         log: Callable[[int, dict[str, float]], None] | None = None, warmup_steps: int = 0,
         lr_schedule: str = "constant") -> list[float]:
-    """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps.
+    """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps: all of
+    :func:`iter_sft` at once.
+
+    Args:
+        log: called as ``log(step, metrics)`` after each step (``step`` 0-based; the metrics
+            of :func:`iter_sft`).
+        others: as :func:`iter_sft`.
+
+    Returns:
+        The loss of each step (floats, nats per completion token).
+
+    Raises:
+        ValueError: as :func:`iter_sft`.
+    """
+    losses: list[float] = []
+    for step, m in enumerate(iter_sft(trainer, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                                      warmup_steps=warmup_steps, lr_schedule=lr_schedule)):
+        losses.append(m["sft/loss"])
+        if log is not None:
+            log(step, m)
+    return losses
+
+
+def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
+             warmup_steps: int = 0, lr_schedule: str = "constant") -> Iterator[dict[str, float]]:
+    """Fine-tune ``trainer.model`` on ``examples``, one optimizer step per item drawn: yields
+    each step's metrics (so a caller can show progress or stop between steps).
 
     Batches of ``batch_size`` examples are drawn without replacement from a seeded shuffle
     (reshuffled each pass); each batch is cut into micro-batches of
@@ -92,31 +119,32 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
     Args:
         trainer: a :class:`molt_core.train.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
         examples: ``(messages, completion)`` pairs.
-        steps: optimizer steps (0 returns at once).
+        steps: optimizer steps (0 yields nothing).
         batch_size: examples per step.
         lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
             lr_schedule)`` (:func:`molt_core.train.lr_factor`: linear warmup, then constant,
             linear or cosine decay to 0 at the last step).
         seed: shuffle seed.
-        log: called as ``log(step, {"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"})``.
         warmup_steps: linear-warmup steps.
         lr_schedule: ``constant``, ``linear`` or ``cosine``.
 
-    Returns:
-        The loss of each step (floats, nats per completion token).
+    Yields:
+        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (loss in
+        nats per completion token, time in seconds).
 
-    Side effects: the trainer's frozen reference (if any) is re-snapshotted to the fine-tuned
-    weights; ``trainer.version`` is unchanged (the runtime publishes the warm-started weights
-    as the initial policy).
+    Side effects: before the last step's metrics are yielded, the trainer's frozen reference
+    (if any) is re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged
+    (the runtime publishes the warm-started weights as the initial policy).
 
     Raises:
-        ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``.
+        ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
+            (raised when the first step is drawn, before any compute).
     """
     from molt_core.train import lr_factor
 
     lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
     if steps <= 0:
-        return []
+        return
     if not examples:
         raise ValueError("sft: no examples; sft.steps > 0 needs (messages, completion) pairs")
     tok = trainer.tokenizer
@@ -131,7 +159,6 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
     rng = random.Random(seed)
     order: list[int] = []
-    losses: list[float] = []
     mb = tc.micro_batch_size
     dev = trainer.device
     pad = trainer.pad_id
@@ -167,14 +194,14 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
             total += float(loss.detach())
         gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         opt.step()
-        losses.append(total)
-        if log is not None:
-            log(step, {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn),
-                       "sft/lr": step_lr, "time/step": time.perf_counter() - t0})
-    model.zero_grad(set_to_none=True)
-    if trainer.ref_model is not None:
-        trainer.reset_reference()
-    return losses
+        m = {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn), "sft/lr": step_lr,
+             "time/step": time.perf_counter() - t0}
+        if step == steps - 1:
+            model.zero_grad(set_to_none=True)
+            if trainer.ref_model is not None:
+                trainer.reset_reference()
+        yield m
+
 
 
 def noisy_answer(answer: str, rng: random.Random, pool: Sequence[str] = ()) -> str:
@@ -246,21 +273,40 @@ EXAMPLE_SEED_OFFSET = 17
 
 
 def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
-    """The recipe's SFT warm start on ``trainer``: ``sft.n_examples`` examples from ``agent``
-    (seed ``run.seed + 17``, ``sft.label_noise`` wrong), then :func:`sft` for ``sft.steps``
-    steps of ``sft.batch_size`` at ``sft.lr`` (shuffle seed ``run.seed``).
+    """The recipe's SFT warm start on ``trainer``, all steps at once (see
+    :func:`warm_start_steps`); ``log(step, metrics)`` after each step.
 
     Returns:
         Per-step losses (empty when ``sft.steps == 0``).
     """
+    losses: list[float] = []
+    for step, m in enumerate(warm_start_steps(trainer, agent)):
+        losses.append(m["sft/loss"])
+        if log is not None:
+            log(step, m)
+    return losses
+
+
+def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
+    """The recipe's SFT warm start on ``trainer``, one step per item: ``sft.n_examples``
+    examples from ``agent`` (seed ``run.seed + 17``, ``sft.label_noise`` wrong), then
+    :func:`iter_sft` for ``sft.steps`` steps of ``sft.batch_size`` at ``sft.lr`` (shuffle
+    seed ``run.seed``). The examples are drawn at once (errors surface here, before any step).
+
+    Returns:
+        An iterator of per-step metrics (empty when ``sft.steps == 0``).
+
+    Raises:
+        ValueError: as :func:`examples_from_agent`.
+    """
     cfg = trainer.cfg
     s = cfg.sft
     if s.steps <= 0:
-        return []
+        return iter(())
     examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
                                    label_noise=s.label_noise)
-    return sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed, log=log,
-               warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
+    return iter_sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed,
+                    warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
 
 
 def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:
@@ -281,6 +327,9 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     from datetime import datetime
     from pathlib import Path
 
+    from rich.console import Console
+
+    from molt_core.progress import step_progress
     from molt_core.runtime import load_agent
     from molt_core.train import Trainer
 
@@ -292,12 +341,12 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     cfg.write(out / "config.toml")
     agent = load_agent(cfg, host)
     trainer = Trainer(cfg)
-    with open(out / "sft_metrics.jsonl", "w") as f:
-        def log(step: int, m: dict[str, float]) -> None:
+    with open(out / "sft_metrics.jsonl", "w") as f, \
+            step_progress(Console(stderr=True), "molt sft", cfg.sft.steps) as update:
+        for step, m in enumerate(warm_start_steps(trainer, agent)):
             f.write(json.dumps({"step": step, **m}) + "\n")
             f.flush()
-
-        warm_start(trainer, agent, log=log)
+            update(step + 1, f"loss {m['sft/loss']:.3f}")
     trainer.model.save_pretrained(out / "model", safe_serialization=True)
     if trainer.tokenizer is not None:
         trainer.tokenizer.save_pretrained(out / "model")

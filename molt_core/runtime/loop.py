@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
 import time
 from collections import deque
 from datetime import datetime
@@ -18,6 +17,7 @@ from typing import Any
 from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost
 from molt_core.rewards import component_metrics
+from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards, load_agent
 from molt_core.tasks import TaskStream, check_train_split
@@ -79,25 +79,6 @@ def _absolute(cfg: RunConfig) -> RunConfig:
     if isinstance(tpath, str) and not tpath.startswith("builtin:") and Path(tpath).exists():
         teacher = teacher.model_copy(update={"options": {**teacher.options, "path": str(Path(tpath).resolve())}})
     return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model, "teacher": teacher})
-
-
-def _init_ray(cfg: RunConfig, ray_address: str | None):
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    if ray.is_initialized():
-        return ray
-    env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.run.threads), "TOKENIZERS_PARALLELISM": "false",
-                        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}}
-    if ray_address:
-        ray.init(address=ray_address, runtime_env=env, log_to_driver=True, logging_level="warning")
-    else:
-        need = cfg.trainer.num_cpus + cfg.engine.num_cpus * cfg.engine.num_engines
-        # address="local": always a fresh cluster, never a stale one left by `ray start`
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, runtime_env=env,
-                 log_to_driver=True, logging_level="warning")
-    return ray
 
 
 class _Local:
@@ -180,6 +161,65 @@ def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> li
             out.append((idx, task, stream.epoch))
     return out
 
+#: eval metrics summed over workers (the others are task-weighted means)
+_EVAL_COUNTS = ("eval/failed", "eval/rollouts")
+
+
+def _eval_summary(m: dict[str, float]) -> str:
+    """``pass@1 0.250`` -- or, when eval rollouts failed, how many: ``all 32 eval rollouts
+    failed (no pass@1)`` / ``pass@1 0.250 (3 of 32 eval rollouts failed, counted unsolved)``."""
+    failed, n = int(m.get("eval/failed") or 0), int(m.get("eval/rollouts") or 0)
+    p1 = m.get("eval/pass@1")
+    if failed and n and failed >= n:
+        return f"all {n} eval rollouts failed (no pass@1)"
+    text = f"pass@1 {p1:.3f}" if p1 is not None else "pass@1 -"
+    if failed:
+        text += f" ({failed} of {n} eval rollouts failed, counted unsolved)" if n else f" ({failed} eval rollouts failed)"
+    return text
+
+
+def _no_checkpoint_message(run_dir: Path, cfg: RunConfig, corrupt: bool) -> str:
+    """What ``--resume`` says when ``run_dir`` holds no usable checkpoint, and what to do."""
+    what = "no intact checkpoint" if corrupt else "no checkpoint"
+    first = ("after the SFT warm start, " if cfg.sft.steps > 0 else "") + (
+        f"every checkpoint.every = {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the last step")
+    return (f"--resume {run_dir}: {what} in {run_dir / 'checkpoints'} (the run stopped before its first checkpoint, "
+            f"written {first}); nothing to resume. Start it again in a new run directory: "
+            f"molt run {run_dir / 'config.toml'}")
+
+
+def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any, step_progress: Any) -> None:
+    """The SFT warm start on the trainer actor, drawn in chunks so the console shows a bar
+    with rate and ETA; then a checkpoint at step 0 (``checkpoints/step_00000000``, same
+    checksum manifest as every checkpoint) so ``--resume`` skips it."""
+    total = int(ray.get(trainer.sft_begin.remote()))
+    chunk = max(1, total // 100)
+    first = last = float("nan")
+    done = 0
+    with step_progress(console, "SFT warm start", total) as update:
+        while done < total:
+            ms = ray.get(trainer.sft_next.remote(min(chunk, total - done)))
+            if not ms:
+                break
+            if done == 0:
+                first = ms[0]["sft/loss"]
+            done += len(ms)
+            last = ms[-1]["sft/loss"]
+            update(done, f"loss {last:.3f}")
+    console.print(f"SFT warm start: loss {first:.3f} -> {last:.3f}", highlight=False)
+    ray.get(trainer.save.remote(str(run_dir), {"step": 0, "tasks": 0, "untrained": []}))
+
+
+def _driver_tokenizer(cfg: RunConfig) -> Any:
+    """The model's tokenizer in the driver (to decode sampled trajectories for display), or
+    None when it cannot be loaded (the rows then keep token ids only)."""
+    from molt_core.models import load_tokenizer
+
+    try:
+        return load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
+    except (OSError, ValueError, ImportError):
+        return None
+
 
 def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
              resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
@@ -202,6 +242,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from molt_core.progress import step_progress
     from molt_core.train.checkpoint import latest_intact_checkpoint
 
     console = Console(stderr=True)
@@ -209,14 +250,20 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     # validate everything a worker will build before any compute starts
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     agent_name = cfg.agent.name or cfg.agent.path
     check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
     eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
+    ckpt, skipped = latest_intact_checkpoint(run_dir) if resume else (None, [])
+    for why in skipped:
+        console.print(f"[bold yellow]warning:[/] skipping a corrupt checkpoint: {why}")
+    if resume and ckpt is None:  # say so before Ray starts
+        raise FileNotFoundError(_no_checkpoint_message(run_dir, cfg, bool(skipped)))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
-    ray = _Local() if local else _init_ray(cfg, ray_address)
+    ray = _Local() if local else init_ray(cfg, ray_address)
     cfg_dict = cfg.model_dump(by_alias=True)
     t_start = time.perf_counter()
     Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
@@ -228,20 +275,13 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     cursor = {"step": 0, "tasks": 0}
-    ckpt, skipped = latest_intact_checkpoint(run_dir) if resume else (None, [])
-    for why in skipped:
-        console.print(f"[bold yellow]warning:[/] skipping a corrupt checkpoint: {why}")
-    if resume:
-        if ckpt is None:
-            what = "no intact checkpoint" if skipped else "no checkpoint"
-            raise FileNotFoundError(f"--resume {run_dir}: {what} in {run_dir / 'checkpoints'}")
+    if ckpt is not None:
         cursor = dict(ray.get(trainer.restore.remote(str(ckpt))))
-        console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} (step {cursor['step']})")
+        what = "the SFT warm start" if cursor["step"] == 0 else f"step {cursor['step']}"
+        console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} ({what})")
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
     if not resume and cfg.sft.steps > 0:
-        with console.status(f"SFT warm start: {cfg.sft.steps} steps"):
-            sft_m = ray.get(trainer.sft.remote())
-        console.print(f"SFT warm start: loss {sft_m['sft/loss_first']:.3f} -> {sft_m['sft/loss_last']:.3f}")
+        _warm_start(ray, trainer, run_dir, console, step_progress)
 
     def publish() -> int:
         # two object refs, resolved inside each worker: weights never pass through the driver
@@ -258,8 +298,26 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         shards = [eval_tasks[i::len(workers)] for i in range(len(workers))]
         res = ray.get([w.evaluate.remote(s, cfg.eval.k, cfg.eval.temperature) for w, s in zip(workers, shards) if s])
         sizes = [len(s) for s in shards if s]
-        return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
-                for k in res[0]}
+        m = {k: sum(r[k] for r in res) if k in _EVAL_COUNTS else sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes)
+             for k in res[0]}
+        if m.get("eval/failed"):
+            say_first_failure()
+        return m
+
+    said_failure = False
+
+    def say_first_failure() -> None:
+        # the traceback of the first rollout whose agent raised, once per run; later failures
+        # stay one line (the step warnings, rollout/failed and eval/failed in metrics.jsonl)
+        nonlocal said_failure
+        if said_failure:
+            return
+        tb = next((t for t in ray.get([w.failure.remote() for w in workers]) if t), None)
+        if tb:
+            said_failure = True
+            console.print("[bold red]a rollout failed[/] (its traceback, shown once; later failures are counted in "
+                          "rollout/failed and eval/failed):")
+            console.print(tb.rstrip(), markup=False, highlight=False)
 
     # the data cursor: "tasks" = tasks drawn from the stream (its position), "untrained" = the
     # stream indices of launched groups not yet trained (still in flight at the checkpoint).
@@ -272,11 +330,11 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     epoch_of: dict[Any, int] = {}  # group ref -> epoch over the train split of its task
     index_of: dict[Any, int] = {}  # group ref -> index of its task in the stream
     start_step = cursor["step"]
-    if start_step == 0:
+    if start_step == 0 and not any(r.get("step") == 0 for r in log.rows):  # not redone on a resume
         m0 = evaluate()
         if m0:
             log.log(0, {"policy_version": float(version), **m0})
-            console.print(f"eval at start: pass@1 {m0['eval/pass@1']:.3f}")
+            console.print(f"eval at start: {_eval_summary(m0)}", highlight=False)
 
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
     # in flight: one object ref per group, oldest launch first, with the policy version it started at
@@ -322,6 +380,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     last_eval: dict[str, float] = {}
     skipped_steps = 0
+    tokenizer: Any = False  # for the decoded text of sampled trajectories (display only), loaded at first use
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
@@ -336,6 +395,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             start_lag = max(version - v for v, _ in started) if started else 0
             t1 = time.perf_counter()
             trajs, rm = assemble_batch(groups, cfg.rollout.dynamic_filter, list(cfg.rewards))
+            if rm["rollout/failed"]:
+                say_first_failure()
             for g in groups:
                 for t in g.trajectories:
                     host.on_trajectory(t)
@@ -367,7 +428,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 metrics.update(last_eval)
             log.log(s1, metrics)
             if s1 == 1 or s1 % 10 == 0:
-                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories])
+                if tokenizer is False:
+                    tokenizer = _driver_tokenizer(cfg)
+                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories], tokenizer)
             if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
                 # groups in flight now are relaunched first after a resume (each task trained once)
                 pending = sorted([index_of[r] for _, r in inflight] + [j for j, _, _ in redo])
@@ -376,7 +439,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 log.plot()
             info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
             if last_eval:
-                info += f"  eval pass@1 {last_eval.get('eval/pass@1', float('nan')):.3f}"
+                info += f"  eval {_eval_summary(last_eval)}"
             progress.update(bar, advance=1, info=info)
     log.plot()
     log.close()
@@ -387,7 +450,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     first = next((r for r in log.rows if r.get("eval/pass@1") is not None), None)
     final = next((r for r in reversed(log.rows) if r.get("eval/pass@1") is not None), None)
     if first and final:
-        console.print(f"eval pass@1 (held-out, T={cfg.eval.temperature}): {first['eval/pass@1']:.3f} -> {final['eval/pass@1']:.3f}")
+        console.print(f"eval pass@1 (held-out, T={cfg.eval.temperature}): {first['eval/pass@1']:.3f} -> {final['eval/pass@1']:.3f}"
+                      + (f" ({int(final['eval/failed'])} of {int(final['eval/rollouts'])} eval rollouts failed at the end)"
+                         if final.get("eval/failed") and final.get("eval/rollouts") else ""), highlight=False)
     console.print(f"run directory: {run_dir}  ({time.perf_counter() - t_start:.0f} s)")
     ray.shutdown()  # stops a cluster we started; only disconnects from a joined one
     return run_dir

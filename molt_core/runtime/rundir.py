@@ -12,7 +12,7 @@ from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost
 from molt_core.types import Trajectory
 
-__all__ = ["RunLog"]
+__all__ = ["RunLog", "decode_turns", "sample_row"]
 
 
 def _finite_or_none(v: Any) -> Any:
@@ -28,6 +28,51 @@ def _finite_or_none(v: Any) -> Any:
         x = v.item()
         return None if isinstance(x, float) and not math.isfinite(x) else x
     return v
+
+
+def decode_turns(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
+    """The turns of ``traj`` as text, for display (training never reads it): each segment
+    is cut into runs of context tokens (``loss_mask`` False: prompt, template, tool results)
+    and of sampled tokens; a turn is one context run and the sampled run after it.
+
+    Returns:
+        One dict per turn: ``segment`` (index), ``context`` and ``response`` (decoded with
+        special tokens kept, so template and stop tokens show), ``versions`` (``[min, max]``
+        policy version of the response's tokens, or None when it has none).
+    """
+    turns: list[dict[str, Any]] = []
+    for si, seg in enumerate(traj.segments):
+        ctx: list[int] = []
+        resp: list[int] = []
+        vers: list[int] = []
+
+        def flush() -> None:
+            if ctx or resp:
+                turns.append({"segment": si, "context": tokenizer.decode(ctx, skip_special_tokens=False),
+                              "response": tokenizer.decode(resp, skip_special_tokens=False),
+                              "versions": [min(vers), max(vers)] if vers else None})
+
+        for tid, sampled, v in zip(seg.token_ids, seg.loss_mask, seg.versions):
+            if not sampled and resp:  # a new context run closes the turn
+                flush()
+                ctx, resp, vers = [], [], []
+            if sampled:
+                resp.append(tid)
+                if v is not None:
+                    vers.append(v)
+            else:
+                ctx.append(tid)
+        flush()
+    return turns
+
+
+def sample_row(traj: Trajectory, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The row handed to logger plugins' ``log_samples``: exactly ``{"prompt": str,
+    "completion": str, "reward": float, "status": str}`` -- the first context, the last
+    response (``""`` when none), the reward (NaN when unscored, e.g. failed) and ``ok`` /
+    ``failed``."""
+    return {"prompt": turns[0]["context"] if turns else "", "completion": turns[-1]["response"] if turns else "",
+            "reward": float(traj.reward) if traj.reward is not None else float("nan"), "status": str(traj.status)}
 
 
 class RunLog:
@@ -74,10 +119,24 @@ class RunLog:
         self.host.on_step_end(step, metrics)
 
     def trajectories(self, step: int, trajs: list[Trajectory], tokenizer: Any = None) -> None:
-        """Append a sample of trajectories (JSON) to ``trajectories.jsonl``."""
+        """Append a sample of trajectories to ``trajectories.jsonl``: per row ``step``, the
+        trajectory's JSON and, given a ``tokenizer``, ``turns`` (:func:`decode_turns`: the
+        decoded context and response of each turn; for display -- ``molt show`` -- never read
+        by training). Each logger plugin with a ``log_samples(step, rows)`` method gets rows
+        of :func:`sample_row` (only when decoded text exists). The trajectories are not changed.
+        """
+        samples: list[dict[str, Any]] = []
         with (self.run_dir / "trajectories.jsonl").open("a") as f:
             for t in trajs:
-                f.write(json.dumps({"step": step, **t.model_dump(mode="json")}) + "\n")
+                row = {"step": step, **t.model_dump(mode="json")}
+                if tokenizer is not None:
+                    row["turns"] = decode_turns(t, tokenizer)
+                    samples.append(sample_row(t, row["turns"]))
+                f.write(json.dumps(_finite_or_none(row)) + "\n")
+        if samples:
+            for lg in self.loggers:
+                if hasattr(lg, "log_samples"):
+                    lg.log_samples(step, samples)
 
     def plot(self) -> Path | None:
         """Redraw ``reward.png``: mean reward per step (and 20-step moving average) and eval

@@ -14,6 +14,7 @@ import asyncio
 import contextvars
 import math
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ class RolloutWorker:
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
+        self.first_failure: str | None = None  # traceback of the first rollout whose agent raised
         if self.rewards.wants_judge_session:
             self._server()  # judges asking the run's own engine get one loopback session per call
         from molt_core.ledger import Ledger
@@ -263,7 +265,11 @@ class RolloutWorker:
         except RewardFailed as e:
             return Trajectory(group_id=group_id, task=task, status="failed", error=f"reward failed: {e}"), None
         except Exception as e:  # the agent raised: that rollout fails, the run continues
-            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}"), None
+            tb = "".join(traceback.format_exception(e))
+            if self.first_failure is None:
+                self.first_failure = tb
+            return Trajectory(group_id=group_id, task=task, status="failed", error=f"{type(e).__name__}: {e}",
+                              info={"traceback": tb}), None
         ledger = next((lg for lg in seen["ledgers"] if lg.rollout_id == traj.rollout_id), None)
         messages = seen["messages"] if seen["messages"] is not None else (ledger.history if ledger is not None else [])
         if not traj.segments or traj.num_sampled == 0:
@@ -313,8 +319,9 @@ class RolloutWorker:
 
     async def evaluate(self, tasks: list[dict], k: int, temperature: float) -> dict[str, float]:
         """Sample ``k`` rollouts per task at ``temperature`` (no training); returns
-        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
-        ``eval/failed``."""
+        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator; a failed rollout counts as not
+        solved), ``eval/reward`` (over finished rollouts), ``eval/failed`` (failed rollouts) and
+        ``eval/rollouts`` (``len(tasks) * k``)."""
         params = _sampling(self.cfg, self._stop_ids, temperature=temperature)
         per_task = await asyncio.gather(*(self._group(t, new_id("eval"), params, k) for t in tasks))
         trajs = [t for ts in per_task for t in ts]
@@ -327,13 +334,18 @@ class RolloutWorker:
             rewards += [t.reward for t in ts if t.status == "ok" and t.reward is not None]
             failed += sum(t.status != "ok" for t in ts)
         out = {"eval/pass@1": sum(p1) / max(1, len(p1)), f"eval/pass@{k}": sum(pk) / max(1, len(pk)),
-               "eval/reward": sum(rewards) / max(1, len(rewards)), "eval/failed": float(failed)}
+               "eval/reward": sum(rewards) / max(1, len(rewards)), "eval/failed": float(failed),
+               "eval/rollouts": float(len(trajs))}
         return out
 
     async def load_weights(self, state: dict, version: int) -> int:
         """Hand new weights to the engine (applied between decode steps); returns ``version``."""
         await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, state, version)
         return version
+
+    def failure(self) -> str | None:
+        """The traceback of the first rollout on this worker whose agent raised, or None."""
+        return self.first_failure
 
     def load(self) -> int:
         """Rollouts in flight on this worker (the router's load measure)."""
@@ -373,22 +385,40 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg)
 
     def sft(self) -> dict[str, float]:
-        """Warm start: :func:`molt_core.sft.warm_start` -- the same computation as ``molt sft``
-        (``sft.steps`` of supervised fine-tuning on the agent's train tasks, ``sft.label_noise``
-        of the targets deliberately wrong, ``run.threads`` torch threads). Returns first/last loss."""
-        from molt_core.sft import warm_start
+        """Warm start, all steps in one call: :meth:`sft_begin` then :meth:`sft_next` until done.
+        Returns the first/last loss (``sft/loss_first``, ``sft/loss_last``; NaN with no step)."""
+        total = self.sft_begin()
+        ms = self.sft_next(total)
+        return {"sft/loss_first": ms[0]["sft/loss"] if ms else float("nan"),
+                "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
-        s = self.cfg.sft
-        host = load_plugins(self.cfg.plugins)
-        agent = load_agent(self.cfg, host)
-        every = max(1, s.steps // 8)
+    def sft_begin(self) -> int:
+        """Prepare the warm start: :func:`molt_core.sft.warm_start_steps` -- the same
+        computation as ``molt sft`` (``sft.steps`` of supervised fine-tuning on the agent's
+        train tasks, ``sft.label_noise`` of the targets deliberately wrong, ``run.threads``
+        torch threads). Returns the number of steps to run with :meth:`sft_next`.
 
-        def progress(step: int, m: dict[str, float]) -> None:
-            if (step + 1) % every == 0:
-                print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
+        Raises:
+            ValueError: the agent cannot be built or its tasks have no answers.
+        """
+        from molt_core.sft import warm_start_steps
 
-        losses = warm_start(self.trainer, agent, log=progress)
-        return {"sft/loss_first": losses[0] if losses else float("nan"), "sft/loss_last": losses[-1] if losses else float("nan")}
+        agent = load_agent(self.cfg, load_plugins(self.cfg.plugins))
+        self._sft = warm_start_steps(self.trainer, agent)
+        return max(0, self.cfg.sft.steps)
+
+    def sft_next(self, k: int) -> list[dict[str, float]]:
+        """Run up to ``k`` more warm-start steps (the driver draws them in chunks to show a
+        progress bar); returns their metrics (``sft/loss``, ...; fewer than ``k`` at the end).
+
+        Raises:
+            RuntimeError: :meth:`sft_begin` was not called.
+        """
+        import itertools
+
+        if getattr(self, "_sft", None) is None:
+            raise RuntimeError("sft_next before sft_begin")
+        return list(itertools.islice(self._sft, max(0, k)))
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One optimizer step; returns the trainer's metrics and ``policy_version``."""
