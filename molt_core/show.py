@@ -64,6 +64,16 @@ def _versions(row: dict[str, Any]) -> str:
     return str(min(vs)) if min(vs) == max(vs) else f"{min(vs)}-{max(vs)}"
 
 
+def _task_line(task: dict[str, Any]) -> str:
+    """``task: answer=...`` (its ``answer`` / ``id`` fields when present: the prompt is in the
+    turns), else its JSON cut at 200 characters."""
+    keys = [k for k in ("id", "answer") if k in task]
+    if keys:
+        return "task: " + "  ".join(f"{k}={json.dumps(task[k], ensure_ascii=False)[:100]}" for k in keys)
+    text = json.dumps(task, ensure_ascii=False)
+    return f"task: {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
 def _tokenizer_of(run_dir: Path) -> Any:
     """The tokenizer of the run's model (from ``config.toml``), or None when it cannot load."""
     try:
@@ -98,7 +108,7 @@ def show_run(run_dir: str | Path, step: int | None = None, n: int = 4, console: 
         ValueError: see :func:`load_rows` and :func:`pick_step`.
     """
     run_dir = Path(run_dir)
-    console = console or Console()
+    console = console or Console(soft_wrap=True)  # long lines stay whole (no hard wrap at the width)
     rows = load_rows(run_dir)
     step = pick_step(rows, step)
     picked = [r for r in rows if int(r.get("step", 0)) == step][:n]
@@ -113,8 +123,7 @@ def show_run(run_dir: str | Path, step: int | None = None, n: int = 4, console: 
         head += f"  versions {_versions(r)}" + ("  truncated" if r.get("truncated") else "")
         console.print(Rule(Text(head), align="left"))
         if r.get("task"):
-            task = json.dumps(r["task"], ensure_ascii=False)
-            console.print(Text(f"task: {task[:300]}{'...' if len(task) > 300 else ''}", style="dim"))
+            console.print(Text(_task_line(r["task"]), style="dim"))
         turns = _turns(r, tokenizer)
         if turns is None:
             n_tok = sum(len(s.get("token_ids", [])) for s in r.get("segments", []))
