@@ -245,7 +245,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     from molt_core.progress import step_progress
     from molt_core.train.checkpoint import latest_intact_checkpoint
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
     cfg = _absolute(cfg)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
