@@ -68,7 +68,9 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
 @click.option("--out", "out", default=None, help="Run directory (default runs/<recipe>-<time>).")
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent to train.")
-@click.option("--ray-address", default=None, help="Join an existing Ray cluster instead of starting a local one.")
+@click.option("--ray-address", default=None,
+              help="Join an existing Ray cluster instead of starting a local one (with Ray token authentication: "
+                   "set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token, or RAY_AUTH_MODE=disabled).")
 @click.option("--resume", "resume", default=None, type=click.Path(), help="Continue a killed run from its directory.")
 @click.option("--local", is_flag=True, help="Run workers in this process without Ray (synchronous; for debugging).")
 @click.option("--steps", type=click.IntRange(1), default=None,

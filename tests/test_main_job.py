@@ -58,6 +58,9 @@ def test_chat_recipe_trains_async(tmp_path):
     steps = check_invariants(rows(out), 1)
     assert len(steps) == 3
     assert all(s["rollout/failed"] == 0 for s in steps)
+    # console (issue 13 item 7): the run directory first, no Ray auth warning, no ANSI codes in a redirected log
+    assert r.stderr.splitlines()[0] == f"run directory: {out.resolve()}"
+    assert "Token authentication" not in r.stderr and "\x1b[" not in r.stderr + r.stdout
 
 
 def test_kill_9_then_resume_continues(tmp_path):

@@ -184,3 +184,10 @@ def test_in_run_warm_start_is_molt_sft(tmp_path):
     assert all(torch.equal(standalone[k], in_run[k]) for k in standalone)
     first = json.loads((out / "sft_metrics.jsonl").read_text().splitlines()[0])
     assert m["sft/loss_first"] == first["sft/loss"]
+    # molt run draws the warm start in chunks (for its progress bar): the same computation
+    chunked = TrainerWorker(cfg)
+    assert chunked.sft_begin() == 4
+    got = [len(chunked.sft_next(3)), len(chunked.sft_next(3)), len(chunked.sft_next(3))]
+    assert got == [3, 1, 0]
+    state = chunked.trainer.model.state_dict()
+    assert all(torch.equal(standalone[k], state[k]) for k in standalone)
