@@ -16,6 +16,7 @@ from typing import Any
 
 from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost
+from molt_core.progress import step_progress
 from molt_core.rewards import component_metrics
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog
@@ -161,6 +162,7 @@ def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> li
             out.append((idx, task, stream.epoch))
     return out
 
+
 #: eval metrics summed over workers (the others are task-weighted means)
 _EVAL_COUNTS = ("eval/failed", "eval/rollouts")
 
@@ -188,7 +190,7 @@ def _no_checkpoint_message(run_dir: Path, cfg: RunConfig, corrupt: bool) -> str:
             f"molt run {run_dir / 'config.toml'}")
 
 
-def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any, step_progress: Any) -> None:
+def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
     """The SFT warm start on the trainer actor, drawn in chunks so the console shows a bar
     with rate and ETA; then a checkpoint at step 0 (``checkpoints/step_00000000``, same
     checksum manifest as every checkpoint) so ``--resume`` skips it."""
@@ -226,8 +228,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     """Run RL training end to end; returns the run directory. ``local`` runs the rollout
     worker and trainer in this process without Ray (synchronous; debugging and tests).
 
-    Writes ``config.toml``, ``metrics.jsonl`` (one row per step), ``trajectories.jsonl``
-    (a sample), ``checkpoints/`` and ``reward.png``. With ``resume`` it continues from the
+    Prints the run directory first. Writes ``config.toml``, ``metrics.jsonl`` (one row per
+    step), ``trajectories.jsonl`` (a sample, with decoded text), ``checkpoints/`` (the SFT warm
+    start as ``step_00000000``, so a resume skips it) and ``reward.png``. With ``resume`` it continues from the
     run directory's latest checkpoint: weights, optimizer, RNG, version and data cursor.
     The cursor (``{"step", "tasks", "untrained"}``) records the stream position and the
     stream indices of groups launched but not yet trained at the checkpoint (in flight in an
@@ -237,12 +240,14 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     Raises:
         ValueError: bad agent configuration (before any compute).
-        FileNotFoundError: ``resume`` without a checkpoint.
+        FileNotFoundError: ``resume`` without a checkpoint (raised before Ray starts; the
+            message says how to start the run again).
+        ClusterAuthError: joining a cluster without its token
+            (:func:`molt_core.runtime.raycluster.prepare_auth`).
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from molt_core.progress import step_progress
     from molt_core.train.checkpoint import latest_intact_checkpoint
 
     console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
@@ -281,7 +286,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} ({what})")
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
     if not resume and cfg.sft.steps > 0:
-        _warm_start(ray, trainer, run_dir, console, step_progress)
+        _warm_start(ray, trainer, run_dir, console)
 
     def publish() -> int:
         # two object refs, resolved inside each worker: weights never pass through the driver
