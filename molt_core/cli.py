@@ -134,9 +134,11 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
 @click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.conformance); exit 1 if one fails.")
-def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
-    """List installed plugins: distribution, version, hooks and registered names (sandbox
-    backends with which one is active here). With --check, check every plugin instead."""
+@click.option("--verbose", "-v", "verbose", is_flag=True, help="The full table: hooks and every option of every name.")
+def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) -> None:
+    """List installed plugins: each registered name with a one-line summary, by kind, and the
+    plugins providing them (sandbox backends with which one is active here). --verbose adds
+    hooks and options; --json gives everything. With --check, check every plugin instead."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
@@ -156,19 +158,36 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
             rows.append(d)
         click.echo(json.dumps(rows, indent=2))
         return
+    if not verbose:
+        import shutil
+
+        from molt_core.plugin_listing import compact_lines
+
+        click.echo("\n".join(compact_lines(host, shutil.get_terminal_size((80, 24)).columns)))
+        _echo_active_sandbox(host, shutil.get_terminal_size((80, 24)).columns)
+        return
     table = Table(title="molt plugins")
     for col in ("plugin", "distribution", "version", "hooks", "registered (options)"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # --verbose shows every character: fold, never cut
     for i in infos:
         reg = "\n".join(
             f"{k}: " + "; ".join(_brief(n, host.get(k, n)) for n in v) for k, v in sorted(i.registered.items())
         )
         table.add_row(i.name, i.distribution, i.version, "\n".join(i.hooks), reg)
     Console().print(table)
+    _echo_active_sandbox(host)
+
+
+def _echo_active_sandbox(host: PluginHost, width: int | None = None) -> None:
+    """Print ``sandbox backend: NAME DESCRIPTION`` for the backend active here, if any
+    (wrapped to ``width`` columns when given)."""
+    import textwrap
+
     for n in host.names("sandbox_backends"):
         desc = _describe(host.get("sandbox_backends", n)) or ""
         if desc.startswith("[active]"):
-            click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+            line = f"sandbox backend: {n} {desc[len('[active] '):]}"
+            click.echo("\n".join(textwrap.wrap(line, width, subsequent_indent="  ")) if width else line)
 
 
 @main.group(name="plugin")
