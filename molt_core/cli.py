@@ -39,6 +39,12 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _agent_error(msg: str, agent: str | None) -> str:
+    """``msg`` naming ``--agent`` instead of ``agent.path`` when the user gave ``--agent``
+    (which replaced the recipe's agent), so the error names the option that was typed."""
+    return f"--agent {agent}:" + msg[len("agent.path"):].lstrip(":") if agent and msg.startswith("agent.path") else msg
+
+
 def prepare(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...]) -> tuple[RunConfig, PluginHost]:
     """Load and validate ``recipe`` with ``overrides``, then load plugins (recipe ``plugins``
     plus ``--plugin``) and broadcast ``molt_configure``. Exits with code 2 on any error."""
@@ -103,7 +109,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
     except (ValueError, FileNotFoundError) as e:  # configuration problems found before compute
-        _fail(str(e))
+        _fail(_agent_error(str(e), agent))
     except runtime.RunFailed as e:
         _fail(str(e), code=1)
 
@@ -126,7 +132,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
     try:
         path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
     except ValueError as e:
-        _fail(str(e))
+        _fail(_agent_error(str(e), agent))
     console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
 
 

@@ -324,8 +324,28 @@ def _suggest(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
         return ""
     names = [f.alias or k for k, f in cur.model_fields.items()]
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(names)})"
+    key = str(loc[-1])
+    close = difflib.get_close_matches(key, names, n=1)
+    exact = _field_paths(key, fuzzy=False)  # a field of that very name in another section wins
+    if close and not exact:
+        return f" (did you mean {close[0]!r}?)"
+    elsewhere = exact or _field_paths(key)
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(p) for p in elsewhere)}?)"
+    return f" (known keys: {', '.join(names)})"
+
+
+def _field_paths(key: str, fuzzy: bool = True) -> list[str]:
+    """Dotted paths ``section.field`` of every :class:`RunConfig` section field named ``key``
+    (``steps`` -> ``run.steps``, ``sft.steps``), else (when ``fuzzy``) of the fields whose name
+    is closest to it (``stesp`` -> the same); ``[]`` when none is."""
+    paths: dict[str, list[str]] = {}
+    for sec, f in RunConfig.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            for k, sf in f.annotation.model_fields.items():
+                paths.setdefault(sf.alias or k, []).append(f"{f.alias or sec}.{sf.alias or k}")
+    close = [key] if key in paths else difflib.get_close_matches(key, list(paths), n=1) if fuzzy else []
+    return paths[close[0]] if close else []
 
 
 def validate_config(data: dict[str, Any], source: str = "recipe") -> RunConfig:
@@ -452,7 +472,20 @@ def find_recipe(recipe: str | Path) -> Path:
         if cand.is_file():
             return cand
     shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml"))) or "(none)"
-    raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe ({shipped})")
+    raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe"
+                      f"{_closest_recipe(str(recipe))} ({shipped})")
+
+
+def _closest_recipe(name: str) -> str:
+    """`` (did you mean 'X'?)`` naming the shipped recipe closest to ``name``: a top-level one
+    (``quickstrt`` -> ``quickstart``) or an example (``wandb`` -> ``examples/wandb``); ``""`` when
+    none is close."""
+    names: dict[str, str] = {}
+    for p in sorted(RECIPES_DIR.glob("examples/*.toml")):
+        names[p.stem] = names[f"examples/{p.stem}"] = f"examples/{p.stem}"
+    names.update({p.stem: p.stem for p in RECIPES_DIR.glob("*.toml")})  # a top-level recipe wins a tie
+    close = difflib.get_close_matches(name.removesuffix(".toml"), list(names), n=1)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
 
 
 def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
