@@ -80,13 +80,9 @@ class MlflowLogger:
     Options = MlflowOptions
 
     def __init__(self, run_dir: str | Path, config: Any = None, **options: Any) -> None:
-        from pydantic import ValidationError
+        from molt_plugins.rewards.base import validate_options
 
-        try:
-            self.options = MlflowOptions.model_validate(options)
-        except ValidationError as e:
-            bad = "; ".join(f"loggers.mlflow.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-            raise ValueError(f"invalid options: {bad}") from None
+        self.options: MlflowOptions = validate_options(MlflowOptions, options, "loggers.mlflow")  # type: ignore[assignment]
         try:
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
