@@ -277,8 +277,8 @@ class _FakeClient:
         self.calls.append(("get_experiment_by_name", name))
         return None
 
-    def create_experiment(self, name):
-        self.calls.append(("create_experiment", name))
+    def create_experiment(self, name, artifact_location=None):
+        self.calls.append(("create_experiment", name, artifact_location))
         return "7"
 
     def create_run(self, experiment_id, run_name=None, tags=None):
@@ -322,8 +322,9 @@ def test_mlflow_logger_calls(tmp_path, fake_mlflow, monkeypatch):
     monkeypatch.setattr(mlflow_logger.time, "time", lambda: 1700000000.5)
     cfg = RunConfig.model_validate({"run": {"name": "ml-test", "steps": 3}})
     lg = MlflowLogger(tmp_path, cfg, tags={"team": "rl"})
-    assert fake_mlflow[:4] == [("init", f"file:{tmp_path.resolve()}/mlruns"), ("get_experiment_by_name", "ml-test"),
-                               ("create_experiment", "ml-test"), ("create_run", "7", "ml-test", {"team": "rl"})]
+    assert fake_mlflow[:4] == [("init", f"sqlite:///{tmp_path.resolve()}/mlflow.db"), ("get_experiment_by_name", "ml-test"),
+                               ("create_experiment", "ml-test", f"file://{tmp_path.resolve()}/mlartifacts"),
+                               ("create_run", "7", "ml-test", {"team": "rl"})]
     params = dict(p for c in fake_mlflow[4:] for p in c[3])
     assert all(c[0] == "log_batch" and len(c[3]) <= 100 for c in fake_mlflow[4:])
     assert params["run.steps"] == "3" and params["run.name"] == "ml-test" and params["trainer.betas"] == "[0.9, 0.98]"
@@ -342,7 +343,7 @@ def test_mlflow_logger_calls(tmp_path, fake_mlflow, monkeypatch):
     fake_mlflow.clear()
     MlflowLogger(tmp_path, cfg, tracking_uri="http://127.0.0.1:1", experiment="exp", run_name="r", log_config=False)
     assert fake_mlflow == [("init", "http://127.0.0.1:1"), ("get_experiment_by_name", "exp"),
-                           ("create_experiment", "exp"), ("create_run", "7", "r", {})]
+                           ("create_experiment", "exp", None), ("create_run", "7", "r", {})]
     with pytest.raises(ValueError, match=r"loggers.mlflow.experimnt: Extra inputs"):
         MlflowLogger(tmp_path, cfg, experimnt="x")
 
@@ -371,9 +372,9 @@ def test_mlflow_key_and_params():
         "a.b": "1", "a.c": "s", "a.d": "null", "f": "x" * 497 + "..."}
 
 
-def test_mlflow_real_file_store(tmp_path):
-    """The real package (when installed, e.g. `pip install 'molt-sdk[mlflow]'`): a local file
-    store holds the metrics, params and the samples table."""
+def test_mlflow_real_local_store(tmp_path):
+    """The real package (when installed, e.g. `pip install 'molt-sdk[mlflow]'`): the default local
+    store (SQLite in the run dir, artifacts beside it) holds the metrics, params and the samples table."""
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
@@ -386,7 +387,7 @@ def test_mlflow_real_file_store(tmp_path):
     lg.log(2, {"reward/mean": 0.75})
     lg.log_samples(2, ROWS[:2])
     lg.close()
-    client = MlflowClient(tracking_uri=f"file:{tmp_path.resolve()}/mlruns")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve()}/mlflow.db")
     run = client.get_run(lg.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "ml-real"
     assert client.get_experiment(run.info.experiment_id).name == "ml-real"
@@ -398,3 +399,4 @@ def test_mlflow_real_file_store(tmp_path):
     table = json.load(open(path))
     assert table["columns"] == ["step", "prompt", "completion", "reward", "status"]
     assert table["data"] == [[2, "What is 2+3?", "5", 1.0, "ok"], [2, "a | b\nc", "x", 0.25, "ok"]]
+    assert list((tmp_path / "mlartifacts").rglob("step_000002.json"))  # beside the store, not in the cwd

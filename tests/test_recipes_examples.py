@@ -79,7 +79,7 @@ def test_example_recipe_runs_two_steps(recipe, tmp_path):
     if "wandb" in recipe.stem:
         assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     if "mlflow" in recipe.stem:
-        assert list((out / "mlruns").glob("*/*/metrics/reward/mean"))
+        assert (out / "mlflow.db").is_file()
 
 
 @pytest.mark.parametrize("recipe", EXAMPLES, ids=[p.stem for p in EXAMPLES])

@@ -1,8 +1,9 @@
-"""``mlflow`` logger: MLflow tracking, to a local file store under the run directory by
-default (no server needed; imports ``mlflow`` only when enabled; install with
-``pip install 'molt-sdk[mlflow]'``).
+"""``mlflow`` logger: MLflow tracking, to a local SQLite store in the run directory by default
+(``sqlite:///<run_dir>/mlflow.db``, artifacts in ``<run_dir>/mlartifacts``; no server needed;
+MLflow 3 refuses the older ``file:`` store unless ``MLFLOW_ALLOW_FILE_STORE=true``). Imports
+``mlflow`` only when enabled; install with ``pip install 'molt-sdk[mlflow]'``.
 
-Browse a local store with ``mlflow ui --backend-store-uri <run_dir>/mlruns``. The logger talks
+Browse a local store with ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``. The logger talks
 to MLflow through one ``MlflowClient`` (no global active run), so several runs in one process
 never share state.
 """
@@ -28,8 +29,8 @@ BATCH_PARAMS, BATCH_METRICS = 100, 1000
 
 
 class MlflowOptions(BaseModel):
-    """``tracking_uri`` -- where runs go (default ``file:<run_dir>/mlruns``; e.g.
-    ``http://mlflow.example:5000``); ``experiment`` -- experiment name (default: the run
+    """``tracking_uri`` -- where runs go (default ``sqlite:///<run_dir>/mlflow.db`` with artifacts
+    in ``<run_dir>/mlartifacts``; e.g. ``http://mlflow.example:5000``); ``experiment`` -- experiment name (default: the run
     name; created when missing); ``run_name`` (default: the run name); ``tags`` -- run tags;
     ``log_config`` -- log the resolved config as run params (``section.key``)."""
 
@@ -68,7 +69,7 @@ class MlflowLogger:
     ``samples/step_<step>.json`` (``MlflowClient.log_table``; MLflow's UI shows it).
 
     Args:
-        run_dir: the run directory; the default tracking URI is ``file:<run_dir>/mlruns``.
+        run_dir: the run directory; the default tracking URI is ``sqlite:///<run_dir>/mlflow.db``.
         config: the run's ``RunConfig`` (its ``run.name`` names experiment and run by default).
         **options: :class:`MlflowOptions` fields.
 
@@ -92,11 +93,18 @@ class MlflowLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         name = getattr(getattr(config, "run", None), "name", None) or "molt"
-        self.tracking_uri = self.options.tracking_uri or f"file:{(self.run_dir / 'mlruns').resolve()}"
+        local = self.options.tracking_uri is None
+        self.tracking_uri = self.options.tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = self.options.experiment or name
         found = self.client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        if found is not None:
+            exp_id = found.experiment_id
+        elif local:  # artifacts beside the store, not in the working directory
+            exp_id = self.client.create_experiment(
+                experiment, artifact_location=(self.run_dir / "mlartifacts").resolve().as_uri())
+        else:
+            exp_id = self.client.create_experiment(experiment)
         run = self.client.create_run(exp_id, run_name=self.options.run_name or name, tags=dict(self.options.tags))
         self.run_id: str = run.info.run_id
         self._closed = False
