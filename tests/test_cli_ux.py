@@ -174,3 +174,12 @@ def test_agent_errors_name_the_option_typed(tmp_path):
         assert " ".join(r.output.split()).startswith(want), (f, r.output)
     r = CliRunner().invoke(main, ["sft", "quickstart", "--agent", str(tmp_path / "broken.py")])
     assert r.exit_code == 2 and " ".join(r.output.split()).startswith(cases["broken.py"]), r.output
+
+
+def test_bad_logger_option_fails_before_compute_naming_the_key(tmp_path):
+    r = CliRunner().invoke(main, ["run", "quickstart", "--local", "--out", str(tmp_path / "run"),
+                                  "--set", "loggers.wandb.mdoe=online"])
+    assert r.exit_code == 2, r.output
+    assert ("error: invalid logger options: loggers.wandb.mdoe: unknown option (did you mean 'mode'? options of "
+            "wandb: mode, project, entity, name, tags, group)") in " ".join(r.output.split())
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -400,3 +400,19 @@ def test_mlflow_real_local_store(tmp_path):
     assert table["columns"] == ["step", "prompt", "completion", "reward", "status"]
     assert table["data"] == [[2, "What is 2+3?", "5", 1.0, "ok"], [2, "a | b\nc", "x", 0.25, "ok"]]
     assert list((tmp_path / "mlartifacts").rglob("step_000002.json"))  # beside the store, not in the cwd
+
+
+def test_runlog_hands_wandb_its_options(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from molt_core.config import RunConfig
+    from molt_core.plugins import load_plugins
+    from molt_core.runtime.rundir import RunLog
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = RunConfig.model_validate({"loggers": {"wandb": {"mode": "disabled", "project": "p", "group": "g"}}})
+    log = RunLog(tmp_path, cfg, load_plugins(), resume_step=None)
+    (lg,) = log.loggers
+    assert (lg.options.mode, lg.options.project, lg.options.group) == ("disabled", "p", "g")
+    log.log(1, {"reward/mean": 0.5})
+    log.close()
+    assert not list(tmp_path.glob("wandb/offline-run-*"))  # disabled: nothing written, nothing sent
