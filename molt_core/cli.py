@@ -169,8 +169,9 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) 
 
         from molt_core.plugin_listing import compact_lines
 
-        click.echo("\n".join(compact_lines(host, shutil.get_terminal_size((80, 24)).columns)))
-        _echo_active_sandbox(host, shutil.get_terminal_size((80, 24)).columns)
+        width = shutil.get_terminal_size((80, 24)).columns
+        click.echo("\n".join(compact_lines(host, width)))
+        _echo_active_sandbox(host, width)
         return
     table = Table(title="molt plugins")
     for col in ("plugin", "distribution", "version", "hooks", "registered (options)"):
