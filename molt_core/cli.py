@@ -39,6 +39,12 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _agent_error(msg: str, agent: str | None) -> str:
+    """``msg`` naming ``--agent`` instead of ``agent.path`` when the user gave ``--agent``
+    (which replaced the recipe's agent), so the error names the option that was typed."""
+    return f"--agent {agent}:" + msg[len("agent.path"):].lstrip(":") if agent and msg.startswith("agent.path") else msg
+
+
 def prepare(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...]) -> tuple[RunConfig, PluginHost]:
     """Load and validate ``recipe`` with ``overrides``, then load plugins (recipe ``plugins``
     plus ``--plugin``) and broadcast ``molt_configure``. Exits with code 2 on any error."""
@@ -105,7 +111,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
     except (ValueError, FileNotFoundError) as e:  # configuration problems found before compute
-        _fail(str(e))
+        _fail(_agent_error(str(e), agent))
     except runtime.RunFailed as e:
         _fail(str(e), code=1)
 
@@ -128,7 +134,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
     try:
         path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
     except ValueError as e:
-        _fail(str(e))
+        _fail(_agent_error(str(e), agent))
     console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
 
 
@@ -136,9 +142,11 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
 @click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.conformance); exit 1 if one fails.")
-def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
-    """List installed plugins: distribution, version, hooks and registered names (sandbox
-    backends with which one is active here). With --check, check every plugin instead."""
+@click.option("--verbose", "-v", "verbose", is_flag=True, help="The full table: hooks and every option of every name.")
+def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) -> None:
+    """List installed plugins: each registered name with a one-line summary, by kind, and the
+    plugins providing them (sandbox backends with which one is active here). --verbose adds
+    hooks and options; --json gives everything. With --check, check every plugin instead."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
@@ -158,19 +166,37 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool) -> None:
             rows.append(d)
         click.echo(json.dumps(rows, indent=2))
         return
+    if not verbose:
+        import shutil
+
+        from molt_core.plugin_listing import compact_lines
+
+        width = shutil.get_terminal_size((80, 24)).columns
+        click.echo("\n".join(compact_lines(host, width)))
+        _echo_active_sandbox(host, width)
+        return
     table = Table(title="molt plugins")
     for col in ("plugin", "distribution", "version", "hooks", "registered (options)"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # --verbose shows every character: fold, never cut
     for i in infos:
         reg = "\n".join(
             f"{k}: " + "; ".join(_brief(n, host.get(k, n)) for n in v) for k, v in sorted(i.registered.items())
         )
         table.add_row(i.name, i.distribution, i.version, "\n".join(i.hooks), reg)
     Console().print(table)
+    _echo_active_sandbox(host)
+
+
+def _echo_active_sandbox(host: PluginHost, width: int | None = None) -> None:
+    """Print ``sandbox backend: NAME DESCRIPTION`` for the backend active here, if any
+    (wrapped to ``width`` columns when given)."""
+    import textwrap
+
     for n in host.names("sandbox_backends"):
         desc = _describe(host.get("sandbox_backends", n)) or ""
         if desc.startswith("[active]"):
-            click.echo(f"sandbox backend: {n} {desc[len('[active] '):]}")
+            line = f"sandbox backend: {n} {desc[len('[active] '):]}"
+            click.echo("\n".join(textwrap.wrap(line, width, subsequent_indent="  ")) if width else line)
 
 
 @main.group(name="plugin")

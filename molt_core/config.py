@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe"]
 
@@ -245,7 +245,11 @@ class RunConfig(_Section):
     ``plugins`` lists ``--plugin`` specs to load; ``rewards`` maps a registered reward name to
     its table: the reward's options plus the reserved keys ``weight`` (default 1.0) and
     ``timeout_s`` (default 60), which the runtime reads and does not pass on
-    (:mod:`molt_core.rewards`); ``loggers`` names logger plugins besides JSONL.
+    (:mod:`molt_core.rewards`); ``loggers`` maps a registered logger name to its options
+    (``[loggers.wandb]`` / ``mode = "online"``), validated by that logger's ``Options`` model
+    before any compute (:func:`molt_core.runtime.rundir.check_loggers`); the list form
+    ``loggers = ["wandb"]`` stays valid and means the same loggers with default options.
+    The JSONL metrics file is always written.
     """
 
     run: RunSection = Field(default_factory=RunSection)
@@ -263,9 +267,26 @@ class RunConfig(_Section):
     teacher: TeacherSection = Field(default_factory=TeacherSection)
     plugins: list[str] = Field(default_factory=list)
     rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    loggers: list[str] = Field(default_factory=list)
+    loggers: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _logger_names_as_tables(cls, v: Any) -> Any:
+        """``loggers = ["wandb", ...]`` is ``{"wandb": {}, ...}``: each logger with default options.
+
+        Raises:
+            ValueError: a list item that is not a string, or a name listed twice.
+        """
+        if not isinstance(v, list):
+            return v
+        bad = [x for x in v if not isinstance(x, str)]
+        if bad:
+            raise ValueError(f"expected logger names (strings) or [loggers.NAME] option tables, got {bad[0]!r}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a logger is named twice in {v!r}")
+        return {name: {} for name in v}
 
     @model_validator(mode="after")
     def _group_estimators_need_groups(self) -> "RunConfig":
@@ -324,8 +345,28 @@ def _suggest(model: type[BaseModel], loc: tuple[Any, ...]) -> str:
     if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
         return ""
     names = [f.alias or k for k, f in cur.model_fields.items()]
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(names)})"
+    key = str(loc[-1])
+    close = difflib.get_close_matches(key, names, n=1)
+    exact = _field_paths(key, fuzzy=False)  # a field of that very name in another section wins
+    if close and not exact:
+        return f" (did you mean {close[0]!r}?)"
+    elsewhere = exact or _field_paths(key)
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(p) for p in elsewhere)}?)"
+    return f" (known keys: {', '.join(names)})"
+
+
+def _field_paths(key: str, fuzzy: bool = True) -> list[str]:
+    """Dotted paths ``section.field`` of every :class:`RunConfig` section field named ``key``
+    (``steps`` -> ``run.steps``, ``sft.steps``), else (when ``fuzzy``) of the fields whose name
+    is closest to it (``stesp`` -> the same); ``[]`` when none is."""
+    paths: dict[str, list[str]] = {}
+    for sec, f in RunConfig.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            for k, sf in f.annotation.model_fields.items():
+                paths.setdefault(sf.alias or k, []).append(f"{f.alias or sec}.{sf.alias or k}")
+    close = [key] if key in paths else difflib.get_close_matches(key, list(paths), n=1) if fuzzy else []
+    return paths[close[0]] if close else []
 
 
 def validate_config(data: dict[str, Any], source: str = "recipe") -> RunConfig:
@@ -427,6 +468,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
+        names = out.get("loggers")
+        if path[0] == "loggers" and len(path) > 1 and isinstance(names, list) and all(isinstance(n, str) for n in names):
+            out["loggers"] = {n: {} for n in names}  # --set loggers.wandb.mode=... on the list form
         if not isinstance(value, str) and _wants_str(_declared(path)):
             value = item.split("=", 1)[1].strip()
         cur = out
@@ -452,7 +496,20 @@ def find_recipe(recipe: str | Path) -> Path:
         if cand.is_file():
             return cand
     shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml"))) or "(none)"
-    raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe ({shipped})")
+    raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe"
+                      f"{_closest_recipe(str(recipe))} ({shipped})")
+
+
+def _closest_recipe(name: str) -> str:
+    """`` (did you mean 'X'?)`` naming the shipped recipe closest to ``name``: a top-level one
+    (``quickstrt`` -> ``quickstart``) or an example (``wandb`` -> ``examples/wandb``); ``""`` when
+    none is close."""
+    names: dict[str, str] = {}
+    for p in sorted(RECIPES_DIR.glob("examples/*.toml")):
+        names[p.stem] = names[f"examples/{p.stem}"] = f"examples/{p.stem}"
+    names.update({p.stem: p.stem for p in RECIPES_DIR.glob("*.toml")})  # a top-level recipe wins a tie
+    close = difflib.get_close_matches(name.removesuffix(".toml"), list(names), n=1)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
 
 
 def load_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -70,8 +70,13 @@ def molt_register_engines(register: Register) -> None:
 
 @hookspec
 def molt_register_loggers(register: Register) -> None:
-    """Register metric loggers: ``register(name, cls)``; ``cls(run_dir, config)`` has
-    ``log(step: int, metrics: dict[str, float])`` and ``close()``."""
+    """Register metric loggers: ``register(name, cls)``; ``cls(run_dir, config, **options)``
+    has ``log(step: int, metrics: dict[str, float])`` and ``close()``. ``options`` is the
+    recipe's ``[loggers.<name>]`` table (empty for the list form ``loggers = ["<name>"]``),
+    validated first by ``cls.Options`` (a Pydantic model) when the class declares one. A logger
+    may also have ``log_samples(step: int, rows: list[dict])``: decoded rollouts, each
+    ``{"prompt": str, "completion": str, "reward": float | None, "status": str}``, for
+    trackers that show tables."""
 
 
 @hookspec

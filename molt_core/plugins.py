@@ -37,7 +37,7 @@ import pluggy
 from molt_core import hookspecs
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
-__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins"]
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name"]
 
 
 class PluginError(RuntimeError):
@@ -262,12 +262,12 @@ class PluginHost:
         """Return the object registered as ``name`` for ``kind``.
 
         Raises:
-            KeyError: no such name; the message lists the registered names.
+            KeyError: no such name; the message suggests the closest registered name, lists
+                them all and says how a plugin from elsewhere is loaded (:func:`unknown_name`).
         """
         reg = self.registries[kind]
         if name not in reg:
-            known = ", ".join(sorted(reg)) or "(none)"
-            raise KeyError(f"no {kind[:-1]} named {name!r}; registered: {known}")
+            raise KeyError(unknown_name(kind, name, list(reg)))
         return reg[name].obj
 
     def names(self, kind: str) -> list[str]:
@@ -289,6 +289,22 @@ class PluginHost:
     def plugin_infos(self) -> list[PluginInfo]:
         """Plugin metadata, sorted by name."""
         return [self.infos[k] for k in sorted(self.infos)]
+
+
+def unknown_name(kind: str, name: str, known: list[str]) -> str:
+    """The message for a ``kind`` (``rewards``, ``envs``, ...) ``name`` that no plugin registered:
+    the closest registered name (:func:`difflib.get_close_matches`), every registered name,
+    and the two ways to load a plugin that is not loaded: ``--plugin FILE.py`` (or a dotted
+    module path) or installing the package that provides it (an entry point in group ``molt``).
+    """
+    import difflib
+
+    what = kind[:-1].replace("_", " ")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"no {what} named {name!r}{hint}; registered: {', '.join(sorted(known)) or '(none)'}. "
+            f"{'An' if what[0] in 'aeiou' else 'A'} {what} from another package loads with --plugin FILE.py (or a dotted module path), or by "
+            f"pip install-ing the package that provides it (an entry point in group `{PROJECT}`)")
 
 
 def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = True) -> PluginHost:

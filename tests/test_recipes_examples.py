@@ -60,6 +60,8 @@ def test_example_recipe_validates_and_builds(recipe, host):
 def test_example_recipe_runs_two_steps(recipe, tmp_path):
     if "llm_judge" in load_config(recipe).rewards:
         pytest.skip("needs a judge endpoint (covered against a fake server in tests/test_judge.py)")
+    if "mlflow" in load_config(recipe).loggers:
+        pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [sys.executable, "-m", "molt_core.cli", "run", str(recipe), "--out", str(out), "--set", "run.steps=2",
@@ -76,6 +78,8 @@ def test_example_recipe_runs_two_steps(recipe, tmp_path):
         assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     if "wandb" in recipe.stem:
         assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    if "mlflow" in recipe.stem:
+        assert (out / "mlflow.db").is_file()
 
 
 @pytest.mark.parametrize("recipe", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -87,6 +91,8 @@ def test_example_recipe_runs_one_step_in_process(recipe, tmp_path, monkeypatch):
                                "rollout.n_samples_per_prompt=2", "sft.steps=0"])
     if "llm_judge" in cfg.rewards:
         pytest.skip("needs a judge endpoint (covered against a fake server in tests/test_judge.py)")
+    if "mlflow" in cfg.loggers:
+        pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
     out = runtime.main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True, recipe_name=recipe.stem)

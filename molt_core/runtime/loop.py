@@ -19,7 +19,7 @@ from molt_core.plugins import PluginHost
 from molt_core.progress import step_progress
 from molt_core.rewards import component_metrics
 from molt_core.runtime.raycluster import init_ray
-from molt_core.runtime.rundir import RunLog
+from molt_core.runtime.rundir import RunLog, check_loggers
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards, load_agent
 from molt_core.tasks import TaskStream, check_train_split
 from molt_core.types import Group, Trajectory
@@ -259,6 +259,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     # validate everything a worker will build before any compute starts
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
+    check_loggers(cfg, host)
     agent_name = cfg.agent.name or cfg.agent.path
     check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
     eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))

@@ -12,7 +12,52 @@ from molt_core.config import RunConfig
 from molt_core.plugins import PluginHost
 from molt_core.types import Trajectory
 
-__all__ = ["RunLog", "decode_turns", "sample_row"]
+__all__ = ["RunLog", "check_loggers", "decode_turns", "sample_row"]
+
+METRICS_FILE = "metrics.jsonl"
+"""The metrics file :class:`RunLog` always writes (the ``jsonl`` logger's default file name)."""
+
+
+def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
+    """Check every ``[loggers.NAME]`` table before any compute: the name is a registered logger
+    and, when the logger declares an ``Options`` Pydantic model, its options validate.
+
+    Returns:
+        ``{name: logger class}`` in recipe order.
+
+    Raises:
+        ValueError: ``loggers.NAME: no logger named ...`` (closest name, registered names, how to
+            load a plugin), or every bad option as ``loggers.NAME.KEY: problem`` (an unknown
+            key lists the logger's options and the closest one).
+    """
+    import difflib
+
+    from pydantic import BaseModel, ValidationError
+
+    out: dict[str, type] = {}
+    for name, options in cfg.loggers.items():
+        try:
+            cls = host.get("loggers", name)
+        except KeyError as e:
+            raise ValueError(f"loggers.{name}: {e.args[0]}") from None
+        model = getattr(cls, "Options", None)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            try:
+                model.model_validate(options)
+            except ValidationError as e:
+                bad = []
+                for err in e.errors():
+                    where = f"loggers.{name}.{'.'.join(map(str, err['loc']))}"
+                    if err["type"] == "extra_forbidden":
+                        known = list(model.model_fields)
+                        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+                        hint = f"did you mean {close[0]!r}? " if close else ""
+                        bad.append(f"{where}: unknown option ({hint}options of {name}: {', '.join(known)})")
+                    else:
+                        bad.append(f"{where}: {err['msg']}")
+                raise ValueError("invalid logger options: " + "; ".join(bad)) from None
+        out[name] = cls
+    return out
 
 
 def _finite_or_none(v: Any) -> Any:
@@ -78,11 +123,19 @@ def sample_row(traj: Trajectory, turns: list[dict[str, Any]]) -> dict[str, Any]:
 class RunLog:
     """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
     logger plugins. On resume from the checkpoint of step ``resume_step``, rows of both files
-    after that step are dropped (those steps are redone), so each step appears once."""
+    after that step are dropped (those steps are redone), so each step appears once.
+
+    Each ``[loggers.NAME]`` of the config is built as ``cls(run_dir, config, **options)``
+    after :func:`check_loggers`.
+
+    Raises:
+        ValueError: an unknown logger, invalid logger options, or a logger whose optional
+            package is missing (``loggers.NAME: ...``, naming the extra to install).
+    """
 
     def __init__(self, run_dir: Path, cfg: RunConfig, host: PluginHost, resume_step: int | None) -> None:
         self.run_dir = run_dir
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.rows: list[dict] = []
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -99,10 +152,14 @@ class RunLog:
             traj_path.write_text("".join(line + "\n" for line in kept))
         self.host = host
         self.loggers = []
-        for name in cfg.loggers:
-            if name == "jsonl":
-                continue
-            self.loggers.append(host.get("loggers", name)(run_dir, cfg))
+        for name, cls in check_loggers(cfg, host).items():
+            options = dict(cfg.loggers[name])
+            if name == "jsonl" and options.get("filename", METRICS_FILE) == METRICS_FILE:
+                continue  # written above, always; a jsonl logger with another filename writes a copy there
+            try:
+                self.loggers.append(cls(run_dir, cfg, **options))
+            except ImportError as e:  # an optional package (wandb, mlflow, ...): the message names the extra
+                raise ValueError(f"loggers.{name}: {e}") from e
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append one row (step + metrics) and forward it to logger plugins and hooks.

@@ -36,7 +36,8 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
 
     Raises:
         ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
-            a file defining no agent or several, or invalid options.
+            a missing file, not a ``.py`` file, a file that fails to import or defines no agent
+            or several, or invalid options.
     """
     a = cfg.agent
     if bool(a.name) == bool(a.path):
@@ -49,7 +50,12 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
         return make_agent(obj, a.options)
     if not Path(a.path).is_file():
         raise ValueError(f"agent.path: no such file {a.path!r}")
-    mod = import_path(a.path, prefix="molt_agent")
+    if Path(a.path).suffix != ".py":
+        raise ValueError(f"agent.path {a.path!r}: not a .py file; give a Python file defining an Env or ChatAgent")
+    try:
+        mod = import_path(a.path, prefix="molt_agent")
+    except Exception as e:  # the user's file: report its error in one line, before any compute
+        raise ValueError(f"agent.path {a.path!r}: importing it failed: {type(e).__name__}: {e}") from e
     modname = mod.__name__
     if hasattr(mod, "agent"):
         obj = mod.agent

@@ -7,13 +7,16 @@ from molt_core.hookspecs import hookimpl
 
 
 def _transformers_engine(**kwargs):
+    """The embedded engine: the trainer's Hugging Face model class on CPU or one GPU. Builds a
+    :class:`~molt_core.engines.transformers_engine.TransformersEngine` from ``kwargs``."""
     from molt_core.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(**kwargs)
 
 
 def _vllm_engine(**kwargs):
-    """Build a :class:`~molt_core.engines.vllm_engine.VLLMEngine`.
+    """The scale-out vLLM engine (extra ``molt-sdk[vllm]``). Builds a
+    :class:`~molt_core.engines.vllm_engine.VLLMEngine` from ``kwargs``.
 
     Raises:
         ImportError: vllm is not installed; the message names the ``molt-sdk[vllm]`` extra.

@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt_plugins.loggers.samples import markdown_table
+
 __all__ = ["TensorBoardLogger", "TensorBoardOptions"]
 
 
@@ -23,7 +25,8 @@ class TensorBoardOptions(BaseModel):
 
 class TensorBoardLogger:
     """Writes each numeric metric as a scalar at ``global_step = step`` through
-    ``torch.utils.tensorboard.SummaryWriter``; non-numeric values are skipped.
+    ``torch.utils.tensorboard.SummaryWriter`` (non-numeric values are skipped), and samples of
+    decoded rollouts as a Markdown text table.
 
     Raises:
         ImportError: ``tensorboard`` is not installed (the message says how to install it).
@@ -53,6 +56,16 @@ class TensorBoardLogger:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             self._w.add_scalar(k, float(v), global_step=int(step))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Add decoded rollouts as text ``samples`` at ``step``: one Markdown table
+        (``| prompt | completion | reward | status |``, :func:`~molt_plugins.loggers.samples.markdown_table`)
+        shown in TensorBoard's text tab.
+
+        Raises:
+            ValueError: a malformed row (names its index and key).
+        """
+        self._w.add_text("samples", markdown_table(rows), global_step=int(step))
 
     def close(self) -> None:
         """Flush and close the event file."""

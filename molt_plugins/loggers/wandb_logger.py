@@ -12,13 +12,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt_plugins.loggers.samples import SAMPLE_COLUMNS, sample_table
+
 __all__ = ["WandbLogger", "WandbOptions"]
 
 
 class WandbOptions(BaseModel):
     """``mode`` -- ``offline`` (default; nothing leaves the machine), ``online`` (needs
     ``WANDB_API_KEY``) or ``disabled``; ``project`` (default: the run name), ``entity``,
-    ``name``, ``tags``."""
+    ``name`` (default: the run name), ``tags``, ``group`` (runs compared together, e.g. seeds)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -27,11 +29,12 @@ class WandbOptions(BaseModel):
     entity: str | None = None
     name: str | None = None
     tags: list[str] = Field(default_factory=list)
+    group: str | None = None
 
 
 class WandbLogger:
-    """Logs each step's metrics with ``run.log(metrics, step=step)``; the resolved run config
-    is the W&B run config.
+    """Logs each step's metrics with ``run.log(metrics, step=step)`` and samples of decoded
+    rollouts as a ``wandb.Table``; the resolved run config is the W&B run config.
 
     Raises:
         ImportError: ``wandb`` is not installed (the message says how to install it).
@@ -55,12 +58,25 @@ class WandbLogger:
         self._run = wandb.init(
             mode=self.options.mode, dir=str(self.dir), project=self.options.project or run_name or "molt",
             entity=self.options.entity, name=self.options.name or run_name, tags=self.options.tags or None,
+            group=self.options.group,
             config=cfg, reinit="create_new", settings=wandb.Settings(silent=True, console="off"),
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """``run.log(metrics, step=step)`` (W&B requires non-decreasing steps)."""
         self._run.log({k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}, step=int(step))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Log decoded rollouts as a ``wandb.Table`` under key ``samples`` at ``step``, columns
+        ``step, prompt, completion, reward, status`` (:mod:`molt_plugins.loggers.samples`).
+
+        Raises:
+            ValueError: a malformed row (names its index and key).
+        """
+        import wandb
+
+        data = [[int(step), *r] for r in sample_table(rows)]
+        self._run.log({"samples": wandb.Table(columns=["step", *SAMPLE_COLUMNS], data=data)}, step=int(step))
 
     def close(self) -> None:
         """Finish the run (writes the offline run file)."""
