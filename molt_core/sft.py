@@ -337,9 +337,9 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
         raise ValueError("sft.steps is 0: nothing to do; set it in the recipe's [sft] table or --set sft.steps=N")
     torch.set_num_threads(cfg.run.threads)
     out = Path(out_dir) if out_dir else Path("runs") / f"{recipe_name}-sft-{datetime.now():%Y%m%d-%H%M%S}"
+    agent = load_agent(cfg, host)  # a bad --agent fails before OUT exists
     out.mkdir(parents=True, exist_ok=True)
     cfg.write(out / "config.toml")
-    agent = load_agent(cfg, host)
     trainer = Trainer(cfg)
     with open(out / "sft_metrics.jsonl", "w") as f, \
             step_progress(Console(stderr=True), "molt sft", cfg.sft.steps) as update:

@@ -254,12 +254,13 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     cfg = _absolute(cfg)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"run directory: {run_dir}", highlight=False, markup=False)
-    # validate everything a worker will build before any compute starts
+    # validate everything a worker will build before any compute starts (and before the run
+    # directory exists, so a typo leaves no empty run behind)
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path
     check_train_split(agent, cfg.run.seed, cfg.run.steps * cfg.rollout.prompts_per_step, agent_name)
     eval_tasks = list(itertools.islice(agent.tasks("eval", cfg.run.seed), cfg.eval.n_problems))
