@@ -116,7 +116,8 @@ class VLLMEngine(WorkerThreadEngine):
     Args:
         model: ``builtin:<name>`` (built with :func:`molt_core.models.load_model` and saved
             with its tokenizer to a temporary directory that vLLM loads), a local Hugging
-            Face model directory, or a ``PreTrainedModel`` (saved likewise; then
+            Face model directory, a Hub id (vLLM downloads it unless ``HF_HUB_OFFLINE=1``),
+            or a ``PreTrainedModel`` (saved likewise; then
             ``tokenizer`` is required).
         tokenizer: the tokenizer the server and ledger use; loaded from ``model`` when None.
         max_batch_size: most sequences vLLM runs at once (``max_num_seqs``, >= 1).
@@ -247,9 +248,9 @@ class VLLMEngine(WorkerThreadEngine):
             path = str(model)
             if tokenizer is None:
                 tokenizer = load_tokenizer(path)
-            if not (Path(path) / "config.json").is_file():
+            if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
                 raise FileNotFoundError(f"model.path {path!r} has no config.json; vLLM needs a Hugging Face model directory")
-            return path, tokenizer
+            return path, tokenizer  # a directory, or a Hub id vLLM resolves itself (HF_HUB_OFFLINE honoured)
         if isinstance(model, str):
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
