@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.config import RunConfig
+from molt_core.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
 from molt_core.rewards import component_metrics
 from molt_core.runtime.rundir import RunLog
@@ -256,11 +257,12 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     def evaluate() -> dict[str, float]:
         if not eval_tasks:
             return {}
-        shards = [eval_tasks[i::len(workers)] for i in range(len(workers))]
-        res = ray.get([w.evaluate.remote(s, cfg.eval.k, cfg.eval.temperature) for w, s in zip(workers, shards) if s])
-        sizes = [len(s) for s in shards if s]
-        return {k: sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes) if not k.endswith("failed") else sum(r[k] for r in res)
-                for k in res[0]}
+        # per-sample seeds depend on the task's index only (molt_core.evalstats): `molt eval` on
+        # a checkpoint of this run recomputes these numbers exactly, however tasks are sharded
+        idx = list(range(len(eval_tasks)))
+        shards = [(eval_tasks[i::len(workers)], idx[i::len(workers)]) for i in range(len(workers))]
+        res = ray.get([w.evaluate_tasks.remote(s, cfg.eval.k, cfg.eval.temperature, ix) for w, (s, ix) in zip(workers, shards) if s])
+        return eval_metrics([r for rs in res for r in rs], cfg.eval.k)
 
     # the data cursor: "tasks" = tasks drawn from the stream (its position), "untrained" = the
     # stream indices of launched groups not yet trained (still in flight at the checkpoint).
