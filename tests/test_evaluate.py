@@ -19,7 +19,7 @@ from molt_core.config import RunConfig
 from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k
 from molt_core.evaluate import evaluate, resolve_model
 from molt_core.plugins import load_plugins
-from molt_core.runtime.workers import RolloutWorker
+from molt_core.runtime.workers import RolloutWorker, _sampling
 from molt_core.train.checkpoint import CheckpointCorrupt
 
 MOLT = [sys.executable, "-m", "molt_core.cli"]
@@ -116,42 +116,40 @@ def test_eval_is_independent_of_engine_history_and_sharding(tmp_path):
         again = asyncio.run(w.evaluate_tasks(tasks, 2, 1.0))
         shards = asyncio.run(w.evaluate_tasks(tasks[1::2], 2, 1.0, [1, 3, 5])) + \
             asyncio.run(w.evaluate_tasks(tasks[0::2], 2, 1.0, [0, 2, 4]))
+        # the fault this guards against: unseeded sampling (the engine's own stream) draws other samples
+        params = _sampling(w.cfg, w._stop_ids, temperature=1.0)
+        unseeded = [asyncio.run(w._group(t, "g", params, 2)) for t in tasks]
     finally:
         w.engine.close()
     key = lambda rs: sorted((r["index"], r["correct"], r["rewards"]) for r in rs)  # noqa: E731
     assert key(again) == key(first) and key(shards) == key(first)
     assert eval_metrics(shards, 2) == eval_metrics(first, 2)
-    # the fault this guards against: unseeded sampling (the engine's stream) gives other samples
-    unseeded = asyncio.run(_unseeded(tmp_path, tasks))
-    assert [r["rewards"] for r in unseeded] != [r["rewards"] for r in first]
-
-
-async def _unseeded(tmp_path, tasks):
-    w = RolloutWorker(_cfg(tmp_path))
-    try:
-        from molt_core.runtime.workers import _sampling
-
-        params = _sampling(w.cfg, w._stop_ids, temperature=1.0)
-        groups = [await w._group(t, "g", params, 2) for t in tasks]
-        return [{"rewards": [x.reward for x in g]} for g in groups]
-    finally:
-        w.engine.close()
+    assert [[x.reward for x in g] for g in unseeded] != [r["rewards"] for r in first]
 
 
 # -- molt eval on a run's checkpoint -------------------------------------------------------------
 
+def _molt(*args: str):
+    """Run the ``molt`` CLI in this process (click's runner): exit code, stdout, stderr."""
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+
+    r = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return r.exit_code, r.stdout, r.stderr
+
+
 def test_molt_eval_reports_the_runs_final_pass_at_1(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run(MOLT + ["run", str(_recipe(tmp_path)), "--local", "--out", str(out)],
-                       env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = _molt("run", str(_recipe(tmp_path)), "--local", "--out", str(out))
+    assert code == 0, err[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     final = rows[-1]
     assert final["step"] == 2 and 0.0 < final["eval/pass@1"] < 1.0  # not a trivial 0 or 1
     ck = out / "checkpoints" / "step_00000002"
-    e = subprocess.run(MOLT + ["eval", "--model", str(ck)], env=ENV, capture_output=True, text=True, timeout=300)
-    assert e.returncode == 0, e.stderr[-3000:]
-    printed = json.loads(e.stdout.strip().splitlines()[-1])
+    code, stdout, err = _molt("eval", "--model", str(ck))
+    assert code == 0, err[-3000:]
+    printed = json.loads(stdout.strip().splitlines()[-1])
     rep = json.loads((out / "eval" / "step_00000002.json").read_text())
     assert printed["report"] == str(out / "eval" / "step_00000002.json")
     # exactly the numbers the run logged for that checkpoint
@@ -160,12 +158,12 @@ def test_molt_eval_reports_the_runs_final_pass_at_1(tmp_path):
     assert rep["model"]["step"] == 2 and rep["n"] == 2 and rep["k"] == 2 and rep["n_problems"] == 8
     assert [t["index"] for t in rep["tasks"]] == list(range(8)) and all(t["n"] == 2 for t in rep["tasks"])
     assert sum(t["correct"] for t in rep["tasks"]) / 16 == final["eval/pass@1"]
-    assert "logged eval/pass@1" in e.stderr
+    assert "logged eval/pass@1" in err
 
     # the run directory means its newest intact checkpoint; --n/--k/--out and an explicit recipe
-    e4 = subprocess.run(MOLT + ["eval", str(out / "config.toml"), "--model", str(out), "--n", "4", "--k", "3",
-                                "--out", str(tmp_path / "r4.json")], env=ENV, capture_output=True, text=True, timeout=300)
-    assert e4.returncode == 0, e4.stderr[-3000:]
+    code, _, err = _molt("eval", str(out / "config.toml"), "--model", str(out), "--n", "4", "--k", "3",
+                         "--out", str(tmp_path / "r4.json"))
+    assert code == 0, err[-3000:]
     rep4 = json.loads((tmp_path / "r4.json").read_text())
     assert rep4["model"]["checkpoint"] == str(ck) and rep4["n"] == 4 and "eval/pass@3" in rep4["metrics"]
     # samples 0 and 1 of each task are the same draws as with --n 2 (same seeds)
@@ -176,8 +174,21 @@ def test_molt_eval_reports_the_runs_final_pass_at_1(tmp_path):
     data = bytearray(st.read_bytes())
     data[-1] ^= 1
     st.write_bytes(bytes(data))
-    bad = subprocess.run(MOLT + ["eval", "--model", str(ck)], env=ENV, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "model.safetensors: SHA-256 differs" in bad.stderr
+    code, _, err = _molt("eval", "--model", str(ck))
+    assert code == 2 and "model.safetensors: SHA-256 differs" in err
+
+
+@pytest.mark.slow
+def test_molt_eval_matches_a_ray_run(tmp_path):
+    """The same on a run through Ray (subprocesses, two engines sharing the eval tasks)."""
+    out = tmp_path / "run"
+    r = subprocess.run(MOLT + ["run", str(_recipe(tmp_path)), "--out", str(out), "--set", "engine.num_engines=2"],
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
+    e = subprocess.run(MOLT + ["eval", "--model", str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert e.returncode == 0, e.stderr[-3000:]
+    assert json.loads(e.stdout.strip().splitlines()[-1])["eval/pass@1"] == final["eval/pass@1"]
 
 
 def test_resolve_model_kinds_and_errors(tmp_path):
