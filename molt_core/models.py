@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 __all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
-           "load_model", "load_tokenizer"]
+           "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
 BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large")
@@ -243,6 +243,27 @@ def _hub_error(path: str, kw: dict[str, Any], e: Exception) -> FileNotFoundError
         f"model.path {path!r}: could not load it from the Hugging Face Hub ({type(e).__name__}: {e}); check the id "
         f"and your network, or set HF_HUB_OFFLINE=1 to use a cached copy"
     )
+
+
+def local_model_dir(path: str) -> str:
+    """A local directory holding model ``path``: a directory or ``pkg:<module>`` as is, a Hub
+    id ``org/name[@revision]`` downloaded into the Hugging Face cache (read from the cache only
+    when ``HF_HUB_OFFLINE=1``) -- for engines such as vLLM that read the files themselves.
+
+    Raises:
+        FileNotFoundError: as :func:`hub_kwargs`, or a Hub id not cached while offline /
+            that cannot be downloaded (the message says which and the fix).
+    """
+    path = resolve_path(path)
+    name, kw = hub_kwargs(path)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, revision=kw.get("revision"), local_files_only=kw["local_files_only"])
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HTTP errors
+        raise _hub_error(path, kw, e) from e
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:

@@ -203,6 +203,12 @@ def test_hub_id_loads_from_cache_when_offline(tmp_path, monkeypatch):
     m = load_model("molt-test/tiny")
     ref = load_model("builtin:tiny-qwen3")
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+    from molt_core.models import local_model_dir  # what the vLLM engine hands vLLM: the cached snapshot
+
+    assert local_model_dir("molt-test/tiny") == str(tmp_path / "hub" / "models--molt-test--tiny" / "snapshots"
+                                                    / "0123456789abcdef0123456789abcdef01234567")
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=1 forbids a download"):
+        local_model_dir("molt-test/absent")
     # not cached while offline: the message names the variable and the download command
     with pytest.raises(FileNotFoundError, match=r"HF_HUB_OFFLINE=1 forbids a download; set HF_HUB_OFFLINE=0.*hf download molt-test/absent"):
         load_tokenizer("molt-test/absent")
