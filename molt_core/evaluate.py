@@ -103,7 +103,8 @@ def summary(report: dict[str, Any]) -> str:
     """The human summary of a report: pass@1, pass@k, the sizes, the run's logged pass@1 at
     that checkpoint (if any), and the notes."""
     m, k = report["metrics"], report["k"]
-    text = (f"pass@1 {m['eval/pass@1']:.4f}  pass@{k} {m[f'eval/pass@{k}']:.4f}  ({report['n_problems']} tasks x "
+    text = (f"pass@1 {m['eval/pass@1']:.4f}  " + (f"pass@{k} {m[f'eval/pass@{k}']:.4f}  " if k != 1 else "")
+            + f"({report['n_problems']} tasks x "
             f"{report['n']} samples, T={report['temperature']}, failed {int(m['eval/failed'])})")
     if report.get("logged"):
         text += f"\n  the run logged eval/pass@1 {report['logged']['eval/pass@1']:.4f} at step {report['model']['step']}"
@@ -183,6 +184,25 @@ class UrlWorker(RolloutWorker):
             self.model_name = models[0]
         return self.model_name
 
+    async def preflight(self) -> None:
+        """Ask the server for its models once, so that a wrong URL or key fails the command
+        with one message instead of failing every rollout.
+
+        Raises:
+            ValueError: the server cannot be reached, refuses the key, or lists no model.
+        """
+        import openai
+
+        try:
+            models = [m.id async for m in self.client.models.list()]
+        except openai.APIError as e:
+            raise ValueError(f"--model {self.base_url}: no OpenAI-compatible server answers there "
+                             f"({type(e).__name__}: {e}); check the URL (it ends in /v1) and --api-key") from None
+        if self.model_name is None:
+            if not models:
+                raise ValueError(f"{self.base_url}/models lists no model; pass --served-model NAME")
+            self.model_name = models[0]
+
     def _ledger(self, group_id: str) -> _TextRecord:
         return _TextRecord(group_id)
 
@@ -247,8 +267,13 @@ def evaluate(cfg: RunConfig, host: PluginHost, model: str, *, n: int | None = No
                      "server's sampler and chat template")
     else:
         worker = RolloutWorker(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": ref["path"]})}), 0)
+    async def run() -> list[dict[str, Any]]:
+        if isinstance(worker, UrlWorker):
+            await worker.preflight()
+        return await worker.evaluate_tasks(tasks, n, cfg.eval.temperature)
+
     try:
-        results = asyncio.run(worker.evaluate_tasks(tasks, n, cfg.eval.temperature))
+        results = asyncio.run(run())
     finally:
         _close(worker)
     report = {

@@ -235,3 +235,27 @@ def test_eval_over_an_openai_compatible_url(tmp_path):
     assert 0.0 <= rep["metrics"]["eval/pass@1"] <= 1.0 and "token identity" in rep["notes"][0]
     assert json.loads((tmp_path / "url.json").read_text())["metrics"] == rep["metrics"]
     assert traj.num_sampled > 0  # the samples came from the server (8 tasks x 2 samples x 2 turns)
+
+
+def test_unreachable_url_fails_once_with_a_clear_message(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once closed
+    cfg = _cfg(tmp_path)
+    with pytest.raises(ValueError, match=rf"--model http://127.0.0.1:{port}/v1: no OpenAI-compatible server answers "
+                                         r"there \(APIConnectionError"):
+        evaluate(cfg, load_plugins(cfg.plugins), f"http://127.0.0.1:{port}/v1", n=1)
+
+
+def test_summary_lines():
+    from molt_core.evaluate import summary
+
+    rep = {"metrics": {"eval/pass@1": 0.25, "eval/pass@2": 5 / 12, "eval/reward": 0.4, "eval/failed": 1.0},
+           "k": 2, "n": 4, "n_problems": 2, "temperature": 1.0, "model": {"step": 7},
+           "logged": {"eval/pass@1": 0.25}, "notes": ["text only"]}
+    assert summary(rep) == ("pass@1 0.2500  pass@2 0.4167  (2 tasks x 4 samples, T=1.0, failed 1)\n"
+                            "  the run logged eval/pass@1 0.2500 at step 7\nnote: text only")
+    rep.update(k=1, logged=None, notes=[])
+    assert summary(rep) == "pass@1 0.2500  (2 tasks x 4 samples, T=1.0, failed 1)"
