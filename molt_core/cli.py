@@ -316,7 +316,7 @@ def recipes() -> None:
 
 
 @main.command()
-@click.option("--model", "model", required=True, help="A local Hugging Face model directory or builtin:<name> (e.g. builtin:tiny-qwen3).")
+@click.option("--model", "model", required=True, help="A Hugging Face model directory or Hub id (org/name), or builtin:<name> (e.g. builtin:tiny-qwen3).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Loopback by default; any other address (e.g. 0.0.0.0) serves the network "
                    "and refuses to start without an explicit --admin-key (or MOLT_ADMIN_KEY).")
