@@ -1,4 +1,4 @@
-"""The ``molt`` command line (click): run | sft | plugins | plugin new | recipes | serve.
+"""The ``molt`` command line (click): run | sft | eval | plugins | plugin new | recipes | serve.
 
 Every command validates the recipe and loads plugins before any compute starts, so a bad
 key, a wrong type or a broken plugin fails in a second with a message naming it.
@@ -136,6 +136,44 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
     except ValueError as e:
         _fail(_agent_error(str(e), agent))
     console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
+
+
+@main.command(name="eval")
+@click.argument("recipe", required=False)
+@click.option("--model", "model", required=True,
+              help="A run's checkpoint (runs/X/checkpoints/step_N) or run directory, a Hugging Face model directory or "
+                   "Hub id, builtin:<name>, or an OpenAI-compatible base URL (http://host:port/v1).")
+@click.option("--n", "n", type=click.IntRange(1), default=None, help="Samples per task (default: the recipe's eval.k).")
+@click.option("--k", "k", type=click.IntRange(1), default=None, help="Report pass@K too (default: --n).")
+@click.option("--out", "out", default=None, type=click.Path(), help="JSON report file (default: RUN/eval/step_N.json for a "
+              "run's checkpoint, else ./eval-<time>.json).")
+@click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="API key for a URL --model (env OPENAI_API_KEY).")
+@click.option("--served-model", default=None, help="Model name for a URL --model (default: the server's first model).")
+def eval_(recipe: str | None, model: str, n: int | None, k: int | None, out: str | None, plugin: tuple[str, ...],
+          overrides: tuple[str, ...], api_key: str | None, served_model: str | None) -> None:
+    """Evaluate MODEL on RECIPE's held-out eval split: pass@1, pass@k and a JSON report.
+
+    RECIPE defaults to the run's own config.toml when --model is a run's checkpoint; then, with
+    the default --n, pass@1 equals the eval/pass@1 the run logged at that step."""
+    from molt_core.evaluate import default_report_path, evaluate, resolve_model, run_config_of, summary
+
+    try:
+        ref = resolve_model(model)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    recipe = recipe or (str(run_config_of(ref)) if run_config_of(ref) else None)
+    if recipe is None:
+        _fail("give a RECIPE (its eval split is evaluated); it defaults to the run's config.toml only for a run's checkpoint")
+    cfg, host = prepare(recipe, plugin, overrides)
+    out = out or str(default_report_path(ref))
+    try:
+        rep = evaluate(cfg, host, model, n=n, k=k, out=out, recipe=recipe, api_key=api_key, served_model=served_model)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    console.print(summary(rep), highlight=False)
+    click.echo(json.dumps({"report": out, **rep["metrics"]}))
 
 
 @main.command()
@@ -321,7 +359,7 @@ def recipes() -> None:
 
 
 @main.command()
-@click.option("--model", "model", required=True, help="A local Hugging Face model directory or builtin:<name> (e.g. builtin:tiny-qwen3).")
+@click.option("--model", "model", required=True, help="A Hugging Face model directory or Hub id (org/name), or builtin:<name> (e.g. builtin:tiny-qwen3).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Loopback by default; any other address (e.g. 0.0.0.0) serves the network "
                    "and refuses to start without an explicit --admin-key (or MOLT_ADMIN_KEY).")

@@ -1,10 +1,13 @@
 """Loading models and tokenizers: Hugging Face directories, GGUF files, and builtin tiny models.
 
-No model hub is reachable from the project's machines, so every load is offline
-(``local_files_only=True``). A model ``path`` is either
+A model ``path`` is either
 
 * a local Hugging Face model directory (``config.json`` + weights, optionally a ``gguf_file``
-  inside it, loaded through transformers' GGUF support), or
+  inside it, loaded through transformers' GGUF support; never a download),
+* a Hugging Face Hub model id (``org/name``, optionally ``org/name@revision``): downloaded into
+  the Hugging Face cache on first use, or read from that cache only when ``HF_HUB_OFFLINE=1``
+  (see :func:`hub_kwargs`),
+* ``pkg:<module>`` -- the directory of an installed Python package holding a model, or
 * ``builtin:<name>`` -- a model the project builds from a config with a deterministic random
   init (see :data:`BUILTINS`):
 
@@ -35,7 +38,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "load_tokenizer", "load_model", "is_builtin", "bigvocab_tokenizer_dir"]
+__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
+           "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
 BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large")
@@ -174,13 +178,102 @@ def resolve_path(path: str) -> str:
     return str(Path(spec.origin).parent)
 
 
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set to 1/true/yes/on (read at call time, so a test or a
+    launcher may change it after import): Hub model ids are then read from the Hugging Face
+    cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _split_revision(path: str) -> tuple[str, str | None]:
+    """``org/name@rev`` -> ``("org/name", "rev")``; no ``@`` -> ``(path, None)``."""
+    repo, sep, rev = path.partition("@")
+    return (repo, rev) if sep and rev else (path, None)
+
+
+def hub_kwargs(path: str) -> tuple[str, dict[str, Any]]:
+    """Where and how ``from_pretrained`` loads a model or tokenizer ``path`` (after
+    :func:`resolve_path`).
+
+    Returns:
+        ``(name, kwargs)``: a local directory -> ``(path, {"local_files_only": True})`` (never
+        a download); a Hub id ``org/name[@revision]`` -> ``("org/name", {"local_files_only":
+        hub_offline(), "revision": revision?})``.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a directory nor a valid Hub id (e.g. a missing
+            local path such as ``/no/such/dir`` or ``./model``); the message lists what to give.
+    """
+    if Path(path).is_dir():
+        return path, {"local_files_only": True}
+    repo, rev = _split_revision(path)
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    valid = False
+    if not looks_local:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(repo)
+            valid = True
+        except HFValidationError:
+            valid = False
+    if not valid:
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory nor a Hugging Face Hub id (org/name); give a Hugging "
+            f"Face model directory, a Hub id, or one of {', '.join('builtin:' + b for b in BUILTINS)}"
+        )
+    kw: dict[str, Any] = {"local_files_only": hub_offline()}
+    if rev:
+        kw["revision"] = rev
+    return repo, kw
+
+
+def _hub_error(path: str, kw: dict[str, Any], e: Exception) -> FileNotFoundError:
+    """The error for a Hub id that ``from_pretrained`` could not load: what to do, offline or not."""
+    if kw.get("local_files_only"):
+        return FileNotFoundError(
+            f"model.path {path!r}: not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids a download; set "
+            f"HF_HUB_OFFLINE=0 (with network access) or download it first with `hf download {path.split('@')[0]}` "
+            f"on a machine that has network, into the same HF_HOME cache ({type(e).__name__}: {e})"
+        )
+    return FileNotFoundError(
+        f"model.path {path!r}: could not load it from the Hugging Face Hub ({type(e).__name__}: {e}); check the id "
+        f"and your network, or set HF_HUB_OFFLINE=1 to use a cached copy"
+    )
+
+
+def local_model_dir(path: str) -> str:
+    """A local directory holding model ``path``: a directory or ``pkg:<module>`` as is, a Hub
+    id ``org/name[@revision]`` downloaded into the Hugging Face cache (read from the cache only
+    when ``HF_HUB_OFFLINE=1``) -- for engines such as vLLM that read the files themselves.
+
+    Raises:
+        FileNotFoundError: as :func:`hub_kwargs`, or a Hub id not cached while offline /
+            that cannot be downloaded (the message says which and the fix).
+    """
+    path = resolve_path(path)
+    name, kw = hub_kwargs(path)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, revision=kw.get("revision"), local_files_only=kw["local_files_only"])
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HTTP errors
+        raise _hub_error(path, kw, e) from e
+
+
 def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
-    """Load the tokenizer of a model ``path`` (offline).
+    """Load the tokenizer of a model ``path``.
 
     Args:
         path: ``builtin:tiny-qwen3`` / ``-moe`` / ``-large`` (the shipped 512-entry
             ChatML tokenizer), ``builtin:tiny-qwen3-bigvocab`` (Qwen2/3 vocabulary, see
-            :func:`bigvocab_tokenizer_dir`), or a local Hugging Face directory.
+            :func:`bigvocab_tokenizer_dir`), a local Hugging Face directory, ``pkg:<module>``,
+            or a Hub id (downloaded unless ``HF_HUB_OFFLINE=1``; see :func:`hub_kwargs`).
         gguf_file: a GGUF file name inside ``path`` to read the tokenizer from.
 
     Returns:
@@ -189,7 +282,8 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
 
     Raises:
         ValueError: unknown builtin name.
-        FileNotFoundError: ``path`` is not a directory (no hub download is attempted).
+        FileNotFoundError: ``path`` is neither a directory nor a Hub id, or a Hub id that is
+            not cached while offline / cannot be downloaded (the message says which and the fix).
     """
     from transformers import AutoTokenizer
 
@@ -198,13 +292,15 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
         d = bigvocab_tokenizer_dir() if name == "tiny-qwen3-bigvocab" else TINY_TOKENIZER_DIR
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     path = resolve_path(path)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(
-            f"model.path {path!r} is not a local directory; give a Hugging Face model directory "
-            f"or one of {', '.join('builtin:' + b for b in BUILTINS)} (no model hub is used)"
-        )
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+    name, kw = hub_kwargs(path)
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(name, **kw)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        raise _hub_error(path, kw, e) from e
 
 
 def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any:
@@ -231,10 +327,11 @@ def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any
 
 
 def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, seed: int = 0) -> torch.nn.Module:
-    """Load a causal LM (offline) in eval mode on CPU.
+    """Load a causal LM in eval mode on CPU.
 
     Args:
-        path: a local Hugging Face model directory, or ``builtin:<name>`` (see module doc).
+        path: a local Hugging Face model directory, ``builtin:<name>``, ``pkg:<module>`` or a
+            Hub id (downloaded unless ``HF_HUB_OFFLINE=1``; see module doc and :func:`hub_kwargs`).
         dtype: ``float32``, ``bfloat16`` or ``float16`` -- the parameter dtype.
         gguf_file: GGUF file name inside ``path`` (transformers dequantises it on load).
         seed: RNG seed of a builtin model's random init (the global RNG is left untouched);
@@ -247,7 +344,8 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
 
     Raises:
         ValueError: unknown ``dtype`` or builtin name.
-        FileNotFoundError: ``path`` is neither a builtin nor a local directory.
+        FileNotFoundError: ``path`` is neither a builtin, a local directory nor a Hub id, or a
+            Hub id that is not cached while offline / cannot be downloaded.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
@@ -263,12 +361,14 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.to(torch_dtype).eval()
     path = resolve_path(path)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(
-            f"model.path {path!r} is not a local directory; give a Hugging Face model directory "
-            f"or one of {', '.join('builtin:' + b for b in BUILTINS)} (no model hub is used)"
-        )
+    name, kw = hub_kwargs(path)
     from transformers import AutoModelForCausalLM
 
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True, **kw).eval()
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        raise _hub_error(path, kw, e) from e

@@ -175,3 +175,83 @@ def test_bigvocab_tokenizer_matches_qwen_and_retokenization_differs():
         ids = torch.randint(0, 151643, (32,), generator=g).tolist()
         changed += tok(tok.decode(ids), add_special_tokens=False).input_ids != ids
     assert changed > 10
+
+
+# -- Hub model ids (issue 13 item 11): accepted, downloaded unless HF_HUB_OFFLINE=1 ----------------
+
+def _fake_hub_cache(home, repo: str) -> None:
+    """Write ``repo`` (the tiny model + tokenizer) into a Hugging Face cache under ``home`` in the
+    hub's own layout (``hub/models--org--name/snapshots/<commit>/`` + ``refs/main``)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = home / "hub" / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / commit
+    load_model("builtin:tiny-qwen3").save_pretrained(snap)
+    load_tokenizer("builtin:tiny-qwen3").save_pretrained(snap)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_hub_id_loads_from_cache_when_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    _fake_hub_cache(tmp_path, "molt-test/tiny")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    tok = load_tokenizer("molt-test/tiny")
+    assert tok.encode("12") == load_tokenizer("builtin:tiny-qwen3").encode("12")
+    m = load_model("molt-test/tiny")
+    ref = load_model("builtin:tiny-qwen3")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+    from molt_core.models import local_model_dir  # what the vLLM engine hands vLLM: the cached snapshot
+
+    assert local_model_dir("molt-test/tiny") == str(tmp_path / "hub" / "models--molt-test--tiny" / "snapshots"
+                                                    / "0123456789abcdef0123456789abcdef01234567")
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=1 forbids a download"):
+        local_model_dir("molt-test/absent")
+    # not cached while offline: the message names the variable and the download command
+    with pytest.raises(FileNotFoundError, match=r"HF_HUB_OFFLINE=1 forbids a download; set HF_HUB_OFFLINE=0.*hf download molt-test/absent"):
+        load_tokenizer("molt-test/absent")
+
+
+@pytest.mark.parametrize("env, offline", [(None, False), ("0", False), ("1", True), ("true", True)])
+def test_hub_id_kwargs_follow_hf_hub_offline(monkeypatch, env, offline):
+    """The download decision: a Hub id goes to from_pretrained with local_files_only equal to
+    HF_HUB_OFFLINE (recorded, no network), a revision after '@' as revision=."""
+    import transformers
+
+    seen = []
+
+    def record(name, **kw):
+        seen.append((name, kw))
+        raise OSError("recorded")
+
+    if env is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", env)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", record)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record)
+    with pytest.raises(FileNotFoundError) as e1:
+        load_tokenizer("org/model@v1.0")
+    with pytest.raises(FileNotFoundError):
+        load_model("org/model", dtype="bfloat16")
+    assert seen == [("org/model", {"local_files_only": offline, "revision": "v1.0"}),
+                    ("org/model", {"local_files_only": offline, "dtype": torch.bfloat16})]
+    assert ("HF_HUB_OFFLINE=0" if offline else "set HF_HUB_OFFLINE=1 to use a cached copy") in str(e1.value)
+
+
+def test_local_paths_never_download(tmp_path, monkeypatch):
+    """A directory loads with local_files_only=True whatever HF_HUB_OFFLINE says; a missing
+    path that is no Hub id fails before from_pretrained is called."""
+    import transformers
+
+    seen = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kw: seen.append((name, kw)))
+    load_tokenizer(str(tmp_path))
+    assert seen == [(str(tmp_path), {"local_files_only": True})]
+    for bad in ("/no/such/dir", "./model", "a/b/c", "~/m"):
+        with pytest.raises(FileNotFoundError, match="not a local directory nor a Hugging Face Hub id"):
+            load_tokenizer(bad)
+    assert len(seen) == 1

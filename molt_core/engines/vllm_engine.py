@@ -116,7 +116,9 @@ class VLLMEngine(WorkerThreadEngine):
     Args:
         model: ``builtin:<name>`` (built with :func:`molt_core.models.load_model` and saved
             with its tokenizer to a temporary directory that vLLM loads), a local Hugging
-            Face model directory, or a ``PreTrainedModel`` (saved likewise; then
+            Face model directory, a Hub id (downloaded into the Hugging Face cache unless
+            ``HF_HUB_OFFLINE=1``, :func:`molt_core.models.local_model_dir`),
+            or a ``PreTrainedModel`` (saved likewise; then
             ``tokenizer`` is required).
         tokenizer: the tokenizer the server and ledger use; loaded from ``model`` when None.
         max_batch_size: most sequences vLLM runs at once (``max_num_seqs``, >= 1).
@@ -241,10 +243,10 @@ class VLLMEngine(WorkerThreadEngine):
     # ------------------------------------------------------------------ setup
     def _materialise(self, model: Any, tokenizer: Any, model_seed: int) -> tuple[str, Any]:
         """Return a model directory vLLM can load, and the tokenizer."""
-        from molt_core.models import is_builtin, load_model, load_tokenizer
+        from molt_core.models import is_builtin, load_model, load_tokenizer, local_model_dir
 
         if isinstance(model, (str, Path)) and not is_builtin(str(model)):
-            path = str(model)
+            path = local_model_dir(str(model))  # a Hub id: its snapshot in the HF cache (HF_HUB_OFFLINE honoured)
             if tokenizer is None:
                 tokenizer = load_tokenizer(path)
             if not (Path(path) / "config.json").is_file():

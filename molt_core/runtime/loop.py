@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.config import RunConfig
+from molt_core.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
 from molt_core.progress import step_progress
 from molt_core.rewards import component_metrics
@@ -164,7 +165,6 @@ def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> li
 
 
 #: eval metrics summed over workers (the others are task-weighted means)
-_EVAL_COUNTS = ("eval/failed", "eval/rollouts")
 
 
 def _eval_summary(m: dict[str, float]) -> str:
@@ -298,15 +298,15 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
 
     version = publish()
 
-
     def evaluate() -> dict[str, float]:
         if not eval_tasks:
             return {}
-        shards = [eval_tasks[i::len(workers)] for i in range(len(workers))]
-        res = ray.get([w.evaluate.remote(s, cfg.eval.k, cfg.eval.temperature) for w, s in zip(workers, shards) if s])
-        sizes = [len(s) for s in shards if s]
-        m = {k: sum(r[k] for r in res) if k in _EVAL_COUNTS else sum(r[k] * n for r, n in zip(res, sizes)) / sum(sizes)
-             for k in res[0]}
+        # per-sample seeds depend on the task's index only (molt_core.evalstats): `molt eval` on
+        # a checkpoint of this run recomputes these numbers exactly, however tasks are sharded
+        idx = list(range(len(eval_tasks)))
+        shards = [(eval_tasks[i::len(workers)], idx[i::len(workers)]) for i in range(len(workers))]
+        res = ray.get([w.evaluate_tasks.remote(s, cfg.eval.k, cfg.eval.temperature, ix) for w, (s, ix) in zip(workers, shards) if s])
+        m = eval_metrics([r for rs in res for r in rs], cfg.eval.k)
         if m.get("eval/failed"):
             say_first_failure()
         return m

@@ -119,7 +119,8 @@ def init_ray(cfg: RunConfig, ray_address: str | None) -> Any:
         return ray
     _refresh_ray_config()
     env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.run.threads), "TOKENIZERS_PARALLELISM": "false",
-                        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}}
+                        # the driver's Hub settings reach every worker (Hub ids: molt_core.models)
+                        **{k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_HOME", "HF_TOKEN") if k in os.environ}}}
     if ray_address:
         ray.init(address=ray_address, runtime_env=env, log_to_driver=True, logging_level="warning")
     else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import math
 import os
 import traceback
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
 from molt_core.config import RunConfig
+from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k, task_result
 from molt_core.plugins import PluginHost, import_path, load_plugins
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
@@ -103,24 +103,6 @@ def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | No
                           top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=list(stop_token_ids))
 
 
-def _success(t: Trajectory) -> float:
-    """1.0 when a finished rollout solved its task (score, else reward, >= 1), else 0.0."""
-    if t.status != "ok":
-        return 0.0
-    v = t.score if t.score is not None else t.reward
-    return 1.0 if v is not None and v >= 1.0 - 1e-9 else 0.0
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``
-    (Chen et al. 2021, arXiv 2107.03374, eq. 1). Raises: ValueError if k > n."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
 # what one episode opened, for rewards that want the whole rollout: set per episode task by
 # RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
 _EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
@@ -137,6 +119,9 @@ class RolloutWorker:
         ValueError / PluginError: bad agent or engine config (raised in the constructor, i.e.
             before any rollout).
     """
+
+    #: rollouts carry the engine's token ids (False for a text-only subclass: molt eval --model URL)
+    token_exact = True
 
     def __init__(self, cfg: RunConfig | dict, index: int = 0) -> None:
         import torch
@@ -206,18 +191,14 @@ class RolloutWorker:
         state = EpisodeState(task=task)
         reward, score, truncated, info = 0.0, None, False, {}
         action = ""
+        seed = params.seed  # a seeded episode (eval) seeds turn t with seed + t
         for turn in range(r.max_turns):
-            prep = ledger.prepare(messages, params=params)
-            room = r.max_total_tokens - len(prep.prompt_ids)
-            if room <= 0:
+            p = params.model_copy(update={"seed": None if seed is None else (seed + turn) % (1 << 63)})
+            sampled = await self._env_turn(ledger, messages, p)
+            if sampled is None:
                 truncated = True
                 break
-            p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
-            out = await self.engine.generate(prep.prompt_ids, p)
-            ledger.commit(prep, out, p)
-            ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
-            action = self.tokenizer.decode(ids, skip_special_tokens=False)
-            messages = ledger.history
+            action, messages = sampled
             state.turn, state.messages = turn, messages
             res = await asyncio.to_thread(env.step, action, state)  # graders may block (sandbox, judge)
             reward += res.reward
@@ -235,6 +216,21 @@ class RolloutWorker:
             truncated = True
         traj = ledger.trajectory(reward=reward, score=score, info=info, task=task, truncated=truncated)
         return traj, action
+
+    async def _env_turn(self, ledger: Any, messages: list[dict[str, Any]],
+                        params: SamplingParams) -> tuple[str, list[dict[str, Any]]] | None:
+        """One model turn of an Env episode through the ledger: the action text (stop token
+        dropped) and the history with the assistant turn, or None when the prompt leaves no
+        room under ``rollout.max_total_tokens``."""
+        prep = ledger.prepare(messages, params=params)
+        room = self.cfg.rollout.max_total_tokens - len(prep.prompt_ids)
+        if room <= 0:
+            return None
+        p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
+        out = await self.engine.generate(prep.prompt_ids, p)
+        ledger.commit(prep, out, p)
+        ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
         sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
@@ -278,14 +274,17 @@ class RolloutWorker:
                               info={"traceback": tb}), None
         ledger = next((lg for lg in seen["ledgers"] if lg.rollout_id == traj.rollout_id), None)
         messages = seen["messages"] if seen["messages"] is not None else (ledger.history if ledger is not None else [])
-        if not traj.segments or traj.num_sampled == 0:
+        if self.token_exact and (not traj.segments or traj.num_sampled == 0):
             return traj.fail("the rollout sampled no token"), None
         return traj, Rollout(response=action, task=task, messages=messages, trajectory=traj)
 
-    async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int) -> list[Trajectory]:
+    async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int,
+                     seeds: list[int] | None = None) -> list[Trajectory]:
         """``n`` rollouts of ``task``, scored together by the reward plugins
-        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any."""
-        items = await asyncio.gather(*(self._episode(task, group_id, params) for _ in range(n)))
+        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any.
+        ``seeds`` (``n`` of them) seeds rollout ``j``'s sampling with ``seeds[j]``."""
+        ps = [params] * n if seeds is None else [params.model_copy(update={"seed": s}) for s in seeds]
+        items = await asyncio.gather(*(self._episode(task, group_id, p) for p in ps))
         trajs = await self.rewards.score(list(items), agent_label=f"agent {type(self.agent).__name__}")
         if self.teacher is None:
             return trajs
@@ -323,26 +322,26 @@ class RolloutWorker:
         groups = await self.rollout(tasks, n)
         return groups[0] if len(groups) == 1 else tuple(groups)
 
-    async def evaluate(self, tasks: list[dict], k: int, temperature: float) -> dict[str, float]:
-        """Sample ``k`` rollouts per task at ``temperature`` (no training); returns
-        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator; a failed rollout counts as not
-        solved), ``eval/reward`` (over finished rollouts), ``eval/failed`` (failed rollouts) and
-        ``eval/rollouts`` (``len(tasks) * k``)."""
+    async def evaluate_tasks(self, tasks: list[dict], n: int, temperature: float,
+                             indices: list[int] | None = None) -> list[dict[str, Any]]:
+        """Sample ``n`` rollouts per task at ``temperature`` (no training), sample ``j`` of the
+        task at eval-split index ``indices[i]`` (default ``i``) seeded with
+        :func:`~molt_core.evalstats.eval_seed` ``(run.seed, index, j)``; returns one
+        :func:`~molt_core.evalstats.task_result` dict per task."""
+        indices = list(range(len(tasks))) if indices is None else [int(i) for i in indices]
+        if len(indices) != len(tasks):
+            raise ValueError(f"indices has {len(indices)} entries for {len(tasks)} tasks")
         params = _sampling(self.cfg, self._stop_ids, temperature=temperature)
-        per_task = await asyncio.gather(*(self._group(t, new_id("eval"), params, k) for t in tasks))
-        trajs = [t for ts in per_task for t in ts]
-        p1, pk, rewards, failed = [], [], [], 0
-        for i in range(len(tasks)):
-            ts = trajs[i * k:(i + 1) * k]
-            c = int(sum(_success(t) for t in ts))
-            p1.append(pass_at_k(k, c, 1))
-            pk.append(pass_at_k(k, c, k))
-            rewards += [t.reward for t in ts if t.status == "ok" and t.reward is not None]
-            failed += sum(t.status != "ok" for t in ts)
-        out = {"eval/pass@1": sum(p1) / max(1, len(p1)), f"eval/pass@{k}": sum(pk) / max(1, len(pk)),
-               "eval/reward": sum(rewards) / max(1, len(rewards)), "eval/failed": float(failed),
-               "eval/rollouts": float(len(trajs))}
-        return out
+        seed = self.cfg.run.seed
+        per_task = await asyncio.gather(*(self._group(t, new_id("eval"), params, n, [eval_seed(seed, i, j) for j in range(n)])
+                                          for t, i in zip(tasks, indices)))
+        return [task_result(i, t, list(ts)) for i, t, ts in zip(indices, tasks, per_task)]
+
+    async def evaluate(self, tasks: list[dict], k: int, temperature: float, indices: list[int] | None = None) -> dict[str, float]:
+        """Sample ``k`` rollouts per task at ``temperature`` (:meth:`evaluate_tasks`); returns
+        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
+        ``eval/failed`` (:func:`~molt_core.evalstats.eval_metrics`)."""
+        return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
     async def load_weights(self, state: dict, version: int) -> int:
         """Hand new weights to the engine (applied between decode steps); returns ``version``."""
