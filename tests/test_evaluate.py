@@ -96,7 +96,8 @@ def test_eval_metrics_by_hand():
           {"index": 0, "n": 4, "correct": 2, "rewards": [1.0, 1.0, 0.0, 0.5], "failed": 0}]
     m = eval_metrics(rs, 2)
     # pass@1 = mean(2/4, 0/4); pass@2 = mean(1 - C(2,2)/C(4,2), 1 - C(4,2)/C(4,2)) = mean(5/6, 0)
-    assert m == {"eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2, "eval/reward": 3.0 / 7, "eval/failed": 1.0}
+    assert m == {"eval/pass@1": 0.25, "eval/pass@2": (1 - 1 / 6) / 2, "eval/reward": 3.0 / 7, "eval/failed": 1.0,
+                 "eval/rollouts": 8.0}
     assert eval_metrics(list(reversed(rs)), 2) == m  # index order, whatever order results arrive in
     assert pass_at_k(4, 2, 2) == 1 - 1 / 6
     with pytest.raises(ValueError, match="pass@5 needs at least 5 samples"):
