@@ -19,8 +19,9 @@ It accepts a template when:
   %}{% endfor %}`` with ``P`` reading only ``m`` (``ns.x`` = index of the last message
   satisfying ``P``, or its constant initial value ``<= 0``); such an index is only compared with
   a loop index (``<``, ``>``, ``==``, ...);
-* a loop index (``loop.index0`` / ``loop.index``) is only compared with another index or a
-  constant ``<= 0``, or used as a neighbour subscript; ``loop.first`` and ``loop.last`` are free,
+* a loop index (``loop.index0`` / ``loop.index``) is only compared with another index or an
+  integer constant ``k`` (the head then holds messages ``0..k``), or used as a neighbour
+  subscript; ``loop.first`` and ``loop.last`` are free,
   other ``loop`` attributes (``length``, ``revindex``, ``cycle``, ``previtem`` ...) are refused;
 * nothing inside a messages loop or a macro assigns a namespace attribute (state that would
   flow from message to message), reads ``add_generation_prompt`` (it is read only at top level
@@ -30,7 +31,7 @@ It accepts a template when:
 
 Why a window then gives the full-render verdict: the main loop's output is one *chunk* per
 message; a chunk depends only on its message, its neighbours within ``radius``, ``loop.first`` /
-``loop.last``, comparisons of its index with scanned indices and constants ``<= 0``, and values
+``loop.last``, comparisons of its index with scanned indices and constants below ``head``, and values
 computed from the head messages, ``tools`` and template variables. Rendering ``W = M[:head] +
 M[j:]`` maps index ``i < head`` to itself and ``i >= j`` to ``i - j + head``: order-preserving,
 so every allowed comparison agrees, and chunks of messages from ``j + radius`` on are the same
@@ -82,8 +83,8 @@ class WindowProof:
     """What :func:`prove_window` established for one template.
 
     ``radius``: the largest neighbour distance ``k`` of a ``messages[loop.index0 +- k]``.
-    ``head``: messages kept at the window's start (``max(1, radius, largest constant subscript
-    + 1)``). ``scans``: one predicate per last-index scan, ``pred(message) -> bool``, evaluated
+    ``head``: messages kept at the window's start (``max(1, radius, k + 1)`` for the largest
+    constant ``k`` a loop index is compared with or the messages are subscripted by). ``scans``: one predicate per last-index scan, ``pred(message) -> bool``, evaluated
     with the template's own environment.
     """
 
@@ -370,13 +371,15 @@ class _Analysis:
                 if len(parts) == 2 and kinds.count("len") == 1 and self._int_const(parts[1 - kinds.index("len")]) == 0:
                     return "v"
                 raise _NotProven("messages | length compared with something other than 0")
+            if "idx" not in kinds:
+                raise _NotProven("a scanned index compared with something other than a loop index")
             for p, k in zip(parts, kinds):
                 if k in ("idx", "scan"):
                     continue
-                if not self._const_le0(p):
-                    raise _NotProven("an index compared with something other than an index or a constant <= 0")
-            if "idx" not in kinds:
-                raise _NotProven("a scanned index compared with something other than a loop index")
+                c = self._int_const(p)
+                if c is None or (c > 0 and "scan" in kinds):
+                    raise _NotProven("an index compared with something other than an index or an integer constant")
+                self.const_max = max(self.const_max, c)  # the head keeps indices 0..c: same side of c
             return "v"
         if isinstance(e, (n.And, n.Or)):
             self.need_v(e.left, env, ctx)
