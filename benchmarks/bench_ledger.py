@@ -24,6 +24,7 @@ Usage: ``python benchmarks/bench_ledger.py [--turns 500] [--window 10] [--plot r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ def wire(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls} if calls else message
 
 
-def session(tok: Any, turns: int) -> dict[str, list[tuple[float, float]]]:
+def session(tok: Any, turns: int, gc_freeze: bool = False) -> dict[str, list[tuple[float, float]]]:
     """Per ledger (``window`` / ``full``), per turn: (prepare + commit seconds, of which
     message normalization)."""
     leds = {"window": Ledger(tok), "full": Ledger(tok, window_render=False)}
@@ -76,6 +77,8 @@ def session(tok: Any, turns: int) -> dict[str, list[tuple[float, float]]]:
         text = (f'Looking up word {t}.\n<tool_call>\n{{"name": "lookup", "arguments": {{"q": "w{t}"}}}}\n</tool_call>'
                 if call else f"Word {t} means thing number {t * 7}.")
         gen = eng.output(text, SamplingParams(), 0)
+        if gc_freeze:
+            gc.freeze()
         plans, turns_out = {}, {}
         for name in (("window", "full") if t % 2 else ("full", "window")):
             led = leds[name]
@@ -104,9 +107,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=10, help="turns per median")
     ap.add_argument("--model", default="builtin:tiny-qwen3")
     ap.add_argument("--plot", default="runs/bench_ledger.png", help="where to save the plot ('' for none)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() before each turn: the interpreter's cyclic GC then skips the objects of earlier "
+                         "turns (separates its heap-size cost from the ledger's own)")
     args = ap.parse_args()
     tok = load_tokenizer(args.model)
-    per = session(tok, args.turns)
+    per = session(tok, args.turns, args.gc_freeze)
     k = args.window
     starts = sorted({0, *range(49, args.turns - k + 1, 50), args.turns - k})
     starts = [s for s in starts if 0 <= s <= args.turns - k]
@@ -114,7 +120,8 @@ def main() -> None:
     def med(xs: list[float]) -> float:
         return statistics.median(xs) * 1e3
 
-    print(f"[ledger, {args.model}, {args.turns}-turn session] median ms per turn (prepare + commit) over {k} turns")
+    print(f"[ledger, {args.model}, {args.turns}-turn session{', gc frozen' if args.gc_freeze else ''}] "
+          f"median ms per turn (prepare + commit) over {k} turns")
     print(f"{'turns':>11} | {'full render':>11} | {'window':>8} | {'window: normalize':>17} | {'full/window':>11}")
     rows = []
     for s in starts:

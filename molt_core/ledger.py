@@ -12,7 +12,13 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
   *tail*: the template's close of the last assistant turn after the sampled stop token (the
   ``"\\n"`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when the generation ended
   without it) followed by the rendering of every new message and the generation prompt.
-  Only template and new-message text is tokenized.
+  Only template and new-message text is tokenized. The check renders only a window of the
+  conversation (its first messages and its last few) when the chat template is proven
+  window-local (:mod:`molt_core.ledger_render`): the same verdict and tail as rendering the
+  whole conversation, at a cost that does not grow with the turn count; any other template,
+  or a window that does not pass, takes the full render. Reading a request reuses the
+  previous request's normalized messages for the unchanged prefix
+  (:class:`~molt_core.ledger_messages.NormalizeCache`).
 * **rewrite** -- anything else (context compaction, an edited history, a template that
   re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
   follows, B03): the open segment is sealed and a new one starts from the full render.

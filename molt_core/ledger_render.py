@@ -135,7 +135,7 @@ class _Analysis:
         elif isinstance(s, n.AssignBlock):
             if s.filter is not None or not isinstance(s.target, n.Name):
                 raise _NotProven("a filtered or non-name {% set %} block")
-            self.stmts(s.body, env, ctx)
+            self.stmts(s.body, dict(env), {**ctx, "depth": ctx["depth"] + 1})  # captured text: never the main loop
             self.bind(s.target.name, "v", env)
         elif isinstance(s, n.For):
             self.loop(s, env, ctx)
@@ -167,6 +167,7 @@ class _Analysis:
                 raise _NotProven(f"assignment to {t.name}.{t.attr}")
             self.need_v(s.node, env, ctx)
             self.ns_attrs[(t.name, t.attr)] = "v"
+            self.ns_init[(t.name, t.attr)] = None  # reassigned: no longer a known constant for a scan
             return
         if not isinstance(t, n.Name):
             raise _NotProven("a tuple {% set %}")
@@ -202,8 +203,10 @@ class _Analysis:
             return
         if s.else_ or s.test is not None or not isinstance(s.target, n.Name):
             raise _NotProven("a messages loop with else, a filter or a tuple target")
-        if ctx["msg_loop"] or ctx["macro"]:
-            raise _NotProven("a messages loop nested in a messages loop or a macro")
+        if ctx["depth"] or ctx["msg_loop"] or ctx["macro"]:
+            # inside a loop it would run more than once, inside a macro or {% set %} block its
+            # text becomes a value (e.g. measured with | length): only at top level (or in an if)
+            raise _NotProven("a messages loop inside a loop, a macro or a {% set %} block")
         if self.scan(s, env, ctx):
             return
         if self.main_loops:
@@ -227,8 +230,8 @@ class _Analysis:
                 and a.node.node.name == "loop" and a.node.attr == "index0"):
             return False
         key = (a.target.name, a.target.attr)
-        if ctx["depth"] or env.get(a.target.name) != "ns" or self.ns_attrs.get(key) != "v":
-            raise _NotProven("a last-index scan not at top level or into an assigned attribute")
+        if env.get(a.target.name) != "ns" or self.ns_attrs.get(key) != "v":
+            raise _NotProven("a last-index scan into an attribute already scanned or not a namespace")
         init = self.ns_init.get(key)
         if not self._const_le0(init):
             raise _NotProven(f"the scanned attribute {key[0]}.{key[1]} starts from a value other than a constant <= 0")

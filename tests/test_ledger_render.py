@@ -122,6 +122,10 @@ LOOP = "{%- for m in messages -%}{{- m.content -}}{%- endfor -%}"
     (LOOP.replace("{{- m.content -}}", "{%- if m.content -%}{%- break -%}{%- endif -%}"), "Break"),
     (LOOP.replace("m.content", "loop.previtem"), "loop.previtem"),
     ("{%- set xs = messages -%}" + LOOP, "kind 'msgs' used as a value"),
+    ("{%- set text -%}" + LOOP + "{%- endset -%}{{- text | length -}}", "inside a loop, a macro or a {% set %} block"),
+    ("{%- for t in tools -%}" + LOOP + "{%- endfor -%}", "inside a loop, a macro or a {% set %} block"),
+    ("{%- set ns = namespace(u=-1) -%}{%- set ns.u = 3 -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+     "{%- set ns.u = loop.index0 -%}{%- endif -%}{%- endfor -%}" + LOOP, "starts from a value other than a constant <= 0"),
     ("{%- for m in messages | reverse -%}{{- m.content -}}{%- endfor -%}", "the filter 'reverse' on a msgs"),
 ])
 def test_constructs_outside_the_class_are_refused(source, reason):
