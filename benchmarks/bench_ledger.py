@@ -18,7 +18,7 @@ ledger reuses the previous request's normalized prefix, the ``full`` one reads i
 would stop there. Prints the median ms per turn over windows of ``--window`` turns and the
 ratio last/first window; saves a plot of cost vs turn (``--plot``).
 
-Usage: ``python benchmarks/bench_ledger.py [--turns 500] [--window 10] [--plot runs/bench_ledger.png]``
+Usage: ``python benchmarks/bench_ledger.py [--turns 500] [--window 20] [--plot runs/bench_ledger.png]``
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def session(tok: Any, turns: int, gc_freeze: bool = False) -> dict[str, list[tup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=500)
-    ap.add_argument("--window", type=int, default=10, help="turns per median")
+    ap.add_argument("--window", type=int, default=20, help="turns per median")
     ap.add_argument("--model", default="builtin:tiny-qwen3")
     ap.add_argument("--plot", default="runs/bench_ledger.png", help="where to save the plot ('' for none)")
     ap.add_argument("--gc-freeze", action="store_true",

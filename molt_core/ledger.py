@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
 from molt_core.ledger_messages import NormalizeCache, normalize_messages
-from molt_core.ledger_render import NegativeIndex, WindowMessages, WindowProof, prove_window, window_start
+from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, window_start
 from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
@@ -525,16 +525,16 @@ class Ledger:
         full render's)."""
         proof = self.window_proof
         assert proof is not None and self._compiled is not None and self.turn_close is not None
-        last_prev, last_full = self._scan_lasts(hist, new)
-        j = window_start(proof, len(hist) - 1, last_prev, last_full)
-        if j is None:
-            return None
         head, close = hist[: proof.head], self.turn_close
         try:
+            last_prev, last_full = self._scan_lasts(hist, new)
+            j = window_start(proof, len(hist) - 1, last_prev, last_full)
+            if j is None:
+                return None
             prev = self._render_window(head + hist[j:-1], tools, True)
             held = self._render_window(head + hist[j:], tools, False)
             full = self._render_window(head + hist[j:] + new, tools, True)
-        except (NegativeIndex, ValueError):
+        except Exception:  # noqa: BLE001 - NegativeIndex, a template error: the full render decides (and raises)
             return None
         if not (full.startswith(held) and held.startswith(prev) and len(held) - len(prev) >= len(close)
                 and held.endswith(close)):
@@ -542,14 +542,11 @@ class Ledger:
         return held[len(prev):], full[len(held):]
 
     def _render_window(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
-        from jinja2 import TemplateError
-
+        """:meth:`render` of a window, its message list refusing negative subscripts
+        (:class:`~molt_core.ledger_render.NegativeIndex`); template errors propagate as raised."""
         assert self._compiled is not None
-        try:
-            return self._compiled.render(messages=WindowMessages(_chat_form(m) for m in messages), tools=tools or None,
-                                         documents=None, add_generation_prompt=add_generation_prompt, **self._template_vars)
-        except TemplateError as e:
-            raise ValueError(str(e)) from None
+        return self._compiled.render(messages=WindowMessages(_chat_form(m) for m in messages), tools=tools or None,
+                                     documents=None, add_generation_prompt=add_generation_prompt, **self._template_vars)
 
     def _scan_lasts(self, hist: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """Per window scan: the last index satisfying it in ``hist[:-1]`` and in ``hist + new``
@@ -558,11 +555,14 @@ class Ledger:
         assert proof is not None
         if self._scan_n > len(hist):  # pragma: no cover - the cache follows the history
             self._scan_hits, self._scan_n = [[] for _ in proof.scans], 0
+        found: list[list[int]] = [[] for _ in proof.scans]
         for i in range(self._scan_n, len(hist)):
             m = _chat_form(hist[i])
-            for hits, pred in zip(self._scan_hits, proof.scans):
+            for hits, pred in zip(found, proof.scans):
                 if pred(m):
                     hits.append(i)
+        for hits, more in zip(self._scan_hits, found):  # only once every predicate ran (one may raise)
+            hits += more
         self._scan_n = len(hist)
         n_prev = len(hist) - 1
         last_prev, last_full = [], []
