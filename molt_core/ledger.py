@@ -558,19 +558,19 @@ class Ledger:
         found: list[list[int]] = [[] for _ in proof.scans]
         for i in range(self._scan_n, len(hist)):
             m = _chat_form(hist[i])
-            for hits, pred in zip(found, proof.scans):
-                if pred(m):
+            for hits, scan in zip(found, proof.scans):
+                if scan.pred(m):
                     hits.append(i)
         for hits, more in zip(self._scan_hits, found):  # only once every predicate ran (one may raise)
             hits += more
         self._scan_n = len(hist)
         n_prev = len(hist) - 1
         last_prev, last_full = [], []
-        for hits, pred in zip(self._scan_hits, proof.scans):
+        for hits, scan in zip(self._scan_hits, proof.scans):
             lp = hits[-1] if hits and hits[-1] < n_prev else (hits[-2] if len(hits) > 1 else -1)
             lf = hits[-1] if hits else -1
             for i in range(len(new) - 1, -1, -1):
-                if pred(_chat_form(new[i])):
+                if scan.pred(_chat_form(new[i])):
                     lf = len(hist) + i
                     break
             last_prev.append(lp)

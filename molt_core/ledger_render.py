@@ -41,7 +41,9 @@ extend check compares -- previous prompt, held history, new prompt -- once the r
 conditions of :func:`window_start` hold (the boundary's neighbours exist and are not last, each
 scanned index stays put or lies past the boundary). A common prefix cancels from
 ``startswith`` and from the tail, so the window's three renders give the full renders'
-verdict and tail exactly. A negative subscript during a window render (``messages[-1]`` via
+verdict and tail exactly. A scanned index (the last user query, say) must stay put or lie inside
+the window, so after one user turn an agent's tool chain is rendered from that turn on: the
+window's cost then grows with the chain, not with the conversation. A negative subscript during a window render (``messages[-1]`` via
 ``loop.index0 - 1`` at index 0) aborts the window (:class:`WindowMessages`).
 """
 
@@ -50,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["WindowProof", "WindowMessages", "NegativeIndex", "prove_window", "window_start"]
+__all__ = ["WindowProof", "Scan", "WindowMessages", "NegativeIndex", "prove_window", "window_start"]
 
 _IMPURE = frozenset({"strftime_now", "cycler", "joiner", "lipsum", "raise_exception", "range", "self", "caller",
                      "varargs", "kwargs"})
@@ -84,13 +86,25 @@ class WindowProof:
 
     ``radius``: the largest neighbour distance ``k`` of a ``messages[loop.index0 +- k]``.
     ``head``: messages kept at the window's start (``max(1, radius, k + 1)`` for the largest
-    constant ``k`` a loop index is compared with or the messages are subscripted by). ``scans``: one predicate per last-index scan, ``pred(message) -> bool``, evaluated
-    with the template's own environment.
+    constant ``k`` a loop index is compared with or the messages are subscripted by).
+    ``scans``: one :class:`Scan` per last-index scan.
     """
 
     radius: int
     head: int
-    scans: list[Callable[[dict[str, Any]], bool]] = field(default_factory=list)
+    scans: list[Scan] = field(default_factory=list)
+
+
+@dataclass
+class Scan:
+    """One last-index scan of the template: ``pred(message) -> bool`` (evaluated with the
+    template's own environment) and its form: ``reverse`` for the Qwen3 idiom (a reversed loop
+    that stops at the first hit behind a found-flag, starting from ``messages | length - 1``;
+    its flag is a value, so the window needs the hit inside it or no hit at all), else the
+    forward loop (starting from a constant <= 0)."""
+
+    pred: Callable[[dict[str, Any]], bool]
+    reverse: bool = False
 
 
 # ------------------------------------------------------------------------------------ analysis
@@ -105,7 +119,7 @@ class _Analysis:
         self.n = nodes
         self.radius = 0
         self.const_max = -1
-        self.scans: list[Any] = []  # (loop target name, predicate node)
+        self.scans: list[Any] = []  # (loop target name, predicate node, reverse)
         self.ns_attrs: dict[tuple[str, str], str] = {}
         self.ns_init: dict[tuple[str, str], Any] = {}
         self.main_loops = 0
@@ -178,6 +192,10 @@ class _Analysis:
             if t.name in env:
                 raise _NotProven(f"namespace {t.name!r} rebound")
             for kw in v.kwargs:
+                if self._last_index(kw.value):  # only a reverse scan may use it (kind "pending")
+                    self.ns_attrs[(t.name, kw.key)] = "pending"
+                    self.ns_init[(t.name, kw.key)] = kw.value
+                    continue
                 self.need_v(kw.value, env, ctx)
                 self.ns_attrs[(t.name, kw.key)] = "v"
                 self.ns_init[(t.name, kw.key)] = kw.value
@@ -191,6 +209,13 @@ class _Analysis:
         if s.recursive:
             raise _NotProven("a recursive loop")
         is_msgs = isinstance(s.iter, n.Name) and s.iter.name == "messages" and "messages" not in env
+        rev = (isinstance(s.iter, n.Getitem) and isinstance(s.iter.node, n.Name) and s.iter.node.name == "messages"
+               and "messages" not in env and isinstance(s.iter.arg, n.Slice) and s.iter.arg.start is None
+               and s.iter.arg.stop is None and self._int_const(s.iter.arg.step) == -1)
+        if rev:
+            if ctx["depth"] or ctx["msg_loop"] or ctx["macro"] or s.else_ or s.test is not None or not self.reverse_scan(s, env):
+                raise _NotProven("a reversed messages loop other than a top-level last-index scan")
+            return
         if not is_msgs:
             self.need_v(s.iter, env, ctx)
             inner = dict(env)
@@ -240,7 +265,73 @@ class _Analysis:
             raise _NotProven(f"a scan predicate reading {sorted(names - {s.target.name})}")
         self.need_v(cond.test, {s.target.name: "v"}, {**ctx, "loop": None, "msg_loop": True, "depth": 1})
         self.ns_attrs[key] = "scan"
-        self.scans.append((s.target.name, cond.test))
+        self.scans.append((s.target.name, cond.test, False))
+        return True
+
+    def _last_index(self, e: Any) -> bool:
+        """``e`` is ``messages | length - 1``."""
+        n = self.n
+        return (isinstance(e, n.Sub) and self._int_const(e.right) == 1 and isinstance(e.left, n.Filter)
+                and e.left.name == "length" and not e.left.args and isinstance(e.left.node, n.Name)
+                and e.left.node.name == "messages")
+
+    def reverse_scan(self, s: Any, env: dict[str, Any]) -> bool:
+        """The Qwen3 idiom, exactly::
+
+            {% set ns = namespace(flag=true, x=messages | length - 1) %}
+            {% for m in messages[::-1] %}{% set i = (messages | length - 1) - loop.index0 %}
+              {% if ns.flag and P(m) %}{% set ns.flag = false %}{% set ns.x = i %}{% endif %}
+            {% endfor %}
+
+        ``ns.x``: the last index satisfying ``P`` (reading only ``m``), else the last index;
+        ``ns.flag``: whether none does (a value)."""
+        n = self.n
+        if not isinstance(s.target, n.Name) or len(s.body) != 2:
+            return False
+        a, cond = s.body
+        if not (isinstance(a, n.Assign) and isinstance(a.target, n.Name) and isinstance(a.node, n.Sub)
+                and self._last_index(a.node.left) and isinstance(a.node.right, n.Getattr)
+                and isinstance(a.node.right.node, n.Name) and a.node.right.node.name == "loop"
+                and a.node.right.attr == "index0"):
+            return False
+        if not isinstance(cond, n.If) or cond.elif_ or cond.else_ or len(cond.body) != 2:
+            return False
+        terms, t = [], cond.test
+        while isinstance(t, n.And):
+            terms.insert(0, t.right)
+            t = t.left
+        terms.insert(0, t)
+        flag = terms[0]
+        if not (len(terms) > 1 and isinstance(flag, n.Getattr) and isinstance(flag.node, n.Name)
+                and env.get(flag.node.name) == "ns"):
+            return False
+        ns = flag.node.name
+        sets = {}
+        for x in cond.body:
+            if not (isinstance(x, n.Assign) and isinstance(x.target, n.NSRef) and x.target.name == ns):
+                return False
+            sets[x.target.attr] = x.node
+        attrs = [k for k in sets if k != flag.attr]
+        if flag.attr not in sets or len(attrs) != 1:
+            return False
+        attr = attrs[0]
+        if not (isinstance(sets[flag.attr], n.Const) and sets[flag.attr].value is False
+                and isinstance(sets[attr], n.Name) and sets[attr].name == a.target.name):
+            return False
+        init_flag = self.ns_init.get((ns, flag.attr))
+        if not (isinstance(init_flag, n.Const) and init_flag.value is True and self.ns_attrs.get((ns, flag.attr)) == "v"
+                and self.ns_attrs.get((ns, attr)) == "pending"):
+            return False
+        pred: Any = terms[1]
+        for x in terms[2:]:
+            pred = n.And(pred, x)
+        names = {x.name for x in pred.find_all(n.Name)}
+        if names - {s.target.name}:
+            raise _NotProven(f"a scan predicate reading {sorted(names - {s.target.name})}")
+        self.need_v(pred, {s.target.name: "v"}, {"loop": None, "msg_loop": True, "macro": False, "depth": 1})
+        self.ns_attrs[(ns, attr)] = "scan"
+        self.ns_init[(ns, flag.attr)] = None  # assigned by the scan: a value, never a scan start
+        self.scans.append((s.target.name, pred, True))
         return True
 
     def targets(self, t: Any, env: dict[str, Any]) -> None:
@@ -308,6 +399,8 @@ class _Analysis:
                 if ctx["depth"] or ctx["macro"] or not self.after_main:
                     raise _NotProven("add_generation_prompt read before the main loop ends or inside a block")
                 return "v"
+            if name == "raise_exception" and not (ctx["depth"] or ctx["msg_loop"] or ctx["macro"]):
+                return "v"  # at top level its condition is a value: it raises in the window iff in the full render
             if name in _IMPURE:
                 raise _NotProven(f"the global {name!r}")
             return "v"
@@ -461,7 +554,7 @@ def prove_window(source: Any, environment: Any) -> tuple[WindowProof | None, str
         return None, str(e)
     except Exception as e:  # noqa: BLE001 - a template the parser refuses: never a proof
         return None, f"{type(e).__name__}: {e}"
-    scans = [_compile_scan(environment, nodes, name, test) for name, test in an.scans]
+    scans = [Scan(_compile_scan(environment, nodes, name, test), rev) for name, test, rev in an.scans]
     return WindowProof(radius=an.radius, head=max(1, an.radius, an.const_max + 1), scans=scans), ""
 
 
@@ -492,16 +585,24 @@ def window_start(proof: WindowProof, n_prev: int, last_prev: list[int], last_ful
     The window ``M[:head] + M[j:]`` is valid when (module doc) the boundary -- the head and
     the ``radius`` messages after the gap -- has its neighbours inside the previous prompt and
     none of them is last: ``j <= n_prev - max(2 * radius, 1)``; and each scan index either lies
-    at or past ``j + radius`` in all three renders, or is the same in all three and before ``j``.
+    at or past ``j + radius`` in all three renders, or (forward scan) is the same in all three
+    and before ``j``, or (reverse scan) no message satisfies it in any of them.
     """
     c, a = proof.radius, proof.head
     j = n_prev - max(2 * c, 1)
     changed = True
     while changed and j > a:
         changed = False
-        for lp, lf in zip(last_prev, last_full):
-            if lp >= j + c or (lp == lf and lf < j):
+        for scan, lp, lf in zip(proof.scans, last_prev, last_full):
+            if lp >= j + c:
                 continue
+            if scan.reverse:  # no hit at all: the index is the last message's, the flag true, in every render
+                if lp == lf == -1:
+                    continue
+            elif lp == lf and lf < j:
+                continue
+            if lp < 0:
+                return None
             j, changed = lp - c, True
             break
     return j if j > a else None

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.ledger import Ledger
 from molt_core.ledger_messages import NormalizeCache, normalize_messages
-from molt_core.ledger_render import WindowProof, prove_window, window_start
+from molt_core.ledger_render import Scan, WindowProof, prove_window, window_start
 from molt_core.models import load_tokenizer
 from molt_core.testing import ScriptedEngine
 from molt_core.types import SamplingParams
@@ -40,6 +40,27 @@ NEXT_TOOL = CHATML.replace("~ m.content ~", "~ m.content ~ ('[+tool]' if not loo
 RADIUS2 = CHATML.replace("~ m.content ~", "~ m.content ~ ('[=2]' if loop.index0 >= 2 and messages[loop.index0 - 2].role "
                                           "== m.role else '') ~ ('[+2 tool]' if messages[loop.index0 + 2] is defined and "
                                           "messages[loop.index0 + 2].role == 'tool' else '') ~")
+# the Qwen3 idiom: a reversed scan for the last real user query (a user turn that is not a wrapped tool
+# result) behind a found-flag, starting from the last index, an error when there is none; think blocks
+# (reasoning_content) rendered only after that query; tool results merged into one user turn
+REV_SCAN = (
+    "{%- set ns = namespace(searching=true, last_q=messages | length - 1) -%}"
+    "{%- for m in messages[::-1] -%}{%- set idx = (messages | length - 1) - loop.index0 -%}"
+    "{%- if ns.searching and m.role == 'user' and not m.content.startswith('<tool_response>') -%}"
+    "{%- set ns.searching = false -%}{%- set ns.last_q = idx -%}{%- endif -%}{%- endfor -%}"
+    "{%- if ns.searching -%}{{- raise_exception('no user query') -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_q and m.reasoning_content is string -%}"
+    "{{- '<think>\\n' ~ m.reasoning_content ~ '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m.content ~ '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' ~ m.content ~ '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 # the turn count in the system prompt: outside the proven class; no turn is ever an extension
 TURN_COUNT = "{{- '<|im_start|>system\\nturn ' ~ (messages | length) ~ '<|im_end|>\\n' -}}" + CHATML
 # a mark once the conversation holds more than 5 user turns: outside the proven class, and a window
@@ -57,7 +78,7 @@ def toks() -> dict[str, Any]:
     out = {}
     for name, tmpl in (("shipped", None), ("chatml", CHATML), ("last_mark", LAST_MARK), ("next_tool", NEXT_TOOL),
                        ("radius2", RADIUS2), ("turn_count", TURN_COUNT), ("unguarded", UNGUARDED),
-                       ("user_gate", USER_GATE)):
+                       ("user_gate", USER_GATE), ("rev_scan", REV_SCAN)):
         tok = load_tokenizer("builtin:tiny-qwen3")
         if tmpl is not None:
             tok.chat_template = tmpl
@@ -82,8 +103,17 @@ def test_shipped_template_is_proven_with_one_last_user_scan():
     proof, why = proof_of(CHAT_TEMPLATE)
     assert why == "" and proof is not None
     assert (proof.radius, proof.head, len(proof.scans)) == (1, 1, 1)
+    scan = proof.scans[0].pred
+    assert proof.scans[0].reverse is False and [scan({"role": r, "content": "x"}) for r in ("user", "assistant", "tool", "system")] == [True, False, False, False]
+
+
+def test_reverse_scan_idiom_is_proven():
+    proof, why = proof_of(REV_SCAN)
+    assert why == "" and proof is not None and (proof.radius, proof.head, len(proof.scans)) == (1, 1, 1)
     scan = proof.scans[0]
-    assert [scan({"role": r, "content": "x"}) for r in ("user", "assistant", "tool", "system")] == [True, False, False, False]
+    assert scan.reverse is True
+    assert [scan.pred({"role": r, "content": c}) for r, c in (("user", "q"), ("user", "<tool_response>x"),
+                                                                  ("assistant", "q"))] == [True, False, False]
 
 
 @pytest.mark.parametrize("source, radius, head", [(CHATML, 0, 1), (NEXT_TOOL, 1, 1), (RADIUS2, 2, 3), (LAST_MARK, 0, 1)])
@@ -122,6 +152,11 @@ LOOP = "{%- for m in messages -%}{{- m.content -}}{%- endfor -%}"
     (LOOP.replace("{{- m.content -}}", "{%- if m.content -%}{%- break -%}{%- endif -%}"), "Break"),
     (LOOP.replace("m.content", "loop.previtem"), "loop.previtem"),
     ("{%- set xs = messages -%}" + LOOP, "kind 'msgs' used as a value"),
+    (REV_SCAN.replace("ns.searching and m.role", "ns.searching and loop.last and m.role"), "scan predicate reading"),
+    (REV_SCAN.replace("{%- set ns.searching = false -%}", ""), "a reversed messages loop other than"),
+    (REV_SCAN.replace("(messages | length - 1) - loop.index0", "loop.index0"), "a reversed messages loop other than"),
+    (REV_SCAN.replace("loop.index0 > ns.last_q", "ns.last_q > 0"), "scanned index compared"),
+    ("{%- set ns = namespace(q=messages | length - 1) -%}{{- ns.q -}}" + LOOP, "kind 'pending' used as a value"),
     ("{%- set text -%}" + LOOP + "{%- endset -%}{{- text | length -}}", "inside a loop, a macro or a {% set %} block"),
     ("{%- for t in tools -%}" + LOOP + "{%- endfor -%}", "inside a loop, a macro or a {% set %} block"),
     ("{%- set ns = namespace(u=-1) -%}{%- set ns.u = 3 -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
@@ -138,12 +173,17 @@ def test_window_start_conditions():
     unless a scanned index sits in the boundary (then it moves to before it) or changes."""
     p = WindowProof(radius=1, head=1)
     assert window_start(p, 20, [], []) == 18
-    p.scans = [lambda m: True]
+    p.scans = [Scan(lambda m: True)]
     assert window_start(p, 20, [19], [21]) == 18  # last user past the boundary: A
     assert window_start(p, 20, [5], [5]) == 18  # unchanged and before the gap: B
     assert window_start(p, 20, [18], [21]) == 17  # in the boundary: moved so 18 >= j + 1
     assert window_start(p, 20, [5], [21]) == 4  # changes from before the gap: the gap ends before it
     assert window_start(p, 20, [1], [21]) is None  # no window shorter than the conversation
+    p.scans = [Scan(lambda m: True, reverse=True)]
+    assert window_start(p, 20, [19], [21]) == 18
+    assert window_start(p, 20, [-1], [-1]) == 18  # no query anywhere: the last index, in every render
+    assert window_start(p, 20, [5], [5]) == 4  # a query in the gap: its flag would differ, so it joins the window
+    assert window_start(p, 20, [-1], [21]) is None  # the flag flips between the renders
     assert window_start(WindowProof(radius=0, head=1), 3, [], []) == 2
     assert window_start(WindowProof(radius=0, head=1), 2, [], []) is None
 
@@ -210,7 +250,7 @@ def same_as_full(tok: Any, script: list[tuple[str, str, bool]], **kw: Any) -> Le
     return led_w
 
 
-TEMPLATES = ["shipped", "chatml", "last_mark", "next_tool", "radius2", "turn_count", "unguarded", "user_gate"]
+TEMPLATES = ["shipped", "chatml", "last_mark", "next_tool", "radius2", "turn_count", "unguarded", "user_gate", "rev_scan"]
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -248,6 +288,11 @@ def test_long_sessions_take_the_window_and_stay_exact(toks):
     assert led.render_stats == {"window": 29, "full": 0}
     led = same_as_full(toks["shipped"], long_chat(30, "call", "tool"))
     assert led.render_stats == {"window": 29, "full": 0} and led.counts["extend"] == 29
+    # the reverse scan: a tool chain after the last user query keeps that query (index 5) in the
+    # window, which starts at 5 - radius = 4 from then on (a window growing with the chain)
+    for script in (long_chat(30), long_chat(30, "call", "tool")):
+        led = same_as_full(toks["rev_scan"], script)
+        assert led.render_stats == {"window": 29, "full": 0} and led.counts["extend"] == 29
     # the last-marker template rewrites every turn: the window sees it and the full render decides
     led = same_as_full(toks["last_mark"], long_chat(12))
     assert led.counts["rewrite"] == 11 and led.render_stats["window"] == 0
