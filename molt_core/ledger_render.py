@@ -17,15 +17,17 @@ It accepts a template when:
 * at most one ``for m in messages`` loop writes output (the *main loop*); every other one is a
   *last-index scan* ``{% for m in messages %}{% if P(m) %}{% set ns.x = loop.index0 %}{% endif
   %}{% endfor %}`` with ``P`` reading only ``m`` (``ns.x`` = index of the last message
-  satisfying ``P``, or its constant initial value ``<= 0``); such an index is only compared with
-  a loop index (``<``, ``>``, ``==``, ...);
+  satisfying ``P``, or its constant initial value ``<= 0``), or its reversed form, Qwen3's
+  last-query scan (:meth:`_Analysis.reverse_scan`); such an index is only compared with a loop
+  index (``<``, ``>``, ``==``, ...);
 * a loop index (``loop.index0`` / ``loop.index``) is only compared with another index or an
   integer constant ``k`` (the head then holds messages ``0..k``), or used as a neighbour
   subscript; ``loop.first`` and ``loop.last`` are free,
   other ``loop`` attributes (``length``, ``revindex``, ``cycle``, ``previtem`` ...) are refused;
 * nothing inside a messages loop or a macro assigns a namespace attribute (state that would
   flow from message to message), reads ``add_generation_prompt`` (it is read only at top level
-  after the main loop), calls ``raise_exception`` or an impure global (``strftime_now``...),
+  after the main loop), calls ``raise_exception`` (allowed at top level) or an impure global
+  (``strftime_now``...),
   breaks or continues, and the template uses no ``include``/``import``/``call``/``filter``
   blocks or extensions.
 
@@ -41,10 +43,12 @@ extend check compares -- previous prompt, held history, new prompt -- once the r
 conditions of :func:`window_start` hold (the boundary's neighbours exist and are not last, each
 scanned index stays put or lies past the boundary). A common prefix cancels from
 ``startswith`` and from the tail, so the window's three renders give the full renders'
-verdict and tail exactly. A scanned index (the last user query, say) must stay put or lie inside
-the window, so after one user turn an agent's tool chain is rendered from that turn on: the
-window's cost then grows with the chain, not with the conversation. A negative subscript during a window render (``messages[-1]`` via
-``loop.index0 - 1`` at index 0) aborts the window (:class:`WindowMessages`).
+verdict and tail exactly. A reverse scan's index (Qwen3's last user query) must lie inside the
+window (its found-flag is a value the text may use), so after one user turn an agent's tool
+chain is rendered from that turn on: the window's cost then grows with the chain, not with the
+conversation; a forward scan's index may stay before the gap. A negative subscript during a
+window render (``messages[-1]`` via ``loop.index0 - 1`` at index 0) aborts the window
+(:class:`WindowMessages`).
 """
 
 from __future__ import annotations
