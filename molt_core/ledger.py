@@ -282,7 +282,8 @@ class Ledger:
         if facts is None:
             self._fast_render()
             self._probe()
-            proof = prove_window(tokenizer.chat_template, self._compiled.environment)[0] if self._compiled is not None else None
+            compiled: Any = getattr(self, "_compiled", None)
+            proof = prove_window(tokenizer.chat_template, compiled.environment)[0] if compiled is not None else None
             facts = (self._compiled, getattr(self, "_template_vars", {}), self.turn_close, self.body_prefix,
                      self.stop_token_ids, proof)
             _TEMPLATE_FACTS[key] = facts

@@ -300,7 +300,8 @@ class _Analysis:
             return False
         if not isinstance(cond, n.If) or cond.elif_ or cond.else_ or len(cond.body) != 2:
             return False
-        terms, t = [], cond.test
+        terms: list[Any] = []
+        t = cond.test
         while isinstance(t, n.And):
             terms.insert(0, t.right)
             t = t.left
