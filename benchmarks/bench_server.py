@@ -6,9 +6,9 @@
    tokens per request) and on a zero-cost scripted engine (pure server cost per request).
 2. Ledger cost per turn over a ``--turns``-turn session (prepare + commit, zero-cost engine):
    mean time of the first and the last 20 turns and their ratio, split into the chat-template
-   render (the template's own work: it renders the whole conversation, as in any chat
-   server), message normalization (reading the request's messages, linear like parsing its
-   JSON) and the ledger's token bookkeeping (tokenizing only the tail, appending the sampled
+   render (a window of the conversation for a proven template, see benchmarks/bench_ledger.py),
+   message normalization (reading the request's messages; the unchanged prefix is compared, not
+   re-read) and the ledger's token bookkeeping (tokenizing only the tail, appending the sampled
    ids: this part must not grow with the turn count).
 
 Usage: ``python benchmarks/bench_server.py [--requests 30] [--max-tokens 16] [--turns 200]``
@@ -74,8 +74,6 @@ def server_vs_direct(engine, tok, n: int, max_tokens: int) -> tuple[float, float
 def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
     """(total, template render, message normalization) seconds of prepare + commit for each
     turn of one session."""
-    import molt_core.ledger as ledger_mod
-
     led = Ledger(tok)
     eng = ScriptedEngine(tok)
     spent = {"render": 0.0, "normalize": 0.0}
@@ -90,8 +88,8 @@ def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
         return wrapper
 
     led.render = timed("render", led.render)  # type: ignore[method-assign]
-    normalize = ledger_mod.normalize_messages
-    ledger_mod.normalize_messages = timed("normalize", normalize)
+    led._render_window = timed("render", led._render_window)  # type: ignore[method-assign]
+    led._normalize = timed("normalize", led._normalize)  # type: ignore[method-assign]
     msgs: list[dict] = []
     out = []
     for t in range(turns):
@@ -104,7 +102,6 @@ def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
         out.append((time.perf_counter() - t0, spent["render"], spent["normalize"]))
         assert p.mode in ("start", "extend")
         msgs.append({"role": "assistant", "content": turn.content})
-    ledger_mod.normalize_messages = normalize
     from molt_core.identity import check_tokens
 
     assert check_tokens(led.trajectory()).retokenized == 0 and len(led.segments()) == 1

@@ -12,7 +12,13 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
   *tail*: the template's close of the last assistant turn after the sampled stop token (the
   ``"\\n"`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when the generation ended
   without it) followed by the rendering of every new message and the generation prompt.
-  Only template and new-message text is tokenized.
+  Only template and new-message text is tokenized. The check renders only a window of the
+  conversation (its first messages and its last few) when the chat template is proven
+  window-local (:mod:`molt_core.ledger_render`): the same verdict and tail as rendering the
+  whole conversation, at a cost that does not grow with the turn count; any other template,
+  or a window that does not pass, takes the full render. Reading a request reuses the
+  previous request's normalized messages for the unchanged prefix
+  (:class:`~molt_core.ledger_messages.NormalizeCache`).
 * **rewrite** -- anything else (context compaction, an edited history, a template that
   re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
   follows, B03): the open segment is sealed and a new one starts from the full render.
@@ -44,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
+from molt_core.ledger_messages import NormalizeCache, normalize_messages
+from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, window_start
 from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
@@ -55,7 +63,6 @@ LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns")
 
 _PROBE_USER = "molt-ledger-probe-user"
 _PROBE_ASSISTANT = "molt-ledger-probe-assistant"
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class LedgerConflict(RuntimeError):
@@ -99,77 +106,9 @@ def max_token_bytes(tokenizer: Any) -> int:
 # --------------------------------------------------------------------------- messages
 
 
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for j, part in enumerate(content):
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
-        return "".join(out)
-    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
-
-
-def _arguments(args: Any, where: str) -> dict[str, Any]:
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}.arguments is not valid JSON ({e.msg}); send the JSON object the model produced") from None
-    if not isinstance(args, dict):
-        raise ValueError(f"{where}.arguments must be a JSON object, got {type(args).__name__}")
-    return args
-
-
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Canonical OpenAI-style chat messages for rendering and comparison.
-
-    Each message becomes ``{"role", "content": str}`` plus, where present, ``tool_calls``
-    (``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``; string
-    arguments are parsed), ``tool_call_id``, ``name`` and ``reasoning_content``. Content
-    parts are joined when all are text.
-
-    Raises:
-        ValueError: naming ``messages[i].<field>`` -- not a list of objects, unknown role,
-            non-text content, a tool call without a name, arguments that are not a JSON object.
-    """
-    if not isinstance(messages, list):
-        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)}
-        calls = m.get("tool_calls")
-        if calls:
-            if role != "assistant" or not isinstance(calls, list):
-                raise ValueError(f"{where}.tool_calls must be a list and only on assistant messages")
-            norm = []
-            for j, c in enumerate(calls):
-                w = f"{where}.tool_calls[{j}]"
-                fn = c.get("function", c) if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                    raise ValueError(f"{w}.function.name must be a non-empty string")
-                norm.append({"id": str(c.get("id") or ""), "type": "function",
-                             "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments", {}), f"{w}.function")}})
-            msg["tool_calls"] = norm
-        for key in ("tool_call_id", "name", "reasoning_content"):
-            if isinstance(m.get(key), str):
-                msg[key] = m[key]
-        out.append(msg)
-    return out
+def _chat_form(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as the compiled template sees it (``reasoning_content`` also as ``thinking``)."""
+    return {"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m
 
 
 def _visible(text: str, think: tuple[str, str]) -> str:
@@ -293,6 +232,10 @@ class Ledger:
         tool_parser: a :mod:`molt_core.parsers` family name (``hermes``, ``qwen3_coder``,
             ``llama3_json``, ``mistral``, ``auto``: from the tokenizer) or a parser object;
             default: Hermes with ``tool_call_tags``.
+        window_render: check an extension by rendering a window of the conversation when the
+            chat template is proven window-local (:mod:`molt_core.ledger_render`; same verdict
+            and tail as the full render, cost independent of the turn count); False always
+            renders the whole conversation (the reference path, kept for benchmarks and tests).
 
     Raises:
         ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
@@ -302,7 +245,7 @@ class Ledger:
                  chat_template_kwargs: dict[str, Any] | None = None,
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 tool_parser: str | ToolParser | None = None) -> None:
+                 tool_parser: str | ToolParser | None = None, window_render: bool = True) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
         self.tokenizer = tokenizer
@@ -325,16 +268,29 @@ class Ledger:
         self._last_turn: AssistantTurn | None = None
         self._epoch = 0
         self._last_req: tuple[Any, ...] | None = None
+        # normalize_messages, reusing the previous request's normalized prefix
+        self._normalize = NormalizeCache()
+        #: extend checks decided by a window render / by the full render (see ``window_render``)
+        self.render_stats = {"window": 0, "full": 0}
+        # per window scan: indices of the committed history's messages that satisfy it, and
+        # how many history messages were scanned (reset when a start/rewrite replaces history)
+        self._scan_hits: list[list[int]] = []
+        self._scan_n = 0
         # the template facts depend only on the tokenizer and template kwargs: derive them once
         key = (id(tokenizer), tokenizer.chat_template, json.dumps(self.template_kwargs, sort_keys=True, default=str))
         facts = _TEMPLATE_FACTS.get(key)
         if facts is None:
             self._fast_render()
             self._probe()
+            compiled: Any = getattr(self, "_compiled", None)
+            proof = prove_window(tokenizer.chat_template, compiled.environment)[0] if compiled is not None else None
             facts = (self._compiled, getattr(self, "_template_vars", {}), self.turn_close, self.body_prefix,
-                     self.stop_token_ids)
+                     self.stop_token_ids, proof)
             _TEMPLATE_FACTS[key] = facts
-        self._compiled, self._template_vars, self.turn_close, self.body_prefix, self.stop_token_ids = facts
+        self._compiled, self._template_vars, self.turn_close, self.body_prefix, self.stop_token_ids, proof = facts
+        #: the template's window proof (None: every extend check renders the whole conversation)
+        self.window_proof: WindowProof | None = proof if window_render else None
+        self._scan_hits = [[] for _ in (proof.scans if proof else [])]
 
     # ---------------------------------------------------------------- template facts
 
@@ -354,8 +310,7 @@ class Ledger:
 
         try:
             if self._compiled is not None:
-                chat = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
-                return self._compiled.render(messages=chat, tools=tools or None, documents=None,
+                return self._compiled.render(messages=[_chat_form(m) for m in messages], tools=tools or None, documents=None,
                                              add_generation_prompt=add_generation_prompt, **self._template_vars)
             return self.tokenizer.apply_chat_template(messages, tools=tools or None,
                                                       add_generation_prompt=add_generation_prompt,
@@ -448,7 +403,7 @@ class Ledger:
             ValueError: malformed messages (see :func:`normalize_messages`) or no messages.
             PromptTooLong: the prompt has ``max_prompt_tokens`` tokens or more (a ValueError).
         """
-        msgs = normalize_messages(messages)
+        msgs = self._normalize(messages)
         if not msgs:
             raise ValueError("messages is empty; send at least one message")
         tools = tools or None
@@ -535,10 +490,18 @@ class Ledger:
             return None
         # render with the committed history (it holds what the model really produced, e.g. a
         # think block a client did not echo), then require the template to keep it verbatim
-        full = self.render(hist + msgs[k:], tools)
-        held = self.render(hist, tools, add_generation_prompt=False)
-        if not (full.startswith(held) and held.startswith(self._last_prompt_text) and held.endswith(self.turn_close)):
-            return None
+        win = self._window_check(hist, msgs[k:], tools) if self.window_proof is not None else None
+        if win is not None:
+            held_new, after = win
+            held = self._last_prompt_text + held_new
+            full = held + after
+            self.render_stats["window"] += 1
+        else:
+            full = self.render(hist + msgs[k:], tools)
+            held = self.render(hist, tools, add_generation_prompt=False)
+            self.render_stats["full"] += 1
+            if not (full.startswith(held) and held.startswith(self._last_prompt_text) and held.endswith(self.turn_close)):
+                return None
         close = self.turn_close
         o = self._open
         if o.finish_reason == "stop" and o.token_ids and o.loss_mask[-1] and self._last_stop_token:
@@ -548,6 +511,72 @@ class Ledger:
         tail = close + full[len(held):]
         self._check_fits_text(len(o.token_ids), tail, max_prompt_tokens)
         return full, self._encode(tail)
+
+    def _window_check(self, hist: list[dict[str, Any]], new: list[dict[str, Any]],
+                      tools: Any) -> tuple[str, str] | None:
+        """The extend check through a window (:mod:`molt_core.ledger_render`).
+
+        Renders ``W = hist[:head] + hist[j:]`` three ways -- without its last (assistant)
+        message and with the generation prompt (the previous prompt), as is without it (the
+        held history), with ``new`` and the generation prompt (the new prompt) -- and requires
+        each to extend the one before, with the held history ending on the turn close. Returns
+        ``(held[len(previous prompt):], new prompt[len(held):])``, equal to those of the full
+        renders by the window proof, or None when no proven window applies or the window does
+        not pass (the caller then renders the whole conversation, so the verdict is always the
+        full render's)."""
+        proof = self.window_proof
+        assert proof is not None and self._compiled is not None and self.turn_close is not None
+        head, close = hist[: proof.head], self.turn_close
+        try:
+            last_prev, last_full = self._scan_lasts(hist, new)
+            j = window_start(proof, len(hist) - 1, last_prev, last_full)
+            if j is None:
+                return None
+            prev = self._render_window(head + hist[j:-1], tools, True)
+            held = self._render_window(head + hist[j:], tools, False)
+            full = self._render_window(head + hist[j:] + new, tools, True)
+        except Exception:  # noqa: BLE001 - NegativeIndex, a template error: the full render decides (and raises)
+            return None
+        if not (full.startswith(held) and held.startswith(prev) and len(held) - len(prev) >= len(close)
+                and held.endswith(close)):
+            return None
+        return held[len(prev):], full[len(held):]
+
+    def _render_window(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
+        """:meth:`render` of a window, its message list refusing negative subscripts
+        (:class:`~molt_core.ledger_render.NegativeIndex`); template errors propagate as raised."""
+        assert self._compiled is not None
+        return self._compiled.render(messages=WindowMessages(_chat_form(m) for m in messages), tools=tools or None,
+                                     documents=None, add_generation_prompt=add_generation_prompt, **self._template_vars)
+
+    def _scan_lasts(self, hist: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """Per window scan: the last index satisfying it in ``hist[:-1]`` and in ``hist + new``
+        (-1: none). The committed history's hits are cached (scanned once per message)."""
+        proof = self.window_proof
+        assert proof is not None
+        if self._scan_n > len(hist):  # pragma: no cover - the cache follows the history
+            self._scan_hits, self._scan_n = [[] for _ in proof.scans], 0
+        found: list[list[int]] = [[] for _ in proof.scans]
+        for i in range(self._scan_n, len(hist)):
+            m = _chat_form(hist[i])
+            for hits, scan in zip(found, proof.scans):
+                if scan.pred(m):
+                    hits.append(i)
+        for hits, more in zip(self._scan_hits, found):  # only once every predicate ran (one may raise)
+            hits += more
+        self._scan_n = len(hist)
+        n_prev = len(hist) - 1
+        last_prev, last_full = [], []
+        for hits, scan in zip(self._scan_hits, proof.scans):
+            lp = hits[-1] if hits and hits[-1] < n_prev else (hits[-2] if len(hits) > 1 else -1)
+            lf = hits[-1] if hits else -1
+            for i in range(len(new) - 1, -1, -1):
+                if scan.pred(_chat_form(new[i])):
+                    lf = len(hist) + i
+                    break
+            last_prev.append(lp)
+            last_full.append(lf)
+        return last_prev, last_full
 
     def commit(self, prepared: Prepared, output: GenerationOutput, params: SamplingParams | None = None) -> AssistantTurn:
         """Record one successful generation atomically and return it parsed.
@@ -600,6 +629,8 @@ class Ledger:
             self._routed(o, n0, output)
             self._last_stop_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
             self._history = prepared.messages + [turn.message()]
+            if prepared.mode != "extend":  # the scan cache covers a history this one no longer extends
+                self._scan_hits, self._scan_n = [[] for _ in self._scan_hits], 0
             self._tools = prepared.tools
             self._last_prompt_text = prepared.prompt_text
             self._last_req, self._last_turn = prepared.key, turn
