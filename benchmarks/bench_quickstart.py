@@ -54,7 +54,7 @@ Usage::
     python benchmarks/bench_quickstart.py --quick         # smoke configuration (~2-4 min)
     python benchmarks/bench_quickstart.py --steps 300 --seeds 5 --target 0.8 [--skip-trl] [--skip-async]
 
-Needs ``pip install -e .[dev]`` (brings ``trl``). Absolute times on a shared machine drift;
+Needs ``pip install -e .[dev,bench]`` (``bench`` brings ``trl``). Absolute times on a shared machine drift;
 quote the ratios.
 """
 

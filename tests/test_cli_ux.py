@@ -103,7 +103,7 @@ def test_cli_plugins_verbose_is_the_full_table_and_json_unchanged():
     assert len(r.output.splitlines()) > 100
     rows = json.loads(CliRunner().invoke(main, ["plugins", "--json"]).output)
     assert set(rows[0]) == {"name", "distribution", "version", "source", "hooks", "registered", "options",
-                            "descriptions"}
+                            "descriptions", "missing"}
 
 
 # -- hints for common slips (issue 13, item 8b) ------------------------------------------------

@@ -26,6 +26,9 @@ def _vllm_engine(**kwargs):
     return VLLMEngine(**kwargs)
 
 
+_vllm_engine.molt_requires = ("vllm",)  # type: ignore[attr-defined]  # `molt plugins` names molt-sdk[vllm] when missing
+
+
 @hookimpl
 def molt_register_engines(register):
     """Register ``transformers`` and ``vllm`` (both imported lazily, on first use)."""

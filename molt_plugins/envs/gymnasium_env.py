@@ -48,6 +48,8 @@ class GymnasiumTextEnv(GymnasiumEnv):
     """
 
     Options = GymnasiumOptions
+    molt_requires = ("gymnasium",)
+    """Optional modules it imports (``molt plugins`` names the extra when one is missing)."""
     molt_example = {"options": {"env_id": "FrozenLake-v1", "make_kwargs": {"render_mode": "ansi"}, "eval_size": 4}}
     """Options for ``molt plugins --check`` (``env_id`` has no default)."""
 

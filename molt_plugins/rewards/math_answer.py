@@ -195,3 +195,5 @@ def math_answer(response: str, task: dict[str, Any], opts: MathAnswerOptions) ->
 # (``9^{9^{9^{9}}}``), where no thread deadline can fire; run it in a killable reward process.
 math_answer.molt_isolation = "process"  # type: ignore[attr-defined]
 math_answer.molt_timeout = lambda options: MathAnswerOptions.model_validate(options).timeout_s + 1.0  # type: ignore[attr-defined]
+# optional module it imports (`molt plugins` names the extra, molt-sdk[envs], when it is missing)
+math_answer.molt_requires = ("math_verify",)  # type: ignore[attr-defined]
