@@ -1,0 +1,38 @@
+"""One rank of the data-parallel parity tests (tests/test_distributed.py), run as a script.
+
+``python tests/distributed_worker.py SPEC.json``: SPEC names ``rank``, ``world_size``,
+``init_method``, ``config`` (a RunConfig dict), ``rollouts`` (a JSON file of Trajectory dicts,
+one list per train step) and ``out`` (rank 0 writes the metrics of every step and the full
+updated weights there with ``torch.save``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+
+def main(spec_path: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from molt_core.config import RunConfig
+    from molt_core.train.distributed import ShardedTrainer, init_distributed
+    from molt_core.types import Trajectory
+
+    spec = json.loads(open(spec_path).read())
+    init_distributed(spec["rank"], spec["world_size"], spec["init_method"], timeout_s=300)
+    trainer = ShardedTrainer(RunConfig.model_validate(spec["config"]))
+    steps = [[Trajectory.model_validate(t) for t in step] for step in json.loads(open(spec["rollouts"]).read())]
+    metrics = [trainer.train_step(step) for step in steps]
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if spec["rank"] == 0:
+        torch.save({"metrics": metrics, "weights": full}, spec["out"])
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
