@@ -150,8 +150,11 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
             g["lr"] = step_lr
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for s in range(0, len(seqs), mb):
-            part = seqs[s: s + mb]
+        # a sharded trainer runs its share of the rows (plus stand-ins, real False: zero loss)
+        work = (trainer.row_work(len(seqs), 0) if hasattr(trainer, "row_work")
+                else [(slice(s, s + mb), True) for s in range(0, len(seqs), mb)])
+        for rows, real in work:
+            part = seqs[rows]
             T = max(len(p) + len(c) for p, c in part)
             ids = torch.full((len(part), T), pad, dtype=torch.long)
             labels = torch.full((len(part), T), -100, dtype=torch.long)
@@ -162,14 +165,15 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
             logits = model(input_ids=ids, use_cache=False).logits.float()
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                ignore_index=-100, reduction="sum") / n_tok
+                ignore_index=-100, reduction="sum") / n_tok * float(real)
             loss.backward()
             total += float(loss.detach())
-        gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        total = trainer._reduce_losses({"sft/loss": total})["sft/loss"]  # summed over ranks
+        gn = trainer._clip_grads(params, tc.grad_clip)
         opt.step()
         losses.append(total)
         if log is not None:
-            log(step, {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn),
+            log(step, {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": gn,
                        "sft/lr": step_lr, "time/step": time.perf_counter() - t0})
     model.zero_grad(set_to_none=True)
     if trainer.ref_model is not None:

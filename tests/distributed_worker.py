@@ -3,7 +3,9 @@
 ``python tests/distributed_worker.py SPEC.json``: SPEC names ``rank``, ``world_size``,
 ``init_method``, ``config`` (a RunConfig dict), ``rollouts`` (a JSON file of Trajectory dicts,
 one list per train step) and ``out`` (rank 0 writes the metrics of every step and the full
-updated weights there with ``torch.save``).
+updated weights there with ``torch.save``); optional ``run_dir`` with ``save_after`` (write a
+checkpoint after that many steps) or ``resume`` (a checkpoint to load first; then only the
+steps after its ``step`` run).
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ def main(spec_path: str) -> None:
     init_distributed(spec["rank"], spec["world_size"], spec["init_method"], timeout_s=300)
     trainer = ShardedTrainer(RunConfig.model_validate(spec["config"]))
     steps = [[Trajectory.model_validate(t) for t in step] for step in json.loads(open(spec["rollouts"]).read())]
-    metrics = [trainer.train_step(step) for step in steps]
+    if spec.get("resume"):
+        trainer.load_checkpoint(spec["resume"])
+        steps = steps[trainer.step:]
+    metrics = []
+    for step in steps:
+        metrics.append(trainer.train_step(step))
+        if spec.get("save_after") == trainer.step:
+            trainer.save_checkpoint(spec["run_dir"], {"step": trainer.step})
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if spec["rank"] == 0:
         torch.save({"metrics": metrics, "weights": full}, spec["out"])

@@ -64,7 +64,11 @@ def _rollouts(trainer: Trainer) -> list[list]:
     return steps
 
 
-def _run_ranks(tmp_path: Path, cfg, steps, world_size: int) -> dict:
+def _run_ranks(tmp_path: Path, cfg, steps, world_size: int, **extra) -> dict:
+    """Run ``world_size`` worker processes (tests/distributed_worker.py) on ``steps``; rank
+    0's metrics and full weights. ``extra`` goes into each spec (``run_dir``, ``save_after``,
+    ``resume``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "rollouts.json").write_text(json.dumps([[t.model_dump(mode="json") for t in s] for s in steps]))
     procs = []
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -72,7 +76,7 @@ def _run_ranks(tmp_path: Path, cfg, steps, world_size: int) -> dict:
     for rank in range(world_size):
         spec = {"rank": rank, "world_size": world_size, "init_method": f"file://{tmp_path / 'rdzv'}",
                 "config": cfg.model_dump(mode="json", by_alias=True), "rollouts": str(tmp_path / "rollouts.json"),
-                "out": str(tmp_path / "out.pt")}
+                "out": str(tmp_path / "out.pt"), **extra}
         (tmp_path / f"spec{rank}.json").write_text(json.dumps(spec))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / f"spec{rank}.json")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -117,3 +121,41 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert moved > 1e-4  # the weights learned
     for k, v in single.model.state_dict().items():
         torch.testing.assert_close(two["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)
+
+
+@pytest.mark.slow  # three 2-rank launches: ~100 s on 2 cores
+def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
+    """A 2-rank run checkpointed after step 1 (distributed checkpoint + Hugging Face dir):
+    resumed on 2 ranks, step 2 gives bit-identical weights to the uninterrupted run; resumed on
+    one plain Trainer (resharded, and it says so), the same within float32 rounding; the
+    ``model/`` directory loads with ``from_pretrained`` and holds the step-1 weights."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_core.train.checkpoint import verify_checkpoint
+
+    cfg = _config()
+    single = Trainer(cfg)
+    steps = _rollouts(single)
+    run_dir = tmp_path / "run"
+    full = _run_ranks(tmp_path / "a", cfg, steps, 2, run_dir=str(run_dir), save_after=1)
+    ck = run_dir / "checkpoints" / "step_00000001"
+    meta = verify_checkpoint(ck)  # every file (dcp/ shards included) matches its checksum
+    assert meta["world_size"] == 2 and meta["step"] == 1
+    assert (ck / "dcp" / ".metadata").is_file() and (ck / "model" / "tokenizer_config.json").is_file()
+
+    resumed = _run_ranks(tmp_path / "b", cfg, steps, 2, resume=str(ck))
+    for k, v in full["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k
+    assert resumed["metrics"][0]["loss/total"] == full["metrics"][1]["loss/total"]
+
+    hf = AutoModelForCausalLM.from_pretrained(ck / "model")
+    one = Trainer(cfg)
+    one.load_checkpoint(ck)
+    assert "written by 2 trainer ranks, resuming on 1: resharding" in capsys.readouterr().out
+    for k, v in hf.state_dict().items():
+        assert torch.equal(one.model.state_dict()[k], v), k  # the HF dir = the resharded weights
+    assert one.step == 1 and one.version == 1
+    m2 = one.train_step(steps[1])
+    assert m2["loss/total"] == pytest.approx(full["metrics"][1]["loss/total"], rel=RTOL, abs=ATOL)
+    for k, v in one.model.state_dict().items():
+        torch.testing.assert_close(full["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)

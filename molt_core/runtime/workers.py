@@ -394,11 +394,15 @@ class TrainerWorker:
         """One optimizer step; returns the trainer's metrics and ``policy_version``."""
         m = self.trainer.train_step(trajectories)
         m["policy_version"] = float(self.trainer.version)
+        m["sync/bytes"] = float(getattr(self, "_sync_bytes", 0))  # what each publish moves to an engine
         return m
 
     def weights(self) -> tuple[dict, int]:
-        """``(state_dict, version)`` to publish."""
-        return {k: v.detach().clone() for k, v in self.trainer.weights().items()}, self.trainer.version
+        """``(state_dict, version)`` to publish (a sharded trainer: the full weights on rank 0,
+        an empty dict on the other ranks)."""
+        state = {k: v.detach().clone() for k, v in self.trainer.weights().items()}
+        self._sync_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        return state, self.trainer.version
 
     def save(self, run_dir: str, cursor: dict) -> str:
         """Write a checkpoint (atomic, retention per ``checkpoint.keep``); returns its path."""

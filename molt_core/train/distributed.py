@@ -229,18 +229,29 @@ class ShardedTrainer(Trainer):
                 r.copy_(p)
 
     # -- the data-parallel seams of Trainer -----------------------------------------------------
-    def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
-        """This rank's micro-batches of its :func:`row_share`, then one-row stand-ins (``real``
-        False) up to the largest count of any rank when ``model`` is sharded."""
+    def row_work(self, n_rows: int, stand_in: int, lockstep: bool = True) -> list[tuple[slice, bool]]:
+        """This rank's micro-batches (``trainer.micro_batch_size`` rows) of its
+        :func:`row_share` of ``n_rows`` rows as ``(rows, True)``; with ``lockstep``, then
+        ``(slice(stand_in, stand_in + 1), False)`` stand-ins up to the largest count of any
+        rank, so every rank runs as many forwards (FSDP2 collectives).
+
+        Example: 9 rows, micro-batches of 4, 2 ranks: rank 0 -> ``[(0:4, True), (stand-in,
+        False)]``, rank 1 -> ``[(4:8, True), (8:9, True)]``.
+        """
         mb = self.cfg.trainer.micro_batch_size
-        lo, hi = row_share(batch.size, self.rank, self.world_size)
+        lo, hi = row_share(n_rows, self.rank, self.world_size)
         mine = [(slice(i, min(i + mb, hi)), True) for i in range(lo, hi, mb)]
-        if not _is_sharded(model if model is not None else self.model):
+        if not lockstep:
             return mine
         most = max(math.ceil((h - lo_) / mb) for lo_, h in
-                   (row_share(batch.size, r, self.world_size) for r in range(self.world_size)))
-        shortest = int(batch.lengths.argmin())
-        return mine + [(slice(shortest, shortest + 1), False)] * (most - len(mine))
+                   (row_share(n_rows, r, self.world_size) for r in range(self.world_size)))
+        return mine + [(slice(stand_in, stand_in + 1), False)] * (most - len(mine))
+
+    def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
+        """:meth:`row_work` over the batch's rows; the stand-in is its shortest row, and none is
+        needed when ``model`` is not sharded (an older version's shadow)."""
+        return self.row_work(batch.size, int(batch.lengths.argmin()),
+                             _is_sharded(model if model is not None else self.model))
 
     def _combine_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (each row is filled by its owner only; ``-inf`` + 0 stays ``-inf``)."""
@@ -265,6 +276,14 @@ class ShardedTrainer(Trainer):
         if noreplay:
             noreplay = {**noreplay, "used": merged(noreplay["used"])}
         return super()._routing_metrics(batch, prox, noreplay)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, run_dir, data_cursor: dict[str, Any] | None = None):
+        """Every rank: :func:`molt_core.train.dist_checkpoint.save_sharded_checkpoint` (a
+        distributed checkpoint in ``dcp/`` plus the Hugging Face ``model/`` of the full weights)."""
+        from molt_core.train.dist_checkpoint import save_sharded_checkpoint
+
+        return save_sharded_checkpoint(self, run_dir, data_cursor)
 
     # -- weights out ---------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
