@@ -66,7 +66,7 @@ def _rollouts(trainer: Trainer) -> list[list]:
 
 def _run_ranks(tmp_path: Path, cfg, steps, world_size: int, **extra) -> dict:
     """Run ``world_size`` worker processes (tests/distributed_worker.py) on ``steps``; rank
-    0's metrics and full weights. ``extra`` goes into each spec (``run_dir``, ``save_after``,
+    0's metrics, full weights and output (``log``). ``extra`` goes into each spec (``run_dir``, ``save_after``,
     ``resume``)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "rollouts.json").write_text(json.dumps([[t.model_dump(mode="json") for t in s] for s in steps]))
@@ -90,7 +90,7 @@ def _run_ranks(tmp_path: Path, cfg, steps, world_size: int, **extra) -> dict:
             raise
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-4000:]
-    return torch.load(tmp_path / "out.pt", weights_only=False)
+    return {**torch.load(tmp_path / "out.pt", weights_only=False), "log": outs[0]}
 
 
 def _assert_parity(one: list[dict], two: list[dict]) -> None:
@@ -123,12 +123,14 @@ def test_two_ranks_match_one_rank(tmp_path):
         torch.testing.assert_close(two["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)
 
 
-@pytest.mark.slow  # three 2-rank launches: ~100 s on 2 cores
+@pytest.mark.slow  # four 2-rank launches: ~2-3 min on 2 busy cores
 def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
     """A 2-rank run checkpointed after step 1 (distributed checkpoint + Hugging Face dir):
     resumed on 2 ranks, step 2 gives bit-identical weights to the uninterrupted run; resumed on
     one plain Trainer (resharded, and it says so), the same within float32 rounding; the
-    ``model/`` directory loads with ``from_pretrained`` and holds the step-1 weights."""
+    ``model/`` directory loads with ``from_pretrained`` and holds the step-1 weights. And a
+    plain Trainer's checkpoint resumed on 2 ranks (weights and AdamW moments sharded on load)
+    continues like the plain Trainer."""
     from transformers import AutoModelForCausalLM
 
     from molt_core.train.checkpoint import verify_checkpoint
@@ -159,3 +161,13 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
     assert m2["loss/total"] == pytest.approx(full["metrics"][1]["loss/total"], rel=RTOL, abs=ATOL)
     for k, v in one.model.state_dict().items():
         torch.testing.assert_close(full["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)
+
+    # the other way: a checkpoint of one plain Trainer resumed on 2 ranks
+    single.train_step(steps[0])
+    ck1 = single.save_checkpoint(tmp_path / "run1", {"step": 1})
+    up = _run_ranks(tmp_path / "c", cfg, steps, 2, resume=str(ck1))
+    assert "written by 1 trainer ranks, resuming on 2: resharding" in up["log"]
+    m1 = single.train_step(steps[1])
+    assert up["metrics"][0]["loss/total"] == pytest.approx(m1["loss/total"], rel=RTOL, abs=ATOL)
+    for k, v in single.model.state_dict().items():
+        torch.testing.assert_close(up["weights"][k], v, rtol=RTOL, atol=ATOL, msg=k)

@@ -255,9 +255,6 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
     meta = verify_checkpoint(p)
     saved_ws, ws = int(meta.get("world_size", 1)), int(getattr(trainer, "world_size", 1))
     if saved_ws != ws:
-        if saved_ws == 1:
-            raise ValueError(f"{p} was written by one trainer rank; resuming it on trainer.world_size = {ws} is not "
-                             f"supported yet: resume with trainer.world_size = 1")
         msg = f"{p}: written by {saved_ws} trainer ranks, resuming on {ws}: resharding the weights and optimizer state"
         _log.warning(msg)
         if getattr(trainer, "rank", 0) == 0:
@@ -289,10 +286,10 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
             _load_model(trainer.ref_model, p / "ref")
-        trainer.optimizer.load_state_dict(st["optimizer"])
+        _load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
         if trainer.critic is not None:
             _load_model(trainer.critic, p / "critic")
-            trainer.critic_optimizer.load_state_dict(st["critic_optimizer"])
+            _load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
     trainer.scheduler.load_state_dict(st["scheduler"])
     if trainer.critic is not None:
         trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])
@@ -336,6 +333,11 @@ def _load_model(model: torch.nn.Module, d: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if _sharded(model):  # full tensors into this rank's shards (a tied key saved once loads both)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
@@ -345,6 +347,30 @@ def _load_model(model: torch.nn.Module, d: Path) -> None:
     untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
     if untied:
         raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``; for a sharded ``model`` (a checkpoint of one rank
+    resumed on several) the parameter indices of ``state`` become parameter names and each
+    rank keeps its shard of every moment (``set_optimizer_state_dict``, full state dict)."""
+    if not _sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names: dict[int, str] = {}
+    for n, prm in model.named_parameters():
+        names.setdefault(id(prm), n)
+    fqns = [names[id(prm)] for g in optimizer.param_groups for prm in g["params"]]
+    full = {"state": {fqns[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _fsync_dir(d: Path) -> None:
