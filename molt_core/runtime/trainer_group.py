@@ -34,6 +34,12 @@ class ShardedTrainerWorker(TrainerWorker):
 
         self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
         torch.set_num_threads(self.cfg.run.threads)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover
+            pass
         self.trainer = None
 
     def rendezvous(self) -> str:

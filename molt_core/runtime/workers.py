@@ -384,7 +384,7 @@ class TrainerWorker:
         every = max(1, s.steps // 8)
 
         def progress(step: int, m: dict[str, float]) -> None:
-            if (step + 1) % every == 0:
+            if (step + 1) % every == 0 and getattr(self.trainer, "rank", 0) == 0:  # once per run, not per rank
                 print(f"SFT step {step + 1}/{s.steps}: loss {m['sft/loss']:.3f}", flush=True)
 
         losses = warm_start(self.trainer, agent, log=progress)
