@@ -100,7 +100,8 @@ def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_module(module: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
     """Shard ``module`` in place with FSDP2: ``fully_shard`` on each block (:func:`_blocks`),
     then on the root (which takes the rest: embeddings, final norm, head; tied weights stay
-    one parameter). Gradients are summed across ranks, not averaged (divide factor 1, plain
+    one parameter); every part is resharded after its forward, so ``module.parameters()``
+    always returns the sharded parameters. Gradients are summed across ranks, not averaged (divide factor 1, plain
     sum reductions -- gloo has no pre-multiplied sum), because the loss is already divided by
     the global token count.
 
@@ -110,7 +111,9 @@ def shard_module(module: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for part in [*_blocks(module), module]:
-        fully_shard(part, mesh=mesh)
+        # the root too: FSDP2 leaves a root unsharded after its forward by default, and then
+        # module.parameters() would hand out the unsharded tensors (no grads land there)
+        fully_shard(part, mesh=mesh, reshard_after_forward=True)
         part.set_gradient_divide_factor(1.0)  # per FSDP module: each has its own reduce-scatter
         part.set_force_sum_reduction_for_comms(True)
     return module

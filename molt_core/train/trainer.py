@@ -457,13 +457,15 @@ class Trainer:
             self.critic_optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for rows, real in self._work(batch, self.critic):
-                if not (real and bool(train_mask[rows].any())):
-                    if self.lockstep:
-                        (0.0 * self.critic(batch.input_ids[rows, :int(batch.lengths[rows].max())].to(self.device)).sum()).backward()
+                active = real and bool(train_mask[rows].any())
+                if not active and not self.lockstep:
                     continue
                 T = int(batch.lengths[rows].max())
                 dev = self.device
                 v = self.critic(batch.input_ids[rows, :T].to(dev))
+                if not active:  # every process runs the same backwards (FSDP2 collectives)
+                    (0.0 * v.sum()).backward()
+                    continue
                 g = returns[rows, :T].to(dev)
                 err = (v - g) ** 2
                 if c is not None:
