@@ -30,17 +30,7 @@ class ShardedTrainerWorker(TrainerWorker):
     builds the rank's :class:`~molt_core.train.distributed.ShardedTrainer`."""
 
     def __init__(self, cfg: RunConfig | dict) -> None:  # noqa: D107 - the trainer is built in start()
-        import torch
-
-        self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
-        torch.set_num_threads(self.cfg.run.threads)
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        except ImportError:  # pragma: no cover
-            pass
-        self.trainer = None
+        super().__init__(cfg, build=False)
 
     def rendezvous(self) -> str:
         """A ``tcp://ip:port`` address on this node with a port free now (rank 0 hosts the store)."""

@@ -357,7 +357,9 @@ class RolloutWorker:
 class TrainerWorker:
     """The single trainable actor wrapped for Ray (see :class:`molt_core.train.Trainer`)."""
 
-    def __init__(self, cfg: RunConfig | dict) -> None:
+    def __init__(self, cfg: RunConfig | dict, build: bool = True) -> None:
+        """``build`` False leaves ``self.trainer`` None (a sharded rank builds it after joining
+        its process group: :mod:`molt_core.runtime.trainer_group`)."""
         import torch
 
         from molt_core.train import Trainer
@@ -370,7 +372,7 @@ class TrainerWorker:
             hf_logging.disable_progress_bar()
         except ImportError:  # pragma: no cover
             pass
-        self.trainer = Trainer(self.cfg)
+        self.trainer = Trainer(self.cfg) if build else None
 
     def sft(self) -> dict[str, float]:
         """Warm start: :func:`molt_core.sft.warm_start` -- the same computation as ``molt sft``
