@@ -5,7 +5,7 @@ For each world size ``n`` in ``--world-sizes``, ``n`` processes (gloo on CPU) ea
 :class:`~molt_core.train.distributed.ShardedTrainer` on the same model, take one optimizer
 step on the same synthetic batch (so AdamW's moments exist), and report the bytes they hold
 (:func:`molt_core.train.distributed.local_param_bytes`: their parameter shards and their
-optimizer-state shards) and the step time. The peer is one plain ``Trainer`` (world size 1,
+optimizer-state shards) and the time of a second step. The peer is one plain ``Trainer`` (world size 1,
 no sharding) on the same batch, in this process. Printed per world size: the largest rank's
 bytes, its ratio to the plain trainer's (the target is about ``1/n``; a rank holds
 ``ceil(rows / n)`` rows of every parameter's dim 0, so it is slightly more for small
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # syn
 def _config(model: str):
     from molt_core.config import RunConfig
 
-    return RunConfig.model_validate({"model": {"path": model}, "run": {"steps": 2},
+    return RunConfig.model_validate({"model": {"path": model}, "run": {"steps": 3},
                                      "trainer": {"refuse_unverified": False, "micro_batch_size": 4}})
 
 
@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, init: str, model: str, out: str) -> None:
 
     init_distributed(rank, world, init)
     tr = ShardedTrainer(_config(model))
+    tr.train_step(_batch())  # warm-up (FSDP2 lazy init)
     t0 = time.perf_counter()
     tr.train_step(_batch())
     dt = time.perf_counter() - t0
@@ -72,6 +73,7 @@ def main() -> None:
     from molt_core.train.distributed import local_param_bytes
 
     plain = Trainer(_config(a.model))
+    plain.train_step(_batch())  # warm-up, as for the ranks
     t0 = time.perf_counter()
     plain.train_step(_batch())
     peer = {**local_param_bytes(plain), "step_s": time.perf_counter() - t0}
