@@ -79,7 +79,8 @@ def main() -> None:
     peer = {**local_param_bytes(plain), "step_s": time.perf_counter() - t0}
     base = peer["params"] + peer["optimizer"]
     rows = {"plain": peer}
-    print(f"plain Trainer: params {peer['params']:,} B + optimizer {peer['optimizer']:,} B  step {peer['step_s']:.2f} s")
+    print(f"plain Trainer: params {peer['params']:,} B + optimizer {peer['optimizer']:,} B  "
+          f"step {peer['step_s']:.2f} s")
     for n in [int(x) for x in a.world_sizes.split(",")]:
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_rank, args=(n, f"file://{d}/rdzv", a.model, f"{d}/r"), nprocs=n)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +44,7 @@ from molt_core.train.ingress import Batch
 from molt_core.train.trainer import Trainer
 from molt_core.version_history import VersionHistory
 
-__all__ = ["ShardedTrainer", "init_distributed", "merge_loss_metrics", "row_share", "shard_module"]
+__all__ = ["ShardedTrainer", "init_distributed", "local_param_bytes", "merge_loss_metrics", "row_share", "shard_module"]
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None,
@@ -325,8 +324,3 @@ def local_param_bytes(trainer: Trainer) -> dict[str, int]:
             params += nbytes(p)
     opt = sum(nbytes(v) for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
     return {"params": params, "optimizer": opt}
-
-
-def env_rank() -> tuple[int, int]:
-    """``(RANK, WORLD_SIZE)`` from the environment (torchrun's variables; ``(0, 1)`` unset)."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
