@@ -275,33 +275,30 @@ class Trainer:
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
 
-    # -- the data-parallel seams (molt_core.train.distributed overrides them) ----------------
-    #: every process must run the same number of forwards/backwards (FSDP2 collectives): an
-    #: inactive micro-batch still runs its forward and a zero backward
+    # -- data-parallel seams, overridden by molt_core.train.distributed.ShardedTrainer ---------
+    #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
+    #: nothing to train still runs its forward and a zero backward
     lockstep = False
 
     def _shard(self) -> None:
-        """Shard the models across processes before the optimizers see the parameters (one
-        process: nothing)."""
+        """Shard the models across processes, before the optimizers see the parameters."""
 
     def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
-        """The micro-batches this process runs, as ``(rows, real)``: here every row of
-        ``batch``, all real (a sharded trainer runs its share plus stand-ins, ``real`` False)."""
+        """Micro-batches this process runs, ``(rows, real)``: all rows, all real (a sharded
+        trainer: its share, then stand-ins with ``real`` False)."""
         return [(rows, True) for rows in self._micro_batches(batch)]
 
     def _combine_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, ...]`` with every row filled (each process fills the rows it ran, zeros
-        elsewhere; one process: all of them)."""
+        """``x`` ``[B, ...]``, each process having filled the rows it ran -> every row filled."""
         return x
 
     def _reduce_losses(self, m: dict[str, float]) -> dict[str, float]:
-        """Loss metrics of the micro-batches this process ran -> of the whole step."""
+        """Loss metrics of this process's micro-batches -> of the whole step."""
         return m
 
     @staticmethod
     def _clip_grads(params: list[torch.nn.Parameter], clip: float) -> float:
-        """Clip to global grad norm ``clip`` (0: no clipping); returns the norm before it (with
-        sharded DTensor grads, the norm over every shard)."""
+        """Clip to global grad norm ``clip`` (0: none); the norm before it (over every shard)."""
         gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
 
