@@ -5,7 +5,8 @@
 one list per train step) and ``out`` (rank 0 writes the metrics of every step and the full
 updated weights there with ``torch.save``); optional ``run_dir`` with ``save_after`` (write a
 checkpoint after that many steps) or ``resume`` (a checkpoint to load first; then only the
-steps after its ``step`` run).
+steps after its ``step`` run); optional ``sft`` (``examples``, ``steps``, ``batch_size``, ``lr``
+of a :func:`molt_core.sft.sft` warm start run first).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def main(spec_path: str) -> None:
         trainer.load_checkpoint(spec["resume"])
         steps = steps[trainer.step:]
     metrics = []
+    if spec.get("sft"):  # a supervised warm start first: its per-step losses and grad norms lead the list
+        from molt_core.sft import sft
+
+        sft(trainer, [tuple(e) for e in spec["sft"]["examples"]], steps=spec["sft"]["steps"],
+            batch_size=spec["sft"]["batch_size"], lr=spec["sft"]["lr"], log=lambda i, m: metrics.append(m))
     for step in steps:
         metrics.append(trainer.train_step(step))
         if spec.get("save_after") == trainer.step:
