@@ -41,10 +41,11 @@ def _config(model: str):
                                      "trainer": {"refuse_unverified": False, "micro_batch_size": 4}})
 
 
-def _batch():
+def _batch(version: int):
+    """16 rollouts sampled (stamped) by ``version``, so no step is gated as stale."""
     from trainer_utils import synthetic_rollouts
 
-    return synthetic_rollouts(0, n_groups=4, n_per_group=4)
+    return synthetic_rollouts(0, n_groups=4, n_per_group=4, version=version)
 
 
 def _rank(rank: int, world: int, init: str, model: str, out: str) -> None:
@@ -53,9 +54,9 @@ def _rank(rank: int, world: int, init: str, model: str, out: str) -> None:
 
     init_distributed(rank, world, init)
     tr = ShardedTrainer(_config(model))
-    tr.train_step(_batch())  # warm-up (FSDP2 lazy init)
+    tr.train_step(_batch(tr.version))  # warm-up (FSDP2 lazy init)
     t0 = time.perf_counter()
-    tr.train_step(_batch())
+    assert tr.train_step(_batch(tr.version))["train/skipped"] == 0.0
     dt = time.perf_counter() - t0
     Path(f"{out}.{rank}").write_text(json.dumps({**local_param_bytes(tr), "step_s": dt}))
     torch.distributed.destroy_process_group()
@@ -73,9 +74,9 @@ def main() -> None:
     from molt_core.train.distributed import local_param_bytes
 
     plain = Trainer(_config(a.model))
-    plain.train_step(_batch())  # warm-up, as for the ranks
+    plain.train_step(_batch(plain.version))  # warm-up, as for the ranks
     t0 = time.perf_counter()
-    plain.train_step(_batch())
+    assert plain.train_step(_batch(plain.version))["train/skipped"] == 0.0
     peer = {**local_param_bytes(plain), "step_s": time.perf_counter() - t0}
     base = peer["params"] + peer["optimizer"]
     rows = {"plain": peer}
