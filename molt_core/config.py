@@ -218,7 +218,10 @@ class TrainerSection(_Section):
     ``critic_lr`` of the GAE critic (None: ``lr``); ``refuse_unverified`` -- refuse at ingress
     a rollout whose action tokens carry no engine record of what was sampled (default true:
     every first-party engine records; false trains on them, counted in
-    ``invariants/tokens_unverified``; :mod:`molt_core.identity`)."""
+    ``invariants/tokens_unverified``; :mod:`molt_core.identity`); ``world_size`` -- trainer
+    ranks (Ray actors, one placement-group bundle of ``num_cpus``/``num_gpus`` each) sharing
+    one FSDP2-sharded model, each training on its share of a step's rows
+    (:mod:`molt_core.train.distributed`)."""
 
     lr: float = Field(3e-4, gt=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
@@ -233,6 +236,7 @@ class TrainerSection(_Section):
     refuse_unverified: bool = True
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    world_size: int = Field(1, ge=1)
 
 
 class CheckpointSection(_Section):

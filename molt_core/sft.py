@@ -177,8 +177,11 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
             g["lr"] = step_lr
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for s in range(0, len(seqs), mb):
-            part = seqs[s: s + mb]
+        # a sharded trainer runs its share of the rows (plus stand-ins, real False: zero loss)
+        work = (trainer.row_work(len(seqs), 0) if hasattr(trainer, "row_work")
+                else [(slice(s, s + mb), True) for s in range(0, len(seqs), mb)])
+        for rows, real in work:
+            part = seqs[rows]
             T = max(len(p) + len(c) for p, c in part)
             ids = torch.full((len(part), T), pad, dtype=torch.long)
             labels = torch.full((len(part), T), -100, dtype=torch.long)
@@ -189,10 +192,11 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
             logits = model(input_ids=ids, use_cache=False).logits.float()
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                ignore_index=-100, reduction="sum") / n_tok
+                ignore_index=-100, reduction="sum") / n_tok * float(real)
             loss.backward()
             total += float(loss.detach())
-        gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        total = trainer._reduce_losses({"sft/loss": total})["sft/loss"]  # summed over ranks
+        gn = trainer._clip_grads(params, tc.grad_clip)
         opt.step()
         m = {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn), "sft/lr": step_lr,
              "time/step": time.perf_counter() - t0}
@@ -201,7 +205,6 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
             if trainer.ref_model is not None:
                 trainer.reset_reference()
         yield m
-
 
 
 def noisy_answer(answer: str, rng: random.Random, pool: Sequence[str] = ()) -> str:

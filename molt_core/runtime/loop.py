@@ -276,9 +276,17 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
     Worker_ = ray.remote(RolloutWorker).options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus,
                                                 resources=dict(cfg.engine.resources) or None, max_concurrency=1000)
-    trainer = Trainer_.remote(cfg_dict)
+    if cfg.trainer.world_size > 1 and local:
+        raise ValueError(f"trainer.world_size = {cfg.trainer.world_size} needs Ray (one actor per rank); drop --local")
+    if cfg.trainer.world_size > 1:  # N ranks in a placement group behind one actor-like handle
+        from molt_core.runtime.trainer_group import start_trainer_group
+
+        trainer = start_trainer_group(ray, cfg, cfg_dict)
+    else:
+        trainer = Trainer_.remote(cfg_dict)
     workers = [Worker_.remote(cfg_dict, i) for i in range(cfg.engine.num_engines)]
-    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers])}
+    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers]),
+                 "trainer_ranks": getattr(trainer, "placements", [])}
     (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
 
     cursor = {"step": 0, "tasks": 0}

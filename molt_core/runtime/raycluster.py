@@ -124,7 +124,7 @@ def init_ray(cfg: RunConfig, ray_address: str | None) -> Any:
     if ray_address:
         ray.init(address=ray_address, runtime_env=env, log_to_driver=True, logging_level="warning")
     else:
-        need = cfg.trainer.num_cpus + cfg.engine.num_cpus * cfg.engine.num_engines
+        need = cfg.trainer.num_cpus * cfg.trainer.world_size + cfg.engine.num_cpus * cfg.engine.num_engines
         # address="local": always a fresh cluster, never a stale one left by `ray start`
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                  runtime_env=env, log_to_driver=True, logging_level="warning")

@@ -374,7 +374,9 @@ class RolloutWorker:
 class TrainerWorker:
     """The single trainable actor wrapped for Ray (see :class:`molt_core.train.Trainer`)."""
 
-    def __init__(self, cfg: RunConfig | dict) -> None:
+    def __init__(self, cfg: RunConfig | dict, build: bool = True) -> None:
+        """``build`` False leaves ``self.trainer`` None (a sharded rank builds it after joining
+        its process group: :mod:`molt_core.runtime.trainer_group`)."""
         import torch
 
         from molt_core.train import Trainer
@@ -387,7 +389,7 @@ class TrainerWorker:
             hf_logging.disable_progress_bar()
         except ImportError:  # pragma: no cover
             pass
-        self.trainer = Trainer(self.cfg)
+        self.trainer = Trainer(self.cfg) if build else None
 
     def sft(self) -> dict[str, float]:
         """Warm start, all steps in one call: :meth:`sft_begin` then :meth:`sft_next` until done.
@@ -429,11 +431,15 @@ class TrainerWorker:
         """One optimizer step; returns the trainer's metrics and ``policy_version``."""
         m = self.trainer.train_step(trajectories)
         m["policy_version"] = float(self.trainer.version)
+        m["sync/bytes"] = float(getattr(self, "_sync_bytes", 0))  # what each publish moves to an engine
         return m
 
     def weights(self) -> tuple[dict, int]:
-        """``(state_dict, version)`` to publish."""
-        return {k: v.detach().clone() for k, v in self.trainer.weights().items()}, self.trainer.version
+        """``(state_dict, version)`` to publish (a sharded trainer: the full weights on rank 0,
+        an empty dict on the other ranks)."""
+        state = {k: v.detach().clone() for k, v in self.trainer.weights().items()}
+        self._sync_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        return state, self.trainer.version
 
     def save(self, run_dir: str, cursor: dict) -> str:
         """Write a checkpoint (atomic, retention per ``checkpoint.keep``); returns its path."""

@@ -4,6 +4,9 @@
 * :mod:`molt_core.train.trainer` -- :class:`Trainer`: recompute, correction, advantages,
   the update, weight export.
 * :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints.
+* :mod:`molt_core.train.distributed` -- :class:`ShardedTrainer`: ``trainer.world_size`` ranks,
+  one FSDP2-sharded model; :mod:`molt_core.train.dist_checkpoint` -- its checkpoints
+  (``torch.distributed.checkpoint`` + the Hugging Face directory).
 """
 
 from molt_core.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints

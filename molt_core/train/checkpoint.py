@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -30,6 +31,8 @@ import torch
 
 __all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
            "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
+
+_log = logging.getLogger("molt.checkpoint")
 
 CHECKPOINT_DIR = "checkpoints"
 _CKPT_PREFIX = "step_"
@@ -156,24 +159,47 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
         cursor_json = json.dumps(cursor)
     except TypeError as e:
         raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
+    final, tmp = _begin(run_dir, trainer.step, f"{os.getpid()}")
+    write_checkpoint_files(trainer, tmp, cursor_json)
+    return _commit(trainer, run_dir, tmp, final)
+
+
+def _begin(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
+    """``(final, tmp)`` directories of the checkpoint of ``step``; ``tmp`` made empty."""
     root = Path(run_dir) / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_CKPT_PREFIX}{trainer.step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    final = root / f"{_CKPT_PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{tag}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    _save_model(trainer.model, tmp / "model")
+    return final, tmp
+
+
+def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict[str, dict] | None = None,
+                           extra: dict[str, Any] | None = None) -> None:
+    """Write everything but the manifest into ``tmp``: ``model/`` (+ tokenizer), ``ref/``,
+    ``critic/``, ``trainer_state.pt`` and ``state.json`` (see :func:`save_checkpoint`).
+
+    Args:
+        full: the full (gathered) state dicts ``{"model", "ref", "critic"}`` of a sharded
+            trainer, written instead of the live modules' own; its optimizer states are then
+            not in ``trainer_state.pt`` (a sharded trainer keeps them in ``dcp/``).
+        extra: more ``state.json`` entries (e.g. ``world_size``).
+    """
+    full = full or {}
+    _save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
     if trainer.ref_model is not None:
-        _save_model(trainer.ref_model, tmp / "ref")
+        _save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
-        _save_model(trainer.critic, tmp / "critic")
+        _save_model(trainer.critic, tmp / "critic", full.get("critic"))
+    own_optim = not full
     torch.save({
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": trainer.optimizer.state_dict() if own_optim else None,
         "scheduler": trainer.scheduler.state_dict(),
-        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic is not None else None,
+        "critic_optimizer": trainer.critic_optimizer.state_dict() if trainer.critic is not None and own_optim else None,
         "critic_scheduler": trainer.critic_scheduler.state_dict() if trainer.critic is not None else None,
         "kl_coef": trainer.kl_coef,
         "kl_controller": trainer.kl_controller.state_dict() if trainer.kl_controller is not None else None,
@@ -186,7 +212,12 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     }, tmp / "trainer_state.pt")
     (tmp / "state.json").write_text(json.dumps(
         {"step": trainer.step, "version": trainer.version, "data_cursor": json.loads(cursor_json),
-         "time": time.time()}, indent=1))
+         "time": time.time(), **(extra or {})}, indent=1))
+
+
+def _commit(trainer: Any, run_dir: str | Path, tmp: Path, final: Path) -> Path:
+    """Manifest, fsync, rename ``tmp`` to ``final``, prune to ``checkpoint.keep``."""
+    root = final.parent
     _write_manifest(tmp)
     _fsync_dir(tmp)
     if final.exists():
@@ -222,6 +253,12 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
             raise FileNotFoundError(f"{p}: not a checkpoint directory and holds no checkpoints/step_* in it")
         p = latest
     meta = verify_checkpoint(p)
+    saved_ws, ws = int(meta.get("world_size", 1)), int(getattr(trainer, "world_size", 1))
+    if saved_ws != ws:
+        msg = f"{p}: written by {saved_ws} trainer ranks, resuming on {ws}: resharding the weights and optimizer state"
+        _log.warning(msg)
+        if getattr(trainer, "rank", 0) == 0:
+            print(f"warning: {msg}", flush=True)
     try:
         _load_checkpoint_files(trainer, p)
     except (CheckpointCorrupt, FileNotFoundError):  # named already (e.g. no critic for algo 'gae')
@@ -236,19 +273,25 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
 
 
 def _load_checkpoint_files(trainer: Any, p: Path) -> None:
-    _load_model(trainer.model, p / "model")
-    if (p / "ref").is_dir():
-        if trainer.ref_model is None:
-            trainer.reset_reference()
-        _load_model(trainer.ref_model, p / "ref")
     st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
-    trainer.optimizer.load_state_dict(st["optimizer"])
+    if trainer.critic is not None and not (p / "critic").is_dir():
+        raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
+    if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/
+        from molt_core.train.dist_checkpoint import load_dcp
+
+        load_dcp(trainer, p / "dcp")
+    else:
+        _load_model(trainer.model, p / "model")
+        if (p / "ref").is_dir():
+            if trainer.ref_model is None:
+                trainer.reset_reference()
+            _load_model(trainer.ref_model, p / "ref")
+        _load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
+        if trainer.critic is not None:
+            _load_model(trainer.critic, p / "critic")
+            _load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
     trainer.scheduler.load_state_dict(st["scheduler"])
     if trainer.critic is not None:
-        if not (p / "critic").is_dir() or st.get("critic_optimizer") is None:
-            raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
-        _load_model(trainer.critic, p / "critic")
-        trainer.critic_optimizer.load_state_dict(st["critic_optimizer"])
         trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])
     trainer.kl_coef = float(st["kl_coef"])
     if trainer.kl_controller is not None and st.get("kl_controller") is not None:
@@ -261,14 +304,24 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     random.setstate(rng["python"])
 
 
-def _save_model(model: torch.nn.Module, d: Path) -> None:
+def _save_model(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``save_pretrained`` (safetensors) of ``model``, with ``state`` (a gathered full state
+    dict) in place of its own when given; plain modules get one ``model.safetensors``."""
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(d, safe_serialization=True)
+        model.save_pretrained(d, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
     else:
         from safetensors.torch import save_file
 
         d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+        state = state if state is not None else model.state_dict()
+        seen: dict[int, str] = {}
+        out = {}
+        for k, v in state.items():  # tied tensors once (safetensors refuses shared storage)
+            if v.data_ptr() in seen:
+                continue
+            seen[v.data_ptr()] = k
+            out[k] = v.contiguous()
+        save_file(out, str(d / "model.safetensors"))
 
 
 def _load_model(model: torch.nn.Module, d: Path) -> None:
@@ -280,6 +333,11 @@ def _load_model(model: torch.nn.Module, d: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if _sharded(model):  # full tensors into this rank's shards (a tied key saved once loads both)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
@@ -289,6 +347,30 @@ def _load_model(model: torch.nn.Module, d: Path) -> None:
     untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
     if untied:
         raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``; for a sharded ``model`` (a checkpoint of one rank
+    resumed on several) the parameter indices of ``state`` become parameter names and each
+    rank keeps its shard of every moment (``set_optimizer_state_dict``, full state dict)."""
+    if not _sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names: dict[int, str] = {}
+    for n, prm in model.named_parameters():
+        names.setdefault(id(prm), n)
+    fqns = [names[id(prm)] for g in optimizer.param_groups for prm in g["params"]]
+    full = {"state": {fqns[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _fsync_dir(d: Path) -> None:

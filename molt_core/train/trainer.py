@@ -248,15 +248,15 @@ class Trainer:
         tc = cfg.trainer
         if len(tc.betas) != 2:
             raise ValueError(f"trainer.betas must have 2 entries, got {tc.betas}")
+        self.critic = ValueModel(self.model).to(self.device) if cfg.algo.advantage == "gae" else None
+        self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps,
                                            weight_decay=tc.weight_decay)
         total = max(1, cfg.run.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, tc.warmup_steps, total, tc.lr_schedule))
-        self.critic: ValueModel | None = None
-        if cfg.algo.advantage == "gae":
-            self.critic = ValueModel(self.model).to(self.device)
+        if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=tc.critic_lr or tc.lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps,
                 weight_decay=tc.weight_decay)
@@ -274,6 +274,33 @@ class Trainer:
         self._init_routing(replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
+
+    # -- data-parallel seams, overridden by molt_core.train.distributed.ShardedTrainer ---------
+    #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
+    #: nothing to train still runs its forward and a zero backward
+    lockstep = False
+
+    def _shard(self) -> None:
+        """Shard the models across processes, before the optimizers see the parameters."""
+
+    def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
+        """Micro-batches this process runs, ``(rows, real)``: all rows, all real (a sharded
+        trainer: its share, then stand-ins with ``real`` False)."""
+        return [(rows, True) for rows in self._micro_batches(batch)]
+
+    def _combine_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, ...]``, each process having filled the rows it ran -> every row filled."""
+        return x
+
+    def _reduce_losses(self, m: dict[str, float]) -> dict[str, float]:
+        """Loss metrics of this process's micro-batches -> of the whole step."""
+        return m
+
+    @staticmethod
+    def _clip_grads(params: list[torch.nn.Parameter], clip: float) -> float:
+        """Clip to global grad norm ``clip`` (0: none); the norm before it (over every shard)."""
+        gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
 
     # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
@@ -298,7 +325,10 @@ class Trainer:
                 kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=self.device)
         with self._routing(model, batch, rows, T):
             logits = model(input_ids=ids, use_cache=False, **kw).logits
-        return token_logprobs(logits, ids, pids.to(self.device), batch.params, with_entropy, offset=offset)
+        lp, ent = token_logprobs(logits, ids, pids.to(self.device), batch.params, with_entropy, offset=offset)
+        if self.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
+            lp = lp + 0.0 * logits[..., :1].sum()
+        return lp, ent
 
     # -- MoE routing replay (R3, arXiv 2510.11370) ---------------------------------------------
     def _init_routing(self, backend: Any) -> None:
@@ -401,12 +431,13 @@ class Trainer:
     @torch.no_grad()
     def critic_values(self, batch: Batch) -> torch.Tensor:
         """The critic's values ``[B, T]`` float32 (CPU) before the update (see :class:`ValueModel`)."""
-        T = batch.input_ids.shape[1]
-        out = []
-        for rows in self._micro_batches(batch):
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for rows, real in self._work(batch, self.critic):
             Tr = int(batch.lengths[rows].max())
-            out.append(self._pad_to(self.critic(batch.input_ids[rows, :Tr].to(self.device)).cpu(), T))
-        return torch.cat(out)
+            v = self.critic(batch.input_ids[rows, :Tr].to(self.device)).cpu()
+            if real:
+                out[rows, :Tr] = v
+        return self._combine_rows(out)
 
     def _update_critic(self, batch: Batch, old_values: torch.Tensor, returns: torch.Tensor, train_mask: torch.Tensor,
                        num_tokens: int) -> dict[str, float]:
@@ -422,12 +453,16 @@ class Trainer:
         for _epoch in range(cfg.trainer.ppo_epochs):
             self.critic_optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for rows in self._micro_batches(batch):
-                if not bool(train_mask[rows].any()):
+            for rows, real in self._work(batch, self.critic):
+                active = real and bool(train_mask[rows].any())
+                if not active and not self.lockstep:
                     continue
                 T = int(batch.lengths[rows].max())
                 dev = self.device
                 v = self.critic(batch.input_ids[rows, :T].to(dev))
+                if not active:  # every process runs the same backwards (FSDP2 collectives)
+                    (0.0 * v.sum()).backward()
+                    continue
                 g = returns[rows, :T].to(dev)
                 err = (v - g) ** 2
                 if c is not None:
@@ -437,10 +472,10 @@ class Trainer:
                 loss = 0.5 * torch.where(m, err, torch.zeros((), device=dev)).sum() / num_tokens
                 loss.backward()
                 total += float(loss.detach())
-            gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+            gn = self._clip_grads(params, clip)
             self.critic_optimizer.step()
-            loss_sum += total / cfg.trainer.ppo_epochs
-            gn_sum += float(gn) / cfg.trainer.ppo_epochs
+            loss_sum += self._reduce_losses({"loss/value": total})["loss/value"] / cfg.trainer.ppo_epochs
+            gn_sum += gn / cfg.trainer.ppo_epochs
         m = train_mask
         g, v0 = returns[m].double(), old_values[m].double()
         var = float(g.var(unbiased=False)) if g.numel() > 1 else 0.0
@@ -452,11 +487,6 @@ class Trainer:
         mb = self.cfg.trainer.micro_batch_size
         return [slice(i, min(i + mb, batch.size)) for i in range(0, batch.size, mb)]
 
-    def _pad_to(self, x: torch.Tensor, T: int) -> torch.Tensor:
-        if x.shape[1] == T:
-            return x
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]))
-
     @torch.no_grad()
     def recompute_logprobs(self, batch: Batch, model: torch.nn.Module | None = None,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -464,14 +494,15 @@ class Trainer:
         (default: the policy), in the same micro-batches the update uses; 0 where not
         sampled. Also the entropy ``[B, T]`` when ``with_entropy``."""
         model = model if model is not None else self.model
-        T = batch.input_ids.shape[1]
-        lps, ents = [], []
-        for rows in self._micro_batches(batch):
+        lps = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        ents = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if with_entropy else None
+        for rows, real in self._work(batch, model):
             lp, ent = self._forward(model, batch, rows, with_entropy)
-            lps.append(self._pad_to(lp.float().cpu(), T))
-            if ent is not None:
-                ents.append(self._pad_to(ent.cpu(), T))
-        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+            if real:
+                lps[rows, :lp.shape[1]] = lp.float().cpu()
+                if ents is not None:
+                    ents[rows, :lp.shape[1]] = ent.cpu()
+        return self._combine_rows(lps), (self._combine_rows(ents) if ents is not None else None)
 
     # -- the RL step ----------------------------------------------------------------------
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -747,22 +778,25 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             tot = pol = klv = 0.0
             extra: dict[str, float] = {}
-            for rows in self._micro_batches(batch):
-                active = bool(train_mask[rows].any())
-                if not active and not fused:
+            for rows, real in self._work(batch):
+                active = real and bool(train_mask[rows].any())
+                if not active and not (fused and real) and not self.lockstep:
                     continue
-                with torch.set_grad_enabled(active):
+                with torch.set_grad_enabled(active or self.lockstep):
                     lp, ent = self._forward(self.model, batch, rows, with_entropy=fused)
                 T = lp.shape[1]
-                if fused:
+                if fused and real:
                     prox[rows, :T] = lp.detach().float().cpu()
                     ent_all[rows, :T] = ent.cpu()
+                if not active:
+                    if self.lockstep:  # every process runs the same backwards (FSDP2 collectives)
+                        (0.0 * torch.nan_to_num(lp, neginf=0.0).sum()).backward()
+                    continue
+                if fused:
                     c = correct(prox[rows, :T], rows)
                     w, oos = c.weights, c.out_of_support
                 else:
                     w, oos = weights[rows, :T], out_of_support[rows, :T]
-                if not active:
-                    continue
                 # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
                 # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
                 # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
@@ -781,13 +815,15 @@ class Trainer:
                     loss = loss + self.kl_coef * kl_term
                 tot += float(loss.detach())
                 loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+            gn = self._clip_grads(self.params, clip)
             self.optimizer.step()
             ep = {(k if k.startswith("loss/") else f"loss/{k}"): v for k, v in extra.items()}
-            ep.update({"loss/total": tot, "loss/policy": pol, "loss/kl": klv, "grad_norm": float(gn)})
+            ep.update({"loss/total": tot, "loss/policy": pol, "loss/kl": klv})
+            ep = self._reduce_losses(ep)
+            ep["grad_norm"] = gn
             for k, v in ep.items():
                 sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
-        return sums, (prox if fused else None), (ent_all if fused else None)
+        return sums, (self._combine_rows(prox) if fused else None), (self._combine_rows(ent_all) if fused else None)
 
     # -- weights out ----------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:

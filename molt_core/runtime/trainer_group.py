@@ -1,0 +1,128 @@
+"""``trainer.world_size`` trainer ranks as one Ray actor handle (sharded data parallelism).
+
+:func:`start_trainer_group` places one :class:`ShardedTrainerWorker` per rank in a Ray
+placement group (one bundle of ``trainer.num_cpus`` CPUs / ``trainer.num_gpus`` GPUs per
+rank, packed), has rank 0 pick a TCP rendezvous address, and starts every rank's
+:class:`~molt_core.train.distributed.ShardedTrainer` (one torch.distributed group: gloo on
+CPU, NCCL on GPU). The :class:`TrainerGroup` it returns looks like one trainer actor to the
+step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
+in the object store once) and returns rank 0's object ref.
+
+Weights go to the engines without the driver in the path: each rank joins the gather of the
+full state dict, rank 0 returns it as an object ref, and the rollout workers resolve that ref
+themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from molt_core.config import RunConfig
+from molt_core.runtime.workers import TrainerWorker
+
+__all__ = ["ShardedTrainerWorker", "TrainerGroup", "start_trainer_group"]
+
+
+class ShardedTrainerWorker(TrainerWorker):
+    """One trainer rank for Ray: built empty, then :meth:`start` joins the process group and
+    builds the rank's :class:`~molt_core.train.distributed.ShardedTrainer`."""
+
+    def __init__(self, cfg: RunConfig | dict) -> None:  # noqa: D107 - the trainer is built in start()
+        super().__init__(cfg, build=False)
+
+    def rendezvous(self) -> str:
+        """A ``tcp://ip:port`` address on this node with a port free now (rank 0 hosts the store)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
+        """Join the process group as ``rank`` and build the sharded trainer; returns where this
+        rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``)."""
+        import ray
+
+        from molt_core.train.distributed import ShardedTrainer, init_distributed
+
+        backend = init_distributed(rank, world_size, init_method)
+        self.trainer = ShardedTrainer(self.cfg)
+        return {"rank": str(rank), "node_id": ray.get_runtime_context().get_node_id(),
+                "hostname": socket.gethostname(), "pid": str(os.getpid()), "backend": backend}
+
+
+class _Method:
+    def __init__(self, group: "TrainerGroup", name: str, num_returns: int = 1) -> None:
+        self.group, self.name, self.num_returns = group, name, num_returns
+
+    def options(self, num_returns: int = 1, **_: Any) -> "_Method":
+        return _Method(self.group, self.name, num_returns)
+
+    def remote(self, *args: Any) -> Any:
+        return self.group.call(self.name, args, self.num_returns)
+
+
+class TrainerGroup:
+    """The ranks of a sharded trainer behind one actor-like handle.
+
+    ``group.train_step.remote(trajs)`` (any :class:`TrainerWorker` method) runs the method on
+    every rank with the same arguments and returns rank 0's ref(s). Calls that return a
+    result to the driver wait for every rank and raise the first rank's error (so a rank that
+    fails is reported instead of leaving the others waiting in a collective); ``weights``
+    returns rank 0's refs at once (they go to the engines, not to the driver).
+
+    Attributes:
+        actors: the rank actors, rank order. placements: what :meth:`ShardedTrainerWorker.start`
+            returned per rank.
+    """
+
+    _NOWAIT = ("weights",)
+
+    def __init__(self, ray: Any, actors: list[Any], placements: list[dict[str, str]]) -> None:
+        self.ray, self.actors, self.placements = ray, actors, placements
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def call(self, name: str, args: tuple, num_returns: int = 1) -> Any:
+        """Call ``name(*args)`` on every rank; rank 0's ref (or refs, ``num_returns`` > 1)."""
+        ray = self.ray
+        args = tuple(ray.put(a) for a in args)
+        refs = [getattr(a, name).options(num_returns=num_returns).remote(*args) for a in self.actors]
+        if name not in self._NOWAIT:
+            flat = [r for rr in refs for r in (rr if num_returns > 1 else [rr])]
+            pending = flat
+            while pending:  # fail fast: the first error of any rank
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+        return refs[0]
+
+
+def start_trainer_group(ray: Any, cfg: RunConfig, cfg_dict: dict) -> TrainerGroup:
+    """Place ``trainer.world_size`` ranks in a packed placement group and start them.
+
+    Raises:
+        ValueError: ``trainer.world_size`` < 2 (use one :class:`TrainerWorker`).
+    """
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    tc = cfg.trainer
+    n = tc.world_size
+    if n < 2:
+        raise ValueError(f"trainer.world_size = {n}: a trainer group needs 2 or more ranks")
+    bundle = {"CPU": tc.num_cpus, **({"GPU": tc.num_gpus} if tc.num_gpus else {})}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    ray.get(pg.ready())
+    cls = ray.remote(ShardedTrainerWorker)
+    actors = [cls.options(num_cpus=tc.num_cpus, num_gpus=tc.num_gpus,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                          ).remote(cfg_dict) for i in range(n)]
+    url = ray.get(actors[0].rendezvous.remote())
+    placements = ray.get([a.start.remote(i, n, url) for i, a in enumerate(actors)])
+    return TrainerGroup(ray, actors, placements)
