@@ -154,15 +154,18 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, requests: int, max_tokens: int,
-               repeats: int, max_batch_size: int) -> list[dict]:
+               repeats: int, max_batch_size: int, prefix_cache_mb: float = 256) -> list[dict]:
     """Run every load configuration ``repeats`` times, interleaved; returns one row per
     configuration: ``sessions``, ``engines`` (1, 2, or 0 for the direct peer), ``wire``,
-    ``req_per_s`` (median over rounds), ``tokens_per_s``, ``p50_ms``, ``p95_ms``, ``requests``."""
+    ``req_per_s`` (median over rounds), ``tokens_per_s``, ``p50_ms``, ``p95_ms``, ``requests``,
+    ``server_cpu_ms_per_req`` (CPU time of this process -- engines, servers, router; for the
+    direct peer the engine and its coroutines -- per request: robust to machine load, unlike
+    wall time) and ``client_cpu_ms_per_req`` (the load client's process)."""
     from molt_core.server import start_router
 
     tok = load_tokenizer(model)
-    engines = [TransformersEngine(load_model(model), tok, max_batch_size=max_batch_size, eos_token_ids=[])
-               for _ in range(2)]
+    engines = [TransformersEngine(load_model(model), tok, max_batch_size=max_batch_size, eos_token_ids=[],
+                                  prefix_cache_mb=prefix_cache_mb) for _ in range(2)]
     servers = [start_server(e, tok) for e in engines]
     router = start_router(servers)
     fronts = {1: servers[0], 2: router}
@@ -176,13 +179,19 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
         for front in fronts.values():  # warm-up: every engine, both paths
             client.run(job(front, "openai", 2, 1))
         direct_load(engines[0], tok, 2, 1, 2, 4)
+        def timed(fn, *a) -> dict:  # this process's CPU time (engines + servers + router) over the run
+            c0 = time.process_time()
+            out = fn(*a)
+            return {**out, "server_cpu_s": time.process_time() - c0}
+
         for r in range(repeats):
             for n in sessions:
                 convs = max(1, -(-requests // (n * turns)))
-                runs.setdefault((n, 0, "direct"), []).append(direct_load(engines[0], tok, n, convs, turns, max_tokens))
+                runs.setdefault((n, 0, "direct"), []).append(
+                    timed(direct_load, engines[0], tok, n, convs, turns, max_tokens))
                 for wire in wires:
                     for k, front in fronts.items():
-                        runs.setdefault((n, k, wire), []).append(client.run(job(front, wire, n, convs)))
+                        runs.setdefault((n, k, wire), []).append(timed(client.run, job(front, wire, n, convs)))
                 print(f"  round {r + 1}/{repeats}: {n} sessions done", flush=True)
     finally:
         client.close()
@@ -197,7 +206,9 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
         rows.append({"sessions": n, "engines": k, "wire": wire, "rounds": len(rs), "requests": len(lat),
                      "req_per_s": statistics.median(len(res["latencies_s"]) / res["wall_s"] for res in rs),
                      "tokens_per_s": statistics.median(res["tokens"] / res["wall_s"] for res in rs),
-                     "p50_ms": statistics.median(lat) * 1e3, "p95_ms": _pct(lat, 0.95) * 1e3})
+                     "p50_ms": statistics.median(lat) * 1e3, "p95_ms": _pct(lat, 0.95) * 1e3,
+                     "server_cpu_ms_per_req": sum(res["server_cpu_s"] for res in rs) / len(lat) * 1e3,
+                     "client_cpu_ms_per_req": sum(res.get("cpu_s", 0.0) for res in rs) / len(lat) * 1e3})
     return rows
 
 
@@ -205,11 +216,12 @@ def print_load(rows: list[dict]) -> list[dict]:
     """Print the load table and the ratios; returns the ratio rows (one engine / two engines,
     server / direct peer, per sessions and wire)."""
     by = {(r["sessions"], r["engines"], r["wire"]): r for r in rows}
-    print(f"{'sessions':>8} {'engines':>8} {'wire':>10} {'req/s':>8} {'tok/s':>8} {'p50 ms':>8} {'p95 ms':>8}")
+    print(f"{'sessions':>8} {'engines':>8} {'wire':>10} {'req/s':>8} {'tok/s':>8} {'p50 ms':>8} {'p95 ms':>8} "
+          f"{'cpu ms/req':>10} {'client cpu':>10}")
     for r in sorted(rows, key=lambda r: (r["sessions"], r["wire"] != "direct", r["wire"], r["engines"])):
         k = "direct" if r["engines"] == 0 else str(r["engines"])
         print(f"{r['sessions']:>8} {k:>8} {r['wire']:>10} {r['req_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
-              f"{r['p50_ms']:8.0f} {r['p95_ms']:8.0f}")
+              f"{r['p50_ms']:8.0f} {r['p95_ms']:8.0f} {r['server_cpu_ms_per_req']:10.2f} {r['client_cpu_ms_per_req']:10.2f}")
     ratios = []
     for (n, k, wire), r in sorted(by.items()):
         if k != 1:
@@ -217,12 +229,14 @@ def print_load(rows: list[dict]) -> list[dict]:
         two, direct = by.get((n, 2, wire)), by.get((n, 0, "direct"))
         ratios.append({"sessions": n, "wire": wire,
                        "one_over_two_engines": r["req_per_s"] / two["req_per_s"] if two else None,
-                       "server_over_direct": r["req_per_s"] / direct["req_per_s"] if direct else None})
+                       "server_over_direct": r["req_per_s"] / direct["req_per_s"] if direct else None,
+                       "cpu_server_over_direct": (r["server_cpu_ms_per_req"] / direct["server_cpu_ms_per_req"]
+                                                  if direct else None)})
     print("requests/s ratios: one engine / two engines behind the router (target >= 0.7 at 50 sessions); "
-          "one engine's server / direct engine calls")
+          "one engine's server / direct engine calls; CPU per request, server process / direct")
     for x in ratios:
         print(f"  {x['sessions']:>3} sessions {x['wire']:>10}: one/two {x['one_over_two_engines']:.2f}x   "
-              f"server/direct {x['server_over_direct']:.2f}x")
+              f"server/direct {x['server_over_direct']:.2f}x   cpu server/direct {x['cpu_server_over_direct']:.2f}x")
     return ratios
 
 
@@ -278,6 +292,7 @@ def main() -> None:
     ap.add_argument("--load-requests", type=int, default=120, help="about this many requests per load run")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the load runs")
     ap.add_argument("--max-batch-size", type=int, default=64, help="the load engines' max_batch_size")
+    ap.add_argument("--prefix-cache-mb", type=float, default=256, help="the load engines' prefix cache (0: off)")
     ap.add_argument("--model", default="builtin:tiny-qwen3")
     ap.add_argument("--json", default="bench_server.json", help="where to write every figure")
     args = ap.parse_args()
@@ -302,11 +317,11 @@ def main() -> None:
     if "load" in only:
         sessions = [int(x) for x in args.sessions.split(",")]
         print(f"[load, {args.model}, {args.max_tokens} tokens/request, {args.load_turns}-turn sessions, "
-              f"max_batch_size {args.max_batch_size}, {args.repeats} interleaved rounds]")
+              f"max_batch_size {args.max_batch_size}, prefix cache {args.prefix_cache_mb:g} MiB, {args.repeats} interleaved rounds]")
         rows = load_bench(args.model, sessions, args.wires.split(","), args.load_turns, args.load_requests,
-                          args.max_tokens, args.repeats, args.max_batch_size)
+                          args.max_tokens, args.repeats, args.max_batch_size, args.prefix_cache_mb)
         report["load"] = {"rows": rows, "ratios": print_load(rows), "turns": args.load_turns,
-                          "max_batch_size": args.max_batch_size}
+                          "max_batch_size": args.max_batch_size, "prefix_cache_mb": args.prefix_cache_mb}
 
     if "ledger" in only:
         per = ledger_turns(tok, args.turns)
