@@ -161,6 +161,8 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
     ``server_cpu_ms_per_req`` (CPU time of this process -- engines, servers, router; for the
     direct peer the engine and its coroutines -- per request: robust to machine load, unlike
     wall time) and ``client_cpu_ms_per_req`` (the load client's process)."""
+    import httpx
+
     from molt_core.server import start_router
 
     tok = load_tokenizer(model)
@@ -172,9 +174,16 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
     client = LoadClient()
     runs: dict[tuple, list[dict]] = {}
     try:
+        admin = httpx.Client(timeout=60)  # one client: httpx.post builds an SSL context per call
+
+        def session(front) -> dict:
+            r = admin.post(front.base_url + "/sessions", json={}, headers={"x-api-key": front.admin_key})
+            r.raise_for_status()
+            return r.json()
+
         def job(front, wire: str, n: int, convs: int) -> dict:
             return {"wire": wire, "turns": turns, "max_tokens": max_tokens,
-                    "workers": [[front.create_session().model_dump() for _ in range(convs)] for _ in range(n)]}
+                    "workers": [[session(front) for _ in range(convs)] for _ in range(n)]}
 
         for front in fronts.values():  # warm-up: every engine, both paths
             client.run(job(front, "openai", 2, 1))

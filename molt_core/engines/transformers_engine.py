@@ -14,6 +14,12 @@ One background worker thread owns the model. Each loop iteration it
    any step, nobody waits for a whole batch to finish);
 3. runs one decode step for every running row and samples one token per row.
 
+Prefix cache (:mod:`molt_core.engines.prefix_cache`): a finished row's keys/values are kept,
+and a later prompt that starts with its ids -- an agent's next turn, which the ledger builds by
+extending the last prompt with the sampled ids -- is prefilled from there: only its new tail
+runs, after the reused columns of its row (mask 1 on real columns, so padding between them is
+never attended). Cleared on every weight load.
+
 Exactness: padding slots carry ``attention_mask = 0`` and zeroed keys/values, and each row's
 ``position_ids`` count only its real tokens, so a row's logits equal those of an unpadded
 forward over its own tokens (to float rounding; tested at 1e-5 in fp32).

@@ -19,8 +19,9 @@ routes and methods too, :mod:`molt_core.server.guard`); the requests of one sess
 serialized by a per-session lock, and a request that fails appends nothing to the ledger.
 
 Under load: the body limit is enforced while reading; a prompt that cannot fit the context
-is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); rendering and
-tokenizing run in a worker thread, so one huge prompt never stalls another session.
+is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); a request body
+over 16 KiB is rendered and tokenized in a worker thread, so one huge prompt never stalls another
+session (a small one inline: the thread hop would cost more than the work).
 
 Retries and disconnects: a request identical to the session's last one (messages, tools,
 sampling fields) is answered from the cached turn, nothing recorded twice; send
