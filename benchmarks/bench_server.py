@@ -1,7 +1,7 @@
 """Loopback server overhead and ledger cost per turn (ratios against a peer measured in the same run).
 
-1. Server overhead: ``--requests`` sequential chat requests (median) through the OpenAI SDK and the
-   loopback server (ledger + HTTP + JSON) vs the same prompts sent straight to
+1. Server overhead: ``--requests`` sequential chat requests (median) over a keep-alive HTTP
+   connection through the loopback server (ledger + HTTP + JSON) vs the same prompts sent straight to
    ``engine.generate``; on the builtin tiny Qwen3 engine (stops disabled, ``--max-tokens``
    tokens per request) and on a zero-cost scripted engine (pure server cost per request).
 2. Ledger cost per turn over a ``--turns``-turn session (prepare + commit, zero-cost engine):
@@ -56,10 +56,12 @@ from molt_core.types import SamplingParams  # noqa: E402
 
 
 def server_vs_direct(engine, tok, n: int, max_tokens: int) -> tuple[float, float]:
-    """Median seconds per request through the server (OpenAI SDK, one fresh session per
-    request) and straight to ``engine.generate`` with the same prompt ids; the two are
-    interleaved request by request so machine load hits both alike."""
-    import openai
+    """Median seconds per request through the server (one fresh session per request, a keep-alive
+    HTTP connection of ``load_client.Connection``: the OpenAI SDK's own CPU cost, ~6 ms a
+    request, would be counted as the server's) and straight to ``engine.generate`` with the same
+    prompt ids and stop ids; the two are interleaved request by request so machine load hits
+    both alike."""
+    from load_client import Connection
 
     h = start_server(engine, tok)
     stops = Ledger(tok).stop_token_ids  # the server adds the template's stop ids to every request
@@ -67,28 +69,32 @@ def server_vs_direct(engine, tok, n: int, max_tokens: int) -> tuple[float, float
     ids = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
            for m in prompts]
     loop = asyncio.new_event_loop()
+    conn = Connection()
     t_server, t_direct = [], []
+
+    def post(info, msgs, **kw):
+        return loop.run_until_complete(conn.post(info.openai_base_url + "/chat/completions",
+                                                 {"authorization": "Bearer " + info.api_key},
+                                                 {"model": "m", "messages": msgs, **kw}))
+
     try:
-        info = h.create_session()
-        client = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
-        client.chat.completions.create(model="m", messages=prompts[0], max_tokens=2)  # warm-up
-        # sessions and clients are made before the clock starts; one connection pool
-        clients = [client.with_options(base_url=i.openai_base_url, api_key=i.api_key)
-                   for i in (h.create_session() for _ in prompts)]
-        for i, (c, msgs) in enumerate(zip(clients, prompts)):
+        post(h.create_session(), prompts[0], max_tokens=2)  # warm-up
+        sessions = [h.create_session() for _ in prompts]  # made before the clock starts
+        for i, (info, msgs) in enumerate(zip(sessions, prompts)):
             t0 = time.perf_counter()
-            c.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, seed=i)
+            got = post(info, msgs, max_tokens=max_tokens, seed=i)
             t1 = time.perf_counter()
-            loop.run_until_complete(engine.generate(ids[i], SamplingParams(max_tokens=max_tokens, seed=i,
-                                                                          stop_token_ids=stops)))
+            out = loop.run_until_complete(engine.generate(ids[i], SamplingParams(max_tokens=max_tokens, seed=i,
+                                                                                 stop_token_ids=stops)))
             t2 = time.perf_counter()
+            assert got["choices"][0]["token_ids"] == out.token_ids or not isinstance(engine, TransformersEngine)
             t_server.append(t1 - t0)
             t_direct.append(t2 - t1)
     finally:
+        conn.close()
         h.stop()
         loop.close()
     return statistics.median(t_server), statistics.median(t_direct)
-
 
 class LoadClient:
     """The load generator (``load_client.py``) in a child process: ``run(job)`` sends one job and
