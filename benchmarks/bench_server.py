@@ -317,7 +317,8 @@ def main() -> None:
     report: dict = {"model": args.model, "max_tokens": args.max_tokens, "torch_threads": 1}
 
     if "overhead" in only:
-        eng = TransformersEngine(load_model(args.model), tok, max_batch_size=4, eos_token_ids=[])
+        # no prefix cache: the direct call would reuse the server request's keys/values (same prompt)
+        eng = TransformersEngine(load_model(args.model), tok, max_batch_size=4, eos_token_ids=[], prefix_cache_mb=0)
         s, d = server_vs_direct(eng, tok, args.requests, args.max_tokens)
         eng.close()
         print(f"[{args.model}, {args.max_tokens} tokens/request] server {s * 1e3:.1f} ms/request, direct engine "
