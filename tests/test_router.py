@@ -169,7 +169,11 @@ def test_token_exact_through_router_equals_direct(tok, stack):
         assert sampled(tr) == [t for x in ids_routed for t in x]
         assert [s.token_ids for s in tr.segments] == [s.token_ids for s in td.segments]
         assert [s.loss_mask for s in tr.segments] == [s.loss_mask for s in td.segments]
-        assert [s.logprobs for s in tr.segments] == [s.logprobs for s in td.segments]
+        # equal to float rounding: the second conversation reuses the first one's keys/values
+        # from the engine's prefix cache (same ids), computed in other forwards
+        for a, b in zip(tr.segments, td.segments):
+            assert [x is None for x in a.logprobs] == [x is None for x in b.logprobs]
+            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs) if x is not None), default=0.0) <= 1e-5
         assert check_tokens(tr) == TokenCheck(0, 0)  # every action token is what the engine sampled
     finally:
         for e in engines:

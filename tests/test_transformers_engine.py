@@ -196,6 +196,7 @@ def test_identical_prompts_share_one_prefill_row(tiny):
     prompts = _prompts(tiny.tokenizer, 2)
     batch = [prompts[0]] * 6 + [prompts[1]] * 2
     params = _params(8)
+    tiny.prefix_cache.clear()  # earlier tests' generations would let these prompts reuse a prefix
     rows = []
     orig = tiny._forward
 
@@ -323,3 +324,143 @@ def test_factory_via_plugin_kwargs():
     finally:
         eng.close()
     assert out.versions == [3] * len(out.token_ids) and 1 <= len(out.token_ids) <= 3
+
+
+# ---------------------------------------------------------------- prefix cache (agent turns)
+
+
+def _turns(eng, tok, k, turns=3, temperature=1.0):
+    """One agent conversation of ``turns`` turns on ``eng``: each prompt extends the last by the
+    sampled ids and the template's tail (token-exact, as the ledger does)."""
+
+    async def go():
+        ids, outs = [], []
+        for t in range(turns):
+            tail = ("<|im_end|>\n" if ids and ids[-1] != 2 else "\n" if ids else "")
+            ids = ids + tok.encode(tail + f"<|im_start|>user\nq{k} {t} {'x' * k}<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+            out = await eng.generate(ids, SamplingParams(max_tokens=5 + k, seed=10 * k + t, temperature=temperature))
+            outs.append((list(ids), out))
+            ids = ids + out.token_ids
+        return outs
+
+    return go()
+
+
+def test_prefix_cache_reuses_agent_turns_exactly():
+    """Concurrent multi-turn sessions: turn t + 1 prefills only its tail (the prefix cache holds
+    turn t's keys/values), with the same ids (greedy and sampled) and logprobs within 1e-5 of an
+    engine without the cache, and of a plain unpadded forward over the whole sequence."""
+    tok = load_tokenizer("builtin:tiny-qwen3")
+    cached = TransformersEngine(load_model("builtin:tiny-qwen3"), tok, eos_token_ids=[])
+    plain = TransformersEngine(load_model("builtin:tiny-qwen3"), tok, eos_token_ids=[], prefix_cache_mb=0)
+    try:
+        for temperature in (0.0, 1.0):
+            async def sessions(eng):
+                return await asyncio.gather(*[_turns(eng, tok, k, temperature=temperature) for k in range(5)])
+
+            hits0, reused0 = cached.prefix_cache.hits, cached.prefix_cache.reused_tokens
+            got, want = run(sessions(cached)), run(sessions(plain))
+            # every later turn reused the whole previous sequence but its last sampled token
+            later = [(p, o) for conv in got for p, o in conv[1:]]
+            assert cached.prefix_cache.hits - hits0 >= len(later) == 10
+            prev = [len(conv[t][0]) + len(conv[t][1].token_ids) - 1 for conv in got for t in range(2)]
+            assert cached.prefix_cache.reused_tokens - reused0 >= sum(prev)
+            for ca, cb in zip(got, want):
+                for (pa, a), (pb, b) in zip(ca, cb):
+                    assert pa == pb and a.token_ids == b.token_ids
+                    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+            with torch.no_grad():
+                for conv in got:
+                    for p, o in conv:
+                        logits = cached.model(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1: -1]
+                        lp = processed_logprobs(logits, temperature, -1, 1.0)
+                        ref = lp.gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+                        assert (ref - torch.tensor(o.logprobs)).abs().max().item() <= 1e-5
+        assert plain.prefix_cache.hits == 0 and len(plain.prefix_cache) == 0
+    finally:
+        cached.close()
+        plain.close()
+
+
+def test_prefix_cache_prefills_only_the_tail():
+    """The second turn's prefill forward runs only the new tail's positions."""
+    tok = load_tokenizer("builtin:tiny-qwen3")
+    eng = TransformersEngine(load_model("builtin:tiny-qwen3"), tok, eos_token_ids=[])
+    shapes = []
+    orig = eng._forward
+
+    def spy(ids, mask, pos, cache):
+        shapes.append((tuple(ids.shape), 0 if cache is None else cache.get_seq_length()))
+        return orig(ids, mask, pos, cache)
+
+    eng._forward = spy
+    try:
+        p1 = [1, 326, 207, 40, 41]
+        out1 = run(eng.generate(p1, SamplingParams(max_tokens=4, seed=1)))
+        tail = [42, 43, 44]
+        shapes.clear()
+        run(eng.generate(p1 + out1.token_ids + tail, SamplingParams(max_tokens=2, seed=2)))
+    finally:
+        eng.close()
+    # the cache held p1 + the first 3 sampled ids (the 4th was never fed): 8 reused, 4 new
+    assert shapes[0] == ((1, 4), 8)
+    assert len(shapes) == 2 and shapes[1][0] == (1, 1)
+
+
+def test_prefix_cache_cleared_by_a_weight_load():
+    """Keys/values of old weights are never reused: after load_weights the next turn equals an
+    engine that only ever had the new weights. Injecting the fault (a cache that survives the
+    load) makes the logprobs differ, so the test sees it."""
+    tok = load_tokenizer("builtin:tiny-qwen3")
+    new_sd = {k: v.clone() for k, v in load_model("builtin:tiny-qwen3", seed=1).state_dict().items()}
+    ref = TransformersEngine(load_model("builtin:tiny-qwen3", seed=1), tok, eos_token_ids=[], prefix_cache_mb=0)
+    p1 = [1, 326, 207, 40, 41]
+    p2_tail = [42, 43, 44]
+
+    def second_turn(keep_cache: bool):
+        eng = TransformersEngine(load_model("builtin:tiny-qwen3", seed=0), tok, eos_token_ids=[])
+        try:
+            out1 = run(eng.generate(p1, SamplingParams(max_tokens=4, seed=1)))
+            if keep_cache:  # the fault: clear() does nothing
+                eng.prefix_cache.clear = lambda: None
+            eng.load_weights(new_sd, 1)
+            assert len(eng.prefix_cache) == (1 if keep_cache else 0)
+            p2 = p1 + out1.token_ids + p2_tail
+            return p2, run(eng.generate(p2, SamplingParams(max_tokens=6, seed=2, temperature=0.0)))
+        finally:
+            eng.close()
+
+    try:
+        p2, good = second_turn(False)
+        want = run(ref.generate(p2, SamplingParams(max_tokens=6, seed=2, temperature=0.0)))
+        assert good.versions == [1] * 6 and good.token_ids == want.token_ids
+        assert max(abs(x - y) for x, y in zip(good.logprobs, want.logprobs)) <= 1e-5
+        _, bad = second_turn(True)
+        assert max(abs(x - y) for x, y in zip(bad.logprobs, want.logprobs)) > 1e-3
+    finally:
+        ref.close()
+
+
+def test_prefix_cache_lru_budget_and_errors():
+    from molt_core.engines.prefix_cache import PrefixCache
+
+    kv = lambda n: [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]  # 2 * (2 * n * 4) * 4 bytes = 64 n
+    pc = PrefixCache(64 * 10)
+    pc.put([1, 2, 3, 4], kv(4))  # 256 bytes
+    pc.put([5, 6, 7, 8], kv(4))  # 512
+    assert pc.match([1, 2, 3, 4, 9]) == (4, pc.match([1, 2, 3, 4, 9])[1]) and pc.hits == 2
+    pc.put([9, 9, 9], kv(3))  # 704 > 640: evicts the least recently used, [5, 6, 7, 8]
+    assert len(pc) == 2 and pc.nbytes == 64 * 7
+    assert pc.match([5, 6, 7, 8, 1])[0] == 0
+    n, got = pc.match([1, 2, 3, 4])  # the whole prompt cached: the last position is still run
+    assert n == 3 and got[0][0].shape == (2, 3, 4)
+    assert pc.match([1, 2, 7, 7])[0] == 0  # not a prefix
+    pc.put(list(range(11)), kv(11))  # bigger than the whole budget: not kept
+    assert len(pc) == 2
+    with pytest.raises(ValueError, match="length 3/3 for 4 ids"):
+        pc.put([1, 2, 3, 4], kv(3))
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        PrefixCache(-1)
+    with pytest.raises(ValueError, match="prefix_cache_mb must be >= 0"):
+        TransformersEngine(load_model("builtin:tiny-qwen3"), eos_token_ids=[], prefix_cache_mb=-1)

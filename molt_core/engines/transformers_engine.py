@@ -14,6 +14,12 @@ One background worker thread owns the model. Each loop iteration it
    any step, nobody waits for a whole batch to finish);
 3. runs one decode step for every running row and samples one token per row.
 
+Prefix cache (:mod:`molt_core.engines.prefix_cache`): a finished row's keys/values are kept,
+and a later prompt that starts with its ids -- an agent's next turn, which the ledger builds by
+extending the last prompt with the sampled ids -- is prefilled from there: only its new tail
+runs, after the reused columns of its row (mask 1 on real columns, so padding between them is
+never attended). Cleared on every weight load.
+
 Exactness: padding slots carry ``attention_mask = 0`` and zeroed keys/values, and each row's
 ``position_ids`` count only its real tokens, so a row's logits equal those of an unpadded
 forward over its own tokens (to float rounding; tested at 1e-5 in fp32).
@@ -53,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
 from molt_core.sampling import processed_logprobs
 from molt_core.types import SamplingParams
@@ -96,12 +103,16 @@ class TransformersEngine(WorkerThreadEngine):
         version: policy version of the initial weights (>= 0).
         eos_token_ids: ids that always end a generation; default from the tokenizer.
         seed: seeds the stream of per-request seeds for requests without ``params.seed``.
+        prefix_cache_mb: MiB of keys/values of finished generations kept for reuse by a later
+            prompt that starts with the same ids (:mod:`molt_core.engines.prefix_cache`: an
+            agent's next turn prefills only its new tail); 0 disables it. Cleared whenever
+            weights change; off for MoE models (their prefill records routing, R3).
         dtype, gguf_file, model_seed, device: used only when ``model`` is a path
             (``model_seed`` is the builtin model's init seed).
 
     Raises:
-        ValueError: ``max_batch_size < 1``, ``version < 0``, or neither ``tokenizer`` nor
-            ``eos_token_ids`` given.
+        ValueError: ``max_batch_size < 1``, ``version < 0``, ``prefix_cache_mb < 0``, or neither
+            ``tokenizer`` nor ``eos_token_ids`` given.
     """
 
     def __init__(
@@ -113,6 +124,7 @@ class TransformersEngine(WorkerThreadEngine):
         version: int = 0,
         eos_token_ids: list[int] | None = None,
         seed: int | None = None,
+        prefix_cache_mb: float = 256,
         dtype: str = "float32",
         gguf_file: str | None = None,
         model_seed: int = 0,
@@ -131,6 +143,8 @@ class TransformersEngine(WorkerThreadEngine):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.version = int(version)
@@ -165,6 +179,7 @@ class TransformersEngine(WorkerThreadEngine):
 
         self._routing = RoutingRecorder(model).attach() if is_moe(model) else None
         self._last_route: torch.Tensor | None = None  # [B * T, L, K] of the last forward
+        self.prefix_cache = PrefixCache(0 if self._routing is not None else int(prefix_cache_mb * 2**20))
         self._worker.start()
 
     @classmethod
@@ -283,6 +298,7 @@ class TransformersEngine(WorkerThreadEngine):
                             self._params[name].copy_(t)
                     self.version = version
                     self._stale_cache = True
+                    self.prefix_cache.clear()  # keys/values of the old weights
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     err.append(e)
                 done.set()
@@ -338,18 +354,24 @@ class TransformersEngine(WorkerThreadEngine):
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in reqs]
         uniq = [reqs[src.index(j)] for j in range(len(first))]
-        n = max(len(r.prompt_ids) for r in uniq)
+        hits = [self.prefix_cache.match(r.prompt_ids) for r in uniq] if len(self.prefix_cache) else []
+        past = max((m for m, _ in hits), default=0)
+        suffix = [r.prompt_ids[m:] for r, (m, _) in zip(uniq, hits)] if past else [r.prompt_ids for r in uniq]
+        n = max(len(x) for x in suffix)
         ids = torch.zeros(len(uniq), n, dtype=torch.long)
         mask = torch.zeros(len(uniq), n, dtype=torch.long)
-        for i, r in enumerate(uniq):
-            p = len(r.prompt_ids)
-            ids[i, n - p:] = torch.tensor(r.prompt_ids)
-            mask[i, n - p:] = 1
+        for i, x in enumerate(suffix):
+            ids[i, n - len(x):] = torch.tensor(x)
+            mask[i, n - len(x):] = 1
         for r in reqs:
             r.next_pos = len(r.prompt_ids)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, pos, None)
+        cache = None
+        if past:  # reused prefixes, right-aligned in ``past`` columns before the left-padded tails
+            cache, pmask = _past_cache(hits, past, self.device)
+            mask = torch.cat([pmask, mask], 1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        logits, cache = self._forward(ids, mask, pos, cache)
         if self._last_route is not None:  # [U * n, L, K] -> each row's real (right-aligned) columns
             rt = self._last_route.view(len(uniq), n, *self._last_route.shape[1:])
             for r, j in zip(reqs, src):
@@ -366,6 +388,7 @@ class TransformersEngine(WorkerThreadEngine):
             layer.values = layer.values.masked_fill(pad, 0.0)
         self._sample(reqs, logits)
         keep = [i for i, r in enumerate(reqs) if r.finish_reason is None]
+        self._remember(reqs, [i for i, r in enumerate(reqs) if r.finish_reason is not None], layers, mask)
         self._deliver_finished(reqs)
         if not keep:
             return
@@ -430,6 +453,8 @@ class TransformersEngine(WorkerThreadEngine):
         keep = [i for i, r in enumerate(rows) if r.finish_reason is None and not r.future.cancelled()]
         if len(keep) == len(rows):
             return
+        self._remember(rows, [i for i, r in enumerate(rows) if r.finish_reason is not None], _layers(self._cache),
+                       self._mask)
         with self._cv:
             self._running = [rows[i] for i in keep]
         self._deliver_finished(rows)
@@ -443,6 +468,20 @@ class TransformersEngine(WorkerThreadEngine):
         for layer in _layers(self._cache):
             layer.keys = layer.keys[idx, :, first:]
             layer.values = layer.values[idx, :, first:]
+
+    def _remember(self, rows: list[_Request], finished: list[int], layers: list[Any], mask: torch.Tensor) -> None:
+        """Keep the KV cache of each finished row ``rows[i]``, ``i in finished`` (row ``i`` of
+        ``layers`` and ``mask`` ``[B, L]``), in the prefix cache: its ``next_pos`` real columns
+        hold ``prompt_ids + tokens[:-1]``."""
+        if not self.prefix_cache.budget_bytes:
+            return
+        for i in finished:
+            r = rows[i]
+            real = mask[i].bool()
+            ids = r.prompt_ids + r.tokens[:-1]
+            if r.future.cancelled() or int(real.sum()) != len(ids):
+                continue
+            self.prefix_cache.put(ids, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers])
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> None:
         """Sample one token per row from ``logits`` ``[B, V]`` with each row's transform,
@@ -524,6 +563,29 @@ def _layers(cache: Any) -> list[Any]:
                 f"TransformersEngine batches plain DynamicLayer KV caches; this model uses {type(layer).__name__}"
             )
     return layers
+
+
+def _past_cache(hits: list[tuple[int, Any]], past: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """A ``DynamicCache`` of ``len(hits)`` rows and ``past`` columns holding each hit's reused
+    keys/values (``(m, kv)``, kv per layer ``[H, m, D]``) right-aligned, zeros before them,
+    and its ``[B, past]`` int64 mask (1 on reused columns)."""
+    from transformers import DynamicCache
+
+    ref = next(kv for m, kv in hits if m)
+    pmask = torch.zeros(len(hits), past, dtype=torch.long, device=device)
+    data = []
+    for li, (k0, v0) in enumerate(ref):
+        k = k0.new_zeros(len(hits), k0.shape[0], past, k0.shape[2])
+        v = v0.new_zeros(len(hits), v0.shape[0], past, v0.shape[2])
+        for i, (m, kv) in enumerate(hits):
+            if m:
+                k[i, :, past - m:] = kv[li][0]
+                v[i, :, past - m:] = kv[li][1]
+        data.append((k, v))
+    for i, (m, _) in enumerate(hits):
+        if m:
+            pmask[i, past - m:] = 1
+    return DynamicCache(ddp_cache_data=data), pmask
 
 
 def _lpad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

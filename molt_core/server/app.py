@@ -19,8 +19,9 @@ routes and methods too, :mod:`molt_core.server.guard`); the requests of one sess
 serialized by a per-session lock, and a request that fails appends nothing to the ledger.
 
 Under load: the body limit is enforced while reading; a prompt that cannot fit the context
-is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); rendering and
-tokenizing run in a worker thread, so one huge prompt never stalls another session.
+is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); a request body
+over 16 KiB is rendered and tokenized in a worker thread, so one huge prompt never stalls another
+session (a small one inline: the thread hop would cost more than the work).
 
 Retries and disconnects: a request identical to the session's last one (messages, tools,
 sampling fields) is answered from the cached turn, nothing recorded twice; send
@@ -38,10 +39,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from molt_core.ledger import AssistantTurn, Ledger, PromptTooLong
@@ -49,6 +51,8 @@ from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     ClientDisconnected,
     install_http_error_handlers,
+    parse_json,
+    read_body,
     read_json,
     until_disconnect,
     wire_error_response,
@@ -69,6 +73,9 @@ from molt_core.types import SamplingParams, Trajectory
 __all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
+#: requests whose body is at most this many bytes are rendered and tokenized on the event loop
+#: (well under a millisecond); bigger ones in a worker thread
+INLINE_PREPARE_BYTES = 16 * 1024
 log = logging.getLogger(__name__)
 
 
@@ -236,15 +243,16 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
 
     async def run_turn(s: _Session, request: Request, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, params: SamplingParams, max_tokens: int | None,
-                       allow_tool_calls: bool = True) -> AssistantTurn:
+                       allow_tool_calls: bool = True, body_bytes: int = 0) -> AssistantTurn:
         fresh = any(v.strip() in ("no-cache", "no-store")
                     for v in request.headers.get("cache-control", "").lower().split(","))
         async with s.lock:
             led = s.ledger
-            try:  # rendering and tokenizing off the event loop: a huge prompt stalls no other session
-                prepared = await asyncio.to_thread(
-                    led.prepare, messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}),
-                    max_prompt_tokens=max_model_len, fresh=fresh, allow_tool_calls=allow_tool_calls)
+            prepare = partial(led.prepare, messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}),
+                              max_prompt_tokens=max_model_len, fresh=fresh, allow_tool_calls=allow_tool_calls)
+            try:  # a big request renders and tokenizes off the event loop: it stalls no other session; a
+                # small one inline (a thread hop costs more than its work, and a scheduler slice under load)
+                prepared = await asyncio.to_thread(prepare) if body_bytes > INLINE_PREPARE_BYTES else prepare()
             except PromptTooLong as e:
                 raise WireError(400, str(e), "messages", "context_length_exceeded") from None
             except ValueError as e:
@@ -284,23 +292,38 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             log.exception("internal error")
             return error(wire, WireError(500, f"internal server error: {type(e).__name__}: {e}"))
 
-    async def session_request(request: Request, sid: str, model: Any) -> tuple[Any, Any]:
-        # the session, then the body as ``model`` (a wire's request type), validated and checked
+    async def session_request(request: Request, sid: str, model: Any) -> tuple[Any, Any, int]:
+        # the session, then the body as ``model`` (a wire's request type), validated and checked; its size
         s = session_for(request, sid)
-        body = await body_of(request)
+        raw = await read_body(request, max_body_bytes)
+        body = await parse_json(raw)
         if not isinstance(body, dict):
             raise WireError(400, "request body must be a JSON object")
         req = model.model_validate(body)
         req.check()
-        return s, req
+        return s, req, len(raw)
 
-    @app.post("/s/{sid}/v1/chat/completions")
+    def session_route(path: str, method: str = "POST") -> Callable[[Any], Any]:
+        # a plain Starlette route for the per-request hot path: FastAPI's dependency solving and
+        # response serialization cost more than the work of a small request (the answers are
+        # plain JSON objects already)
+        def register(fn: Callable[[str, Request], Any]) -> Callable[[str, Request], Any]:
+            async def endpoint(request: Request) -> Response:
+                out = await fn(request.path_params["sid"], request)
+                return out if isinstance(out, Response) else JSONResponse(out)
+
+            app.router.add_route(path, endpoint, methods=[method], include_in_schema=False)
+            return fn
+
+        return register
+
+    @session_route("/s/{sid}/v1/chat/completions")
     async def chat_completions(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s, req = await session_request(request, sid, ChatCompletionRequest)
+            s, req, size = await session_request(request, sid, ChatCompletionRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
             turn = await run_turn(s, request, req.messages, req.tools_openai(), params,
-                                  req.max_completion_tokens or req.max_tokens, req.allow_tool_calls)
+                                  req.max_completion_tokens or req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 usage = bool((req.stream_options or {}).get("include_usage"))
                 return StreamingResponse(openai_stream(turn, tokenizer, model_name, usage), media_type="text/event-stream")
@@ -308,33 +331,33 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
 
         return await guarded("openai", handle)
 
-    @app.post("/s/{sid}/v1/messages")
+    @session_route("/s/{sid}/v1/messages")
     async def messages(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s, req = await session_request(request, sid, MessagesRequest)
+            s, req, size = await session_request(request, sid, MessagesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
             turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_tokens,
-                                  req.allow_tool_calls)
+                                  req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
             return anthropic_response(turn, model_name)
 
         return await guarded("anthropic", handle)
 
-    @app.post("/s/{sid}/v1/responses")
+    @session_route("/s/{sid}/v1/responses")
     async def responses(sid: str, request: Request) -> Any:
         async def handle() -> Any:
-            s, req = await session_request(request, sid, ResponsesRequest)
+            s, req, size = await session_request(request, sid, ResponsesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
             turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_output_tokens,
-                                  req.allow_tool_calls)
+                                  req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(responses_stream(turn, tokenizer, model_name, req), media_type="text/event-stream")
             return responses_response(turn, tokenizer, model_name, req)
 
         return await guarded("openai", handle)
 
-    @app.get("/s/{sid}/v1/models")
+    @session_route("/s/{sid}/v1/models", "GET")
     async def models(sid: str, request: Request) -> Any:
         async def handle() -> Any:
             session_for(request, sid)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt_core.server.wires import WireError, anthropic_error, openai_error
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ClientDisconnected", "find_lone_surrogate", "read_body", "read_json", "wire_of_path",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ClientDisconnected", "find_lone_surrogate", "parse_json", "read_body", "read_json", "wire_of_path",
            "wire_error_response", "install_http_error_handlers", "until_disconnect"]
 
 #: default request body limit in bytes (``create_app(max_body_bytes=...)``)
@@ -117,7 +117,15 @@ async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty
         WireError: 413 over ``limit``; 400 for invalid JSON, too-deep nesting, or a lone
             surrogate (``param`` names the field, ``code`` ``invalid_unicode``).
     """
-    raw = await read_body(request, limit)
+    return await parse_json(await read_body(request, limit), empty)
+
+
+async def parse_json(raw: bytes, empty: Any = ...) -> Any:
+    """Decode request body ``raw`` as :func:`read_json` does (off the event loop over 1 MiB).
+
+    Raises:
+        WireError: 400 for invalid JSON, too-deep nesting, or a lone surrogate.
+    """
     if empty is not ... and not raw.strip():
         return empty
     if len(raw) > _THREAD_DECODE_BYTES:
