@@ -86,6 +86,18 @@ class Env(Agent):
         """Return the first observation (the user message text) for ``task``."""
         raise NotImplementedError
 
+    def first_messages(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat messages the model is first shown for ``task`` (OpenAI format): the
+        ``system_prompt`` (an ``options.system_prompt`` wins over the class attribute), if
+        any, then ``reset(task)`` as the user message. The Env runner and the SFT warm start
+        both render this; override it for a prompt of several messages."""
+        messages: list[dict[str, Any]] = []
+        sp = getattr(getattr(self, "options", None), "system_prompt", None) or self.system_prompt
+        if sp:
+            messages.append({"role": "system", "content": sp})
+        messages.append({"role": "user", "content": self.reset(task)})
+        return messages
+
     def step(self, action_text: str, state: EpisodeState) -> Result:
         """Consume the model's reply ``action_text``; return the turn's :class:`Result`
         (``observation`` is the next user message when not terminated)."""

@@ -124,10 +124,16 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
 @click.option("--out", "out", default=None, help="Output directory (default runs/<recipe>-sft-<time>).")
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent whose tasks to learn.")
-def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None) -> None:
-    """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks ([sft] table)
-    and write OUT/model, a Hugging Face directory to use as model.path."""
+@click.option("--data", "data", default=None,
+              help="Train on this JSONL of {prompt, completion} or {messages} rows instead of the agent's tasks (sft.data).")
+def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None,
+        data: str | None) -> None:
+    """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks, or on the
+    rows of --data / sft.data ([sft] table), and write OUT/model, a Hugging Face directory to
+    use as model.path."""
     extra = list(overrides)
+    if data is not None:
+        extra.append(f"sft.data={data}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})

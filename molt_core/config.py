@@ -261,9 +261,12 @@ class SftSection(_Section):
     ``warmup_steps`` of linear warmup and ``lr_schedule`` (constant / linear / cosine decay over
     ``steps``, as :func:`molt_core.train.lr_factor`), ``batch_size``, ``label_noise``
     (fraction of deliberately wrong targets), ``n_examples``. ``molt sft`` and the warm start
-    inside ``molt run`` run the same computation with ``run.threads`` torch threads."""
+    inside ``molt run`` run the same computation with ``run.threads`` torch threads. ``data``:
+    train on these rows instead of the agent's tasks -- a JSONL of ``{"prompt", "completion"}``
+    or ``{"messages"}`` rows (or a Parquet file / dataset directory; :mod:`molt_core.sft`)."""
 
     steps: int = Field(0, ge=0)
+    data: str | None = None
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Example", "render_example", "sft", "iter_sft", "examples_from_agent", "noisy_answer", "warm_start",
-           "warm_start_steps", "run_sft"]
+__all__ = ["Example", "render_example", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
+           "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
@@ -76,6 +76,20 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
     if not comp:
         raise ValueError(f"completion {completion!r} renders to no token")
     return prompt_ids, comp
+
+
+def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of rendered examples as ``(input_ids, labels)``, both ``[B, T]`` int64
+    (``T`` the longest ``prompt + completion``): ``input_ids`` right-padded with ``pad_id``;
+    ``labels`` equal to the completion ids at the completion positions and -100 everywhere
+    else (prompt and padding), so only completion tokens enter the loss."""
+    T = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for b, (p, c) in enumerate(seqs):
+        ids[b, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[b, len(p): len(p) + len(c)] = torch.tensor(c)
+    return ids, labels
 
 
 def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
@@ -181,13 +195,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         work = (trainer.row_work(len(seqs), 0) if hasattr(trainer, "row_work")
                 else [(slice(s, s + mb), True) for s in range(0, len(seqs), mb)])
         for rows, real in work:
-            part = seqs[rows]
-            T = max(len(p) + len(c) for p, c in part)
-            ids = torch.full((len(part), T), pad, dtype=torch.long)
-            labels = torch.full((len(part), T), -100, dtype=torch.long)
-            for b, (p, c) in enumerate(part):
-                ids[b, : len(p) + len(c)] = torch.tensor(p + c)
-                labels[b, len(p): len(p) + len(c)] = torch.tensor(c)
+            ids, labels = collate(seqs[rows], pad)
             ids, labels = ids.to(dev), labels.to(dev)
             logits = model(input_ids=ids, use_cache=False).logits.float()
             loss = torch.nn.functional.cross_entropy(
@@ -230,8 +238,8 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
     """Draw ``n`` SFT examples from ``agent.tasks("train", seed)``.
 
     Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the
-    agent would be shown: for an :class:`~molt_core.agents.Env`, its ``system_prompt`` (if
-    any) and ``reset(task)`` as the user message; otherwise ``task["question"]`` as the user
+    agent would be shown: for an :class:`~molt_core.agents.Env`, its ``first_messages(task)``
+    (the ``system_prompt``, if any, and ``reset(task)`` as the user message); otherwise ``task["question"]`` as the user
     message. A fraction ``label_noise`` of the completions (chosen with a ``seed``-ed RNG) is
     replaced by :func:`noisy_answer`.
 
@@ -253,11 +261,7 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
         if "answer" not in task:
             raise ValueError(f"sft: task {i} has no 'answer' field (keys: {sorted(task)}); SFT needs a target")
         if isinstance(agent, Env):
-            msgs: list[dict[str, Any]] = []  # as the runtime's Env runner renders the first turn
-            sp = getattr(getattr(agent, "options", None), "system_prompt", None) or agent.system_prompt
-            if sp:
-                msgs.append({"role": "system", "content": sp})
-            msgs.append({"role": "user", "content": agent.reset(task)})
+            msgs = agent.first_messages(task)  # as the runtime's Env runner renders the first turn
         else:
             if "question" not in task:
                 raise ValueError(f"sft: task {i} has no 'question' field (keys: {sorted(task)})")
@@ -268,6 +272,52 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
         k = int(math.floor(label_noise * n + 0.5))
         for i in rng.sample(range(n), k):
             out[i] = (out[i][0], noisy_answer(out[i][1], rng, answers))
+    return out
+
+
+def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -> list[Example]:
+    """SFT examples from data rows, in order. A row is either
+
+    * ``{"prompt", "completion"}`` -- ``prompt`` a string (sent as the user message) or a
+      list of chat messages, ``completion`` a string or a one-message list
+      ``[{"role": "assistant", "content": ...}]`` (TRL's prompt-completion formats); or
+    * ``{"messages": [...]}`` -- a chat; every assistant message becomes one example whose
+      prompt is the messages before it, so the loss covers all assistant turns and nothing else.
+
+    Raises:
+        ValueError: a row of neither form, malformed messages, or no example at all (names
+            ``what`` and the 1-based row number).
+    """
+    def chat(msgs: Any, where: str) -> list[dict[str, Any]]:
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in msgs):
+            raise ValueError(f"{what}: {where} must be a list of {{\"role\": str, \"content\": str}} messages")
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+    out: list[Example] = []
+    for n, row in enumerate(rows, 1):
+        if "messages" in row:
+            msgs = chat(row["messages"], f"row {n} 'messages'")
+            turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > 0]
+            if not turns:
+                raise ValueError(f"{what}: row {n} has no assistant message after a prompt; nothing to learn")
+            out += [(msgs[:i], msgs[i]["content"]) for i in turns]
+        elif "prompt" in row and "completion" in row:
+            p, c = row["prompt"], row["completion"]
+            prompt = [{"role": "user", "content": p}] if isinstance(p, str) else chat(p, f"row {n} 'prompt'")
+            if isinstance(c, list):
+                comp = chat(c, f"row {n} 'completion'")
+                if len(comp) != 1 or comp[0]["role"] != "assistant":
+                    raise ValueError(f"{what}: row {n} 'completion' must be one assistant message")
+                c = comp[0]["content"]
+            if not isinstance(c, str) or not prompt:
+                raise ValueError(f"{what}: row {n}: 'completion' must be a string and 'prompt' non-empty")
+            out.append((prompt, c))
+        else:
+            raise ValueError(f"{what}: row {n} has fields {sorted(row)}; an SFT row needs 'prompt' and "
+                             f"'completion', or 'messages'")
+    if not out:
+        raise ValueError(f"{what}: no rows")
     return out
 
 
@@ -291,8 +341,10 @@ def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], 
 
 
 def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
-    """The recipe's SFT warm start on ``trainer``, one step per item: ``sft.n_examples``
-    examples from ``agent`` (seed ``run.seed + 17``, ``sft.label_noise`` wrong), then
+    """The recipe's SFT warm start on ``trainer``, one step per item: the rows of ``sft.data``
+    when set (:func:`examples_from_rows`, all of them, as they are; ``agent`` is not used and
+    may be None), else ``sft.n_examples`` examples from ``agent`` (seed ``run.seed + 17``,
+    ``sft.label_noise`` wrong); then
     :func:`iter_sft` for ``sft.steps`` steps of ``sft.batch_size`` at ``sft.lr`` (shuffle
     seed ``run.seed``). The examples are drawn at once (errors surface here, before any step).
 
@@ -300,20 +352,27 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
         An iterator of per-step metrics (empty when ``sft.steps == 0``).
 
     Raises:
-        ValueError: as :func:`examples_from_agent`.
+        ValueError: as :func:`examples_from_agent` / :func:`examples_from_rows`, or ``sft.data``
+            cannot be read (:func:`molt_core.datafiles.load_rows`).
     """
     cfg = trainer.cfg
     s = cfg.sft
     if s.steps <= 0:
         return iter(())
-    examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
-                                   label_noise=s.label_noise)
+    if s.data:
+        from molt_core.datafiles import load_rows
+
+        examples = examples_from_rows(load_rows(s.data, what="sft.data"))
+    else:
+        examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
+                                       label_noise=s.label_noise)
     return iter_sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed,
                     warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
 
 
 def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:
-    """``molt sft``: warm-start the recipe's model and write it as a Hugging Face directory.
+    """``molt sft``: warm-start the recipe's model (on ``sft.data`` rows when set, else on the
+    agent's train tasks) and write it as a Hugging Face directory.
 
     Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per
     step: ``step``, ``sft/loss``, ``sft/tokens``, ``sft/grad_norm``, ``time/step``) and
@@ -324,7 +383,8 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
         The ``OUT/model`` path.
 
     Raises:
-        ValueError: ``sft.steps`` is 0, or the agent cannot be built / has no answers.
+        ValueError: ``sft.steps`` is 0, the agent cannot be built / has no answers, or
+            ``sft.data`` cannot be read or has a bad row.
     """
     import json
     from datetime import datetime
@@ -340,7 +400,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
         raise ValueError("sft.steps is 0: nothing to do; set it in the recipe's [sft] table or --set sft.steps=N")
     torch.set_num_threads(cfg.run.threads)
     out = Path(out_dir) if out_dir else Path("runs") / f"{recipe_name}-sft-{datetime.now():%Y%m%d-%H%M%S}"
-    agent = load_agent(cfg, host)  # a bad --agent fails before OUT exists
+    agent = None if cfg.sft.data else load_agent(cfg, host)  # a bad --agent fails before OUT exists
     out.mkdir(parents=True, exist_ok=True)
     cfg.write(out / "config.toml")
     trainer = Trainer(cfg)

@@ -80,7 +80,14 @@ def _absolute(cfg: RunConfig) -> RunConfig:
     tpath = teacher.options.get("path")
     if isinstance(tpath, str) and not tpath.startswith("builtin:") and Path(tpath).exists():
         teacher = teacher.model_copy(update={"options": {**teacher.options, "path": str(Path(tpath).resolve())}})
-    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model, "teacher": teacher})
+    for key in ("path", "eval_path"):  # the dataset env's files (any agent's options naming an existing path)
+        v = agent.options.get(key)
+        if isinstance(v, str) and not Path(v).is_absolute() and Path(v).exists():
+            agent = agent.model_copy(update={"options": {**agent.options, key: str(Path(v).resolve())}})
+    sft = cfg.sft
+    if sft.data and Path(sft.data).exists():
+        sft = sft.model_copy(update={"data": str(Path(sft.data).resolve())})
+    return cfg.model_copy(update={"plugins": plugins, "agent": agent, "model": model, "teacher": teacher, "sft": sft})
 
 
 class _Local:

@@ -183,11 +183,7 @@ class RolloutWorker:
         env: Env = self.agent  # type: ignore[assignment]
         r = self.cfg.rollout
         ledger = self._ledger(group_id)
-        messages: list[dict[str, Any]] = []
-        sp = getattr(getattr(env, "options", None), "system_prompt", None) or env.system_prompt
-        if sp:
-            messages.append({"role": "system", "content": sp})
-        messages.append({"role": "user", "content": env.reset(task)})
+        messages: list[dict[str, Any]] = env.first_messages(task)
         state = EpisodeState(task=task)
         reward, score, truncated, info = 0.0, None, False, {}
         action = ""

@@ -11,12 +11,14 @@ from molt_core.hookspecs import hookimpl
 
 @hookimpl
 def molt_register_envs(register):
-    """Register ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``."""
+    """Register ``dataset``, ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``."""
+    from molt_plugins.envs.dataset import DatasetEnv
     from molt_plugins.envs.gymnasium_env import GymnasiumTextEnv
     from molt_plugins.envs.humaneval import HumanEvalEnv
     from molt_plugins.envs.python_tool import PythonToolChatAgent, PythonToolEnv
     from molt_plugins.envs.reasoning_gym import ReasoningGymEnv
 
+    register("dataset", DatasetEnv)
     register("reasoning_gym", ReasoningGymEnv)
     register("python_tool", PythonToolEnv)
     register("python_tool_chat", PythonToolChatAgent)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from molt_core.agents import EpisodeState, Env
 from molt_core.types import Result, RewardFailed
+from molt_plugins.envs.dataset import strip_end_markers
 
 __all__ = ["ReasoningGymEnv", "ReasoningGymOptions", "EVAL_SEED_OFFSET", "REFUSED_TASKS"]
 
@@ -225,14 +226,7 @@ class ReasoningGymEnv(Env):
     def clean_reply(self, action_text: str) -> str | None:
         """The reply as scored: whitespace-stripped, end markers removed, and (with
         ``answer_tag``) the content of the last tag, or None when the tag is absent."""
-        s = action_text.strip()
-        changed = True
-        while changed:
-            changed = False
-            for suf in self.options.strip_suffixes:
-                if suf and s.endswith(suf):
-                    s = s[: -len(suf)].rstrip()
-                    changed = True
+        s = strip_end_markers(action_text, self.options.strip_suffixes)
         if self.options.answer_tag:
             from reasoning_gym.utils import extract_answer
 
