@@ -230,3 +230,25 @@ def test_make_dataset_reproduces_the_shipped_files(tmp_path):
 
     for p in build(tmp_path):
         assert p.read_bytes() == (BUILTIN_DATASETS_DIR / "chain_sum" / p.name).read_bytes(), p.name
+
+
+# -- the recipe learns ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_dataset_recipe_learns_on_its_jsonl(tmp_path, monkeypatch):
+    """recipes/dataset.toml, shortened to 100 GRPO steps: the SFT warm start on the train rows'
+    answers lifts held-out pass@1 (T = 1, 300 test rows) from 0 to >= 0.15, and GRPO raises it
+    by >= 0.05 more (measured: 0.307 -> 0.400 at step 100 in the full run, README)."""
+    from molt_core import runtime
+    from molt_core.config import load_config
+    from molt_core.plugins import load_plugins
+
+    cfg = load_config("dataset", ["run.steps=100", "eval.every=0", "checkpoint.every=0"])
+    monkeypatch.chdir(tmp_path)
+    out = runtime.main_job(cfg, load_plugins(), out_dir=str(tmp_path / "run"), local=True, recipe_name="dataset")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    assert [s for s, _ in evals] == [0, 100]
+    (_, first), (_, last) = evals
+    assert first >= 0.15, evals
+    assert last >= first + 0.05, evals
+    assert all(r["invariants/tokens_retokenized"] == 0 for r in rows if "invariants/tokens_retokenized" in r)

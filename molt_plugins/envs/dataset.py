@@ -123,12 +123,13 @@ class DatasetEnv(Env):
     """
 
     Options = DatasetOptions
+    options: DatasetOptions
     molt_example = {"options": {"path": "builtin:chain_sum"}}
     """Options for ``molt plugins --check`` (``path`` has no default)."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        o: DatasetOptions = self.options
+        o = self.options
         self.repeat_train_split = o.epochs is None  # type: ignore[misc]  # instance override of the class default
         train_rows = load_rows(o.path, o.split, o.format, o.config, what="agent.options.path")
         if o.eval_path is not None or o.eval_split is not None:
@@ -173,7 +174,7 @@ class DatasetEnv(Env):
         Raises:
             ValueError: the row lacks a field the options name (row number 1-based).
         """
-        o: DatasetOptions = self.options
+        o = self.options
         where = f"{split} row {i + 1}"
         task = _jsonable(row)
         answer = row.get(o.answer_field) if o.answer_field else None
