@@ -124,7 +124,7 @@ class DatasetEnv(Env):
 
     Options = DatasetOptions
     options: DatasetOptions
-    molt_example = {"options": {"path": "builtin:chain_sum"}}
+    molt_example = {"options": {"path": "builtin:chain_sum", "eval_split": "test", "template": "What is {expression}?"}}
     """Options for ``molt plugins --check`` (``path`` has no default)."""
 
     def __init__(self, **options: Any) -> None:
