@@ -200,6 +200,19 @@ def test_source_errors(tmp_path):
         DatasetEnv(path=str(tmp_path / "one.jsonl"), eval_fraction=1.5)
 
 
+def test_relative_data_paths_are_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    from molt_core.config import RunConfig
+    from molt_core.runtime.loop import _absolute
+
+    monkeypatch.chdir(tmp_path)
+    _jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = RunConfig.model_validate({"agent": {"name": "dataset", "options": {"path": "d.jsonl", "eval_path": "none.jsonl"}},
+                                    "sft": {"data": "d.jsonl"}})
+    got = _absolute(cfg)
+    assert got.agent.options == {"path": str(tmp_path / "d.jsonl"), "eval_path": "none.jsonl"}  # a missing one stays
+    assert got.sft.data == str(tmp_path / "d.jsonl")
+
+
 def test_registered_as_dataset():
     from molt_core.plugins import load_plugins
 
