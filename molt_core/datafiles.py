@@ -127,8 +127,11 @@ def load_rows(source: str, split: str = "train", fmt: Format = "auto", config: s
     if isinstance(src, Path):  # a directory
         saved = any((src / f).exists() for f in ("dataset_dict.json", "state.json"))
         if fmt == "hf" or (fmt == "auto" and saved):
-            ds = _datasets(what, "a directory written by save_to_disk")
-            return _from_hf(ds.load_from_disk(str(src)), what, source, split)
+            ds = _datasets(what, "a directory written by save_to_disk").load_from_disk(str(src))
+            if not isinstance(ds, dict) and split != "train":
+                raise ValueError(f"{what} = {source!r} holds one Dataset (no named splits), read as split 'train'; "
+                                 f"there is no split {split!r}: save a DatasetDict, or hold rows out with eval_fraction")
+            return _from_hf(ds, what, source, split)
         kinds = [fmt] if fmt in ("jsonl", "parquet") else ["jsonl", "parquet"]
         for kind in kinds:
             f = src / f"{split}.{kind}"

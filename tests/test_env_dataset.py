@@ -60,6 +60,15 @@ def test_save_to_disk_dataset_dict_splits(tmp_path):
         DatasetEnv(path=str(tmp_path / "saved"), eval_split="valid", prompt_field="q", answer_field="a")
 
 
+def test_save_to_disk_single_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "one"))
+    env = DatasetEnv(path=str(tmp_path / "one"), prompt_field="q", answer_field="a", eval_fraction=0.2)
+    assert len(env._train) == 4
+    with pytest.raises(ValueError, match="holds one Dataset .* there is no split 'test'"):
+        DatasetEnv(path=str(tmp_path / "one"), eval_split="test", prompt_field="q", answer_field="a")
+
+
 def test_directory_of_split_files(files):
     d, _, _ = files
     env = DatasetEnv(path=str(d), eval_split="test", prompt_field="q", answer_field="a")
