@@ -115,7 +115,7 @@ def test_misspelled_recipe_suggests_the_closest_name():
     r = CliRunner().invoke(main, ["run", "wandb"])  # an example recipe: suggested with its folder
     assert "(did you mean 'examples/wandb'?)" in r.output
     r = CliRunner().invoke(main, ["run", "zzzzzz"])
-    assert "did you mean" not in r.output and "(chat_agent, distill," in r.output
+    assert "did you mean" not in r.output and "(chat_agent, dataset, distill," in r.output
 
 
 def test_set_key_without_section_points_at_the_field():
