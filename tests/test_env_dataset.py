@@ -259,7 +259,8 @@ def test_make_dataset_reproduces_the_shipped_files(tmp_path):
 def test_dataset_recipe_learns_on_its_jsonl(tmp_path, monkeypatch):
     """recipes/dataset.toml, shortened to 100 GRPO steps: the SFT warm start on the train rows'
     answers lifts held-out pass@1 (T = 1, 300 test rows) from 0 to >= 0.15, and GRPO raises it
-    by >= 0.05 more (measured: 0.307 -> 0.400 at step 100 in the full run, README)."""
+    by >= 0.05 more (measured: 0.307 -> 0.400 at step 100 in the full run, README); `molt eval`
+    of the final checkpoint gives the run's last pass@1."""
     from molt_core import runtime
     from molt_core.config import load_config
     from molt_core.plugins import load_plugins
@@ -274,3 +275,11 @@ def test_dataset_recipe_learns_on_its_jsonl(tmp_path, monkeypatch):
     assert first >= 0.15, evals
     assert last >= first + 0.05, evals
     assert all(r["invariants/tokens_retokenized"] == 0 for r in rows if "invariants/tokens_retokenized" in r)
+    # `molt eval` on the final checkpoint reports the run's last eval: the eval split is fixed
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+
+    res = CliRunner().invoke(main, ["eval", "--model", str(out / "checkpoints" / "step_00000100")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["eval/pass@1"] == last
