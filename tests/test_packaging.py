@@ -126,6 +126,7 @@ def test_core_dependencies_are_lean_and_torch_is_a_range():
     assert core == {
         "torch", "transformers", "tokenizers", "safetensors", "pydantic", "pluggy", "click", "rich", "ray",
         "cloudpickle", "openai", "anthropic", "fastapi", "uvicorn", "httpx", "tomli-w", "jinja2", "numpy",
+        "httptools",  # the server's HTTP parser (uvicorn uses it when installed)
         "reasoning-gym",  # the quickstart's env
     }
     for r in PYPROJECT["dependencies"]:
