@@ -31,8 +31,10 @@ def test_templates_ship_as_package_data():
     files = [p for p in TEMPLATES.rglob("*") if p.is_file()]
     assert files and all(p.suffix == ".j2" for p in files)
     assert not [p for p in files if any(part.startswith(".") for part in p.relative_to(TEMPLATES).parts)]
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["molt_core"]
-    assert "templates/**/*" in data
+    # hatchling ships every file under a listed package (the wheel's contents are checked in
+    # tests/test_packaging.py::test_the_wheel_carries_recipes_examples_agents_and_assets)
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert "molt_core" in wheel["packages"] and not wheel.get("exclude")
 
 
 def test_rendered_package_layout_and_entry_point(tmp_path):
