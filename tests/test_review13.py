@@ -78,3 +78,71 @@ def test_dataset_env_accepts_a_well_formed_chat_with_a_system_message(tmp_path):
     env = DatasetEnv(path=_jsonl(tmp_path / "d.jsonl", rows), messages_field="messages")
     task = next(env.tasks("train", 0))
     assert env.first_messages(task)[0] == {"role": "system", "content": "be brief"} and task["answer"] == task["question"][1:]
+
+
+CHAT_PARITY = '''
+import openai
+from molt_core.agents import AgentContext, ChatAgent
+from molt_core.types import Result
+
+
+class ParityChat(ChatAgent):
+    def tasks(self, split, seed):
+        for i in range(10**6 if split == "train" else 16):
+            yield {"i": i}
+
+    async def run(self, ctx: AgentContext) -> Result:
+        client = openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key, max_retries=0)
+        messages = [{"role": "user", "content": f"Say {ctx.task['i']}."}]
+        oks = []
+        for follow in ("Again.", None):  # no seed sent: the agent talks as to any OpenAI server
+            r = await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                     max_tokens=ctx.sampling.max_tokens,
+                                                     temperature=ctx.sampling.temperature)
+            reply = r.choices[0].message.content or ""
+            oks.append(len(reply) % 2 == 0)
+            messages.append({"role": "assistant", "content": reply})
+            if follow:
+                messages.append({"role": "user", "content": follow})
+        await client.close()
+        return Result(reward=0.5 * sum(oks), terminated=True, score=1.0 if oks[-1] else 0.0)
+'''
+
+CHAT_RECIPE = '''
+[run]
+seed = 3
+steps = 2
+[agent]
+path = "{agent}"
+[rollout]
+prompts_per_step = 2
+n_samples_per_prompt = 2
+max_tokens = 6
+max_turns = 2
+[eval]
+n_problems = 8
+k = 2
+[sft]
+steps = 0
+[checkpoint]
+every = 1
+keep = 3
+'''
+
+
+def test_molt_eval_of_a_chat_agent_reports_the_runs_final_eval(tmp_path):
+    """Issue 13 item 12 for a ChatAgent: its requests carry no seed, so the eval was unseeded
+    (the engine's own stream) and `molt eval` on the final checkpoint reported another pass@1
+    than the run logged (measured 0.4375 vs 0.375). The runtime now seeds the eval session."""
+    (tmp_path / "parity_chat.py").write_text(CHAT_PARITY)
+    recipe = tmp_path / "pc.toml"
+    recipe.write_text(CHAT_RECIPE.format(agent=tmp_path / "parity_chat.py"))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", str(recipe), "--local", "--out", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output[-3000:]
+    final = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()][-1]
+    assert final["step"] == 2 and 0.0 < final["eval/pass@1"] < 1.0
+    res = CliRunner().invoke(main, ["eval", "--model", str(out / "checkpoints" / "step_00000002")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output[-3000:]
+    rep = json.loads((out / "eval" / "step_00000002.json").read_text())
+    assert rep["metrics"] == {k: v for k, v in final.items() if k.startswith("eval/")}
