@@ -146,3 +146,25 @@ def test_molt_eval_of_a_chat_agent_reports_the_runs_final_eval(tmp_path):
     assert res.exit_code == 0, res.output[-3000:]
     rep = json.loads((out / "eval" / "step_00000002.json").read_text())
     assert rep["metrics"] == {k: v for k, v in final.items() if k.startswith("eval/")}
+
+
+def test_molt_show_header_is_not_cut_at_80_columns(tmp_path):
+    """A real rollout id is 34 characters: the header (status, reward, score, versions,
+    truncated) passes 80 columns, and a rich Rule cut it to "versions 0…", hiding that the
+    rollout was truncated, in a redirected `molt show` (80 columns)."""
+    import io
+
+    from rich.console import Console
+
+    from molt_core.show import show_run
+
+    rid = "r-f1b45a328a714704bee3429ae5ab7d12"
+    row = {"step": 1, "rollout_id": rid, "status": "ok", "reward": 0.0, "score": 0.0, "truncated": True,
+           "segments": [{"versions": [None, 0, 0]}], "turns": [{"context": "What is 1 + 1?", "response": "91006002",
+                                                                 "versions": [0, 0]}]}
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(row) + "\n")
+    buf = io.StringIO()
+    show_run(tmp_path, console=Console(file=buf, width=80, force_terminal=False, soft_wrap=True))
+    out = buf.getvalue()
+    assert f"{rid}  ok  reward 0.000  score 0.000  versions 0  truncated" in out
+    assert "…" not in out and "\x1b[" not in out
