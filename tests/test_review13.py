@@ -168,3 +168,25 @@ def test_molt_show_header_is_not_cut_at_80_columns(tmp_path):
     out = buf.getvalue()
     assert f"{rid}  ok  reward 0.000  score 0.000  versions 0  truncated" in out
     assert "…" not in out and "\x1b[" not in out
+
+
+def test_set_on_plugin_option_tables_keeps_dates_as_text_and_says_how_to_quote_numbers():
+    """`--set` parses a value as TOML; a core string field gets the raw text back, but a
+    plugin's option table (loggers.NAME, agent.options, rewards.NAME) is untyped there, so
+    `--set loggers.wandb.name=2024-01-01` became a date and `project=123` an int: both failed
+    with a bare "Input should be a valid string" (issue 13 items 8b and 9)."""
+    from molt_core.config import load_config
+    from molt_core.plugins import load_plugins
+    from molt_core.runtime.rundir import check_loggers
+
+    host = load_plugins([])
+    cfg = load_config("examples/wandb", ["loggers.wandb.name=2024-01-01"])
+    assert cfg.loggers["wandb"]["name"] == "2024-01-01"
+    check_loggers(cfg, host)
+    with pytest.raises(ValueError) as e:
+        check_loggers(load_config("examples/wandb", ["loggers.wandb.project=123"]), host)
+    assert "loggers.wandb.project: Input should be a valid string (got 123; quote it for text: " \
+           "--set 'loggers.wandb.project=\"123\"')" in str(e.value)
+    check_loggers(load_config("examples/wandb", ['loggers.wandb.project="123"']), host)  # the quoted form works
+    res = CliRunner().invoke(main, ["run", "quickstart", "--local", "--set", "agent.options.prompt_template=123"])
+    assert res.exit_code == 2 and "--set 'agent.options.prompt_template=\"123\"'" in res.output

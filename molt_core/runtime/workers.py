@@ -93,7 +93,10 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
             try:
                 model.model_validate(opts)
             except ValidationError as e:
-                bad = "; ".join(f"rewards.{name}.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+                from molt_core.config import text_hint
+
+                bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
+                                for x in e.errors() for w in [f"rewards.{name}.{'.'.join(map(str, x['loc']))}"])
                 raise ValueError(f"invalid reward options: {bad}") from None
 
 
