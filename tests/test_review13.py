@@ -190,3 +190,18 @@ def test_set_on_plugin_option_tables_keeps_dates_as_text_and_says_how_to_quote_n
     check_loggers(load_config("examples/wandb", ['loggers.wandb.project="123"']), host)  # the quoted form works
     res = CliRunner().invoke(main, ["run", "quickstart", "--local", "--set", "agent.options.prompt_template=123"])
     assert res.exit_code == 2 and "--set 'agent.options.prompt_template=\"123\"'" in res.output
+
+
+def test_molt_eval_of_a_missing_checkpoint_path_says_no_such_directory(tmp_path):
+    """A pruned or mistyped checkpoint path was taken for a Hub id, and `molt eval` answered
+    "give a RECIPE ... only for a run's checkpoint" (issue 13 item 12)."""
+    from molt_core.evaluate import resolve_model
+
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
+    missing = tmp_path / "checkpoints" / "step_00000000"
+    res = CliRunner().invoke(main, ["eval", "--model", str(missing)])
+    assert res.exit_code == 2
+    out = " ".join(res.output.split())
+    assert f"--model {missing}: no such file or directory" in out and "step_00000002" in out
+    assert resolve_model("Qwen/Qwen3-0.6B")["kind"] == "hf"  # a Hub id is still one
+    assert resolve_model("builtin:tiny-qwen3")["kind"] == "hf"
