@@ -205,3 +205,25 @@ def test_molt_eval_of_a_missing_checkpoint_path_says_no_such_directory(tmp_path)
     assert f"--model {missing}: no such file or directory" in out and "step_00000002" in out
     assert resolve_model("Qwen/Qwen3-0.6B")["kind"] == "hf"  # a Hub id is still one
     assert resolve_model("builtin:tiny-qwen3")["kind"] == "hf"
+
+
+def test_run_threads_is_what_the_trainer_and_molt_sft_use(tmp_path):
+    """tests/test_trainer_sft.py checked `torch.get_num_threads() == 1` with run.threads = 1,
+    which conftest already sets for every test: it could not fail. Here the setting differs
+    from the ambient thread count (issue 13 item 3)."""
+    import torch
+
+    from molt_core.config import load_config
+    from molt_core.runtime import TrainerWorker
+
+    try:
+        torch.set_num_threads(1)
+        TrainerWorker(load_config("quickstart", ["run.threads=3", "sft.steps=0"]))
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(1)
+        res = CliRunner().invoke(main, ["sft", "quickstart", "--out", str(tmp_path / "o"), "--set", "run.threads=2",
+                                        "--set", "sft.steps=1", "--set", "sft.batch_size=2", "--set", "sft.n_examples=4"])
+        assert res.exit_code == 0, res.output
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
