@@ -50,7 +50,10 @@ class Agent:
         try:
             self.options = self.Options.model_validate(options)
         except ValidationError as e:
-            bad = "; ".join(f"agent.options.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            from molt_core.config import text_hint
+
+            bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
+                            for x in e.errors() for w in [f"agent.options.{'.'.join(map(str, x['loc']))}"])
             raise ValueError(f"{type(self).__name__}: invalid options: {bad}") from None
 
     def tasks(self, split: str, seed: int) -> Iterator[dict[str, Any]]:

@@ -7,6 +7,7 @@ key, a wrong type or a broken plugin fails in a second with a message naming it.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -35,10 +36,29 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def _plain(text: str) -> str:
+    """``text`` without ANSI escape sequences (Ray colours the worker name in a
+    ``RayTaskError``'s text whatever the terminal; a message is plain text, styled by rich)."""
+    return _ANSI.sub("", text)
+
+
 def _fail(msg: str, code: int = 2) -> None:
-    # the message is plain text: escaped, so "pip install 'molt-sdk[envs]'" is not read as markup
-    console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
+    # the message is plain text: escaped, so "pip install 'molt-sdk[envs]'" is not read as markup,
+    # and stripped of ANSI codes, so a redirected log holds none
+    console.print(f"[bold red]error:[/] {escape(_plain(msg))}", highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
+
+
+def _is_ray_error(e: BaseException) -> bool:
+    """True for an exception raised by Ray for a failed task or actor (``ray.exceptions.RayError``)."""
+    try:
+        from ray.exceptions import RayError
+    except ImportError:  # pragma: no cover - ray is a core dependency
+        return False
+    return isinstance(e, RayError)
 
 
 def _agent_error(msg: str, agent: str | None) -> str:
@@ -112,10 +132,15 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     try:
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
-    except (ValueError, FileNotFoundError, ImportError) as e:  # configuration problems found before compute
-        _fail(with_install_hint(_agent_error(str(e), agent), e))
-    except runtime.RunFailed as e:
-        _fail(with_install_hint(str(e), e), code=1)
+    except Exception as e:
+        if _is_ray_error(e):  # a Ray task or actor raised (a RayTaskError may also be a ValueError): exit 1,
+            # its remote traceback without Ray's colour codes
+            _fail(with_install_hint(f"a Ray worker failed: {e}", e), code=1)
+        if isinstance(e, (ValueError, FileNotFoundError, ImportError)):  # configuration problems found before compute
+            _fail(with_install_hint(_agent_error(str(e), agent), e))
+        if isinstance(e, runtime.RunFailed):
+            _fail(with_install_hint(str(e), e), code=1)
+        raise
 
 
 @main.command()

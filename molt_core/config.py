@@ -11,8 +11,10 @@ whatever it looks like (``--set run.name=2024-01-01``, ``1e-3``, ``true``, ``nan
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import importlib.resources
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -464,7 +466,21 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    if isinstance(value, (datetime.date, datetime.time)):  # no option is a TOML date: 2024-01-01 is a name
+        value = raw
     return key.split("."), value
+
+
+def text_hint(where: str, err: dict[str, Any]) -> str:
+    """For a pydantic error at option ``where`` (``loggers.wandb.project``) that wanted a
+    string and got a number or bool -- what ``--set where=123`` gives a plugin option, whose
+    type the override parser cannot know -- `` (quote it for text: --set 'where="123"')``;
+    else ``""``."""
+    val = err.get("input")
+    if err.get("type") != "string_type" or not isinstance(val, (bool, int, float)):
+        return ""
+    text = json.dumps(val) if isinstance(val, bool) else str(val)
+    return f" (got {text}; quote it for text: --set '{where}=\"{text}\"')"
 
 
 def _declared(path: list[str]) -> Any:

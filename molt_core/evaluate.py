@@ -48,6 +48,14 @@ def _is_url(spec: str) -> bool:
     return spec.startswith(("http://", "https://"))
 
 
+def _looks_like_path(spec: str) -> bool:
+    """True when ``spec`` can only be a local path: absolute, ``./`` / ``../`` / ``~``, or more
+    than one ``/`` (a Hub id is ``org/name``; ``builtin:`` / ``pkg:`` names have a colon)."""
+    if ":" in spec.split("/", 1)[0]:
+        return False
+    return spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1
+
+
 def resolve_model(spec: str) -> ModelRef:
     """Classify ``--model`` (see the module doc).
 
@@ -62,6 +70,10 @@ def resolve_model(spec: str) -> ModelRef:
     if _is_url(spec):
         return ModelRef(kind="url", path=spec.rstrip("/"))
     d = Path(spec)
+    if not d.exists() and _looks_like_path(spec):  # not a Hub id (org/name): say so, not "give a RECIPE"
+        near = sorted(p.name for p in d.parent.iterdir())[-6:] if d.parent.is_dir() else []
+        raise FileNotFoundError(f"--model {spec}: no such file or directory"
+                                + (f" ({d.parent} holds {', '.join(near)})" if near else ""))
     if not d.is_dir():
         return ModelRef(kind="hf", path=spec)  # builtin:, pkg:, a Hub id; the loader names bad ones
     if (d / CHECKPOINT_DIR).is_dir() and not (d / "state.json").is_file():

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.rule import Rule
 from rich.text import Text
 
 __all__ = ["load_rows", "pick_step", "show_run"]
@@ -121,7 +120,9 @@ def show_run(run_dir: str | Path, step: int | None = None, n: int = 4, console: 
         if r.get("score") is not None:
             head += f"  score {r['score']:.3f}"
         head += f"  versions {_versions(r)}" + ("  truncated" if r.get("truncated") else "")
-        console.print(Rule(Text(head), align="left"))
+        # a plain line, never cut: a Rule truncates its title at the console width (80 columns
+        # when redirected), and a real rollout id leaves no room for "versions ..." / "truncated"
+        console.print(Text(f"── {head} ──", style="bold"))
         if r.get("task"):
             console.print(Text(_task_line(r["task"]), style="dim"))
         turns = _turns(r, tokenizer)

@@ -178,7 +178,8 @@ def test_runlog_passes_options_and_checks_them(tmp_path):
     bad = RunConfig.model_validate({"loggers": {"recorder": {"levle": 3, "label": 5}}})
     with pytest.raises(ValueError) as e:
         check_loggers(bad, host)
-    assert str(e.value) == ("invalid logger options: loggers.recorder.label: Input should be a valid string; "
+    assert str(e.value) == ("invalid logger options: loggers.recorder.label: Input should be a valid string (got 5; quote it for "
+                            "text: --set 'loggers.recorder.label=\"5\"'); "
                             "loggers.recorder.levle: unknown option (did you mean 'level'? options of recorder: level, label)")
     with pytest.raises(ValueError, match=r"^loggers.recordr: no logger named 'recordr' \(did you mean 'recorder'\?\); "
                                          r"registered: .*--plugin FILE.py"):

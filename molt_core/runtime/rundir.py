@@ -45,6 +45,8 @@ def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
             try:
                 model.model_validate(options)
             except ValidationError as e:
+                from molt_core.config import text_hint
+
                 bad = []
                 for err in e.errors():
                     where = f"loggers.{name}.{'.'.join(map(str, err['loc']))}"
@@ -54,7 +56,7 @@ def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
                         hint = f"did you mean {close[0]!r}? " if close else ""
                         bad.append(f"{where}: unknown option ({hint}options of {name}: {', '.join(known)})")
                     else:
-                        bad.append(f"{where}: {err['msg']}")
+                        bad.append(f"{where}: {err['msg']}{text_hint(where, err)}")
                 raise ValueError("invalid logger options: " + "; ".join(bad)) from None
         out[name] = cls
     return out

@@ -93,7 +93,10 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
             try:
                 model.model_validate(opts)
             except ValidationError as e:
-                bad = "; ".join(f"rewards.{name}.{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+                from molt_core.config import text_hint
+
+                bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
+                                for x in e.errors() for w in [f"rewards.{name}.{'.'.join(map(str, x['loc']))}"])
                 raise ValueError(f"invalid reward options: {bad}") from None
 
 
@@ -229,7 +232,9 @@ class RolloutWorker:
         return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
-        sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        # a seeded episode (eval) seeds the session: turn t samples with seed + t, as an Env episode does
+        sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs,
+                                             seed=params.seed)
         ctx = AgentContext(task=task, openai_base_url=sess.openai_base_url, anthropic_base_url=sess.anthropic_base_url,
                            api_key=sess.api_key, sampling=params)
         try:

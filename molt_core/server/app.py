@@ -95,6 +95,8 @@ class _Session:
     api_key: str
     ledger: Ledger
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    seed: int | None = None  # seeds turn t of a request without its own seed with seed + t (a seeded eval episode)
+    turns: int = 0
 
 
 class SessionStore:
@@ -117,8 +119,11 @@ class SessionStore:
         self._lock = threading.Lock()
 
     def create(self, rollout_id: str | None = None, group_id: str = "",
-               chat_template_kwargs: dict[str, Any] | None = None) -> SessionInfo:
-        """Open a session (one rollout): a fresh ledger and API key.
+               chat_template_kwargs: dict[str, Any] | None = None, seed: int | None = None) -> SessionInfo:
+        """Open a session (one rollout): a fresh ledger and API key. With ``seed``, the
+        session's ``t``-th generated turn (0-based) samples with seed ``seed + t`` unless its
+        request names its own ``seed``: a ChatAgent's eval episode is as reproducible as an
+        Env's, whatever the agent sends (the runtime's seeded eval, ``molt eval``).
 
         Raises:
             ValueError: the tokenizer has no chat template.
@@ -127,7 +132,7 @@ class SessionStore:
         kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
         ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs,
                         tool_parser=self.tool_parser)
-        s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger)
+        s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger, seed=seed)
         with self._lock:
             self._sessions[sid] = s
         return self.info(sid)
@@ -265,6 +270,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 budget = min(budget, max_model_len - n)
             params = params.model_copy(update={"max_tokens": budget,
                                                "stop_token_ids": sorted(set(params.stop_token_ids) | set(led.stop_token_ids))})
+            if s.seed is not None and params.seed is None:  # a seeded session: turn t samples with seed + t
+                params = params.model_copy(update={"seed": (s.seed + s.turns) % (1 << 63)})
+            s.turns += 1
             try:  # a client that leaves cancels the generation; nothing is committed
                 out = await until_disconnect(request, engine.generate(prepared.prompt_ids, params))
             except ClientDisconnected:
@@ -433,9 +441,9 @@ class ServerHandle:
         return getattr(self._server, "molt_loop", None)
 
     def create_session(self, rollout_id: str | None = None, group_id: str = "",
-                       chat_template_kwargs: dict[str, Any] | None = None) -> SessionInfo:
+                       chat_template_kwargs: dict[str, Any] | None = None, seed: int | None = None) -> SessionInfo:
         """Open a session (Python API, no HTTP); see :meth:`SessionStore.create`."""
-        return self.sessions.create(rollout_id, group_id, chat_template_kwargs)
+        return self.sessions.create(rollout_id, group_id, chat_template_kwargs, seed=seed)
 
     def trajectory(self, session_id: str, reward: float | None = None, **kwargs: Any) -> Trajectory:
         """The session's :class:`Trajectory`. Raises: KeyError for an unknown session."""

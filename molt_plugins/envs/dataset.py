@@ -37,6 +37,8 @@ from molt_core.types import Result
 
 __all__ = ["DatasetEnv", "DatasetOptions", "strip_end_markers"]
 
+_ROLES = ("system", "user", "assistant", "tool")
+
 
 def strip_end_markers(text: str, suffixes: list[str]) -> str:
     """``text`` whitespace-stripped, with any of ``suffixes`` (end-of-turn markers such as
@@ -185,6 +187,14 @@ class DatasetEnv(Env):
                 raise ValueError(f"agent.options.messages_field = {o.messages_field!r}: {where} has "
                                  f"{'no such field' if msgs is None else 'no list of {role, content} messages'}; "
                                  f"fields: {sorted(row)}")
+            for j, m in enumerate(msgs, 1):  # a null or non-text content would be sent as the text "None" / a repr
+                if m["role"] not in _ROLES or not isinstance(m["content"], str):
+                    what = (f"role {m['role']!r} (one of {', '.join(_ROLES)})" if m["role"] not in _ROLES
+                            else f"content of type {type(m['content']).__name__} (a string)")
+                    raise ValueError(f"agent.options.messages_field = {o.messages_field!r}: {where}, message {j} has "
+                                     f"{what}")
+            if not any(m["role"] == "user" for m in msgs):
+                raise ValueError(f"agent.options.messages_field: {where} has no user message; a prompt needs one")
             msgs = [{"role": m["role"], "content": m["content"]} for m in _jsonable({"m": msgs})["m"]]
             if msgs[-1]["role"] == "assistant":
                 last = msgs.pop()
@@ -201,13 +211,17 @@ class DatasetEnv(Env):
             except (KeyError, IndexError, AttributeError) as e:
                 raise ValueError(f"agent.options.template {o.template!r} refers to {e.args[0]!r}, which {where} "
                                  f"lacks; fields: {sorted(row)}") from None
+            except ValueError as e:  # a malformed format string ("{q", a stray "}")
+                raise ValueError(f"agent.options.template {o.template!r} is not a valid format string ({e}); "
+                                 f"fields are {{name}}, a literal brace is {{{{ or }}}}") from None
         else:
             if o.prompt_field not in row:
                 raise ValueError(f"agent.options.prompt_field = {o.prompt_field!r}: {where} has no such field; "
                                  f"fields: {sorted(row)} (set prompt_field, template or messages_field)")
             question = str(row[o.prompt_field])
         if o.answer_field and answer is None:
-            raise ValueError(f"agent.options.answer_field = {o.answer_field!r}: {where} has no such field; "
+            what = "a null value" if o.answer_field in row else "no such field"
+            raise ValueError(f"agent.options.answer_field = {o.answer_field!r}: {where} has {what}; "
                              f"fields: {sorted(row)} (set answer_field, or answer_field = '' with scorer = 'none')")
         task.update(question=question, answer=None if answer is None else str(answer), row=i)
         return task
