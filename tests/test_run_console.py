@@ -59,7 +59,8 @@ def test_resume_without_checkpoint_says_what_to_do_before_ray_starts(tmp_path, m
     assert res.exit_code == 2, res.output
     out = " ".join(res.output.split())
     assert f"no checkpoint in {run / 'checkpoints'}" in out and "after the SFT warm start" in out
-    assert f"Start it again in a new run directory: molt run {run / 'config.toml'}" in out
+    assert (f"Start it again in a new run directory: molt run {run / 'config.toml'} "
+            f"--out {run.with_name(run.name + '-restart')}") in " ".join(out.split())
     assert "Ray was started" not in out
 
 

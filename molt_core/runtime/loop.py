@@ -194,7 +194,7 @@ def _no_checkpoint_message(run_dir: Path, cfg: RunConfig, corrupt: bool) -> str:
         f"every checkpoint.every = {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the last step")
     return (f"--resume {run_dir}: {what} in {run_dir / 'checkpoints'} (the run stopped before its first checkpoint, "
             f"written {first}); nothing to resume. Start it again in a new run directory: "
-            f"molt run {run_dir / 'config.toml'}")
+            f"molt run {run_dir / 'config.toml'} --out {run_dir.with_name(run_dir.name + '-restart')}")
 
 
 def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
