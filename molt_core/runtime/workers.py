@@ -339,9 +339,14 @@ class RolloutWorker:
         ``eval/failed`` (:func:`~molt_core.evalstats.eval_metrics`)."""
         return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
-    async def load_weights(self, state: dict, version: int) -> int:
-        """Hand new weights to the engine (applied between decode steps); returns ``version``."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, state, version)
+    async def load_weights(self, state: Any, version: int) -> int:
+        """Hand new weights to the engine (applied between decode steps); returns ``version``.
+
+        ``state`` is a name -> tensor dict or the :class:`~molt_core.runtime.weightpack.PackedState`
+        :meth:`TrainerWorker.weights` publishes (the engine gets views into its buffer)."""
+        from molt_core.runtime.weightpack import as_state_dict
+
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
         return version
 
     def failure(self) -> str | None:
@@ -430,11 +435,15 @@ class TrainerWorker:
         m["sync/bytes"] = float(getattr(self, "_sync_bytes", 0))  # what each publish moves to an engine
         return m
 
-    def weights(self) -> tuple[dict, int]:
-        """``(state_dict, version)`` to publish (a sharded trainer: the full weights on rank 0,
-        an empty dict on the other ranks)."""
-        state = {k: v.detach().clone() for k, v in self.trainer.weights().items()}
-        self._sync_bytes = sum(v.numel() * v.element_size() for v in state.values())
+    def weights(self) -> tuple[Any, int]:
+        """``(state, version)`` to publish: ``state`` is the trainer's state dict packed into one
+        buffer (:func:`molt_core.runtime.weightpack.pack_state`: one copy, tied tensors once,
+        one object for Ray to move; :meth:`RolloutWorker.load_weights` unpacks it). A sharded
+        trainer: the full weights on rank 0, an empty pack on the other ranks."""
+        from molt_core.runtime.weightpack import pack_state
+
+        state = pack_state(self.trainer.weights())
+        self._sync_bytes = state.nbytes
         return state, self.trainer.version
 
     def save(self, run_dir: str, cursor: dict) -> str:
