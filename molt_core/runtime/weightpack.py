@@ -1,5 +1,5 @@
 """One flat buffer for a weight publish: the trainer packs its state dict into a single
-contiguous byte array, Ray moves that one array (a numpy array is serialised out of band:
+contiguous byte array (one per dtype), Ray moves that one array (a numpy array is serialised out of band:
 one copy into the object store, a zero-copy read-only view on the receiving side), and the
 rollout worker hands the engine views into it.
 
@@ -22,76 +22,78 @@ import torch
 
 __all__ = ["PackedState", "as_state_dict", "pack_state", "unpack_state"]
 
-_ALIGN = 64  # bytes: every tensor starts at a multiple of this offset (any dtype's alignment)
-
-
 @dataclasses.dataclass(frozen=True)
 class PackedState:
-    """A state dict as one byte buffer and an index.
+    """A state dict as one byte buffer per dtype and an index.
 
     Attributes:
-        buffer: ``[nbytes]`` uint8 numpy array holding every distinct tensor's bytes.
-        index: per name ``(name, dtype name, shape, byte offset)`` into ``buffer``; names whose
-            tensors shared storage (same data pointer, dtype, shape and strides) share an offset.
+        buffers: dtype name (``"float32"``, ``"bfloat16"``, ...) -> ``[nbytes]`` uint8 numpy
+            array holding every distinct tensor of that dtype, flattened, back to back.
+        index: per name ``(name, dtype name, shape, element offset)`` into that dtype's buffer;
+            names whose tensors shared storage (same data pointer, dtype, shape and strides)
+            share an offset.
     """
 
-    buffer: np.ndarray
+    buffers: dict[str, np.ndarray]
     index: tuple[tuple[str, str, tuple[int, ...], int], ...]
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffer moves (shared tensors counted once)."""
-        return int(self.buffer.nbytes)
+        """Bytes the buffers move (shared tensors counted once)."""
+        return int(sum(b.nbytes for b in self.buffers.values()))
 
     def __len__(self) -> int:
         return len(self.index)
 
 
 def pack_state(state: dict[str, torch.Tensor]) -> PackedState:
-    """Copy ``state`` (name -> tensor, any device and dtype) into one CPU byte buffer.
+    """Copy ``state`` (name -> tensor, any device and dtype) into one CPU buffer per dtype.
 
-    One copy per distinct tensor, made here: the result does not alias the live parameters,
-    so the caller may step the optimizer while the buffer is in flight.
+    One copy per distinct tensor, made here (one ``torch.cat`` per dtype): the result does not
+    alias the live parameters, so the caller may step the optimizer while it is in flight.
 
     Raises:
         TypeError: a value that is not a ``torch.Tensor`` (naming its key).
     """
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, tuple[str, int]] = {}
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
     index: list[tuple[str, str, tuple[int, ...], int]] = []
-    todo: list[tuple[torch.Tensor, int]] = []
-    total = 0
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"pack_state: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-        off = seen.get(key)
-        if off is None:
-            off = seen[key] = total
-            todo.append((t, off))
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        index.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
-    flat = torch.empty(total, dtype=torch.uint8)
+        key = (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
+        hit = seen.get(key)
+        if hit is None:
+            dt = t.dtype
+            hit = seen[key] = (str(dt)[6:], sizes.get(dt, 0))  # "torch.float32" -> "float32"
+            groups.setdefault(dt, []).append(t.detach().reshape(-1))
+            sizes[dt] = hit[1] + t.numel()
+        index.append((name, hit[0], tuple(t.shape), hit[1]))
+    buffers = {}
     with torch.no_grad():
-        for t, off in todo:
-            n = t.numel() * t.element_size()
-            if n:
-                flat[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
-    return PackedState(flat.numpy(), tuple(index))
+        for dt, ts in groups.items():
+            flat = torch.cat(ts).cpu() if ts[0].device.type != "cpu" else torch.cat(ts)
+            buffers[str(dt)[6:]] = flat.view(torch.uint8).numpy()
+    return PackedState(buffers, tuple(index))
 
 
 def unpack_state(packed: PackedState) -> dict[str, torch.Tensor]:
-    """Name -> tensor views into ``packed.buffer`` (no copy; read them, e.g. ``param.copy_``).
+    """Name -> tensor views into ``packed.buffers`` (no copy; read them, e.g. ``param.copy_``).
 
-    The buffer Ray hands back is read-only: the views must never be written to.
+    The buffers Ray hands back are read-only: the views must never be written to.
     """
-    with warnings.catch_warnings():  # torch warns that the (read-only) buffer is not writable
+    typed: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # torch warns that a (read-only) buffer is not writable
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(packed.buffer)
+        for dtype, buf in packed.buffers.items():
+            typed[dtype] = torch.from_numpy(buf).view(getattr(torch, dtype))
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape, off in packed.index:
-        dt = getattr(torch, dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
-        out[name] = flat[off:off + n].view(dt).view(shape)
+        n = 1
+        for d in shape:
+            n *= d
+        out[name] = typed[dtype].narrow(0, off, n).view(shape)
     return out
 
 
