@@ -191,14 +191,7 @@ def _worker(agent: Any, engine: Any, rewards: dict[str, dict[str, Any]], lookup:
 
         host = load_plugins()
         lookup = lambda name: host.get("rewards", name)  # noqa: E731
-    w = object.__new__(RolloutWorker)
-    w.cfg, w.agent, w.engine, w.tokenizer = cfg, agent, engine, engine.tokenizer
-    w.rewards = RewardRunner(rewards, lookup or (lambda n: None), cfg.rollout.reward_concurrency,
-                             open_session=w._judge_session)
-    w.teacher, w.server, w.inflight = None, None, 0
-    w.template_kwargs = dict(chat_template_kwargs)
-    w._stop_ids = Ledger(engine.tokenizer, chat_template_kwargs=w.template_kwargs).stop_token_ids
-    return w
+    return RolloutWorker.from_parts(cfg, agent, engine, rewards, lookup or (lambda n: None))
 
 
 def run_episode(agent: Any, task: dict[str, Any], replies: Sequence[Any] | None = None, *, engine: Any = None,

@@ -15,6 +15,7 @@ import contextvars
 import os
 import traceback
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
@@ -135,28 +136,48 @@ class RolloutWorker:
         self.agent = load_agent(self.cfg, self.host)
         factory = self.host.get("engines", self.cfg.engine.name)
         e = self.cfg.engine
-        self.engine = factory(model=self.cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
-                              gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
-                              seed=self.cfg.run.seed * 1000 + index, **e.options)
-        self.tokenizer = self.engine.tokenizer
-        self.rewards = RewardRunner(self.cfg.rewards, lambda name: self.host.get("rewards", name),
-                                    self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
-        self.teacher = None  # on-policy distillation: annotates ok trajectories with teacher logprobs
-        if self.cfg.teacher.name:
+        engine = factory(model=self.cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                         gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
+                         seed=self.cfg.run.seed * 1000 + index, **e.options)
+        self._assemble(engine, self.cfg.rewards, lambda name: self.host.get("rewards", name))
+        if self.cfg.teacher.name:  # on-policy distillation: annotates ok trajectories with teacher logprobs
             try:
                 teacher_cls = self.host.get("teachers", self.cfg.teacher.name)
             except KeyError as e:
                 raise ValueError(f"teacher.name: {e.args[0]}") from None
             self.teacher = teacher_cls(self.tokenizer, **self.cfg.teacher.options)
+        if self.rewards.wants_judge_session:
+            self._server()  # judges asking the run's own engine get one loopback session per call
+
+    def _assemble(self, engine: Any, rewards: dict[str, dict[str, Any]], lookup: Callable[[str], Any]) -> None:
+        """The state every worker holds besides its config, agent and plugins: engine,
+        tokenizer, reward runner, stop ids and counters (shared by ``__init__`` and
+        :meth:`from_parts`, so neither can miss an attribute the other sets)."""
+        from molt_core.ledger import Ledger
+
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
+        self.teacher = None
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
         self.server = None
         self.inflight = 0
         self.first_failure: str | None = None  # traceback of the first rollout whose agent raised
-        if self.rewards.wants_judge_session:
-            self._server()  # judges asking the run's own engine get one loopback session per call
-        from molt_core.ledger import Ledger
-
         self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
+
+    @classmethod
+    def from_parts(cls, cfg: RunConfig, agent: Any, engine: Any, rewards: dict[str, dict[str, Any]],
+                   lookup: Callable[[str], Any]) -> "RolloutWorker":
+        """A worker around an agent and an engine built by the caller (no plugin loading, no
+        teacher): what :func:`molt_core.testing.run_episode` drives an episode with.
+
+        Raises:
+            ValueError: as :class:`~molt_core.rewards.RewardRunner` for bad reward options.
+        """
+        w = cls.__new__(cls)
+        w.cfg, w.agent = cfg, agent
+        w._assemble(engine, rewards, lookup)
+        return w
 
     # -- episodes -------------------------------------------------------------------------
     def _server(self):
@@ -344,9 +365,14 @@ class RolloutWorker:
         ``eval/failed`` (:func:`~molt_core.evalstats.eval_metrics`)."""
         return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
-    async def load_weights(self, state: dict, version: int) -> int:
-        """Hand new weights to the engine (applied between decode steps); returns ``version``."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, state, version)
+    async def load_weights(self, state: Any, version: int) -> int:
+        """Hand new weights to the engine (applied between decode steps); returns ``version``.
+
+        ``state`` is a name -> tensor dict or the :class:`~molt_core.runtime.weightpack.PackedState`
+        :meth:`TrainerWorker.weights` publishes (the engine gets views into its buffer)."""
+        from molt_core.runtime.weightpack import as_state_dict
+
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
         return version
 
     def failure(self) -> str | None:
@@ -435,11 +461,15 @@ class TrainerWorker:
         m["sync/bytes"] = float(getattr(self, "_sync_bytes", 0))  # what each publish moves to an engine
         return m
 
-    def weights(self) -> tuple[dict, int]:
-        """``(state_dict, version)`` to publish (a sharded trainer: the full weights on rank 0,
-        an empty dict on the other ranks)."""
-        state = {k: v.detach().clone() for k, v in self.trainer.weights().items()}
-        self._sync_bytes = sum(v.numel() * v.element_size() for v in state.values())
+    def weights(self) -> tuple[Any, int]:
+        """``(state, version)`` to publish: ``state`` is the trainer's state dict packed into one
+        buffer (:func:`molt_core.runtime.weightpack.pack_state`: one copy, tied tensors once,
+        one object for Ray to move; :meth:`RolloutWorker.load_weights` unpacks it). A sharded
+        trainer: the full weights on rank 0, an empty pack on the other ranks."""
+        from molt_core.runtime.weightpack import pack_state
+
+        state = pack_state(self.trainer.weights())
+        self._sync_bytes = state.nbytes
         return state, self.trainer.version
 
     def save(self, run_dir: str, cursor: dict) -> str:
