@@ -227,7 +227,16 @@ class Trainer:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
         self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
+        if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
+            from molt_core.train import lora
+
+            lora.check_supported(cfg)
+            self.model = lora.wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
+        if cfg.trainer.gradient_checkpointing:
+            from molt_core.train.grad_ckpt import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.model)
         self.tokenizer = tokenizer
         self.kl_coef = float(cfg.algo.kl_coef)
         self.ref_model = ref_model
@@ -304,7 +313,13 @@ class Trainer:
 
     # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
-        """Make the frozen reference a copy of the current policy weights (no grad)."""
+        """Make the frozen reference a copy of the current policy weights (no grad); with
+        LoRA, the policy with its adapter disabled (:class:`molt_core.train.lora.AdapterDisabled`)."""
+        if self.cfg.trainer.lora is not None:
+            from molt_core.train.lora import AdapterDisabled
+
+            self.ref_model = AdapterDisabled(self.model)
+            return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     # -- forward --------------------------------------------------------------------------
@@ -831,7 +846,13 @@ class Trainer:
 
         The tensors are the live parameters (no copy): an engine must copy them (as
         ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
+        With LoRA: the merged weights under the base model's names
+        (:func:`molt_core.train.lora.merged_state_dict`).
         """
+        if self.cfg.trainer.lora is not None:
+            from molt_core.train.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
         return self.model.state_dict()
 
     def publish(self, engines: Iterable[Any]) -> int:
