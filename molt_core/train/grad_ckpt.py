@@ -24,16 +24,21 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
         The number of layers checkpointed.
 
     Raises:
-        ValueError: ``model`` has no ``gradient_checkpointing_enable`` or no checkpointable
+        ValueError: ``model`` has no ``activation_checkpointing_enable`` (transformers >= 5.x)
+            nor ``gradient_checkpointing_enable`` or no checkpointable
             layer (set ``trainer.gradient_checkpointing = false`` for this model).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the old name warns)
+        enable = lambda: model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)  # noqa: E731
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)  # noqa: E731
+    else:
         raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} does not support it; "
                          f"set trainer.gradient_checkpointing = false")
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable()
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
     if not layers:
         raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} has no checkpointable layer; "
