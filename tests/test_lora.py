@@ -245,10 +245,10 @@ def test_lora_config_errors(base):
         load_config("quickstart", ["trainer.lora.rank=4"])
     cfg = load_config("quickstart", ["trainer.lora.r=4", "trainer.lora.alpha=8"])
     assert (cfg.trainer.lora.r, cfg.trainer.lora.alpha) == (4, 8.0)
-    with pytest.raises(ValueError, match="trainer.world_size = 2 is not supported"):
-        make(base, trainer={"world_size": 2})
-    with pytest.raises(ValueError, match="'gae' is not supported"):
-        make(base, algo={"advantage": "gae"})
+    with pytest.raises(ConfigError, match="trainer.world_size = 2 is not supported"):
+        load_config("quickstart", ["trainer.lora.r=4", "trainer.world_size=2"])
+    with pytest.raises(ConfigError, match="'gae' is not supported"):
+        load_config("quickstart", ["trainer.lora.r=4", "algo.advantage=\"gae\""])
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules = \['nope_proj'\]"):
         make(base, lora={"r": 2, "target_modules": ["nope_proj"]})
 

@@ -21,7 +21,8 @@ are trained -- the base weights ``W`` never change.
   and ``base/`` (the base weights, so a resume is exact: merged minus delta is not).
 
 Dropout is refused (the trainer runs in eval mode, see :mod:`molt_core.train.trainer`);
-LoRA with ``trainer.world_size > 1`` is refused (:func:`check_supported`).
+LoRA with ``trainer.world_size > 1`` or a GAE critic is refused when the recipe is validated
+(:class:`molt_core.config.RunConfig`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["AdapterDisabled", "base_training", "check_supported", "is_lora", "load_lora_checkpoint",
+__all__ = ["AdapterDisabled", "base_training", "base_state_dict", "is_lora", "load_lora_checkpoint",
            "merged_state_dict", "save_lora_checkpoint", "wrap"]
 
 
@@ -44,23 +45,6 @@ def _peft() -> Any:
 
         raise ImportError(with_install_hint("trainer.lora needs peft", e)) from e
     return peft
-
-
-def check_supported(cfg: Any) -> None:
-    """Refuse option combinations LoRA does not support yet.
-
-    Raises:
-        ValueError: ``trainer.world_size > 1`` (the sharded trainer does not wrap adapters)
-            or ``algo.advantage = "gae"`` (the critic would copy the adapter layers).
-    """
-    if cfg.trainer.lora is None:
-        return
-    if cfg.trainer.world_size > 1:
-        raise ValueError(f"trainer.lora with trainer.world_size = {cfg.trainer.world_size} is not supported yet; "
-                         f"set trainer.world_size = 1 or remove [trainer.lora]")
-    if cfg.algo.advantage == "gae":
-        raise ValueError("trainer.lora with algo.advantage = 'gae' is not supported yet (the critic copies the "
-                         "policy's decoder); use a group estimator (grpo, rloo) or remove [trainer.lora]")
 
 
 def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:

@@ -228,10 +228,9 @@ class Trainer:
         self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
         if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
-            from molt_core.train import lora
+            from molt_core.train.lora import wrap
 
-            lora.check_supported(cfg)
-            self.model = lora.wrap(self.model, cfg.trainer.lora)
+            self.model = wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
         if cfg.trainer.gradient_checkpointing:
             from molt_core.train.grad_ckpt import enable_gradient_checkpointing
