@@ -27,6 +27,7 @@ LoRA with ``trainer.world_size > 1`` or a GAE critic is refused when the recipe 
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -68,7 +69,9 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     conf = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=lora.target_modules, bias="none")
     try:
-        return peft.get_peft_model(model, conf)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, conf)
     except ValueError as e:
         raise ValueError(f"trainer.lora.target_modules = {lora.target_modules!r}: {e}") from e
 

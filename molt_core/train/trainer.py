@@ -130,14 +130,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 
 def _accepts(model: torch.nn.Module, arg: str) -> bool:
-    """Whether ``model.forward`` takes keyword ``arg`` (cached per model class)."""
+    """Whether ``model.forward`` takes keyword ``arg`` (cached per model class; a peft model:
+    its base model's ``forward``)."""
     cls = type(model)
     cache = _ACCEPTS.setdefault(cls, {})
     if arg not in cache:
         import inspect
 
         try:
-            cache[arg] = arg in inspect.signature(model.forward).parameters
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+            cache[arg] = arg in inspect.signature(inner.forward).parameters
         except (TypeError, ValueError):
             cache[arg] = False
     return cache[arg]
