@@ -88,6 +88,11 @@ def prepare(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...]) ->
 @click.version_option(__version__, prog_name="molt-sdk")
 def main() -> None:
     """molt-sdk: token-exact agentic RL for language models."""
+    if not sys.stderr.isatty():  # no tqdm bars (model loading, shard writing, datasets) in redirected logs
+        import os
+
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it too
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 @main.command()
@@ -151,14 +156,17 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent whose tasks to learn.")
 @click.option("--data", "data", default=None,
               help="Train on this JSONL of {prompt, completion} or {messages} rows instead of the agent's tasks (sft.data).")
+@click.option("--steps", "steps", type=click.IntRange(1), default=None, help="SFT steps (shorthand for --set sft.steps=N).")
 def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None, agent: str | None,
-        data: str | None) -> None:
+        data: str | None, steps: int | None) -> None:
     """Supervised warm start: fine-tune RECIPE's model on its agent's train tasks, or on the
     rows of --data / sft.data ([sft] table), and write OUT/model, a Hugging Face directory to
     use as model.path."""
     extra = list(overrides)
     if data is not None:
         extra.append(f"sft.data={data}")
+    if steps is not None:
+        extra.append(f"sft.steps={steps}")
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
@@ -168,7 +176,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
         path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
     except (ValueError, ImportError) as e:
         _fail(with_install_hint(_agent_error(str(e), agent), e))
-    console.print(f"wrote {path} (use --set model.path={path})", highlight=False)
+    console.print(f"wrote {path} (use --set model.path={path})", highlight=False, soft_wrap=True)  # one line: copy-pastable
 
 
 @main.command(name="eval")
@@ -179,7 +187,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @click.option("--n", "n", type=click.IntRange(1), default=None, help="Samples per task (default: the recipe's eval.k).")
 @click.option("--k", "k", type=click.IntRange(1), default=None, help="Report pass@K too (default: --n).")
 @click.option("--out", "out", default=None, type=click.Path(), help="JSON report file (default: RUN/eval/step_N.json for a "
-              "run's checkpoint, else ./eval-<time>.json).")
+              "run's checkpoint, else runs/eval-<time>.json).")
 @click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="API key for a URL --model (env OPENAI_API_KEY).")

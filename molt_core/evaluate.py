@@ -105,10 +105,10 @@ def run_config_of(ref: ModelRef) -> Path | None:
 def default_report_path(ref: ModelRef) -> Path:
     """Where ``molt eval`` writes its report without ``--out``: ``<run_dir>/eval/step_N.json``
     for a run's checkpoint (the checkpoint itself stays as written), else
-    ``./eval-<UTC time>.json``."""
+    ``runs/eval-<UTC time>.json`` (beside ``molt run``'s own run directories)."""
     if ref.get("kind") == "checkpoint":
         return Path(ref["run_dir"]) / "eval" / f"{Path(ref['checkpoint']).name}.json"
-    return Path(f"eval-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}.json")
+    return Path("runs") / f"eval-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def summary(report: dict[str, Any]) -> str:

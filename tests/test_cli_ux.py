@@ -183,3 +183,23 @@ def test_bad_logger_option_fails_before_compute_naming_the_key(tmp_path):
     assert ("error: invalid logger options: loggers.wandb.mdoe: unknown option (did you mean 'mode'? options of "
             "wandb: mode, project, entity, name, tags, group)") in " ".join(r.output.split())
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_molt_sft_steps_is_sft_steps_and_redirected_output_gets_no_tqdm_bars(monkeypatch):
+    import os
+
+    import molt_core.sft as sft_mod
+
+    seen = {}
+
+    def fake_run_sft(cfg, host, out_dir=None, recipe_name="run"):
+        seen["steps"] = cfg.sft.steps
+        seen["bars_off"] = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+        return "runs/x/model"
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setattr(sft_mod, "run_sft", fake_run_sft)
+    r = CliRunner().invoke(main, ["sft", "quickstart", "--steps", "7"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"steps": 7, "bars_off": "1"}  # CliRunner's stderr is not a terminal
+    assert "wrote runs/x/model (use --set model.path=runs/x/model)" in r.output

@@ -283,3 +283,17 @@ def test_dataset_recipe_learns_on_its_jsonl(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, ["eval", "--model", str(out / "checkpoints" / "step_00000100")], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["eval/pass@1"] == last
+
+
+def test_eval_split_of_a_single_file_is_refused_naming_eval_fraction(tmp_path):
+    # a single file has no splits: eval_split would hold out every train row (found by a new-user
+    # trial pointing recipes/dataset.toml, eval_split = "test", at one JSONL file)
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    with pytest.raises(ValueError) as e:
+        DatasetEnv(path=str(f), eval_split="test", prompt_field="prompt", answer_field="answer")
+    msg = str(e.value)
+    assert msg.startswith(f"agent.options.eval_split = 'test': agent.options.path = {str(f)!r} is one file")
+    assert "agent.options.eval_fraction" in msg and "molt run examples/dataset --set agent.options.path=FILE" in msg
+    env = DatasetEnv(path=str(f), eval_fraction=0.2, prompt_field="prompt", answer_field="answer")  # the fix it names
+    assert len(list(env.tasks("eval", 0))) == 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -134,6 +135,11 @@ class DatasetEnv(Env):
         o = self.options
         self.repeat_train_split = o.epochs is None  # type: ignore[misc]  # instance override of the class default
         train_rows = load_rows(o.path, o.split, o.format, o.config, what="agent.options.path")
+        if o.eval_path is None and o.eval_split is not None and Path(o.path).is_file():
+            raise ValueError(f"agent.options.eval_split = {o.eval_split!r}: agent.options.path = {o.path!r} is one file, "
+                             f"which has no splits (its eval split would be every train row). Hold rows out with "
+                             f"agent.options.eval_fraction instead (recipe examples/dataset does: molt run examples/dataset "
+                             f"--set agent.options.path=FILE), or give the held-out rows as agent.options.eval_path")
         if o.eval_path is not None or o.eval_split is not None:
             where = "agent.options.eval_path" if o.eval_path is not None else "agent.options.eval_split"
             eval_rows = load_rows(o.eval_path or o.path, o.eval_split or o.split, o.format, o.config, what=where)
