@@ -108,26 +108,7 @@ class ParityChat(ChatAgent):
         return Result(reward=0.5 * sum(oks), terminated=True, score=1.0 if oks[-1] else 0.0)
 '''
 
-CHAT_RECIPE = '''
-[run]
-seed = 3
-steps = 2
-[agent]
-path = "{agent}"
-[rollout]
-prompts_per_step = 2
-n_samples_per_prompt = 2
-max_tokens = 6
-max_turns = 2
-[eval]
-n_problems = 8
-k = 2
-[sft]
-steps = 0
-[checkpoint]
-every = 1
-keep = 3
-'''
+from test_evaluate import RECIPE as CHAT_RECIPE  # noqa: E402  (the same tiny 2-turn recipe)
 
 
 def test_molt_eval_of_a_chat_agent_reports_the_runs_final_eval(tmp_path):
