@@ -16,6 +16,7 @@ import difflib
 import importlib.resources
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -519,7 +520,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def text_hint(where: str, err: dict[str, Any]) -> str:
+def text_hint(where: str, err: Mapping[str, Any]) -> str:
     """For a pydantic error at option ``where`` (``loggers.wandb.project``) that wanted a
     string and got a number or bool -- what ``--set where=123`` gives a plugin option, whose
     type the override parser cannot know -- `` (quote it for text: --set 'where="123"')``;
