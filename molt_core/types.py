@@ -30,6 +30,7 @@ __all__ = [
     "PolicyVersion",
     "SamplingParams",
     "SampledSpan",
+    "ImageRef",
     "Segment",
     "Trajectory",
     "Group",
@@ -152,6 +153,38 @@ class SampledSpan(_Strict):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
+class ImageRef(_Strict):
+    """One image a segment shows the model, and where its placeholder tokens sit.
+
+    A vision-language processor (Qwen2-VL family) expands each image into a run of image
+    placeholder tokens; ``token_ids[start:end]`` is that run, id for id as the engine saw it,
+    so the trainer recomputes logprobs over exactly the image tokens the engine conditioned on.
+
+    Fields:
+      * ``sha256`` -- hex SHA-256 of the image's encoded bytes; the key into
+        :attr:`Trajectory.images`, where the bytes are stored once per rollout.
+      * ``start``, ``end`` -- token positions ``[start, end)`` of the placeholder run.
+      * ``grid_thw`` -- ``[t, h, w]`` patch grid the image processor produced (ints); the run
+        length is ``t * h * w // merge_size**2``.
+
+    Raises:
+        pydantic.ValidationError: a malformed digest, ``end <= start`` or a grid not of 3 ints >= 1.
+    """
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    grid_thw: list[int] = Field(min_length=3, max_length=3)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ImageRef:
+        if self.end <= self.start:
+            raise ValueError(f"end = {self.end} must exceed start = {self.start}")
+        if any(g < 1 for g in self.grid_thw):
+            raise ValueError(f"grid_thw = {self.grid_thw} must be 3 ints >= 1")
+        return self
+
+
 class Segment(_Strict):
     """One token-exact sequence the engine saw and produced.
 
@@ -166,6 +199,8 @@ class Segment(_Strict):
         optional for the model, but the trainer refuses a segment with sampled tokens and no
         span (it could not know the temperature / top-k / top-p that sampled them).
       * ``finish_reason`` -- of the last generation in the segment.
+      * ``images`` -- the images the segment shows, in token order (:class:`ImageRef`); their
+        bytes live in the trajectory's ``images`` store. Empty for text-only segments.
 
     Raises:
         pydantic.ValidationError: naming the field and index of the first misalignment.
@@ -178,6 +213,7 @@ class Segment(_Strict):
     routed_experts: list[list[list[int]]] | None = None
     spans: list[SampledSpan] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
+    images: list[ImageRef] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _aligned(self) -> Segment:
@@ -226,6 +262,16 @@ class Segment(_Strict):
         for j, sp in enumerate(self.spans):
             if sp.end > n:
                 raise ValueError(f"spans[{j}].end = {sp.end} exceeds the token count {n}")
+        prev_end = 0
+        for j, im in enumerate(self.images):
+            if im.end > n:
+                raise ValueError(f"images[{j}].end = {im.end} exceeds the token count {n}")
+            if im.start < prev_end:
+                raise ValueError(f"images[{j}] starts at {im.start}, inside or before images[{j - 1}]; "
+                                 f"images must be in token order and not overlap")
+            if any(self.loss_mask[im.start:im.end]):
+                raise ValueError(f"images[{j}] covers sampled tokens; image placeholders are never sampled")
+            prev_end = im.end
         return self
 
     def __len__(self) -> int:
@@ -264,9 +310,12 @@ class Trajectory(_Strict):
     ``rollout_id`` and the one ``reward`` (group baselines count one reward per rollout).
     ``status`` is ``"failed"`` (with ``error``) when the agent or reward raised or timed
     out: such trajectories are excluded from training, never scored 0.
+    ``images`` maps an image's hex SHA-256 to its encoded bytes (base64 text, PNG/JPEG/...):
+    each image is stored once per rollout however many segments or turns show it.
 
     Raises:
-        pydantic.ValidationError: ``failed`` without ``error``, or a non-finite reward.
+        pydantic.ValidationError: ``failed`` without ``error``, a non-finite reward, or a
+            segment image whose digest is missing from ``images``.
     """
 
     rollout_id: str = Field(default_factory=lambda: new_id("r"))
@@ -279,6 +328,7 @@ class Trajectory(_Strict):
     error: str | None = None
     truncated: bool = False
     task: dict[str, Any] = Field(default_factory=dict)
+    images: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("reward", "score")
     @classmethod
@@ -291,6 +341,11 @@ class Trajectory(_Strict):
     def _failed_has_error(self) -> Trajectory:
         if self.status == "failed" and not self.error:
             raise ValueError("status is 'failed' but error is empty; say why it failed")
+        for i, seg in enumerate(self.segments):
+            for j, im in enumerate(seg.images):
+                if im.sha256 not in self.images:
+                    raise ValueError(f"segments[{i}].images[{j}].sha256 = {im.sha256[:12]}... is not in "
+                                     f"images; store each image's bytes once in Trajectory.images")
         return self
 
     @property

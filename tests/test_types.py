@@ -141,3 +141,34 @@ def test_random_misalignments_rejected(s, how, data):
             d[how] = d[how] + [d[how][0] if n else None]
     with pytest.raises(ValidationError):
         Segment.model_validate(d)
+
+
+def test_segment_images_validated_and_stored_once_per_trajectory():
+    import hashlib
+
+    from molt_core.types import ImageRef
+
+    digest = hashlib.sha256(b"png-bytes").hexdigest()
+    ids = [1, 2, 2, 2, 3, 9]
+    mask = [False] * 5 + [True]
+    lps: list = [None] * 5 + [-0.5]
+    vers: list = [None] * 5 + [0]
+    im = ImageRef(sha256=digest, start=1, end=4, grid_thw=[1, 2, 6])
+    seg = Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers, images=[im])
+    t = Trajectory(segments=[seg, seg], images={digest: "cG5nLWJ5dGVz"})
+    assert len(t.images) == 1 and t.segments[1].images[0].end == 4
+    with pytest.raises(ValidationError, match="is not in images"):
+        Trajectory(segments=[seg])
+    with pytest.raises(ValidationError, match=r"images\[0\].end = 7 exceeds the token count 6"):
+        Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers,
+                images=[ImageRef(sha256=digest, start=1, end=7, grid_thw=[1, 2, 6])])
+    with pytest.raises(ValidationError, match="covers sampled tokens"):
+        Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers,
+                images=[ImageRef(sha256=digest, start=4, end=6, grid_thw=[1, 2, 4])])
+    with pytest.raises(ValidationError, match="not overlap"):
+        Segment(token_ids=ids, loss_mask=mask, logprobs=lps, versions=vers,
+                images=[im, ImageRef(sha256=digest, start=3, end=4, grid_thw=[1, 2, 2])])
+    with pytest.raises(ValidationError, match="sha256"):
+        ImageRef(sha256="xyz", start=0, end=1, grid_thw=[1, 1, 1])
+    with pytest.raises(ValidationError, match="must exceed start"):
+        ImageRef(sha256=digest, start=2, end=2, grid_thw=[1, 1, 1])
