@@ -316,12 +316,15 @@ def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
                         eval_size=eval_size, invalid_action_reward=invalid_action_reward, system_prompt=system_prompt)
 
 
-def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
+def load_agent(cfg: RunConfig, host: PluginHost) -> Agent:
     """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
     registered env), with ``agent.options``.
 
     A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
     ``ChatAgent`` subclass.
+
+    Returns:
+        An :class:`Env` or :class:`ChatAgent` instance.
 
     Raises:
         ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
@@ -339,12 +342,13 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
         except KeyError as e:
             raise ValueError(f"agent.name: {e.args[0]}") from None
         return make_agent(obj, a.options)
-    if not Path(a.path).is_file():
+    path = str(a.path)
+    if not Path(path).is_file():
         raise ValueError(f"agent.path: no such file {a.path!r}")
-    if Path(a.path).suffix != ".py":
+    if Path(path).suffix != ".py":
         raise ValueError(f"agent.path {a.path!r}: not a .py file; give a Python file defining an Env or ChatAgent")
     try:
-        mod = import_path(a.path, prefix="molt_agent")
+        mod = import_path(path, prefix="molt_agent")
     except Exception as e:  # the user's file: report its error in one line, before any compute
         raise ValueError(f"agent.path {a.path!r}: importing it failed: {type(e).__name__}: {e}") from e
     modname = mod.__name__
