@@ -38,8 +38,8 @@ context of the new segment (never trained on); those tokens are counted in the l
 
 Images (vision-language models): a user or tool message may carry image parts (the internal
 part of :mod:`molt_core.images`). The template renders one placeholder per image; the ledger's
-``vision`` (:mod:`molt_core.vision`: the model's processor) expands each into the run of image
-tokens the engine sees (``expand_placeholders``), and the segment records one
+``vision`` (the model's :class:`~molt_core.vision.VisionProcessor`) expands each into the run of
+image tokens the engine sees (:func:`~molt_core.vision.expand_placeholders`), and the segment records one
 :class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
 An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
 held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
@@ -256,9 +256,8 @@ class Ledger:
             chat template is proven window-local (:mod:`molt_core.ledger_render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
             renders the whole conversation (the reference path, kept for benchmarks and tests).
-        vision: the model's image side (:mod:`molt_core.vision`), with
-            ``expand_placeholders(ids, images)``; None for a text-only model (a message with
-            an image is then refused).
+        vision: the model's :class:`~molt_core.vision.VisionProcessor` (its placeholder
+            expansion); None for a text-only model (a message with an image is then refused).
         image_policy: limits for image parts (:class:`~molt_core.images.ImagePolicy`; default
             limits, no remote URLs).
 

@@ -1,8 +1,8 @@
 """The ledger's image step: expand a rendered prompt's image placeholders into the processor's
 runs and record where each run sits (:class:`~molt_core.types.ImageRef`).
 
-The chat template renders one placeholder per image; the model's ``vision`` object (see
-:mod:`molt_core.vision`) knows how many image tokens each image becomes under its processor.
+The chat template renders one placeholder per image; the model's
+:class:`~molt_core.vision.VisionProcessor` knows how many image tokens each image becomes.
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, 
     """Expand the placeholders of ``ids`` (template-encoded text) for the images ``shas``.
 
     Args:
-        vision: the model's image side with ``expand_placeholders(ids, images) -> (ids,
-            refs)`` (``refs``: one object with ``start``, ``end``, ``grid_thw`` per image, in
-            token order); None for a text-only model.
+        vision: the model's :class:`~molt_core.vision.VisionProcessor`; None for a text-only model.
         ids: the encoded text, one placeholder per image.
         shas: the SHA-256 of each image, in the order the template renders them.
         pool: SHA-256 -> encoded bytes (the ledger's per-rollout image store).
         offset: where ``ids`` start in the segment (the held ids before a tail).
 
     Returns:
-        ``(expanded ids, refs)`` with each ref's ``sha256`` set and ``start`` / ``end`` shifted by
-        ``offset``; ``(ids, [])`` unchanged for a text-only model and no images.
+        ``(expanded ids, refs)`` (:func:`molt_core.vision.expand_placeholders`, refs positioned
+        in the segment); ``(ids, [])`` unchanged for a text-only model and no images.
 
     Raises:
         ValueError: images for a model without a vision processor, or a placeholder count that
@@ -40,9 +38,9 @@ def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, 
             raise ValueError(f"the messages carry {len(shas)} image(s) but this model has no vision processor; "
                              "serve a vision-language model (see docs/vision.md) or send text only")
         return ids, []
-    out, refs = vision.expand_placeholders(list(ids), [pool[h] for h in shas])
-    if len(refs) != len(shas):
-        raise ValueError(f"the prompt holds {len(refs)} image placeholder(s) for {len(shas)} image(s); message text "
-                         "must not contain the model's image placeholder tokens")
-    return list(out), [ImageRef(sha256=h, start=r.start + offset, end=r.end + offset, grid_thw=list(r.grid_thw))
-                       for h, r in zip(shas, refs)]
+    from molt_core.vision import expand_placeholders
+
+    try:
+        return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
+    except ValueError as e:
+        raise ValueError(f"{e} (message text must not contain the model's image placeholder tokens)") from None
