@@ -50,6 +50,14 @@ def _content(content: Any, where: str, role: str, images: dict[str, bytes] | Non
                     images.setdefault(img.sha256, img.data)
                 out.append({"type": IMAGE_PART_TYPE, "sha256": img.sha256})
                 continue
+            elif isinstance(part, dict) and part.get("type") == IMAGE_PART_TYPE and role in _IMAGE_ROLES:
+                # the canonical part the ledger's own history holds (an Env loop re-sends it)
+                h = part.get("sha256")
+                if not isinstance(h, str) or images is None or h not in images:
+                    raise ValueError(f"{where}.content[{j}]: an image part {{'type': 'image', 'sha256': ...}} must name "
+                                     "an image this rollout already holds; send new images as image_url parts")
+                out.append({"type": IMAGE_PART_TYPE, "sha256": h})
+                continue
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text and image parts are supported, got {kind!r}")

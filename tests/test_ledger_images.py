@@ -259,3 +259,19 @@ def test_ledger_memory_is_bounded_over_50_image_turns(vl, monkeypatch):
     monkeypatch.setattr(lm, "_DIGEST_MIN", 1 << 60)
     held_copies, _ = _retained(tok, vp, [big] * 50)
     assert held_copies > 40 * size, held_copies
+
+
+def test_the_ledger_history_can_be_sent_back(vl):
+    """An Env loop sends ``ledger.history`` (canonical image parts, by SHA-256) plus the next
+    observation: it extends, and a digest the rollout does not hold is refused."""
+    tok, vp = vl
+    img = png(28, 28)
+    led, eng = Ledger(tok, vision=vp), ScriptedEngine(tok, ["x", "y"])
+    step(led, eng, [user("look", img)])
+    hist = led.history
+    assert hist[0]["content"][1] == {"type": "image", "sha256": sha(img)}
+    p, _ = step(led, eng, hist + [user("again", img)])
+    assert p.mode == "extend" and eng.images[-1] == [img, img]
+    bad = [{"role": "user", "content": [{"type": "image", "sha256": "0" * 64}]}]
+    with pytest.raises(ValueError, match="must name an image this rollout already holds"):
+        Ledger(tok, vision=vp).prepare(bad)
