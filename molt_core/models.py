@@ -421,15 +421,17 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
         return model.to(torch_dtype).eval()
     path = resolve_path(path)
     name, kw = hub_kwargs(path)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if gguf_file:
         kw["gguf_file"] = gguf_file
     try:
-        auto = AutoModelForCausalLM
-        if not gguf_file and getattr(AutoConfig.from_pretrained(name, **kw), "vision_config", None) is not None:
-            auto = AutoModelForImageTextToText  # a vision-language model (Qwen2.5-VL, Qwen3-VL, ...)
-        return auto.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+        except ValueError as e:  # "Unrecognized configuration class": a vision-language model (Qwen2.5-VL, ...)
+            if "configuration class" not in str(e):
+                raise
+            return AutoModelForImageTextToText.from_pretrained(name, dtype=torch_dtype, **kw).eval()
     except OSError as e:
         if Path(path).is_dir():
             raise

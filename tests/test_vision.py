@@ -156,3 +156,26 @@ def test_rope_positions_by_hand(vp, tok):
 
 def test_text_builtins_have_no_vision_processor():
     assert load_vision_processor("builtin:tiny-qwen3") is None
+
+
+def test_a_saved_vl_directory_loads_back_with_its_processor(tmp_path, tok, vp):
+    """A real VL model is a directory: config with a vision_config (AutoModelForImageTextToText),
+    preprocessor_config.json, tokenizer with <|image_pad|>."""
+    from molt_core.vision import tiny_image_processor
+
+    model = load_model(VL)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    tiny_image_processor().save_pretrained(tmp_path)
+    again = load_model(str(tmp_path))
+    vp2 = load_vision_processor(str(tmp_path))
+    assert type(again).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert (vp2.image_token_id, vp2.merge_size) == (514, 2)
+    img = png(40, 30)
+    ids, refs = expand_placeholders(tok.encode("a<|image_pad|>b"), [img], vp2)
+    assert refs[0].grid_thw == [1, 4, 6]
+    pv, thw = pixel_inputs([img], vp2)
+    x = torch.tensor([ids])
+    kw = dict(pixel_values=pv, image_grid_thw=thw, mm_token_type_ids=(x == 514).int())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x, **kw).logits, again(input_ids=x, **kw).logits)
