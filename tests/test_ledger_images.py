@@ -156,6 +156,9 @@ def test_template_rewriting_an_earlier_image_turn_seals_the_segment(vl):
     assert [s2.token_ids[r.start:r.end] for r in s2.images] == [[PAD] * 4, [PAD] * 6]
     assert eng.images[1] == [a, b]
     assert set(led.trajectory().images) == {sha(a), sha(b)}
+    # re-encoded context: the user turn with its image (4 tokens, not 1) and the assistant turn
+    held = msgs[:2]
+    assert led.context_reencoded_tokens == len(expected(tok, held, [4], add_generation_prompt=False))
 
 
 def test_client_compaction_keeps_dropped_images_in_the_sealed_segment(vl):

@@ -4,7 +4,8 @@ object and its server-sent events. Token-exact like the other wires: the respons
 sampled ids as a top-level ``token_ids`` (and in ``response.completed`` when streaming).
 
 Input items: a string (one user message); messages ``{"role", "content"}`` with
-``input_text`` / ``output_text`` parts; ``function_call`` (an assistant tool call; consecutive
+``input_text`` / ``output_text`` parts (and ``input_image`` in a user message or a
+``function_call_output``, :mod:`molt_core.server.wire_images`); ``function_call`` (an assistant tool call; consecutive
 calls and the assistant message before them form one assistant turn); ``function_call_output``
 (a tool message); ``reasoning`` (the next assistant turn's reasoning). The server is
 stateless per request: ``previous_response_id`` and ``conversation`` are refused (send the

@@ -2,7 +2,8 @@
 responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropic Messages.
 
 Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
-schemas and :class:`~molt_core.types.SamplingParams` -- and both encode an
+schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part of
+:mod:`molt_core.images` (:mod:`molt_core.server.wire_images`) -- and both encode an
 :class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
 ``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
 """
