@@ -67,7 +67,9 @@ def anthropic_block(block: dict[str, Any], where: str, pending: list[Pending]) -
         ImageError: a source that is neither ``base64`` nor ``url`` (naming ``<where>.source.type``).
     """
     src = block.get("source")
-    kind = src.get("type") if isinstance(src, dict) else None
+    if not isinstance(src, dict):
+        src = {}
+    kind = src.get("type")
     if kind == "base64":
         out = _internal("")
         pending.append(Pending(out, f"{where}.source.data", b64=src.get("data"), media_type=src.get("media_type")))
