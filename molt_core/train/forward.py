@@ -98,7 +98,8 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
 
     ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing
     replay context (``trainer._routing``) and ``lockstep`` (then a backward reaches every
-    parameter, even with no sampled token)."""
+    parameter, even with no sampled token); ``trainer.vision_processor`` the images' processing
+    for rows with images (``batch.images``)."""
     T = int(batch.lengths[rows].max())
     ids = batch.input_ids[rows, :T].to(trainer.device)
     pids = batch.param_ids[rows, :T]
@@ -109,6 +110,13 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         if cols.numel():
             offset = int(cols[0]) - 1
             kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=trainer.device)
+    if batch.images is not None:  # a vision-language model: pixels, grids and 3D positions of the rows' images
+        from molt_core.vision import padded_inputs
+
+        lens = batch.lengths[rows].tolist()
+        kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
+                                [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
+                                trainer.device))
     with trainer._routing(model, batch, rows, T):
         logits = model(input_ids=ids, use_cache=False, **kw).logits
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)

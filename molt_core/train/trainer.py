@@ -120,6 +120,11 @@ class Trainer:
 
             enable_gradient_checkpointing(self.model)
         self.tokenizer = tokenizer
+        from molt_core.vision import is_vision_model, load_vision_processor
+
+        #: a vision-language model's image processor (``cfg.model.path``'s), else None
+        self.vision_processor = (load_vision_processor(cfg.model.path, tokenizer)
+                                 if is_vision_model(model) and tokenizer is not None else None)
         self.kl_coef = float(cfg.algo.kl_coef)
         self.ref_model = ref_model
         if self.ref_model is None and self.kl_coef > 0:
@@ -260,11 +265,12 @@ class Trainer:
         t_start = time.perf_counter()
         distill = cfg.algo.advantage == "on_policy_distill"
         trajectories, batch, ingress = admit(trajectories, self.pad_id, self.vocab_size, distill,
-                                             cfg.trainer.refuse_unverified)
+                                             cfg.trainer.refuse_unverified, vision=self.vision_processor)
         if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
             return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
         if batch is None:
-            batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill)
+            batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill,
+                                vision=self.vision_processor)
         mask = batch.mask
         beh = batch.behaviour_logprobs
         self._routing_used = {}
