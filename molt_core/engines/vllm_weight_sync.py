@@ -45,8 +45,8 @@ import torch
 
 from molt_core.runtime.weightpack import buffer_checksum, pack_tensors, state_views
 
-__all__ = ["EXTENSION", "SyncGroup", "SyncHeader", "WeightSyncExtension", "free_address", "receive_weights",
-           "send_weights"]
+__all__ = ["EXTENSION", "SyncGroup", "SyncHeader", "WeightSyncExtension", "check_full_state", "choose_backend",
+           "free_address", "load_into_worker", "receive_weights", "send_weights"]
 
 #: the ``worker_extension_cls`` qualname the vLLM engine passes to vLLM
 EXTENSION = "molt_core.engines.vllm_weight_sync.WeightSyncExtension"
@@ -74,6 +74,13 @@ def _device_id(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def choose_backend(device_ids: list[str], nccl_available: bool) -> str:
+    """``"nccl"`` when every member is on a GPU (``device_ids``: ``cpu`` or a GPU UUID per
+    rank, :func:`_device_id`), no two share one and NCCL is available; else ``"gloo"``."""
+    on_gpus = all(i != "cpu" for i in device_ids) and len(set(device_ids)) == len(device_ids)
+    return "nccl" if on_gpus and nccl_available else "gloo"
 
 
 class SyncGroup:
@@ -109,9 +116,8 @@ class SyncGroup:
         self._store, self._seq = store, 0
         store.set(f"device/{rank}", _device_id(self.device))
         ids = [store.get(f"device/{r}").decode() for r in range(world_size)]
-        nccl_ok = all(i != "cpu" for i in ids) and len(set(ids)) == world_size and dist.is_nccl_available()
-        self.backend = "nccl" if nccl_ok else "gloo"
-        if nccl_ok:
+        self.backend = choose_backend(ids, dist.is_nccl_available())
+        if self.backend == "nccl":
             self._pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)
         else:
             self._pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, timeout)
