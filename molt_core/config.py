@@ -110,7 +110,13 @@ class EngineSection(_Section):
     ``num_engines`` rollout workers, ``max_batch_size`` concurrent sequences per engine,
     ``dtype`` of the engine's copy of the weights, ``num_cpus``/``num_gpus`` per worker,
     ``resources``: custom Ray resources each rollout worker requires (e.g. ``{rollout = 1}``
-    to place workers on nodes started with ``ray start --resources '{"rollout": 1}'``)."""
+    to place workers on nodes started with ``ray start --resources '{"rollout": 1}'``);
+    ``weight_sync`` -- how a publish reaches the engines: ``ray`` (the trainer packs the
+    weights into one buffer that each rollout worker fetches from Ray's object store),
+    ``collective`` (the trainer's rank 0 broadcasts into every vLLM worker through a process
+    group, NCCL between distinct GPUs, gloo otherwise: :mod:`molt_core.engines.vllm_weight_sync`;
+    vllm engine and a Ray run only) or ``auto`` (collective for the vllm engine with
+    ``num_gpus > 0`` under Ray, else ray)."""
 
     name: str = "transformers"
     num_engines: int = Field(1, ge=1)
@@ -120,6 +126,14 @@ class EngineSection(_Section):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict)
+    weight_sync: Literal["auto", "ray", "collective"] = "auto"
+
+    @model_validator(mode="after")
+    def _collective_needs_vllm(self) -> "EngineSection":
+        if self.weight_sync == "collective" and self.name != "vllm":
+            raise ValueError(f"engine.weight_sync = \"collective\" broadcasts into vLLM workers; engine.name is "
+                             f"{self.name!r}: set engine.name = \"vllm\" or engine.weight_sync = \"ray\"")
+        return self
 
 
 class AgentSection(_Section):

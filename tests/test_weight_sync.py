@@ -143,3 +143,68 @@ def test_backend_choice():
         SyncGroup("127.0.0.1", 1, 0, 1, "cpu")
     with pytest.raises(ValueError, match=r"rank 2 outside \[0, 2\)"):
         SyncGroup("127.0.0.1", 1, 2, 2, "cpu")
+
+
+def test_trainer_worker_sends_its_weights_cast_to_the_engine_dtype():
+    """The trainer actor's side (``TrainerWorker.sync_init`` / ``sync_send``): fp32 master
+    weights reach a bf16 engine as bf16 (tied lm_head once), version stamped, ``sync/bytes`` set."""
+    from molt_core.config import RunConfig
+    from molt_core.runtime.workers import TrainerWorker
+
+    cfg = RunConfig.model_validate({"engine": {"name": "vllm", "dtype": "bfloat16", "weight_sync": "collective"}})
+    tw = TrainerWorker(cfg)
+    tw.trainer.version = 4
+    sd = tw.trainer.model.state_dict()
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    expected = {n: tuple(t.shape) for n, t in sd.items() if n != "lm_head.weight"}
+    host, port = tw.sync_address()
+    got = {}
+
+    def recv():
+        g = SyncGroup(host, port, 1, 2, "cpu", timeout_s=60)
+        got["h"], named = receive_weights(g, 4, expected, tied=True)
+        got["named"] = dict(named)
+
+    th = threading.Thread(target=recv)
+    th.start()
+    assert tw.sync_init(host, port, 2, 60) == "gloo"
+    assert tw.sync_send() == 4
+    th.join(60)
+    n = sum(p.numel() for p in tw.trainer.model.parameters())  # distinct parameters: the tied head once
+    assert got["h"].sizes == {"bfloat16": 2 * n + (-2 * n) % 8} and tw._sync_bytes == got["h"].nbytes
+    for name, t in got["named"].items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, sd[name].to(torch.bfloat16)), name
+
+
+def test_resolve_weight_sync():
+    from molt_core.config import RunConfig
+    from molt_core.runtime.collective_sync import resolve_weight_sync
+
+    def cfg(**e):
+        return RunConfig.model_validate({"engine": e})
+
+    assert resolve_weight_sync(cfg(name="vllm", num_gpus=1), local=False) == "collective"
+    assert resolve_weight_sync(cfg(name="vllm", num_gpus=1), local=True) == "ray"
+    assert resolve_weight_sync(cfg(name="vllm"), local=False) == "ray"  # vLLM on CPU: auto keeps Ray
+    assert resolve_weight_sync(cfg(num_gpus=1), local=False) == "ray"  # the transformers engine
+    assert resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), local=False) == "collective"
+    assert resolve_weight_sync(cfg(name="vllm", num_gpus=1, weight_sync="ray"), local=False) == "ray"
+    with pytest.raises(ValueError, match="needs Ray"):
+        resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), local=True)
+    with pytest.raises(ValueError, match='set engine.name = "vllm"'):
+        cfg(weight_sync="collective")
+
+
+def test_engine_device_follows_num_gpus(monkeypatch):
+    """``engine.num_gpus`` alone decides the engine's device (mocked CUDA, no GPU needed)."""
+    from molt_core.config import RunConfig
+    from molt_core.runtime.workers import engine_kwargs
+
+    assert "device" not in engine_kwargs(RunConfig.model_validate({}))  # CPU: factories see no new argument
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kw = engine_kwargs(RunConfig.model_validate({"engine": {"num_gpus": 0.5, "dtype": "bfloat16"}}), index=2)
+    assert kw["device"] == "cuda" and kw["dtype"] == "bfloat16" and kw["seed"] == 2
+    kw = engine_kwargs(RunConfig.model_validate({"engine": {"num_gpus": 1, "options": {"device": "cuda:1"}}}))
+    assert kw["device"] == "cuda:1"  # an explicit option wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_kwargs(RunConfig.model_validate({"engine": {"num_gpus": 1}}))["device"] == "cpu"

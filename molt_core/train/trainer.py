@@ -108,7 +108,9 @@ class Trainer:
             model = load_model(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        from molt_core.models import device_for
+
+        self.device = device_for(cfg.trainer.num_gpus)
         self.model = model.to(self.device)
         if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
             from molt_core.train.lora import wrap
