@@ -133,8 +133,8 @@ def test_a_publish_that_skips_one_tensor_is_caught(workers, monkeypatch):
     skip = "model.layers.0.mlp.down_proj.weight"
     real = weightpack.pack_state
 
-    def faulty(state):  # the fault: one tensor never reaches the engine
-        return real({k: v for k, v in state.items() if k != skip})
+    def faulty(state, **kw):  # the fault: one tensor never reaches the engine
+        return real({k: v for k, v in state.items() if k != skip}, **kw)
 
     monkeypatch.setattr(weightpack, "pack_state", faulty)
     differ, m = _publish_and_measure(tw, rw)
