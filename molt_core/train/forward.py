@@ -97,7 +97,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     predict a sampled token (``logits_to_keep`` as column indices, when the model accepts it).
 
     ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing
-    replay context (``trainer._routing``) and ``lockstep`` (then a backward reaches every
+    replay context (``trainer._routing``), the mixed-precision context (``trainer.autocast``) and ``lockstep`` (then a backward reaches every
     parameter, even with no sampled token)."""
     T = int(batch.lengths[rows].max())
     ids = batch.input_ids[rows, :T].to(trainer.device)
@@ -109,7 +109,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         if cols.numel():
             offset = int(cols[0]) - 1
             kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=trainer.device)
-    with trainer._routing(model, batch, rows, T):
+    with trainer._routing(model, batch, rows, T), trainer.autocast():
         logits = model(input_ids=ids, use_cache=False, **kw).logits
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
