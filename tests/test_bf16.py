@@ -10,14 +10,11 @@ repeats the measurement on CUDA.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
-from molt_core.config import RunConfig
 from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
-from test_weightpack import AGENT, _publish_and_measure
+from test_weightpack import _publish_and_measure, make_workers
 
 torch.set_num_threads(1)
 
@@ -26,18 +23,7 @@ BF16_TOL = ONPOLICY_ABSDIFF_TOL["bfloat16"]  # the documented bound (molt_core.v
 
 @pytest.fixture
 def bf16_workers(tmp_path):
-    from molt_core.runtime.workers import RolloutWorker, TrainerWorker
-
-    f = tmp_path / "agent.py"
-    f.write_text(textwrap.dedent(AGENT))
-    cfg = RunConfig.model_validate({"agent": {"path": str(f)}, "rollout": {"max_tokens": 6}, "sft": {"steps": 0},
-                                    "model": {"dtype": "bfloat16"}, "engine": {"dtype": "bfloat16"},
-                                    "trainer": {"lr": 1e-3}})
-    tw, rw = TrainerWorker(cfg), RolloutWorker(cfg)
-    with torch.no_grad():  # the trainer's weights move away from the engine's (same init seed)
-        g = torch.Generator().manual_seed(0)
-        for p in tw.trainer.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    tw, rw = make_workers(tmp_path, model={"dtype": "bfloat16"}, engine={"dtype": "bfloat16"}, trainer={"lr": 1e-3})
     yield tw, rw
     rw.engine.close()
 
