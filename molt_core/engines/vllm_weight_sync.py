@@ -296,9 +296,9 @@ def load_into_worker(worker: Any, named: list[tuple[str, torch.Tensor]], tied: b
     """
     import inspect
 
-    reload = getattr(worker, "reload_weights", None)
-    if reload is not None and "weights_iterator" in str(inspect.signature(worker.model_runner.reload_weights)):
-        reload(weights_iterator=iter(named))
+    runner_reload = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if runner_reload is not None and "weights_iterator" in inspect.signature(runner_reload).parameters:
+        worker.reload_weights(weights_iterator=iter(named))
     else:  # pragma: no cover - older vLLM (GPU)
         worker.model_runner.model.load_weights(weights=named)
     if tied:
