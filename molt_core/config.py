@@ -94,7 +94,10 @@ class RunSection(_Section):
 class ModelSection(_Section):
     """``[model]``: ``path`` -- an HF model directory, or ``builtin:<name>`` for a model the
     project builds from a config (``builtin:tiny-qwen3``); ``gguf_file`` for GGUF checkpoints;
-    ``dtype`` of the trainer (``float32`` on CPU); ``init_from`` a checkpoint to start from;
+    ``dtype`` -- the trainer's compute dtype: parameters, gradients and AdamW state stay
+    float32 (master weights) and ``bfloat16``/``float16`` forwards run under autocast
+    (:meth:`molt_core.train.Trainer.autocast`; bound of the forward-consistency invariant per
+    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`); ``init_from`` a checkpoint to start from;
     ``routing_replay`` -- for an MoE policy, replay the rollout's recorded expert selection in
     the trainer's forwards (R3, arXiv 2510.11370; needs a replay backend for the model type)."""
 
@@ -110,7 +113,13 @@ class EngineSection(_Section):
     ``num_engines`` rollout workers, ``max_batch_size`` concurrent sequences per engine,
     ``dtype`` of the engine's copy of the weights, ``num_cpus``/``num_gpus`` per worker,
     ``resources``: custom Ray resources each rollout worker requires (e.g. ``{rollout = 1}``
-    to place workers on nodes started with ``ray start --resources '{"rollout": 1}'``)."""
+    to place workers on nodes started with ``ray start --resources '{"rollout": 1}'``);
+    ``weight_sync`` -- how a publish reaches the engines: ``ray`` (the trainer packs the
+    weights into one buffer that each rollout worker fetches from Ray's object store),
+    ``collective`` (the trainer's rank 0 broadcasts into every vLLM worker through a process
+    group, NCCL between distinct GPUs, gloo otherwise: :mod:`molt_core.engines.vllm_weight_sync`;
+    vllm engine and a Ray run only) or ``auto`` (collective for the vllm engine with
+    ``num_gpus > 0`` under Ray, else ray)."""
 
     name: str = "transformers"
     num_engines: int = Field(1, ge=1)
@@ -120,6 +129,14 @@ class EngineSection(_Section):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict)
+    weight_sync: Literal["auto", "ray", "collective"] = "auto"
+
+    @model_validator(mode="after")
+    def _collective_needs_vllm(self) -> "EngineSection":
+        if self.weight_sync == "collective" and self.name != "vllm":
+            raise ValueError(f"engine.weight_sync = \"collective\" broadcasts into vLLM workers; engine.name is "
+                             f"{self.name!r}: set engine.name = \"vllm\" or engine.weight_sync = \"ray\"")
+        return self
 
 
 class AgentSection(_Section):

@@ -65,7 +65,9 @@ def molt_register_replay_backends(register: Register) -> None:
 
 @hookspec
 def molt_register_engines(register: Register) -> None:
-    """Register rollout engines: ``register(name, factory)`` returning a ``RolloutEngine``."""
+    """Register rollout engines: ``register(name, factory)`` returning a ``RolloutEngine``;
+    the factory is called with :func:`molt_core.runtime.workers.engine_kwargs` (``device`` among
+    them when ``engine.num_gpus > 0``)."""
 
 
 @hookspec

@@ -63,6 +63,13 @@ TINY_VL_MIN_PIXELS = 14 * 14
 TINY_VL_MAX_PIXELS = 56 * 56
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def device_for(num_gpus: float) -> torch.device:
+    """The device of an actor given ``num_gpus`` (``trainer.num_gpus`` / ``engine.num_gpus``):
+    ``cuda`` when it asked for a GPU and one is visible (Ray sets ``CUDA_VISIBLE_DEVICES`` to
+    the GPUs it assigned), else ``cpu``. No other option decides it."""
+    return torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
+
 # Qwen2/Qwen3 tokenizer layout: 151,643 BPE tokens, then these ids from 151,643 on.
 # (content, special): "special" tokens are dropped by ``skip_special_tokens`` decoding.
 _QWEN3_ADDED = [

@@ -259,7 +259,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
             ids, labels = collate(seqs[rows], pad)
             ids, labels = ids.to(dev), labels.to(dev)
             vision = _image_kwargs(model, vp, seqs[rows], imgs[rows], ids.shape[1], dev)
-            logits = model(input_ids=ids, use_cache=False, **vision).logits.float()
+            with trainer.autocast():
+                logits = model(input_ids=ids, use_cache=False, **vision).logits.float()
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                 ignore_index=-100, reduction="sum") / n_tok * float(real)

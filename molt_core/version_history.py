@@ -36,7 +36,19 @@ from typing import Callable
 
 import torch
 
-__all__ = ["VersionHistory", "onpolicy_metrics", "sample_rows", "select_rows", "stale_absdiff"]
+__all__ = ["ONPOLICY_ABSDIFF_TOL", "VersionHistory", "onpolicy_metrics", "sample_rows", "select_rows",
+           "stale_absdiff"]
+
+#: Documented bound (nats) of ``invariants/logprob_absdiff_max_onpolicy`` per compute dtype
+#: (``model.dtype`` of the trainer = ``engine.dtype``) when engine and trainer run the same weights:
+#: float32 -- rounding only (tiny Qwen3, CPU: < 1e-6 for the vLLM and transformers engines);
+#: bfloat16 -- 8 mantissa bits (relative step 2^-8): a logit of size ~10 moves by ~0.04 in one
+#: rounding, and a bf16 engine (bf16 activations end to end) and the trainer's bf16 autocast
+#: (norms and softmax in fp32) round differently. Measured on the tiny Qwen3 with bf16 on CPU
+#: (tests/test_bf16.py): max 0.027, mean 0.0089; with the engine one publish behind: 2.5. A
+#: reading above the bound means the engine and the trainer disagree on the weights or the
+#: forward, not rounding.
+ONPOLICY_ABSDIFF_TOL = {"float32": 1e-4, "bfloat16": 0.1}
 
 
 class VersionHistory:

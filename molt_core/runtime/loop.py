@@ -19,6 +19,9 @@ from molt_core.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
 from molt_core.progress import step_progress
 from molt_core.rewards import component_metrics
+from molt_core.runtime.collective_sync import connect as connect_collective
+from molt_core.runtime.collective_sync import publish as publish_collective
+from molt_core.runtime.collective_sync import resolve_weight_sync
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog, check_loggers
 from molt_core.agents import load_agent
@@ -267,6 +270,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
+    sync_mode = resolve_weight_sync(cfg, local)
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path
@@ -306,7 +310,14 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     if not resume and cfg.sft.steps > 0:
         _warm_start(ray, trainer, run_dir, console)
 
+    if sync_mode == "collective":
+        backend = connect_collective(ray, trainer, workers)
+        console.print(f"weight sync: collective ({backend}) from the trainer's rank 0 into the vLLM workers",
+                      highlight=False)
+
     def publish() -> int:
+        if sync_mode == "collective":  # trainer rank 0 -> every vLLM worker, one broadcast
+            return publish_collective(ray, trainer, workers)
         # two object refs, resolved inside each worker: weights never pass through the driver
         state_ref, version_ref = trainer.weights.options(num_returns=2).remote()
         versions = ray.get([w.load_weights.remote(state_ref, version_ref) for w in workers])

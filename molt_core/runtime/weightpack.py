@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PackedState", "as_state_dict", "pack_state", "unpack_state"]
+__all__ = ["PackedState", "as_state_dict", "buffer_checksum", "pack_state", "pack_tensors", "state_views",
+           "unpack_state"]
 
 @dataclasses.dataclass(frozen=True)
 class PackedState:
@@ -46,11 +47,25 @@ class PackedState:
         return len(self.index)
 
 
-def pack_state(state: dict[str, torch.Tensor]) -> PackedState:
-    """Copy ``state`` (name -> tensor, any device and dtype) into one CPU buffer per dtype.
+def pack_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, pad_to: int = 1,
+                 device: torch.device | str | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], tuple[tuple[str, str, tuple[int, ...], int], ...]]:
+    """Copy ``state`` (name -> tensor) into one flat ``uint8`` torch buffer per dtype.
 
-    One copy per distinct tensor, made here (one ``torch.cat`` per dtype): the result does not
-    alias the live parameters, so the caller may step the optimizer while it is in flight.
+    The packing behind :func:`pack_state` (Ray path, CPU numpy buffers) and
+    :mod:`molt_core.engines.vllm_weight_sync` (collective path, buffers stay on ``device``).
+
+    Args:
+        state: name -> tensor, any device and dtype.
+        dtype: cast every floating-point tensor to it first (the engine's dtype: a bf16 engine
+            needs half the bytes of fp32 master weights); None keeps each tensor's dtype.
+        pad_to: zero-pad each buffer to a multiple of this many bytes (8 lets
+            :func:`buffer_checksum` read it as int64 words).
+        device: where the buffers live; None: the device of the tensors of that dtype.
+
+    Returns:
+        ``(buffers, index)``: dtype name -> ``[nbytes]`` uint8 tensor, and per name
+        ``(name, dtype name, shape, element offset)`` (tensors sharing storage stored once).
 
     Raises:
         TypeError: a value that is not a ``torch.Tensor`` (naming its key).
@@ -65,17 +80,72 @@ def pack_state(state: dict[str, torch.Tensor]) -> PackedState:
         key = (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
         hit = seen.get(key)
         if hit is None:
-            dt = t.dtype
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
             hit = seen[key] = (str(dt)[6:], sizes.get(dt, 0))  # "torch.float32" -> "float32"
-            groups.setdefault(dt, []).append(t.detach().reshape(-1))
+            groups.setdefault(dt, []).append(t.detach().reshape(-1).to(device=device, dtype=dt))
             sizes[dt] = hit[1] + t.numel()
         index.append((name, hit[0], tuple(t.shape), hit[1]))
-    buffers = {}
+    buffers: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for dt, ts in groups.items():
-            flat = torch.cat(ts).cpu() if ts[0].device.type != "cpu" else torch.cat(ts)
-            buffers[str(dt)[6:]] = flat.view(torch.uint8).numpy()
-    return PackedState(buffers, tuple(index))
+            flat = torch.cat(ts).view(torch.uint8)
+            pad = -flat.numel() % pad_to
+            if pad:
+                flat = torch.cat([flat, flat.new_zeros(pad)])
+            buffers[str(dt)[6:]] = flat
+    return buffers, tuple(index)
+
+
+def state_views(buffers: dict[str, torch.Tensor], index: tuple[tuple[str, str, tuple[int, ...], int], ...],
+                ) -> dict[str, torch.Tensor]:
+    """Name -> tensor views into ``buffers`` (dtype name -> uint8 tensor, as
+    :func:`pack_tensors` returns), no copy; the inverse of :func:`pack_tensors`.
+
+    Raises:
+        ValueError: an index entry that reaches past the end of its buffer (names the tensor).
+    """
+    typed = {}
+    for dt, buf in buffers.items():
+        itemsize = torch.empty((), dtype=getattr(torch, dt)).element_size()
+        typed[dt] = buf[: buf.numel() - buf.numel() % itemsize].view(getattr(torch, dt))
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, off in index:
+        n = 1
+        for d in shape:
+            n *= d
+        if off + n > typed[dtype].numel():
+            raise ValueError(f"packed weights: {name} ({dtype}, shape {shape}) ends at element {off + n}, past the "
+                             f"{typed[dtype].numel()} elements of the {dtype} buffer")
+        out[name] = typed[dtype].narrow(0, off, n).view(shape)
+    return out
+
+
+def buffer_checksum(buf: torch.Tensor) -> int:
+    """Sum of ``buf`` (uint8, length a multiple of 8) read as int64 words, modulo 2**64 (int64
+    addition wraps, so the result does not depend on the reduction order or device). Detects a
+    buffer that lost, gained or changed bytes; not a permutation of whole words.
+
+    Raises:
+        ValueError: ``buf`` is not uint8 or its length is not a multiple of 8.
+    """
+    if buf.dtype != torch.uint8 or buf.numel() % 8:
+        raise ValueError(f"buffer_checksum needs a uint8 buffer of a multiple of 8 bytes, got {buf.dtype} "
+                         f"[{buf.numel()}]; pack it with pad_to=8")
+    return int(buf.view(torch.int64).sum()) if buf.numel() else 0
+
+
+def pack_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> PackedState:
+    """Copy ``state`` (name -> tensor, any device and dtype) into one CPU buffer per dtype.
+
+    One copy per distinct tensor, made here (one ``torch.cat`` per dtype): the result does not
+    alias the live parameters, so the caller may step the optimizer while it is in flight.
+    ``dtype``: cast floating-point tensors to it (see :func:`pack_tensors`).
+
+    Raises:
+        TypeError: a value that is not a ``torch.Tensor`` (naming its key).
+    """
+    buffers, index = pack_tensors(state, dtype=dtype, device="cpu")
+    return PackedState({k: v.numpy() for k, v in buffers.items()}, index)
 
 
 def unpack_state(packed: PackedState) -> dict[str, torch.Tensor]:
@@ -83,18 +153,10 @@ def unpack_state(packed: PackedState) -> dict[str, torch.Tensor]:
 
     The buffers Ray hands back are read-only: the views must never be written to.
     """
-    typed: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():  # torch warns that a (read-only) buffer is not writable
         warnings.simplefilter("ignore", UserWarning)
-        for dtype, buf in packed.buffers.items():
-            typed[dtype] = torch.from_numpy(buf).view(getattr(torch, dtype))
-    out: dict[str, torch.Tensor] = {}
-    for name, dtype, shape, off in packed.index:
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = typed[dtype].narrow(0, off, n).view(shape)
-    return out
+        buffers = {dtype: torch.from_numpy(buf) for dtype, buf in packed.buffers.items()}
+    return state_views(buffers, packed.index)
 
 
 def as_state_dict(state: Any) -> dict[str, torch.Tensor]:

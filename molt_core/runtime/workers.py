@@ -56,6 +56,21 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
                 raise ValueError(f"invalid reward options: {bad}") from None
 
 
+def engine_kwargs(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
+    """Keyword arguments of the engine factory for rollout worker ``index``: ``model``,
+    ``max_batch_size``, ``dtype``, ``gguf_file``, ``model_seed``, ``seed``, ``engine.options``,
+    and ``device`` (:func:`molt_core.models.device_for`: ``cuda`` when ``engine.num_gpus > 0``
+    and a GPU is visible) when the engine asked for a GPU and ``engine.options`` names none."""
+    from molt_core.models import device_for
+
+    e = cfg.engine
+    kw: dict[str, Any] = dict(model=cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                              gguf_file=cfg.model.gguf_file, model_seed=cfg.run.seed, seed=cfg.run.seed * 1000 + index)
+    if e.num_gpus > 0 and "device" not in e.options:
+        kw["device"] = str(device_for(e.num_gpus))
+    return {**kw, **e.options}
+
+
 def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | None = None) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
@@ -90,10 +105,7 @@ class RolloutWorker:
         self.host = load_plugins(self.cfg.plugins)
         self.agent = load_agent(self.cfg, self.host)
         factory = self.host.get("engines", self.cfg.engine.name)
-        e = self.cfg.engine
-        engine = factory(model=self.cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
-                         gguf_file=self.cfg.model.gguf_file, model_seed=self.cfg.run.seed,
-                         seed=self.cfg.run.seed * 1000 + index, **e.options)
+        engine = factory(**engine_kwargs(self.cfg, index))
         self._assemble(engine, self.cfg.rewards, lambda name: self.host.get("rewards", name))
         if self.cfg.teacher.name:  # on-policy distillation: annotates ok trajectories with teacher logprobs
             try:
@@ -335,6 +347,21 @@ class RolloutWorker:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
         return version
 
+    # -- collective weight sync (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
+    def sync_world_size(self) -> int:
+        """Members this worker's engine adds to the weight-sync group (its vLLM workers)."""
+        return int(self.engine.sync_world_size)
+
+    async def sync_init(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float = 600.0) -> str:
+        """Join the engine to the weight-sync group (blocks until it formed); returns the backend."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.engine.init_weight_sync, host, port, rank_offset, world_size, timeout_s)
+
+    async def sync_receive(self, version: int) -> int:
+        """Receive policy ``version`` broadcast by the trainer (applied between decode steps);
+        returns the bytes received. Raises the engine's ``ValueError`` when it refuses the sync."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.receive_weights, version)
+
     def failure(self) -> str | None:
         """The traceback of the first rollout on this worker whose agent raised, or None."""
         return self.first_failure
@@ -424,13 +451,58 @@ class TrainerWorker:
     def weights(self) -> tuple[Any, int]:
         """``(state, version)`` to publish: ``state`` is the trainer's state dict packed into one
         buffer (:func:`molt_core.runtime.weightpack.pack_state`: one copy, tied tensors once,
-        one object for Ray to move; :meth:`RolloutWorker.load_weights` unpacks it). A sharded
+        floating-point tensors cast to ``engine.dtype`` (fp32 master weights reach a bf16
+        engine as bf16: half the bytes), one object for Ray to move;
+        :meth:`RolloutWorker.load_weights` unpacks it). A sharded
         trainer: the full weights on rank 0, an empty pack on the other ranks."""
         from molt_core.runtime.weightpack import pack_state
 
-        state = pack_state(self.trainer.weights())
+        from molt_core.models import DTYPES
+
+        state = pack_state(self.trainer.weights(), dtype=DTYPES[self.cfg.engine.dtype])
         self._sync_bytes = state.nbytes
         return state, self.trainer.version
+
+    def policy_version(self) -> int:
+        """The trainer's current policy version."""
+        return int(self.trainer.version)
+
+    # -- collective weight sync (the sender is rank 0: molt_core.engines.vllm_weight_sync)
+    def sync_address(self) -> tuple[str, int]:
+        """``(ip, port)`` where this rank can host the weight-sync group's store."""
+        from molt_core.engines.vllm_weight_sync import free_address
+
+        return free_address()
+
+    def sync_init(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> str:
+        """Rank 0: join the weight-sync group as its sender (rank 0) on the trainer's device,
+        blocking until every engine joined; returns the backend. Other ranks: ``""``."""
+        from molt_core.engines.vllm_weight_sync import SyncGroup
+
+        if getattr(self.trainer, "rank", 0) != 0:
+            return ""
+        self._sync_group = SyncGroup(host, port, 0, world_size, self.trainer.device, timeout_s)
+        return self._sync_group.backend
+
+    def sync_send(self) -> int:
+        """Broadcast the full weights as the current version, cast to ``engine.dtype``
+        (every rank calls it: a sharded trainer gathers them); returns the version. Sets
+        ``sync/bytes`` (bytes each engine worker received) for the next :meth:`train_step`.
+
+        Raises:
+            RuntimeError: :meth:`sync_init` was not called on rank 0.
+        """
+        from molt_core.engines.vllm_weight_sync import send_weights
+        from molt_core.models import DTYPES
+
+        state = self.trainer.weights()
+        if getattr(self.trainer, "rank", 0) == 0:
+            group = getattr(self, "_sync_group", None)
+            if group is None:
+                raise RuntimeError("sync_send before sync_init: the trainer has not joined a weight-sync group")
+            header = send_weights(group, state, self.trainer.version, dtype=DTYPES[self.cfg.engine.dtype])
+            self._sync_bytes = header.nbytes
+        return int(self.trainer.version)
 
     def save(self, run_dir: str, cursor: dict) -> str:
         """Write a checkpoint (atomic, retention per ``checkpoint.keep``); returns its path."""

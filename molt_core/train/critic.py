@@ -50,7 +50,8 @@ def critic_values(trainer: Any, batch: Batch) -> torch.Tensor:
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for rows, real in trainer._work(batch, trainer.critic):
         Tr = int(batch.lengths[rows].max())
-        v = trainer.critic(batch.input_ids[rows, :Tr].to(trainer.device)).cpu()
+        with trainer.autocast():
+            v = trainer.critic(batch.input_ids[rows, :Tr].to(trainer.device)).float().cpu()
         if real:
             out[rows, :Tr] = v
     return trainer._combine_rows(out)
@@ -81,7 +82,8 @@ def update_critic(trainer: Any, batch: Batch, old_values: torch.Tensor, returns:
                 continue
             T = int(batch.lengths[rows].max())
             dev = trainer.device
-            v = trainer.critic(batch.input_ids[rows, :T].to(dev))
+            with trainer.autocast():
+                v = trainer.critic(batch.input_ids[rows, :T].to(dev)).float()
             if not active:  # every process runs the same backwards (FSDP2 collectives)
                 (0.0 * v.sum()).backward()
                 continue

@@ -97,9 +97,9 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     predict a sampled token (``logits_to_keep`` as column indices, when the model accepts it).
 
     ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing
-    replay context (``trainer._routing``) and ``lockstep`` (then a backward reaches every
-    parameter, even with no sampled token); ``trainer.vision_processor`` the images' processing
-    for rows with images (``batch.images``)."""
+    replay context (``trainer._routing``), the mixed-precision context (``trainer.autocast``) and
+    ``lockstep`` (then a backward reaches every parameter, even with no sampled token);
+    ``trainer.vision_processor`` the images' processing for rows with images (``batch.images``)."""
     T = int(batch.lengths[rows].max())
     ids = batch.input_ids[rows, :T].to(trainer.device)
     pids = batch.param_ids[rows, :T]
@@ -117,7 +117,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
                                 [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
                                 trainer.device))
-    with trainer._routing(model, batch, rows, T):
+    with trainer._routing(model, batch, rows, T), trainer.autocast():
         logits = model(input_ids=ids, use_cache=False, **kw).logits
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token

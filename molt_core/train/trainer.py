@@ -105,10 +105,17 @@ class Trainer:
         if model is None:
             from molt_core.models import load_model, load_tokenizer
 
-            model = load_model(cfg.model.path, dtype=cfg.model.dtype, gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
+            # fp32 master weights whatever model.dtype: bf16/fp16 is the compute dtype (autocast)
+            model = load_model(cfg.model.path, dtype="float32", gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        self.device = torch.device("cuda" if cfg.trainer.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        from molt_core.models import device_for
+
+        self.device = device_for(cfg.trainer.num_gpus)
+        from molt_core.models import DTYPES
+
+        #: forwards run in ``model.dtype`` under autocast over fp32 master weights (:meth:`autocast`)
+        self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = model.to(self.device)
         if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
             from molt_core.train.lora import wrap
@@ -208,6 +215,21 @@ class Trainer:
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     # -- forwards (molt_core.train.forward), R3 (molt_core.train.routing_replay) -------------
+    def autocast(self) -> Any:
+        """The mixed-precision context of every forward: ``torch.autocast`` to
+        ``model.dtype`` (bfloat16 / float16) on the trainer's device; a no-op for float32.
+
+        Mixed precision as verl (FSDP ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``
+        over fp32 parameters), OpenRLHF (DeepSpeed bf16: bf16 compute, fp32 master weights in
+        the optimizer) and the Hugging Face Trainer (``bf16=True``: fp32 parameters, autocast)
+        do it: parameters, gradients and AdamW moments stay float32; matmuls run in the
+        compute dtype on weights rounded to it -- the weights the engine gets
+        (:meth:`molt_core.runtime.workers.TrainerWorker.weights` casts to ``engine.dtype``).
+        float16 has no loss scaling here (bfloat16 is the supported low precision).
+        """
+        enabled = self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype if enabled else None, enabled=enabled)
+
     def _forward(self, model: torch.nn.Module, batch: Batch, rows: slice, with_entropy: bool = False):
         """:func:`molt_core.train.forward.forward_rows` of ``rows`` under ``model``."""
         return forward_rows(self, model, batch, rows, with_entropy)
