@@ -285,7 +285,7 @@ class VisualEnv(Env):
                 p = sample_params(rng, self.options)
                 seen.setdefault(_key(p), p)
                 tries += 1
-                if tries > 50 * self.options.eval_size:
+                if tries > 20 * self.options.eval_size:
                     raise ValueError(f"agent.options.eval_size = {self.options.eval_size}: only {len(seen)} distinct "
                                      f"{self.options.task!r} images found; lower eval_size or raise image_size")
             self._eval_cache[base] = [self._task(p) for p in seen.values()]
