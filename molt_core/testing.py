@@ -57,8 +57,9 @@ class ScriptedEngine:
     reply is ``"ok"``. Logprob of the j-th sampled token of call c (0-based):
     ``-(c + 1) / 10 - j / 1000``; version ``self.version`` (set by ``load_weights``). Stop
     strings cut after the token completing one; ``max_tokens`` cuts with finish ``length``.
-    ``prompts`` / ``params`` record every call. Like a real engine it attaches the digest of
-    the ids it returns (``sampled_digest``, token identity).
+    ``prompts`` / ``params`` / ``images`` record every call (``images``: the encoded image
+    bytes passed with the prompt, ``[]`` for none). Like a real engine it attaches the digest
+    of the ids it returns (``sampled_digest``, token identity).
 
     Args:
         tokenizer: the tokenizer of the run (e.g. :func:`tiny_tokenizer`).
@@ -73,6 +74,7 @@ class ScriptedEngine:
         self.stop_id = tokenizer.eos_token_id if stop_id is None else stop_id
         self.prompts: list[list[int]] = []
         self.params: list[SamplingParams] = []
+        self.images: list[list[bytes]] = []
         self.calls = 0
 
     def output(self, reply: Any, params: SamplingParams, prompt_len: int) -> GenerationOutput:
@@ -103,11 +105,13 @@ class ScriptedEngine:
                                 versions=[self.version] * len(ids), finish_reason=finish, stop_reason=reason,
                                 prompt_len=prompt_len, sampled_digest=digest_ids(ids))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       images: list[bytes] | None = None) -> GenerationOutput:
         """Record the call and return the next scripted reply (``"ok"`` once the script is spent)."""
         await asyncio.sleep(0)
         self.prompts.append(list(prompt_ids))
         self.params.append(params)
+        self.images.append(list(images or []))
         reply = self.replies.pop(0) if self.replies else "ok"
         out = self.output(reply, params, len(prompt_ids))
         self.calls += 1
@@ -122,7 +126,8 @@ class EchoEngine(ScriptedEngine):
     """Deterministic per-prompt replies for load tests: the reply is ``"len <P> sum <S>"``
     (prompt length, sum of prompt ids mod 9973), so mixed-up sessions are detectable."""
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       images: list[bytes] | None = None) -> GenerationOutput:
         """The echo reply of ``prompt_ids``."""
         await asyncio.sleep(0.001)
         text = f"len {len(prompt_ids)} sum {sum(prompt_ids) % 9973}"
@@ -135,7 +140,8 @@ class FailingEngine(ScriptedEngine):
     """Raises ``RuntimeError("engine exploded")`` on every call (a failing request must
     append nothing to a session)."""
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       images: list[bytes] | None = None) -> GenerationOutput:
         """Always raises ``RuntimeError``."""
         raise RuntimeError("engine exploded")
 

@@ -200,10 +200,10 @@ def test_identical_prompts_share_one_prefill_row(tiny):
     rows = []
     orig = tiny._forward
 
-    def spy(ids, mask, pos, cache):
+    def spy(ids, mask, pos, cache, *vision):
         if cache is None:
             rows.append(ids.shape[0])
-        return orig(ids, mask, pos, cache)
+        return orig(ids, mask, pos, cache, *vision)
 
     tiny._forward = spy
     try:
@@ -390,9 +390,9 @@ def test_prefix_cache_prefills_only_the_tail():
     shapes = []
     orig = eng._forward
 
-    def spy(ids, mask, pos, cache):
+    def spy(ids, mask, pos, cache, *vision):
         shapes.append((tuple(ids.shape), 0 if cache is None else cache.get_seq_length()))
-        return orig(ids, mask, pos, cache)
+        return orig(ids, mask, pos, cache, *vision)
 
     eng._forward = spy
     try:

@@ -326,3 +326,81 @@ def test_token_identity_through_server(engine, hf):
     assert check_tokens(traj) == TokenCheck(0, 0)  # every action token is what the engine sampled
     seg0 = traj.segments[0].token_ids
     assert seg0[:len(rec.prompts[0])] == rec.prompts[0]  # the engine saw exactly the ledger's ids
+
+
+# -- images (vision-language, builtin:tiny-qwen2.5-vl) -----------------------------------
+def _vl_importable() -> str | None:
+    """Why vLLM cannot run the Qwen2.5-VL model class here, or None when it can: vLLM's
+    qwen2_vl module imports transformers' torchvision image processor, and PyPI's torchvision
+    does not import beside the CPU torch (``operator torchvision::nms does not exist``)."""
+    if not HAVE_VLLM:
+        return "vllm not installed (extra molt-sdk[vllm])"
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError or the RuntimeError above
+        return f"vLLM's Qwen2.5-VL needs torchvision matching torch {torch.__version__}: {type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(_vl_importable() is not None, reason=str(_vl_importable()))
+def test_images_as_multi_modal_data_equal_hf():
+    """Images go to vLLM as multi_modal_data next to the expanded token prompt; each logprob
+    equals a direct HF forward with the same images (<= BOUND)."""
+    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_core.vision import expand_placeholders, load_vision_processor, pixel_inputs
+    from tests.test_vision import VL, png
+
+    model, tok = load_model(VL), load_tokenizer(VL)
+    vp = load_vision_processor(VL, tok)
+    eng = VLLMEngine(VL, max_batch_size=8, seed=0, kv_cache_memory_bytes=32 << 20)
+    try:
+        jobs = []
+        for i, imgs in enumerate([[png(28, 28)], [png(28, 28, (0, 200, 0))], [png(56, 42), png(40, 30)]]):
+            ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Count"}]
+                                            + [{"type": "image"}] * len(imgs)}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            jobs.append((expand_placeholders(ids, imgs, vp)[0], imgs,
+                         SamplingParams(temperature=SETTINGS[i][0], top_k=SETTINGS[i][1], top_p=SETTINGS[i][2],
+                                        max_tokens=10, seed=i)))
+
+        async def run():
+            return await asyncio.gather(*[eng.generate(ids, sp, images=imgs) for ids, imgs, sp in jobs])
+
+        outs = asyncio.run(run())
+        worst = 0.0
+        for (ids, imgs, sp), o in zip(jobs, outs):
+            full = torch.tensor([ids + o.token_ids])
+            pv, thw = pixel_inputs(imgs, vp)
+            with torch.no_grad():
+                logits = model(input_ids=full, pixel_values=pv, image_grid_thw=thw,
+                               mm_token_type_ids=(full == vp.image_token_id).int()).logits[0]
+            lp = processed_logprobs(logits[len(ids) - 1:-1], sp.temperature, sp.top_k, sp.top_p)
+            ref = lp.gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+            worst = max(worst, float((ref - torch.tensor(o.logprobs)).abs().max()))
+        assert worst <= BOUND
+    finally:
+        eng.close()
+
+
+def test_image_requests_are_checked_before_vllm_sees_them():
+    """The engine's image checks (no vLLM needed): images for a text model, a count other than
+    the prompt's image runs, image runs without images, undecodable bytes."""
+    from molt_core.engines.vllm_engine import VLLMEngine
+    from tests.test_vision import png
+
+    eng = VLLMEngine.__new__(VLLMEngine)  # only the checks; no vLLM behind it
+    eng.is_vision, eng.image_token_id = False, None
+    assert eng._images([1, 2], None) is None
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        eng._images([1, 2], [png(28, 28)])
+    eng.is_vision, eng.image_token_id = True, 514
+    ids = [1, 512, 514, 514, 514, 514, 513, 2]
+    with pytest.raises(ValueError, match="1 image token run.*but no images"):
+        eng._images(ids, None)
+    with pytest.raises(ValueError, match="1 image token run.*but 2 image"):
+        eng._images(ids, [png(28, 28)] * 2)
+    with pytest.raises(ValueError, match="could not be decoded"):
+        eng._images(ids, [b"junk"])
+    (img,) = eng._images(ids, [png(28, 28)])
+    assert img.size == (28, 28) and img.mode == "RGB"

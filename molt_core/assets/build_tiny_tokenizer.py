@@ -23,7 +23,7 @@ import os
 import random
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "ADDED_TOKENS", "VOCAB_SIZE", "SPLIT_PATTERN", "corpus", "build"]
+__all__ = ["CHAT_TEMPLATE", "VL_CHAT_TEMPLATE", "VISION_TOKENS", "SPECIAL_TOKENS", "ADDED_TOKENS", "VOCAB_SIZE", "SPLIT_PATTERN", "corpus", "build"]
 
 OUT_DIR = Path(__file__).resolve().parent / "tiny_chatml"
 VOCAB_SIZE = 512
@@ -104,6 +104,22 @@ CHAT_TEMPLATE = (
     "  {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}\n"
     "{%- endif -%}\n"
 )
+
+#: The vision special tokens of the Qwen2-VL family, appended after the 512 entries for the
+#: builtin vision-language model (ids 512..515).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+# :data:`CHAT_TEMPLATE` whose content parts may also be images: an image part (``type`` ``image``,
+# ``image_url`` or ``input_image``) renders as ``<|vision_start|><|image_pad|><|vision_end|>`` --
+# one placeholder per image, which :func:`molt_core.vision.expand_placeholders` expands into
+# the image processor's run (as Qwen2-VL's own template and processor do).
+VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_PART, (
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- endif -%}"
+), 1)
+if VL_CHAT_TEMPLATE == CHAT_TEMPLATE:  # the text-part branch moved: update _TEXT_PART
+    raise RuntimeError("VL_CHAT_TEMPLATE: CHAT_TEMPLATE's text-part branch was not found")
 
 _WORDS = (
     "the a an of to and in is it that for on with as was be by this are or from at have not "

@@ -74,8 +74,12 @@ class RolloutEngine(Protocol):
     tokenizer: Any
     version: int
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        """Sample a continuation of ``prompt_ids`` (list of int) under ``params``."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       images: list[bytes] | None = None) -> GenerationOutput:
+        """Sample a continuation of ``prompt_ids`` (list of int) under ``params``. ``images``: for
+        vision-language engines, the encoded bytes of each image whose placeholder run
+        (:func:`molt_core.vision.expand_placeholders`) ``prompt_ids`` hold, in token order;
+        text-only engines may omit the argument."""
         ...
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:

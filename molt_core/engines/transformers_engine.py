@@ -83,6 +83,36 @@ class _Request:
     next_pos: int = 0  # real tokens already in this row's KV cache
     routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, L, K] chunks, by position
     digest: IdDigest = field(default_factory=IdDigest)  # the record of sampled ids (token identity)
+    vision: _RowImages | None = None  # the prompt's images (vision-language models)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two prompts the same forward: ids, and the images under their image runs."""
+        return (tuple(self.prompt_ids), self.vision.shas if self.vision is not None else ())
+
+    @property
+    def rope_delta(self) -> int:
+        """Position offset of tokens after the prompt (M-RoPE: an image run spans fewer positions
+        than tokens); 0 for text."""
+        return self.vision.delta if self.vision is not None else 0
+
+
+@dataclass(eq=False)
+class _RowImages:
+    """A prompt's images: ``pixel_values`` ``[n, D]``, ``grid`` ``[N, 3]``, the prompt's 3D
+    positions ``pos`` ``[3, P]``, ``delta`` (position of token ``j >= P`` is ``j + delta``)."""
+
+    shas: tuple[str, ...]
+    pixel_values: torch.Tensor
+    grid: torch.Tensor
+    pos: torch.Tensor
+    delta: int
+
+    def positions(self, length: int) -> torch.Tensor:
+        """``[3, length]`` positions of the prompt followed by ``length - P`` text tokens."""
+        P = self.pos.shape[1]
+        tail = (torch.arange(P, length) + self.delta).expand(3, -1)
+        return torch.cat([self.pos[:, :length], tail], 1)
 
 
 class TransformersEngine(WorkerThreadEngine):
@@ -107,8 +137,17 @@ class TransformersEngine(WorkerThreadEngine):
             prompt that starts with the same ids (:mod:`molt_core.engines.prefix_cache`: an
             agent's next turn prefills only its new tail); 0 disables it. Cleared whenever
             weights change; off for MoE models (their prefill records routing, R3).
+        vision_processor: a :class:`molt_core.vision.VisionProcessor` for a vision-language
+            model (Qwen2-VL family): requests may then carry images. Loaded from ``model`` when
+            that is a path; a model object needs it passed to accept images.
         dtype, gguf_file, model_seed, device: used only when ``model`` is a path
             (``model_seed`` is the builtin model's init seed).
+
+    Images: a prompt with images is prefilled with their ``pixel_values`` and ``image_grid_thw``
+    and the 3D (M-RoPE) positions of the model's own ``get_rope_index``
+    (:func:`molt_core.vision.rope_positions`); decode positions continue at ``j + delta``.
+    Identical prompts share a prefill row only when their images are identical too; prompts
+    with images neither use nor fill the prefix cache (its key is the ids alone).
 
     Raises:
         ValueError: ``max_batch_size < 1``, ``version < 0``, ``prefix_cache_mb < 0``, or neither
@@ -129,7 +168,10 @@ class TransformersEngine(WorkerThreadEngine):
         gguf_file: str | None = None,
         model_seed: int = 0,
         device: str | None = None,
+        vision_processor: Any = None,
     ) -> None:
+        from molt_core.vision import is_vision_model
+
         if isinstance(model, str):
             from molt_core.models import load_model, load_tokenizer
 
@@ -137,6 +179,10 @@ class TransformersEngine(WorkerThreadEngine):
             model = load_model(path, dtype=dtype, gguf_file=gguf_file, seed=model_seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(path, gguf_file=gguf_file)
+            if vision_processor is None and is_vision_model(model):
+                from molt_core.vision import load_vision_processor
+
+                vision_processor = load_vision_processor(path, tokenizer)
         if device is not None:
             model = model.to(device)
         if max_batch_size < 1:
@@ -157,7 +203,10 @@ class TransformersEngine(WorkerThreadEngine):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         cfg = getattr(model, "config", None)
-        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
+        self.is_vision = is_vision_model(model)
+        self.vision_processor = vision_processor
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30) or (1 << 30))
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(out_emb.weight.shape[0]) if out_emb is not None else int(getattr(cfg, "vocab_size", 1 << 62))
         self._seeds = random.Random(seed)
@@ -195,13 +244,17 @@ class TransformersEngine(WorkerThreadEngine):
         with self._cv:
             return len(self._running) + len(self._waiting) + self._n_prefill
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None) -> GenerationOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None,
+                       images: list[bytes] | None = None) -> GenerationOutput:
         """Sample a continuation of ``prompt_ids`` under ``params``.
 
         Args:
             prompt_ids: ``[P]`` token ids, ``1 <= P < max_position_embeddings``, each in
-                ``[0, vocab_size)``.
+                ``[0, vocab_size)``; with images, each image's run of ``<|image_pad|>`` already
+                expanded (:func:`molt_core.vision.expand_placeholders`).
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
+            images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
+                order (vision-language models only).
 
         Returns:
             :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
@@ -210,8 +263,9 @@ class TransformersEngine(WorkerThreadEngine):
             ``routed_experts`` ``[P + N, num_moe_layers, top_k]`` (-1 on the last token).
 
         Raises:
-            ValueError: empty/too long/out-of-range ``prompt_ids``, or stop strings without a
-                tokenizer.
+            ValueError: empty/too long/out-of-range ``prompt_ids``, stop strings without a
+                tokenizer, images for a text model, or image runs that do not match
+                ``images`` (count, or a run length other than the image's grid gives).
             RuntimeError: the engine is closed, or the forward pass failed.
         """
         if params is None:
@@ -231,17 +285,58 @@ class TransformersEngine(WorkerThreadEngine):
             raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop needs a tokenizer to decode completions; the engine has none")
+        vision = self._row_images(ids, images)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
         loop = asyncio.get_running_loop()
-        req = _Request(ids, params, self.eos_token_ids | frozenset(params.stop_token_ids), gen, loop.create_future(), loop)
+        req = _Request(ids, params, self.eos_token_ids | frozenset(params.stop_token_ids), gen, loop.create_future(), loop,
+                       vision=vision)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
             self._waiting.append(req)
             self._cv.notify_all()
         return await req.future
+
+    def _row_images(self, ids: list[int], images: list[bytes] | None) -> _RowImages | None:
+        """Process a prompt's images (pixels, grids, 3D positions), or None for a text prompt.
+        Raises ValueError as :meth:`generate` documents."""
+        vp = self.vision_processor
+        if not images:
+            if self.is_vision and vp is not None and vp.image_token_id in ids:
+                raise ValueError(f"prompt_ids hold image tokens (id {vp.image_token_id}) but no images were given; "
+                                 "pass images=[...] in token order")
+            return None
+        if not self.is_vision:
+            raise ValueError(f"{len(images)} image(s) given but the model ({type(self.model).__name__}) is not a "
+                             "vision-language model; use one such as builtin:tiny-qwen2.5-vl")
+        if vp is None:
+            raise ValueError("this engine has no vision processor: build it from a model path or pass "
+                             "vision_processor=molt_core.vision.load_vision_processor(path)")
+        from molt_core.vision import image_sha256, pixel_inputs, rope_positions
+
+        pixels, grid = pixel_inputs(images, vp)
+        pos, delta = rope_positions(self.model, ids, grid.tolist(), vp)
+        return _RowImages(tuple(image_sha256(b) for b in images), pixels, grid, pos, delta)
+
+    def _vision_kwargs(self, rows: list[_Request], lengths: list[int], n: int, pos2d: torch.Tensor) -> dict[str, Any]:
+        """Model kwargs for a left-padded forward over ``rows`` (row ``i`` holds its first
+        ``lengths[i]`` context tokens right-aligned in ``n`` columns): 3D positions (text rows keep
+        ``pos2d`` ``[B, n]`` on all three axes) and the images in row order; {} without images."""
+        if not any(r.vision is not None for r in rows):
+            return {}
+        pos = pos2d.unsqueeze(0).expand(3, -1, -1).clone()
+        pixels, grids = [], []
+        for i, (r, m) in enumerate(zip(rows, lengths)):
+            if r.vision is None:
+                continue
+            pos[:, i, n - m:] = r.vision.positions(m).to(pos.device)
+            pixels.append(r.vision.pixel_values)
+            grids.append(r.vision.grid)
+        dtype = next(self.model.parameters()).dtype
+        return {"position_ids": pos, "pixel_values": torch.cat(pixels).to(self.device, dtype),
+                "image_grid_thw": torch.cat(grids).to(self.device)}
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Copy ``state_dict`` (parameter/buffer name -> tensor, any float dtype) into the model
@@ -329,14 +424,16 @@ class TransformersEngine(WorkerThreadEngine):
         for r in pending:
             self._deliver(r, RuntimeError("the engine was closed before this generation finished"))
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, vision: dict[str, Any] | None = None):
         """One forward: ``[B, T]`` ids -> last-position logits ``[B, V]`` and the grown cache;
-        for MoE models ``self._last_route`` gets the routing ``[B * T, L, K]``."""
+        for MoE models ``self._last_route`` gets the routing ``[B * T, L, K]``. ``vision``: image
+        kwargs of :meth:`_vision_kwargs` (their ``position_ids`` replace ``position_ids``)."""
         if self._routing is not None:
             self._routing.clear()
+        kw = {"position_ids": position_ids, **(vision or {})}
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+            input_ids=input_ids, attention_mask=attention_mask,
+            use_cache=True, logits_to_keep=1, **kw, **{self._cache_kw: cache},
         )
         self.num_steps += 1
         self._last_route = self._routing.take() if self._routing is not None else None
@@ -351,10 +448,11 @@ class TransformersEngine(WorkerThreadEngine):
         one prefill row: its logits and KV cache are copied to each of them, so a group of ``n``
         costs one prompt forward, not ``n`` (the forward of a row does not depend on the others).
         """
-        first: dict[tuple[int, ...], int] = {}
-        src = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in reqs]
+        first: dict[tuple, int] = {}
+        src = [first.setdefault(r.key, len(first)) for r in reqs]
         uniq = [reqs[src.index(j)] for j in range(len(first))]
-        hits = [self.prefix_cache.match(r.prompt_ids) for r in uniq] if len(self.prefix_cache) else []
+        hits = [self.prefix_cache.match(r.prompt_ids) if r.vision is None else (0, None) for r in uniq] \
+            if len(self.prefix_cache) else []
         past = max((m for m, _ in hits), default=0)
         suffix = [r.prompt_ids[m:] for r, (m, _) in zip(uniq, hits)] if past else [r.prompt_ids for r in uniq]
         n = max(len(x) for x in suffix)
@@ -371,7 +469,8 @@ class TransformersEngine(WorkerThreadEngine):
             cache, pmask = _past_cache(hits, past, self.device)
             mask = torch.cat([pmask, mask], 1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        logits, cache = self._forward(ids, mask, pos, cache)
+        vision = self._vision_kwargs(uniq, [len(x) for x in suffix], n, pos)
+        logits, cache = self._forward(ids, mask, pos, cache, vision)
         if self._last_route is not None:  # [U * n, L, K] -> each row's real (right-aligned) columns
             rt = self._last_route.view(len(uniq), n, *self._last_route.shape[1:])
             for r, j in zip(reqs, src):
@@ -430,7 +529,7 @@ class TransformersEngine(WorkerThreadEngine):
             mask[i, n - len(c):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        _, cache = self._forward(ids, mask, pos, None)
+        _, cache = self._forward(ids, mask, pos, None, self._vision_kwargs(rows, [len(c) for c in ctx], n, pos))
         self._last_route = None
         for layer in _layers(cache):  # padded slots hold garbage (possibly NaN): zero them
             pad = mask[:, None, :, None] == 0
@@ -442,7 +541,7 @@ class TransformersEngine(WorkerThreadEngine):
         """One decode step for every running row, then drop finished rows."""
         rows = self._running
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
-        pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
+        pos = torch.tensor([[r.next_pos + r.rope_delta] for r in rows], device=self.device)
         self._mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
         logits, self._cache = self._forward(ids, self._mask, pos, self._cache)
         for i, r in enumerate(rows):
@@ -479,7 +578,7 @@ class TransformersEngine(WorkerThreadEngine):
             r = rows[i]
             real = mask[i].bool()
             ids = r.prompt_ids + r.tokens[:-1]
-            if r.future.cancelled() or int(real.sum()) != len(ids):
+            if r.future.cancelled() or r.vision is not None or int(real.sum()) != len(ids):
                 continue
             self.prefix_cache.put(ids, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers])
 

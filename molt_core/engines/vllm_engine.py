@@ -106,6 +106,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     digest: IdDigest = field(default_factory=IdDigest)  # the record of sampled ids (token identity)
+    images: list[Any] | None = None  # decoded PIL images, in token order (vision-language models)
 
 
 class VLLMEngine(WorkerThreadEngine):
@@ -207,8 +208,12 @@ class VLLMEngine(WorkerThreadEngine):
         self.num_steps = 0
         self._expected = _checkpoint_shapes(Path(model_dir))
         self._tied = bool(cfg.get("tie_word_embeddings", False))
-        self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
-        self.vocab_size = int(cfg["vocab_size"])
+        text_cfg = cfg.get("text_config") or cfg  # a vision-language config nests the LM's
+        self.max_model_len = int(max_model_len or text_cfg.get("max_position_embeddings")
+                                 or cfg.get("max_position_embeddings") or 2048)
+        self.vocab_size = int(text_cfg.get("vocab_size") or cfg["vocab_size"])
+        self.is_vision = "vision_config" in cfg
+        self.image_token_id = cfg.get("image_token_id") if self.is_vision else None
 
         args: dict[str, Any] = dict(
             model=model_dir, tokenizer=model_dir, dtype=dtype, seed=0 if seed is None else int(seed),
@@ -261,6 +266,10 @@ class VLLMEngine(WorkerThreadEngine):
         self._tmpdir = tempfile.mkdtemp(prefix="molt-vllm-")
         model.save_pretrained(self._tmpdir, safe_serialization=True)
         tokenizer.save_pretrained(self._tmpdir)
+        from molt_core.vision import is_vision_model, tiny_image_processor
+
+        if is_vision_model(model):  # the builtin VL model's image processor (preprocessor_config.json)
+            tiny_image_processor().save_pretrained(self._tmpdir)
         return self._tmpdir, tokenizer
 
     def _cleanup_dir(self) -> None:
@@ -275,12 +284,18 @@ class VLLMEngine(WorkerThreadEngine):
         with self._cv:
             return len(self._running) + len(self._waiting)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None) -> GenerationOutput:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | dict | None = None,
+                       images: list[bytes] | None = None) -> GenerationOutput:
         """Sample a continuation of ``prompt_ids`` under ``params``.
 
         Args:
-            prompt_ids: ``[P]`` token ids, ``1 <= P < max_model_len``, each in ``[0, vocab_size)``.
+            prompt_ids: ``[P]`` token ids, ``1 <= P < max_model_len``, each in ``[0, vocab_size)``;
+                with images, each image's ``<|image_pad|>`` run already expanded
+                (:func:`molt_core.vision.expand_placeholders`).
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
+            images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
+                order (vision-language models): passed to vLLM as
+                ``multi_modal_data={"image": [...]}`` next to the token prompt.
 
         Returns:
             :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
@@ -289,8 +304,10 @@ class VLLMEngine(WorkerThreadEngine):
             string), ``prompt_len = P`` and, with ``return_routed_experts``, the routing.
 
         Raises:
-            ValueError: empty/too long/out-of-range ``prompt_ids``, or
-                ``0 < temperature < 1e-5`` (vLLM would silently sample greedily).
+            ValueError: empty/too long/out-of-range ``prompt_ids``,
+                ``0 < temperature < 1e-5`` (vLLM would silently sample greedily), images for a
+                text model, a count of images other than the prompt's image runs, or an
+                undecodable image.
             RuntimeError: the engine is closed, or vLLM failed on the request.
         """
         if params is None:
@@ -309,15 +326,38 @@ class VLLMEngine(WorkerThreadEngine):
         if 0 < params.temperature < _GREEDY_EPS:
             raise ValueError(f"temperature {params.temperature} is below vLLM's greedy threshold {_GREEDY_EPS}; "
                              "use temperature = 0 for greedy or a larger value")
+        decoded = self._images(ids, images)
         loop = asyncio.get_running_loop()
         req = _Request(f"molt-{next(self._ids)}", ids, params, self._vllm_params(params, len(ids)),
-                       loop.create_future(), loop)
+                       loop.create_future(), loop, images=decoded)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
             self._waiting.append(req)
             self._cv.notify_all()
         return await req.future
+
+    def _images(self, ids: list[int], images: list[bytes] | None) -> list[Any] | None:
+        """Decode a request's images (PIL, RGB) after checking them against the prompt's image
+        runs; None for a text prompt. Raises ValueError as :meth:`generate` documents."""
+        runs = 0
+        if self.is_vision and self.image_token_id is not None:
+            from molt_core.vision import image_runs
+
+            runs = len(image_runs(ids, int(self.image_token_id)))
+        if not images:
+            if runs:
+                raise ValueError(f"prompt_ids hold {runs} image token run(s) but no images were given; "
+                                 "pass images=[...] in token order")
+            return None
+        if not self.is_vision:
+            raise ValueError(f"{len(images)} image(s) given but the model is not a vision-language model; "
+                             "use one such as builtin:tiny-qwen2.5-vl")
+        if runs != len(images):
+            raise ValueError(f"prompt_ids hold {runs} image token run(s) but {len(images)} image(s) were given")
+        from molt_core.vision import decode_image
+
+        return [decode_image(b) for b in images]
 
     def _vllm_params(self, p: SamplingParams, prompt_len: int) -> Any:
         greedy = p.temperature == 0
@@ -423,7 +463,10 @@ class VLLMEngine(WorkerThreadEngine):
                 if r.future.cancelled():
                     continue
                 try:
-                    engine.add_request(r.rid, {"prompt_token_ids": r.prompt_ids}, r.vparams)
+                    prompt: dict[str, Any] = {"prompt_token_ids": r.prompt_ids}
+                    if r.images:
+                        prompt["multi_modal_data"] = {"image": r.images}
+                    engine.add_request(r.rid, prompt, r.vparams)
                 except Exception as e:  # noqa: BLE001 - a rejected request fails alone
                     self._deliver(r, RuntimeError(f"vLLM rejected the request: {e!r}"))
                     continue

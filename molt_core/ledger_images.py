@@ -1,0 +1,46 @@
+"""The ledger's image step: expand a rendered prompt's image placeholders into the processor's
+runs and record where each run sits (:class:`~molt_core.types.ImageRef`).
+
+The chat template renders one placeholder per image; the model's
+:class:`~molt_core.vision.VisionProcessor` knows how many image tokens each image becomes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt_core.types import ImageRef
+
+__all__ = ["expand_images"]
+
+
+def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
+                  offset: int) -> tuple[list[int], list[ImageRef]]:
+    """Expand the placeholders of ``ids`` (template-encoded text) for the images ``shas``.
+
+    Args:
+        vision: the model's :class:`~molt_core.vision.VisionProcessor`; None for a text-only model.
+        ids: the encoded text, one placeholder per image.
+        shas: the SHA-256 of each image, in the order the template renders them.
+        pool: SHA-256 -> encoded bytes (the ledger's per-rollout image store).
+        offset: where ``ids`` start in the segment (the held ids before a tail).
+
+    Returns:
+        ``(expanded ids, refs)`` (:func:`molt_core.vision.expand_placeholders`, refs positioned
+        in the segment); ``(ids, [])`` unchanged for a text-only model and no images.
+
+    Raises:
+        ValueError: images for a model without a vision processor, or a placeholder count that
+            differs from the image count (e.g. message text that spells the placeholder token).
+    """
+    if vision is None:
+        if shas:
+            raise ValueError(f"the messages carry {len(shas)} image(s) but this model has no vision processor; "
+                             "serve a vision-language model (see docs/vision.md) or send text only")
+        return ids, []
+    from molt_core.vision import expand_placeholders
+
+    try:
+        return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
+    except ValueError as e:
+        raise ValueError(f"{e} (message text must not contain the model's image placeholder tokens)") from None
