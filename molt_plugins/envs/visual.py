@@ -28,7 +28,6 @@ and hence no train (image, answer) pair -- equals a held-out one
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import random
@@ -37,6 +36,7 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt_core.agents import EpisodeState, Env
+from molt_core.images import image_part
 from molt_core.types import Result
 from molt_plugins.envs.dataset import strip_end_markers
 
@@ -320,7 +320,7 @@ class VisualEnv(Env):
         messages: list[dict[str, Any]] = []
         if self.options.system_prompt:
             messages.append({"role": "system", "content": self.options.system_prompt})
-        messages.append({"role": "user", "content": [_image_part(png_bytes(task)),
+        messages.append({"role": "user", "content": [image_part(png_bytes(task)),
                                                      {"type": "text", "text": self.reset(task)}]})
         return messages
 
@@ -330,7 +330,3 @@ class VisualEnv(Env):
         return Result(reward=self.options.reward_weight * s, score=s, terminated=True,
                       info={"task": self.options.task})
 
-
-def _image_part(png: bytes) -> dict[str, Any]:
-    """The internal (OpenAI-shaped) image content part of ``png``."""
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode("ascii")}}
