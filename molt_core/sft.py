@@ -13,6 +13,14 @@ eps / weight decay at ``sft.lr``, grad-norm clip ``trainer.grad_clip``.
 :func:`examples_from_agent` draws examples from an agent's ``tasks("train", seed)`` (dicts
 with ``question`` / ``answer``), optionally with deliberately wrong labels (``label_noise``)
 so the warm start is imperfect and RL has something to improve.
+
+Images (vision-language models): a prompt whose user/tool messages hold image parts
+(``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``,
+:func:`molt_core.images.image_part`) is normalized and rendered as the ledger does
+(:func:`molt_core.ledger_messages.normalize_messages`), each placeholder is expanded into the
+image's run (:func:`molt_core.vision.expand_placeholders`), and the forward gets the images'
+``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.vision.padded_inputs`)
+-- the same inputs the engine and the RL trainer give the model.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Example", "render_example", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
+__all__ = ["Example", "render_example", "render_with_images", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
            "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
@@ -76,6 +84,55 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
     if not comp:
         raise ValueError(f"completion {completion!r} renders to no token")
     return prompt_ids, comp
+
+
+def _vision_processor(trainer: Any) -> Any:
+    """The trainer's vision processor (``trainer.vision_processor``), else the one of
+    ``cfg.model.path`` for a vision-language model, else None."""
+    vp = getattr(trainer, "vision_processor", None)
+    if vp is None:
+        from molt_core.vision import is_vision_model, load_vision_processor
+
+        if is_vision_model(trainer.model):
+            vp = load_vision_processor(trainer.cfg.model.path, trainer.tokenizer)
+    return vp
+
+
+def render_with_images(tokenizer: Any, vp: Any, messages: list[dict[str, Any]], completion: str,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int], list[bytes]]:
+    """:func:`render_example` for prompts that may hold images: ``(prompt_ids, completion_ids,
+    images)`` with each image's placeholder expanded into its run and ``images`` the encoded
+    bytes in token order (empty for a text prompt, whose ids are :func:`render_example`'s).
+
+    Raises:
+        ValueError: as :func:`render_example`; images for a model without a vision processor;
+            :class:`~molt_core.images.ImageError` for a refused image (naming its field).
+    """
+    from molt_core.images import is_image_part
+
+    if not any(isinstance(m.get("content"), list) and any(is_image_part(p) for p in m["content"]) for m in messages):
+        return (*render_example(tokenizer, messages, completion, chat_template_kwargs), [])
+    from molt_core.ledger_messages import image_shas, normalize_messages
+
+    pool: dict[str, bytes] = {}
+    msgs = normalize_messages(messages, pool)
+    if vp is None:
+        raise ValueError(f"sft: an example carries {len(pool)} image(s) but the model is not a vision-language model")
+    prompt, comp = render_example(tokenizer, msgs, completion, chat_template_kwargs)
+    from molt_core.vision import expand_placeholders
+
+    images = [pool[h] for h in image_shas(msgs)]
+    return expand_placeholders(prompt, images, vp)[0], comp, images
+
+
+def _image_kwargs(model: Any, vp: Any, seqs: Sequence[tuple[list[int], list[int]]], imgs: Sequence[list[bytes]],
+                  width: int, device: Any) -> dict[str, Any]:
+    """:func:`molt_core.vision.padded_inputs` of a micro-batch (``{}`` when no row has images)."""
+    if not any(imgs):
+        return {}
+    from molt_core.vision import padded_inputs
+
+    return padded_inputs(model, vp, [(p + c, im) for (p, c), im in zip(seqs, imgs)], width, device)
 
 
 def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +223,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         raise ValueError("sft: the trainer has no tokenizer to render examples with")
     cfg = trainer.cfg
     kw = cfg.model.chat_template_kwargs
-    rendered = [render_example(tok, m, c, kw) for m, c in examples]
+    vp = _vision_processor(trainer)
+    rendered = [render_with_images(tok, vp, m, c, kw) for m, c in examples]
     from molt_core.train.lora import base_training
 
     scope = base_training(trainer.model)  # with LoRA: the base weights, adapter disabled
@@ -186,7 +244,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
                 order = list(range(len(rendered)))
                 rng.shuffle(order)
             idx.append(order.pop())
-        seqs = [rendered[i] for i in idx]
+        seqs = [rendered[i][:2] for i in idx]
+        imgs = [rendered[i][2] for i in idx]
         n_tok = sum(len(c) for _, c in seqs)
         step_lr = lr * lr_factor(step, warmup_steps, steps, lr_schedule)
         for g in opt.param_groups:
@@ -199,7 +258,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         for rows, real in work:
             ids, labels = collate(seqs[rows], pad)
             ids, labels = ids.to(dev), labels.to(dev)
-            logits = model(input_ids=ids, use_cache=False).logits.float()
+            vision = _image_kwargs(model, vp, seqs[rows], imgs[rows], ids.shape[1], dev)
+            logits = model(input_ids=ids, use_cache=False, **vision).logits.float()
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                 ignore_index=-100, reduction="sum") / n_tok * float(real)

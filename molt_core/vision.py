@@ -36,7 +36,7 @@ from molt_core.types import ImageRef
 __all__ = [
     "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "VisionProcessor",
     "check_runs", "decode_image", "expand_placeholders", "image_runs", "image_sha256", "is_vision_model",
-    "load_vision_processor", "pixel_inputs", "rope_positions", "tiny_image_processor",
+    "load_vision_processor", "padded_inputs", "pixel_inputs", "rope_positions", "tiny_image_processor",
 ]
 
 #: builtin ``tiny-qwen2.5-vl``: 7-pixel patches, 2x2 merge -> one image token per 14x14 pixels.
@@ -297,3 +297,42 @@ def rope_positions(model: Any, ids: Sequence[int], grids: Sequence[Sequence[int]
     pos, delta = _rope_index_fn(model)(x, mm_token_type_ids=types,
                                         image_grid_thw=torch.tensor([list(g) for g in grids], dtype=torch.long))
     return pos[:, 0].cpu(), int(delta.flatten()[0])
+
+
+def padded_inputs(model: Any, vp: VisionProcessor | None, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]],
+                  width: int, device: Any = None) -> dict[str, torch.Tensor]:
+    """Image kwargs of a right-padded forward (trainer recompute, SFT) over ``rows``.
+
+    Args:
+        rows: per row, its real ids (unpadded, ``len <= width``, image runs expanded) and the
+            encoded bytes of its images in token order (empty for a text row).
+        width: ``T``, the padded row length.
+
+    Returns:
+        ``{}`` when no row has an image; else ``position_ids`` ``[3, B, T]`` int64 (a row's
+        :func:`rope_positions`, continued as ``j + delta`` over its padding; text rows
+        ``0..T-1``), ``pixel_values`` ``[n, D]`` (in the model's dtype) and ``image_grid_thw``
+        ``[N, 3]`` of every image, rows in order.
+
+    Raises:
+        ValueError: images but no vision processor, or a row whose image runs do not match
+            its images (:func:`check_runs`).
+    """
+    if not any(imgs for _, imgs in rows):
+        return {}
+    if vp is None:
+        raise ValueError("rows carry images but the model has no vision processor")
+    pos = torch.arange(width).expand(3, len(rows), -1).clone()
+    pixels, grids = [], []
+    for i, (ids, imgs) in enumerate(rows):
+        if not imgs:
+            continue
+        pv, grid = pixel_inputs(imgs, vp)
+        p, delta = rope_positions(model, ids, grid.tolist(), vp)
+        pos[:, i, :len(ids)] = p
+        pos[:, i, len(ids):] = torch.arange(len(ids), width) + delta
+        pixels.append(pv)
+        grids.append(grid)
+    dtype = next(model.parameters()).dtype
+    return {"position_ids": pos.to(device), "pixel_values": torch.cat(pixels).to(device, dtype),
+            "image_grid_thw": torch.cat(grids).to(device)}
