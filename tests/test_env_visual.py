@@ -59,6 +59,24 @@ def test_count_shape_kinds_pixels():
     assert _white(sq) == 49  # the 7x7 square is solid
 
 
+def test_count_cell_layout_puts_each_shape_inside_its_own_cell():
+    env = VisualEnv(task="count", image_size=56, cell=14, shape_size=8)
+    seen = set()
+    for t in itertools.islice(env.tasks("train", 0), 500):
+        cells = []
+        for _, x, y in t["params"]["shapes"]:
+            for v in (x, y):  # margin max(1, gap // 2) = 1: the shape spans v .. v+7 inside 1 .. 12 of its cell
+                assert 1 <= v % 14 and v % 14 + 7 <= 12, t
+            cells.append((x // 14, y // 14))
+        assert len(set(cells)) == len(cells) == int(t["answer"])
+        seen.add(len(cells))
+    assert seen == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match=r"agent\.options\.cell = 8"):
+        VisualEnv(task="count", image_size=56, cell=8, shape_size=8)
+    with pytest.raises(ValueError, match=r"max_count = 5"):
+        VisualEnv(task="count", image_size=28, cell=14, shape_size=8, max_count=5)
+
+
 def test_digit_seed0_known_params_and_segments():
     env = VisualEnv(task="digit")
     assert _first(env, "eval")["params"] == {"size": 56, "digit": 0, "x": 26, "y": 2}

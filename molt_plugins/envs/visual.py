@@ -73,6 +73,10 @@ class VisualOptions(BaseModel):
     * ``shape_size`` -- ``count``: side of a shape in pixels; None: ``image_size // 7``.
     * ``shape_kinds`` -- ``count``: each shape's kind is drawn uniformly from this list.
     * ``gap`` -- ``count``: minimum free pixels between two shapes' boxes.
+    * ``cell`` -- ``count``: when set, the image is a grid of ``cell`` x ``cell`` pixel cells
+      and each shape sits in its own cell at a random offset, at least ``gap // 2`` pixels
+      (and at least 1) from the cell's edges; a cell the size of the model's image token (14
+      px for ``builtin:tiny-qwen2.5-vl``) makes each token show at most one shape.
     * ``min_gap`` -- ``longer``: minimum length difference of the two lines, in pixels;
       None: ``image_size // 8``.
     * ``seed`` -- base generator seed; None uses the ``seed`` passed to ``tasks``.
@@ -92,6 +96,7 @@ class VisualOptions(BaseModel):
     shape_size: int | None = Field(None, ge=2)
     shape_kinds: list[ShapeKind] = Field(default_factory=lambda: ["square"], min_length=1)
     gap: int = Field(2, ge=1)
+    cell: int | None = Field(None, ge=4)
     min_gap: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=0)
     eval_size: int = Field(256, ge=1)
@@ -103,7 +108,14 @@ class VisualOptions(BaseModel):
     @model_validator(mode="after")
     def _fits(self) -> "VisualOptions":
         side = self.side()
-        if self.task == "count":
+        if self.task == "count" and self.cell is not None:
+            margin = max(1, self.gap // 2)
+            if side + 2 * margin > self.cell or (self.image_size // self.cell) ** 2 < self.max_count:
+                raise ValueError(
+                    f"agent.options.cell = {self.cell}: a grid of {self.image_size // self.cell}x"
+                    f"{self.image_size // self.cell} cells must hold max_count = {self.max_count} shapes of side "
+                    f"{side} with a margin of {margin} px; raise cell or image_size, or lower shape_size")
+        elif self.task == "count":
             per_row = (self.image_size - 2 + self.gap) // (side + self.gap)
             if per_row * per_row < self.max_count:
                 raise ValueError(
@@ -122,6 +134,14 @@ class VisualOptions(BaseModel):
 def _sample_count(rng: random.Random, o: VisualOptions) -> dict[str, Any]:
     n = rng.randint(1, o.max_count)
     s, size = o.side(), o.image_size
+    if o.cell is not None:
+        per_row, margin = size // o.cell, max(1, o.gap // 2)
+        boxes = []
+        for c in rng.sample(range(per_row * per_row), n):
+            x = (c % per_row) * o.cell + rng.randint(margin, o.cell - s - margin)
+            y = (c // per_row) * o.cell + rng.randint(margin, o.cell - s - margin)
+            boxes.append([rng.choice(o.shape_kinds), x, y])
+        return {"size": size, "side": s, "shapes": sorted(boxes, key=lambda b: (b[2], b[1], b[0]))}
     while True:  # rejection sampling; the validator guarantees a grid packing exists
         boxes: list[list[Any]] = []
         for _ in range(200 * n):
