@@ -30,7 +30,8 @@ A model ``path`` is either
     tokenizer extended with ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
     ``<|video_pad|>`` (ids 512..515) and a template rendering image parts
     (:data:`molt_core.assets.build_tiny_tokenizer.VL_CHAT_TEMPLATE`); its image processor
-    is :func:`molt_core.vision.load_vision_processor`.
+    is :func:`molt_core.vision.load_vision_processor` -- 661,312 parameters (200,896 in the
+    vision tower).
 
 Builtin tokenizers use the project's Qwen3-style ChatML template
 (:data:`molt_core.assets.build_tiny_tokenizer.CHAT_TEMPLATE`).
@@ -46,13 +47,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "VL_BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
 BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large", "tiny-qwen2.5-vl")
 #: builtin vision-language models (image inputs; see :mod:`molt_core.vision`)
 VL_BUILTINS = ("tiny-qwen2.5-vl",)
+#: builtin ``tiny-qwen2.5-vl``: 7-pixel patches, 2x2 merge -> one image token per 14x14 pixels;
+#: its image processor (:func:`molt_core.vision.tiny_image_processor`) resizes so that
+#: ``MIN <= height * width <= MAX`` pixels: 14x14 (1 token) up to 56x56 (16 tokens).
+TINY_VL_PATCH = 7
+TINY_VL_MERGE = 2
+TINY_VL_MIN_PIXELS = 14 * 14
+TINY_VL_MAX_PIXELS = 56 * 56
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Qwen2/Qwen3 tokenizer layout: 151,643 BPE tokens, then these ids from 151,643 on.
@@ -335,8 +343,6 @@ def _add_vision_tokens(tok: Any) -> None:
 
 def _vl_config(tok: Any) -> Any:
     from transformers import Qwen2_5_VLConfig
-
-    from molt_core.vision import TINY_VL_MERGE, TINY_VL_PATCH
 
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                    tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])))

@@ -347,14 +347,26 @@ def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -
     * ``{"messages": [...]}`` -- a chat; every assistant message becomes one example whose
       prompt is the messages before it, so the loss covers all assistant turns and nothing else.
 
+    A message's ``content`` is a string, or (vision-language models) a list of
+    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": {"url":
+    "data:image/png;base64,..."}}`` parts; the images are checked when rendered.
+
     Raises:
         ValueError: a row of neither form, malformed messages, or no example at all (names
             ``what`` and the 1-based row number).
     """
+    def parts(c: Any) -> bool:  # a content list of text and image parts (images: vision-language models)
+        return isinstance(c, list) and all(isinstance(p, dict) and (p.get("type") == "text" and isinstance(
+            p.get("text"), str) or p.get("type") == "image_url") for p in c)
+
     def chat(msgs: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in msgs):
-            raise ValueError(f"{what}: {where} must be a list of {{\"role\": str, \"content\": str}} messages")
+                                                 and (isinstance(m.get("content"), str) or parts(m.get("content")))
+                                                 for m in msgs):
+            raise ValueError(f"{what}: {where} must be a list of {{\"role\": str, \"content\": str}} messages "
+                             "(a user message's content may also be a list of text and image_url parts)")
+        if any(m["role"] == "assistant" and not isinstance(m["content"], str) for m in msgs):
+            raise ValueError(f"{what}: {where}: an assistant message's content must be a string")
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
     out: list[Example] = []
@@ -456,7 +468,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     from rich.console import Console
 
     from molt_core.progress import step_progress
-    from molt_core.runtime import load_agent
+    from molt_core.agents import load_agent
     from molt_core.train import Trainer
 
     if cfg.sft.steps <= 0:

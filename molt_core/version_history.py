@@ -117,6 +117,8 @@ def select_rows(batch, rows: torch.Tensor):
                if f.name in ("input_ids", "mask", "behaviour_logprobs", "versions", "param_ids", "lengths",
                              "rollout_index", "teacher_logprobs", "routed_experts")
                and getattr(batch, f.name) is not None}
+    if getattr(batch, "images", None) is not None:  # per-row lists of image bytes
+        per_row["images"] = [batch.images[i] for i in rows.tolist()]
     return dataclasses.replace(batch, **per_row)
 
 

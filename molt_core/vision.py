@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from molt_core.models import TINY_VL_MAX_PIXELS, TINY_VL_MERGE, TINY_VL_MIN_PIXELS, TINY_VL_PATCH
 from molt_core.types import ImageRef
 
 __all__ = [
@@ -39,13 +40,6 @@ __all__ = [
     "load_vision_processor", "padded_inputs", "pixel_inputs", "rope_positions", "tiny_image_processor",
 ]
 
-#: builtin ``tiny-qwen2.5-vl``: 7-pixel patches, 2x2 merge -> one image token per 14x14 pixels.
-TINY_VL_PATCH = 7
-TINY_VL_MERGE = 2
-#: its image processor resizes so that ``MIN <= height * width <= MAX`` pixels: 14x14 (1 token)
-#: up to 56x56 (16 tokens).
-TINY_VL_MIN_PIXELS = 14 * 14
-TINY_VL_MAX_PIXELS = 56 * 56
 
 
 def image_sha256(data: bytes) -> str:

@@ -96,25 +96,62 @@ def test_engine_logprobs_equal_a_direct_forward_with_images(eng, tok, vp):
     alone = asyncio.run(eng.generate(prompts[2], params[2], images=cases[2][1]))
     assert alone.token_ids == outs[2].token_ids
     assert max(abs(x - y) for x, y in zip(alone.logprobs, outs[2].logprobs)) <= 1e-5
-    # image prompts stay out of the prefix cache (it is keyed by ids alone)
-    assert all(tuple(ids[:len(prompts[0])]) != tuple(prompts[0]) for ids, _, _ in eng.prefix_cache._entries.values())
 
 
-def test_multi_turn_image_prompt_after_a_text_turn_uses_no_stale_prefix(eng, tok, vp):
-    """A text conversation is cached; its next turn adds an image: the cache must not be used
-    for the image prompt and logprobs stay exact."""
-    sp = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
-    first = prompt(tok, vp, "Hello there.", [])
-    o1 = asyncio.run(eng.generate(first, sp))
-    img = png(28, 28)
-    tail = tok.encode("<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
-                      "<|im_start|>assistant\n")
-    nxt = first + o1.token_ids + expand_placeholders(tail, [img], vp)[0]
-    hits = eng.prefix_cache.hits
-    o2 = asyncio.run(eng.generate(nxt, sp, images=[img]))
-    assert eng.prefix_cache.hits == hits
-    ref = direct_logprobs(eng.model, vp, nxt, [img], o2, sp)
-    assert (ref - torch.tensor(o2.logprobs)).abs().max().item() <= 1e-5
+def test_prefix_cache_with_images_reuses_exactly_and_never_across_a_different_image(tok, vp):
+    """An agent's turns: text, then an image, then another image -- each turn reuses the last
+    one's keys/values (the vision tower encodes only the new image); a prompt with the same ids
+    but another image behind the run reuses only the ids before the run. Logprobs stay exact."""
+    eng = TransformersEngine(VL, max_batch_size=4)
+    encoded = []
+    hook = eng.model.model.visual.register_forward_hook(lambda m, a, kw: encoded.append(int(a[0].shape[0])))
+    sp = SamplingParams(temperature=1.0, max_tokens=5, seed=5)
+    start = tok.convert_tokens_to_ids("<|vision_start|>")
+    try:
+        ids = prompt(tok, vp, "Hello there.", [])
+        out = asyncio.run(eng.generate(ids, sp))
+        shown: list[bytes] = []
+        for k, img in enumerate([png(28, 28), png(56, 28, (0, 0, 250))]):
+            tail = tok.encode("<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                              "<|im_start|>assistant\n")
+            prev = ids + out.token_ids
+            ids = prev + expand_placeholders(tail, [img], vp)[0]
+            shown.append(img)
+            hits, reused, n_enc = eng.prefix_cache.hits, eng.prefix_cache.reused_tokens, len(encoded)
+            out = asyncio.run(eng.generate(ids, sp, images=shown))
+            assert eng.prefix_cache.hits == hits + 1
+            assert eng.prefix_cache.reused_tokens - reused == len(prev) - 1  # all but the last sampled token
+            assert encoded[n_enc:] == [[16, 32][k]]  # only the new image: 28x28 -> 16 patches, 56x28 -> 32
+            ref = direct_logprobs(eng.model, vp, ids, shown, out, sp)
+            assert (ref - torch.tensor(out.logprobs)).abs().max().item() <= 1e-5
+        # same ids, a different second image (same size): reuse stops at that image's run
+        other = shown[:1] + [png(56, 28, (250, 250, 0))]
+        hits, reused = eng.prefix_cache.hits, eng.prefix_cache.reused_tokens
+        out2 = asyncio.run(eng.generate(ids, sp, images=other))
+        run2 = [i for i, t in enumerate(ids) if t == vp.image_token_id][-1] - 7  # 8 tokens in the 56x28 run
+        assert ids[run2 - 1] == start and ids[run2] == vp.image_token_id
+        assert eng.prefix_cache.hits == hits + 1 and eng.prefix_cache.reused_tokens - reused == run2
+        ref = direct_logprobs(eng.model, vp, ids, other, out2, sp)
+        assert (ref - torch.tensor(out2.logprobs)).abs().max().item() <= 1e-5
+    finally:
+        hook.remove()
+        eng.close()
+
+
+def test_prefix_cache_match_by_hand():
+    from molt_core.engines.prefix_cache import PrefixCache
+
+    kv = [(torch.zeros(1, 8, 2), torch.zeros(1, 8, 2))]
+    pc = PrefixCache(1 << 20)
+    # ids: 0 1 [9 9] 2 [9 9] 3 -- image runs at [2, 4) (sha a) and [5, 7) (sha b)
+    ids = [0, 1, 9, 9, 2, 9, 9, 3]
+    pc.put(ids, kv, [("a", 2, 4), ("b", 5, 7)])
+    assert pc.match(ids + [4], [("a", 2, 4), ("b", 5, 7)])[0] == 8
+    assert pc.match(ids + [4], [("a", 2, 4), ("c", 5, 7)])[0] == 5  # cut before the other image
+    assert pc.match(ids + [4], [("c", 2, 4), ("b", 5, 7)])[0] == 2
+    short = PrefixCache(1 << 20)  # an entry that ends inside a run never reuses part of it
+    short.put(ids[:6], [(torch.zeros(1, 6, 2), torch.zeros(1, 6, 2))], [("a", 2, 4)])
+    assert short.match(ids, [("a", 2, 4), ("b", 5, 7)])[0] == 5
 
 
 def test_refusals(eng, tok, vp):

@@ -75,3 +75,20 @@ def test_sft_on_images_learns_the_colour(tok):
     before = dict(model.named_parameters())
     moved = {n for n, p in tuned.named_parameters() if not torch.equal(p.detach(), before[n].detach())}
     assert any(n.startswith("model.visual.") for n in moved)
+
+
+def test_sft_rows_may_carry_image_parts(tok):
+    from molt_core.sft import examples_from_rows
+
+    msgs, answer = colour_example("blue")
+    rows = [{"prompt": msgs, "completion": answer},
+            {"messages": msgs + [{"role": "assistant", "content": answer}]}]
+    ex = examples_from_rows(rows)
+    assert ex == [(msgs, "blue"), (msgs, "blue")]
+    vp = load_vision_processor(VL, tok)
+    p, c, images = render_with_images(tok, vp, *ex[0])
+    assert p.count(vp.image_token_id) == 4 and len(images) == 1
+    with pytest.raises(ValueError, match="assistant message's content must be a string"):
+        examples_from_rows([{"messages": msgs + [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}]}])
+    with pytest.raises(ValueError, match="must be a list of"):
+        examples_from_rows([{"prompt": [{"role": "user", "content": [{"type": "audio"}]}], "completion": "x"}])

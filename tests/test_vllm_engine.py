@@ -404,3 +404,21 @@ def test_image_requests_are_checked_before_vllm_sees_them():
         eng._images(ids, [b"junk"])
     (img,) = eng._images(ids, [png(28, 28)])
     assert img.size == (28, 28) and img.mode == "RGB"
+
+
+def test_load_weights_maps_the_vl_state_dict_to_the_saved_layout(tmp_path, monkeypatch):
+    """A trainer's Qwen2.5-VL state_dict (``model.language_model.*``, ``model.visual.*``) is
+    accepted against the checkpoint vLLM loaded (``model.*``, ``visual.*``), no tensor missing."""
+    from molt_core.engines.vllm_engine import VLLMEngine, _checkpoint_shapes
+    from tests.test_vision import VL
+
+    model = load_model(VL)
+    model.save_pretrained(tmp_path)
+    eng = VLLMEngine.__new__(VLLMEngine)  # only load_weights' checks; no vLLM behind it
+    eng._expected, eng._tied = _checkpoint_shapes(tmp_path), True
+    got = []
+    monkeypatch.setattr(eng, "_queue_weights", lambda w, v: got.append((w, v)), raising=False)
+    eng.load_weights(model.state_dict(), 3)
+    (weights, version), = got
+    assert version == 3 and sorted(n for n, _ in weights) == sorted(eng._expected)
+    assert "visual.blocks.0.attn.qkv.weight" in dict(weights) and "model.layers.0.mlp.up_proj.weight" in dict(weights)

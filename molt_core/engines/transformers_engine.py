@@ -107,6 +107,17 @@ class _RowImages:
     grid: torch.Tensor
     pos: torch.Tensor
     delta: int
+    runs: tuple[tuple[str, int, int], ...]  # (sha256, start, end) of each image's run, in token order
+    rows: tuple[int, ...]  # pixel_values rows of each image: t * h * w
+
+    def after(self, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(pixel_values, grid)`` of the images whose runs start at or after token ``m`` (the
+        ones a prefill from a reused prefix of ``m`` tokens must encode), or ``(None, None)``."""
+        keep = [i for i, (_, s, _) in enumerate(self.runs) if s >= m]
+        if not keep:
+            return None, None
+        first = sum(self.rows[:keep[0]])
+        return self.pixel_values[first:], self.grid[keep[0]:]
 
     def positions(self, length: int) -> torch.Tensor:
         """``[3, length]`` positions of the prompt followed by ``length - P`` text tokens."""
@@ -146,8 +157,9 @@ class TransformersEngine(WorkerThreadEngine):
     Images: a prompt with images is prefilled with their ``pixel_values`` and ``image_grid_thw``
     and the 3D (M-RoPE) positions of the model's own ``get_rope_index``
     (:func:`molt_core.vision.rope_positions`); decode positions continue at ``j + delta``.
-    Identical prompts share a prefill row only when their images are identical too; prompts
-    with images neither use nor fill the prefix cache (its key is the ids alone).
+    Identical prompts share a prefill row only when their images are identical too; the prefix
+    cache matches images as well as ids (a reused prefix never covers an image run whose image
+    differs, and the prefill encodes only the images after it).
 
     Raises:
         ValueError: ``max_batch_size < 1``, ``version < 0``, ``prefix_cache_mb < 0``, or neither
@@ -314,29 +326,37 @@ class TransformersEngine(WorkerThreadEngine):
         if vp is None:
             raise ValueError("this engine has no vision processor: build it from a model path or pass "
                              "vision_processor=molt_core.vision.load_vision_processor(path)")
-        from molt_core.vision import image_sha256, pixel_inputs, rope_positions
+        from molt_core.vision import image_runs, image_sha256, pixel_inputs, rope_positions
 
         pixels, grid = pixel_inputs(images, vp)
         pos, delta = rope_positions(self.model, ids, grid.tolist(), vp)
-        return _RowImages(tuple(image_sha256(b) for b in images), pixels, grid, pos, delta)
+        shas = tuple(image_sha256(b) for b in images)
+        runs = tuple((h, s, e) for h, (s, e) in zip(shas, image_runs(ids, vp.image_token_id)))
+        return _RowImages(shas, pixels, grid, pos, delta, runs, tuple(int(g.prod()) for g in grid))
 
-    def _vision_kwargs(self, rows: list[_Request], lengths: list[int], n: int, pos2d: torch.Tensor) -> dict[str, Any]:
-        """Model kwargs for a left-padded forward over ``rows`` (row ``i`` holds its first
-        ``lengths[i]`` context tokens right-aligned in ``n`` columns): 3D positions (text rows keep
-        ``pos2d`` ``[B, n]`` on all three axes) and the images in row order; {} without images."""
+    def _vision_kwargs(self, rows: list[_Request], spans: list[tuple[int, int]], n: int,
+                       pos2d: torch.Tensor) -> dict[str, Any]:
+        """Model kwargs for a left-padded forward over ``rows``: row ``i`` runs its context tokens
+        ``[a, b)`` (``spans[i]``; ``a > 0`` after a reused prefix) right-aligned in ``n`` columns.
+        3D positions (text rows keep ``pos2d`` ``[B, n]`` on all three axes) and the images whose
+        runs lie in the tokens run, in row order; {} when no row has images."""
         if not any(r.vision is not None for r in rows):
             return {}
         pos = pos2d.unsqueeze(0).expand(3, -1, -1).clone()
         pixels, grids = [], []
-        for i, (r, m) in enumerate(zip(rows, lengths)):
+        for i, (r, (a, b)) in enumerate(zip(rows, spans)):
             if r.vision is None:
                 continue
-            pos[:, i, n - m:] = r.vision.positions(m).to(pos.device)
-            pixels.append(r.vision.pixel_values)
-            grids.append(r.vision.grid)
-        dtype = next(self.model.parameters()).dtype
-        return {"position_ids": pos, "pixel_values": torch.cat(pixels).to(self.device, dtype),
-                "image_grid_thw": torch.cat(grids).to(self.device)}
+            pos[:, i, n - (b - a):] = r.vision.positions(b)[:, a:].to(pos.device)
+            pv, grid = r.vision.after(a)
+            if pv is not None:
+                pixels.append(pv)
+                grids.append(grid)
+        kw: dict[str, Any] = {"position_ids": pos}
+        if pixels:
+            dtype = next(self.model.parameters()).dtype
+            kw.update(pixel_values=torch.cat(pixels).to(self.device, dtype), image_grid_thw=torch.cat(grids).to(self.device))
+        return kw
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Copy ``state_dict`` (parameter/buffer name -> tensor, any float dtype) into the model
@@ -451,8 +471,8 @@ class TransformersEngine(WorkerThreadEngine):
         first: dict[tuple, int] = {}
         src = [first.setdefault(r.key, len(first)) for r in reqs]
         uniq = [reqs[src.index(j)] for j in range(len(first))]
-        hits = [self.prefix_cache.match(r.prompt_ids) if r.vision is None else (0, None) for r in uniq] \
-            if len(self.prefix_cache) else []
+        hits = [self.prefix_cache.match(r.prompt_ids, r.vision.runs if r.vision is not None else ())
+                for r in uniq] if len(self.prefix_cache) else []
         past = max((m for m, _ in hits), default=0)
         suffix = [r.prompt_ids[m:] for r, (m, _) in zip(uniq, hits)] if past else [r.prompt_ids for r in uniq]
         n = max(len(x) for x in suffix)
@@ -469,7 +489,8 @@ class TransformersEngine(WorkerThreadEngine):
             cache, pmask = _past_cache(hits, past, self.device)
             mask = torch.cat([pmask, mask], 1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        vision = self._vision_kwargs(uniq, [len(x) for x in suffix], n, pos)
+        starts = [m for m, _ in hits] if past else [0] * len(uniq)
+        vision = self._vision_kwargs(uniq, [(a, len(r.prompt_ids)) for a, r in zip(starts, uniq)], n, pos)
         logits, cache = self._forward(ids, mask, pos, cache, vision)
         if self._last_route is not None:  # [U * n, L, K] -> each row's real (right-aligned) columns
             rt = self._last_route.view(len(uniq), n, *self._last_route.shape[1:])
@@ -529,7 +550,7 @@ class TransformersEngine(WorkerThreadEngine):
             mask[i, n - len(c):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        _, cache = self._forward(ids, mask, pos, None, self._vision_kwargs(rows, [len(c) for c in ctx], n, pos))
+        _, cache = self._forward(ids, mask, pos, None, self._vision_kwargs(rows, [(0, len(c)) for c in ctx], n, pos))
         self._last_route = None
         for layer in _layers(cache):  # padded slots hold garbage (possibly NaN): zero them
             pad = mask[:, None, :, None] == 0
@@ -578,9 +599,10 @@ class TransformersEngine(WorkerThreadEngine):
             r = rows[i]
             real = mask[i].bool()
             ids = r.prompt_ids + r.tokens[:-1]
-            if r.future.cancelled() or r.vision is not None or int(real.sum()) != len(ids):
+            if r.future.cancelled() or int(real.sum()) != len(ids):
                 continue
-            self.prefix_cache.put(ids, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers])
+            self.prefix_cache.put(ids, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers],
+                                  r.vision.runs if r.vision is not None else ())
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> None:
         """Sample one token per row from ``logits`` ``[B, V]`` with each row's transform,

@@ -389,6 +389,7 @@ class VLLMEngine(WorkerThreadEngine):
             raise ValueError(f"version must be >= 0, got {version}")
         weights = []
         for name, t in state_dict.items():
+            name = _checkpoint_name(name, self._expected)
             if name == "lm_head.weight" and self._tied and name not in self._expected:
                 continue  # tied to embed_tokens; vLLM skips it
             if name not in self._expected:
@@ -549,6 +550,22 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
     method = getattr(head, "quant_method", None)
     if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+#: transformers 5 names a Qwen2-VL-family model's tensors ``model.language_model.*`` /
+#: ``model.visual.*`` in memory but saves them as ``model.*`` / ``visual.*`` (the original layout)
+_CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def _checkpoint_name(name: str, expected: dict[str, Any]) -> str:
+    """``name`` as the checkpoint vLLM loaded spells it (a state_dict name of the in-memory
+    layout mapped to the saved one, :data:`_CHECKPOINT_PREFIXES`); unchanged when already known."""
+    if name in expected:
+        return name
+    for new, old in _CHECKPOINT_PREFIXES:
+        if name.startswith(new) and old + name[len(new):] in expected:
+            return old + name[len(new):]
+    return name
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -19,7 +19,7 @@ import torch
 
 from molt_core.types import Trajectory
 
-__all__ = ["Batch", "IngressError", "build_batch", "refuse_malformed"]
+__all__ = ["Batch", "IngressError", "admit", "build_batch", "refuse_malformed"]
 
 _log = logging.getLogger("molt.ingress")
 
@@ -64,6 +64,8 @@ class Batch:
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
     * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
       per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
+    * ``images`` -- per row, the encoded bytes of the segment's images in token order (from
+      ``Trajectory.images`` by each ``ImageRef``'s SHA-256); None if no segment has one.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +80,7 @@ class Batch:
     group_index: torch.Tensor
     teacher_logprobs: torch.Tensor | None
     routed_experts: torch.Tensor | None = None
+    images: list[list[bytes]] | None = None
 
     @property
     def size(self) -> int:
@@ -90,6 +93,7 @@ def build_batch(
     pad_id: int = 0,
     vocab_size: int | None = None,
     need_teacher: bool = False,
+    vision: Any = None,
 ) -> Batch:
     """Collate usable trajectories into a :class:`Batch` (trainer ingress).
 
@@ -106,6 +110,10 @@ def build_batch(
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
         need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
             with one per-token list per segment, a float on each sampled token.
+        vision: the model's :class:`~molt_core.vision.VisionProcessor`: each segment's image
+            runs are checked against its ``images`` (one run per ref, where the ref says, of
+            the length its grid gives; :func:`molt_core.vision.check_runs`). None skips that
+            check (the images' bytes are still checked against their digests).
 
     Returns:
         The padded :class:`Batch`.
@@ -115,7 +123,9 @@ def build_batch(
             rollout without sampled tokens, misaligned per-token fields, an id out of range,
             a sampled token at position 0, a segment with sampled tokens and no span, a
             sampled token outside every span, conflicting
-            overlapping spans, or missing/misaligned teacher logprobs.
+            overlapping spans, missing/misaligned teacher logprobs, an image whose bytes are
+            missing, not base64 or do not hash to their key, or (with ``vision``) image runs
+            that do not match a segment's ``images``.
     """
     usable = [t for t in trajectories if t.status == "ok"]
     if not usable:
@@ -272,6 +282,7 @@ def build_batch(
         routed = batch_routed_experts([seg.routed_experts for _, seg, _ in rows], T, where)
     except ValueError as e:
         raise IngressError(str(e)) from None
+    images = _row_images(usable, rows, where, vision)
     return Batch(
         input_ids=input_ids,
         mask=mask,
@@ -285,11 +296,53 @@ def build_batch(
         group_index=torch.tensor(group_of, dtype=torch.long),
         teacher_logprobs=teacher,
         routed_experts=routed,
+        images=images,
     )
 
 
+def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int]], where: Sequence[str],
+                vision: Any) -> list[list[bytes]] | None:
+    """Each row's image bytes in token order (None when no segment has images), checked: the
+    bytes hash to their key and, with ``vision``, the ids hold exactly the recorded runs."""
+    if not any(seg.images for _, seg, _ in rows):
+        return None
+    import base64
+    import binascii
+
+    from molt_core.vision import check_runs, image_sha256
+
+    decoded: dict[tuple[int, str], bytes] = {}
+    out: list[list[bytes]] = []
+    for b, (r, seg, j) in enumerate(rows):
+        traj = usable[r]
+        imgs = []
+        for ref in seg.images:
+            key = (r, ref.sha256)
+            if key not in decoded:
+                b64 = traj.images.get(ref.sha256)
+                if not isinstance(b64, str):
+                    raise IngressError(f"rollout {traj.rollout_id}: images has no {ref.sha256[:12]}...; store each "
+                                       "segment image's bytes in Trajectory.images")
+                try:
+                    data = base64.b64decode(b64, validate=True)
+                except (binascii.Error, ValueError):
+                    raise IngressError(f"rollout {traj.rollout_id}: images[{ref.sha256[:12]}...] is not base64") from None
+                if image_sha256(data) != ref.sha256:
+                    raise IngressError(f"rollout {traj.rollout_id}: images[{ref.sha256[:12]}...] does not hash to its "
+                                       "key; the stored bytes are not the image the segment records")
+                decoded[key] = data
+            imgs.append(decoded[key])
+        if vision is not None:
+            try:
+                check_runs(seg.token_ids, [ref.grid_thw for ref in seg.images], vision, seg.images)
+            except ValueError as e:
+                raise IngressError(f"{where[b]}: {e}") from None
+        out.append(imgs)
+    return out
+
+
 def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_size: int | None = None,
-                     need_teacher: bool = False) -> tuple[list[Trajectory], dict[str, float], list[str]]:
+                     need_teacher: bool = False, vision: Any = None) -> tuple[list[Trajectory], dict[str, float], list[str]]:
     """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject, so
     one malformed rollout costs only itself, never the step.
 
@@ -302,7 +355,7 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
     Args:
         trajectories: the step's rollouts.
-        pad_id, vocab_size, need_teacher: as for :func:`build_batch`.
+        pad_id, vocab_size, need_teacher, vision: as for :func:`build_batch`.
 
     Returns:
         ``(kept, metrics, reasons)``: the rollouts to train on (order kept); floats
@@ -323,7 +376,7 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
             if t.rollout_id in seen:
                 raise IngressError(f"rollout_id {t.rollout_id!r} appears twice; each rollout is one Trajectory "
                                    "(its segments share it); the later one is refused")
-            build_batch([t], pad_id, vocab_size, need_teacher)
+            build_batch([t], pad_id, vocab_size, need_teacher, vision)
         except IngressError as e:
             msg = str(e)
             reasons.append(msg)
@@ -333,3 +386,33 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
         seen.add(t.rollout_id)
         kept.append(t)
     return kept, {"ingress/refused_malformed": float(len(reasons)), "ingress/refused_no_span": float(no_span)}, reasons
+
+
+def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | None, need_teacher: bool,
+          refuse_unverified: bool, vision: Any = None) -> tuple[list[Trajectory], Batch | None, dict[str, float]]:
+    """A train step's ingress: refuse malformed rollouts one at a time
+    (:func:`refuse_malformed`; the whole batch first, so the clean case builds once), then
+    rollouts whose action tokens differ from -- or, with ``refuse_unverified``, lack -- the
+    engine's record (:func:`molt_core.identity.screen`).
+
+    Returns:
+        ``(kept trajectories, their Batch or None when it must be rebuilt from them, metrics)``
+        -- the metrics of :func:`molt_core.identity.screen` plus ``ingress/refused_malformed``,
+        ``ingress/refused_no_span``, with ``ingress/refused_rollouts`` counting every refusal.
+    """
+    from molt_core.identity import screen
+
+    try:
+        batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher, vision=vision)
+        malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0}
+    except IngressError:
+        batch = None
+        trajectories, malformed, _reasons = refuse_malformed(trajectories, pad_id, vocab_size, need_teacher=need_teacher,
+                                                             vision=vision)
+    n_in = len(trajectories)
+    kept, ingress = screen(trajectories, refuse_unverified=refuse_unverified)
+    if len(kept) != n_in:
+        batch = None
+    ingress.update(malformed)
+    ingress["ingress/refused_rollouts"] += malformed["ingress/refused_malformed"]
+    return kept, batch, ingress
