@@ -23,6 +23,8 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from molt_core.images import ImagePolicy
+
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "RECIPES_DIR", "find_recipe",
            "recipes_dir", "list_recipes"]
 
@@ -347,6 +349,8 @@ class RunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     teacher: TeacherSection = Field(default_factory=TeacherSection)
+    #: ``[images]``: image input limits and ``allow_remote_urls`` (:class:`~molt_core.images.ImagePolicy`)
+    images: ImagePolicy = Field(default_factory=ImagePolicy)
     plugins: list[str] = Field(default_factory=list)
     rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)
     loggers: dict[str, dict[str, Any]] = Field(default_factory=dict)

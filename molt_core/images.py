@@ -195,16 +195,17 @@ def _pillow_check(data: bytes, where: str, policy: ImagePolicy) -> tuple[str, in
 
 
 def decode_base64(b64: Any, media_type: Any, where: str, policy: ImagePolicy | None = None,
-                  media_field: str = "media_type") -> DecodedImage:
+                  media_where: str | None = None) -> DecodedImage:
     """An image given as base64 text plus its media type (Anthropic's ``source`` of type
-    ``base64``; ``where`` names the ``data`` field, ``media_field`` its sibling).
+    ``base64``; ``where`` names the ``data`` field, ``media_where`` the media type's field,
+    default ``where``'s sibling ``media_type``).
 
     Raises:
         ImageError: not a string, not base64, or refused by :func:`decode_bytes`.
     """
     policy = policy or _DEFAULT
     if not isinstance(media_type, str) or media_type not in MEDIA_TYPES:
-        field = where.rsplit(".", 1)[0] + "." + media_field if "." in where else media_field
+        field = media_where or (where.rsplit(".", 1)[0] + ".media_type" if "." in where else "media_type")
         raise ImageError(f"media type {media_type!r} is not supported; send one of {', '.join(MEDIA_TYPES)}", field)
     if not isinstance(b64, str):
         raise ImageError(f"expected base64 text, got {type(b64).__name__}", where)
@@ -235,7 +236,7 @@ def decode_url(url: Any, where: str, policy: ImagePolicy | None = None) -> Decod
         params = head[5:].split(";")
         if not sep or "base64" not in params[1:]:
             raise ImageError("a data URL must be base64: data:<media type>;base64,<data>", where)
-        return decode_base64(b64, params[0].lower() or None, where, policy, media_field="url")
+        return decode_base64(b64, params[0].lower() or None, where, policy, media_where=where)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
         if not policy.allow_remote_urls:

@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
 from molt_core.images import ImagePolicy
-from molt_core.ledger_images import expand_images
+from molt_core.ledger_images import expand_images, extra_image_tokens
 from molt_core.ledger_messages import NormalizeCache, image_shas, normalize_messages
 from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, window_start
 from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
@@ -485,7 +485,8 @@ class Ledger:
         subsequence: a prepended system message or an edited earlier message does not hide
         the held messages after it, model replies included) counts with its rendered tokens:
         ``len(encode(render(msgs[:i + 1]))) - len(encode(render(msgs[:i])))`` (no generation
-        prompt). The whole prompt counts when the template refuses to render a prefix."""
+        prompt), plus its images' expansion (each run's length - 1). The whole prompt counts
+        when the template refuses to render a prefix."""
         hist = self._history
         matched: list[int] = []
         j = 0
@@ -505,7 +506,8 @@ class Ledger:
             return lens[k]
 
         try:
-            return sum(max(0, upto(i + 1) - upto(i)) for i in matched)
+            return sum(max(0, upto(i + 1) - upto(i)) + extra_image_tokens(self.vision, image_shas(msgs[i:i + 1]), self._images)
+                       for i in matched)
         except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
             return prompt_len
 

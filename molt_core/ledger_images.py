@@ -11,7 +11,7 @@ from typing import Any
 
 from molt_core.types import ImageRef
 
-__all__ = ["expand_images"]
+__all__ = ["expand_images", "extra_image_tokens"]
 
 
 def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
@@ -44,3 +44,11 @@ def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, 
         return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
     except ValueError as e:
         raise ValueError(f"{e} (message text must not contain the model's image placeholder tokens)") from None
+
+
+def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:
+    """Tokens the images ``shas`` add to a render by expansion: ``sum(run length - 1)`` (each
+    image's one placeholder becomes its run); 0 for no images or a text-only model."""
+    if vision is None or not shas:
+        return 0
+    return sum(vision.num_tokens(vision.process(pool[h])[1]) - 1 for h in shas)

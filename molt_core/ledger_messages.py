@@ -50,6 +50,14 @@ def _content(content: Any, where: str, role: str, images: dict[str, bytes] | Non
                     images.setdefault(img.sha256, img.data)
                 out.append({"type": IMAGE_PART_TYPE, "sha256": img.sha256})
                 continue
+            elif isinstance(part, dict) and part.get("type") == IMAGE_PART_TYPE and role in _IMAGE_ROLES:
+                # the canonical part the ledger's own history holds (an Env loop re-sends it)
+                h = part.get("sha256")
+                if not isinstance(h, str) or images is None or h not in images:
+                    raise ValueError(f"{where}.content[{j}]: an image part {{'type': 'image', 'sha256': ...}} must name "
+                                     "an image this rollout already holds; send new images as image_url parts")
+                out.append({"type": IMAGE_PART_TYPE, "sha256": h})
+                continue
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text and image parts are supported, got {kind!r}")
@@ -141,12 +149,12 @@ class _Unfrozen(Exception):
 _UNCACHED = object()  # compares unequal to every message: the prefix match stops there
 
 
-#: strings at least this long (image data URLs) are held by the cache as a digest, not a copy
+#: data URLs (images) at least this long are held by the cache as a digest, not a copy
 _DIGEST_MIN = 4096
 
 
 class _Digest:
-    """Stands in a frozen message for a long string (an image's data URL): compares equal to a
+    """Stands in a frozen message for a long data URL (an image): compares equal to a
     string with the same length and SHA-256, so the cache keeps 32 bytes instead of the data
     (``str == _Digest`` falls back to :meth:`__eq__`)."""
 
@@ -171,7 +179,7 @@ def _freeze(x: Any) -> Any:
     if x is None:
         return x
     if type(x) is str:
-        return _Digest(x) if len(x) >= _DIGEST_MIN else x
+        return _Digest(x) if len(x) >= _DIGEST_MIN and x.startswith("data:") else x
     if type(x) is list:
         return [_freeze(v) for v in x]
     if type(x) is dict and all(type(k) is str for k in x):
@@ -205,8 +213,8 @@ class NormalizeCache:
     first difference; the result is exactly ``normalize_messages(messages)`` (see
     :func:`_frozen` for why ``==`` is safe here) and raises the same errors, with the same
     ``messages[i]`` names. Safe to call from several threads (a race only loses the reuse).
-    Long strings (image data URLs) are kept as a SHA-256 (:class:`_Digest`): the cache never
-    holds a copy of an image. ``images`` / ``policy``: as :func:`normalize_messages` (a reused
+    Long data URLs (images) are kept as a SHA-256 (:class:`_Digest`): the cache never holds a
+    copy of an image (text is compared as before, in C). ``images`` / ``policy``: as :func:`normalize_messages` (a reused
     message's images are in the pool already).
     """
 

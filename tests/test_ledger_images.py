@@ -156,6 +156,9 @@ def test_template_rewriting_an_earlier_image_turn_seals_the_segment(vl):
     assert [s2.token_ids[r.start:r.end] for r in s2.images] == [[PAD] * 4, [PAD] * 6]
     assert eng.images[1] == [a, b]
     assert set(led.trajectory().images) == {sha(a), sha(b)}
+    # re-encoded context: the user turn with its image (4 tokens, not 1) and the assistant turn
+    held = msgs[:2]
+    assert led.context_reencoded_tokens == len(expected(tok, held, [4], add_generation_prompt=False))
 
 
 def test_client_compaction_keeps_dropped_images_in_the_sealed_segment(vl):
@@ -259,3 +262,46 @@ def test_ledger_memory_is_bounded_over_50_image_turns(vl, monkeypatch):
     monkeypatch.setattr(lm, "_DIGEST_MIN", 1 << 60)
     held_copies, _ = _retained(tok, vp, [big] * 50)
     assert held_copies > 40 * size, held_copies
+
+
+def test_the_ledger_history_can_be_sent_back(vl):
+    """An Env loop sends ``ledger.history`` (canonical image parts, by SHA-256) plus the next
+    observation: it extends, and a digest the rollout does not hold is refused."""
+    tok, vp = vl
+    img = png(28, 28)
+    led, eng = Ledger(tok, vision=vp), ScriptedEngine(tok, ["x", "y"])
+    step(led, eng, [user("look", img)])
+    hist = led.history
+    assert hist[0]["content"][1] == {"type": "image", "sha256": sha(img)}
+    p, _ = step(led, eng, hist + [user("again", img)])
+    assert p.mode == "extend" and eng.images[-1] == [img, img]
+    bad = [{"role": "user", "content": [{"type": "image", "sha256": "0" * 64}]}]
+    with pytest.raises(ValueError, match="must name an image this rollout already holds"):
+        Ledger(tok, vision=vp).prepare(bad)
+
+
+def test_window_render_equals_full_render_with_images(vl):
+    """A longer conversation (images in several turns, a tool round trip): the window-checked
+    ledger builds exactly the segments, ImageRefs and engine images of the full-render one."""
+    tok, vp = vl
+    imgs = [png(14 * (1 + t % 3), 14 * (1 + t % 2), (t * 20, 0, 0)) for t in range(6)]
+    call = '<tool_call>\n{"name": "zoom", "arguments": {"x": 1}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "zoom", "parameters": {"type": "object"}}}]
+    out = []
+    for window in (True, False):
+        led = Ledger(tok, vision=vp, window_render=window)
+        eng = ScriptedEngine(tok, ["a", f"b\n{call}", "c", "d", "e", "f", "g"])
+        msgs: list = [{"role": "system", "content": "look"}]
+        for t in range(6):
+            msgs.append(user(f"u{t}", imgs[t]) if t % 2 == 0 else {"role": "user", "content": f"u{t}"})
+            p = led.prepare(msgs, tools, SamplingParams())
+            turn = led.commit(p, asyncio.run(eng.generate(p.prompt_ids, SamplingParams(), images=p.images or None)))
+            msgs.append(turn.message())
+            if turn.tool_calls:
+                msgs.append({"role": "tool", "tool_call_id": turn.tool_calls[0]["id"],
+                             "content": [{"type": "text", "text": "zoomed"}, image_part(imgs[5])]})
+        out.append((led.segments(), eng.images, dict(led.counts), dict(led.render_stats)))
+    (seg_w, im_w, counts_w, stats_w), (seg_f, im_f, counts_f, stats_f) = out
+    assert seg_w == seg_f and im_w == im_f and counts_w == counts_f == {"start": 1, "extend": 5, "rewrite": 0, "retry": 0}
+    assert stats_w["window"] >= 3 and stats_f["window"] == 0
+    assert [r.sha256 for r in seg_w[0].images] == [sha(imgs[0]), sha(imgs[5]), sha(imgs[2]), sha(imgs[4])]

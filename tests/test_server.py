@@ -240,7 +240,10 @@ def test_errors_have_each_wires_shape(client):
     r = tc.post(an, json={"model": "m", "messages": ok_an["messages"]}, headers={"x-api-key": key})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"] and r.json()["type"] == "error"
     r = tc.post(an, json={**ok_an, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, headers=bearer)
-    assert r.status_code == 400 and "unsupported block type 'image'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "messages[0].content[0].source.type: an image block's source must be" \
+        in r.json()["error"]["message"] and r.json()["type"] == "error"
+    r = tc.post(an, json={**ok_an, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, headers=bearer)
+    assert r.status_code == 400 and "unsupported block type 'document'" in r.json()["error"]["message"]
     long = {"model": "m", "messages": [{"role": "user", "content": "word " * 400}]}
     r = tc.post(oa, json=long, headers=bearer)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

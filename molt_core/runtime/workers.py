@@ -140,13 +140,15 @@ class RolloutWorker:
         if self.server is None:
             from molt_core.server.app import start_server
 
-            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs)
+            self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
+                                       image_policy=self.cfg.images)
         return self.server
 
     def _ledger(self, group_id: str):
         from molt_core.ledger import Ledger
 
-        ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs)
+        ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
+                        vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images)
         seen = _EPISODE.get()
         if seen is not None:  # rewards that want the whole rollout read its messages
             seen["ledgers"].append(ledger)
@@ -202,7 +204,10 @@ class RolloutWorker:
         if room <= 0:
             return None
         p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
-        out = await self.engine.generate(prep.prompt_ids, p)
+        if prep.images:  # the prompt's images, in token order (a text-only engine is never passed any)
+            out = await self.engine.generate(prep.prompt_ids, p, images=prep.images)
+        else:
+            out = await self.engine.generate(prep.prompt_ids, p)
         ledger.commit(prep, out, p)
         ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
         return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history

@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from molt_core.images import ImageError, ImagePolicy
 from molt_core.ledger import AssistantTurn, Ledger, PromptTooLong
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
@@ -58,6 +59,7 @@ from molt_core.server.guard import (
     wire_error_response,
 )
 from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
+from molt_core.server.wire_images import Pending, check_images
 from molt_core.server.wires import (
     ChatCompletionRequest,
     MessagesRequest,
@@ -107,12 +109,15 @@ class SessionStore:
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
         tool_parser: the model family's tool-call parser (:mod:`molt_core.parsers`; default Hermes).
+        vision: the model's :class:`~molt_core.vision.VisionProcessor` (None: text only).
+        image_policy: image limits and the remote-URL rule (:class:`~molt_core.images.ImagePolicy`).
     """
 
     def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
-                 tool_parser: Any = None) -> None:
+                 tool_parser: Any = None, vision: Any = None, image_policy: ImagePolicy | None = None) -> None:
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
+        self.vision, self.image_policy = vision, image_policy or ImagePolicy()
         self.base_url = base_url
         self.template_kwargs = dict(chat_template_kwargs or {})
         self._sessions: dict[str, _Session] = {}
@@ -131,7 +136,7 @@ class SessionStore:
         sid = "s" + secrets.token_hex(12)
         kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
         ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs,
-                        tool_parser=self.tool_parser)
+                        tool_parser=self.tool_parser, vision=self.vision, image_policy=self.image_policy)
         s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger, seed=seed)
         with self._lock:
             self._sessions[sid] = s
@@ -184,7 +189,7 @@ def _key_of(request: Request) -> str | None:
 def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
                max_model_len: int | None = None, default_max_tokens: int = 1024,
                chat_template_kwargs: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tool_parser: Any = None) -> FastAPI:
+               tool_parser: Any = None, image_policy: ImagePolicy | None = None, vision: Any = ...) -> FastAPI:
     """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
 
     Args:
@@ -199,6 +204,11 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
         max_body_bytes: request body limit, enforced while reading (413 above it).
         tool_parser: tool-call parser name or object for every session (:mod:`molt_core.parsers`).
+        image_policy: limits for image inputs and whether remote image URLs are fetched
+            (:class:`~molt_core.images.ImagePolicy`; default: inline images only). A refused
+            image is a 400 naming its field in the wire's shape (code ``invalid_image``).
+        vision: the model's :class:`~molt_core.vision.VisionProcessor` (default: the engine's
+            ``vision_processor``; None: a text-only model, messages with images get a 400).
 
     Raises:
         ValueError: an unknown ``tool_parser`` name.
@@ -218,7 +228,11 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         from molt_core.parsers import get_tool_parser
 
         tool_parser = get_tool_parser(tool_parser, tokenizer)
-    store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser)
+    if vision is ...:
+        vision = getattr(engine, "vision_processor", None)
+    policy = image_policy or ImagePolicy()
+    store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser, vision=vision,
+                         image_policy=policy)
     app.state.sessions = store
     install_http_error_handlers(app)
     app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
@@ -260,6 +274,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 prepared = await asyncio.to_thread(prepare) if body_bytes > INLINE_PREPARE_BYTES else prepare()
             except PromptTooLong as e:
                 raise WireError(400, str(e), "messages", "context_length_exceeded") from None
+            except ImageError as e:
+                raise WireError(400, str(e), e.field, "invalid_image") from None
             except ValueError as e:
                 raise WireError(400, str(e), "messages") from None
             if prepared.mode == "retry":
@@ -274,7 +290,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 params = params.model_copy(update={"seed": (s.seed + s.turns) % (1 << 63)})
             s.turns += 1
             try:  # a client that leaves cancels the generation; nothing is committed
-                out = await until_disconnect(request, engine.generate(prepared.prompt_ids, params))
+                gen = (engine.generate(prepared.prompt_ids, params, images=prepared.images) if prepared.images
+                       else engine.generate(prepared.prompt_ids, params))  # a text-only engine need not take images
+                out = await until_disconnect(request, gen)
             except ClientDisconnected:
                 raise
             except Exception as e:  # the engine failed: nothing is recorded
@@ -286,11 +304,23 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         return SamplingParams(temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
                               top_k=-1 if top_k is None else top_k, stop=stop, seed=seed)
 
+    async def checked(pending: list[Pending], body_bytes: int) -> None:
+        # a request's images: decoded (and, if allowed, fetched) off the event loop unless small
+        if not pending:
+            return
+        remote = any(p.url is not None and not p.url.startswith("data:") for p in pending)
+        if remote or body_bytes > INLINE_PREPARE_BYTES:
+            await asyncio.to_thread(check_images, pending, policy)
+        else:
+            check_images(pending, policy)
+
     async def guarded(wire: str, fn: Callable[[], Any]) -> Any:
         try:
             return await fn()
         except WireError as e:
             return error(wire, e)
+        except ImageError as e:  # a refused image, named by its wire field
+            return error(wire, WireError(400, str(e), e.field, "invalid_image"))
         except ClientDisconnected:  # nobody reads this answer (499: client closed request)
             return Response(status_code=499)
         except ValidationError as e:
@@ -330,7 +360,10 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, ChatCompletionRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
-            turn = await run_turn(s, request, req.messages, req.tools_openai(), params,
+            pending: list[Pending] = []
+            msgs = req.internal_messages(pending)
+            await checked(pending, size)
+            turn = await run_turn(s, request, msgs, req.tools_openai(), params,
                                   req.max_completion_tokens or req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 usage = bool((req.stream_options or {}).get("include_usage"))
@@ -344,8 +377,10 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, MessagesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
-            turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_tokens,
-                                  req.allow_tool_calls, size)
+            pending: list[Pending] = []
+            msgs = req.openai_messages(pending)
+            await checked(pending, size)
+            turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
             return anthropic_response(turn, model_name)
@@ -357,7 +392,10 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, ResponsesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
-            turn = await run_turn(s, request, req.openai_messages(), req.tools_openai(), params, req.max_output_tokens,
+            pending: list[Pending] = []
+            msgs = req.openai_messages(pending)
+            await checked(pending, size)
+            turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(responses_stream(turn, tokenizer, model_name, req), media_type="text/event-stream")

@@ -4,7 +4,8 @@ object and its server-sent events. Token-exact like the other wires: the respons
 sampled ids as a top-level ``token_ids`` (and in ``response.completed`` when streaming).
 
 Input items: a string (one user message); messages ``{"role", "content"}`` with
-``input_text`` / ``output_text`` parts; ``function_call`` (an assistant tool call; consecutive
+``input_text`` / ``output_text`` parts (and ``input_image`` in a user message or a
+``function_call_output``, :mod:`molt_core.server.wire_images`); ``function_call`` (an assistant tool call; consecutive
 calls and the assistant message before them form one assistant turn); ``function_call_output``
 (a tool message); ``reasoning`` (the next assistant turn's reasoning). The server is
 stateless per request: ``previous_response_id`` and ``conversation`` are refused (send the
@@ -21,7 +22,8 @@ from typing import Any, Iterator
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wires import _SEED, WireError, _Req, _sse, _token_logprobs, check_fields
+from molt_core.server.wire_images import Pending, check_images, responses_part
+from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
 
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
 
@@ -90,12 +92,23 @@ class ResponsesRequest(_Req):
             out.append({"type": "function", "function": fn})
         return out
 
-    def openai_messages(self) -> list[dict[str, Any]]:
-        """Chat messages for the ledger: ``instructions`` first as the system message.
+    def openai_messages(self, pending: list[Pending] | None = None) -> list[dict[str, Any]]:
+        """Chat messages for the ledger: ``instructions`` first as the system message;
+        ``input_image`` parts (a user message's or a ``function_call_output``'s) become internal
+        image parts (:mod:`molt_core.server.wire_images`), their checks appended to ``pending``
+        (None: checked here).
 
         Raises:
             WireError: 400 naming ``input[i]`` for an unsupported or malformed item.
+            ImageError: a malformed or (``pending`` None) refused image, naming its field.
         """
+        checks: list[Pending] = [] if pending is None else pending
+        out = self._convert(checks)
+        if pending is None:
+            check_images(checks)
+        return out
+
+    def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
@@ -113,7 +126,7 @@ class ResponsesRequest(_Req):
                 if role not in ("user", "system", "developer", "assistant"):
                     raise WireError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
                                     f"{where}.role")
-                text = _parts_text(item.get("content"), where)
+                text = _parts(item.get("content"), where, pending if role == "user" else None)
                 if role == "assistant":
                     msg: dict[str, Any] = {"role": "assistant", "content": text}
                     if reasoning is not None:
@@ -137,7 +150,7 @@ class ResponsesRequest(_Req):
                     {"id": str(item.get("call_id") or ""), "type": "function", "function": {"name": name, "arguments": args}})
             elif kind == "function_call_output":
                 output = item.get("output")
-                text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
+                text = output if isinstance(output, str) else _parts(output, where, pending, "output")
                 out.append({"role": "tool", "content": text, "tool_call_id": str(item.get("call_id") or "")})
                 open_turn = None
             elif kind == "reasoning":
@@ -151,20 +164,27 @@ class ResponsesRequest(_Req):
         return out
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts(content: Any, where: str, pending: list[Pending] | None, key: str = "content") -> str | list[Any]:
+    """``<where>.<key>`` (a string or a list of parts): the text joined, or with ``input_image``
+    parts (allowed where ``pending`` is given) a list of text and internal image parts
+    (:func:`~molt_core.server.wires._joined`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise WireError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    texts = []
+        raise WireError(400, f"{where}.{key} must be a string or a list of text parts", f"{where}.{key}")
+    parts: list[Any] = []
     for j, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "input_image" and pending is not None:
+            parts.append(responses_part(p, f"{where}.{key}[{j}]", pending))
+            continue
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(p.get("text"), str):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-            raise WireError(400, f"{where}.content[{j}]: only input_text / output_text parts are supported, got {kind!r}",
-                            f"{where}.content")
-        texts.append(p["text"])
-    return "".join(texts)
+            what = "input_text, output_text and input_image" if pending is not None else "input_text / output_text"
+            raise WireError(400, f"{where}.{key}[{j}]: only {what} parts are supported here, got {kind!r}",
+                            f"{where}.{key}")
+        parts.append(p["text"])
+    return _joined(parts)
 
 
 def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:

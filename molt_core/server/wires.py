@@ -2,7 +2,8 @@
 responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropic Messages.
 
 Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
-schemas and :class:`~molt_core.types.SamplingParams` -- and both encode an
+schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part of
+:mod:`molt_core.images` (:mod:`molt_core.server.wire_images`) -- and both encode an
 :class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
 ``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
 """
@@ -17,6 +18,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core.ledger import AssistantTurn
+from molt_core.server.wire_images import Pending, anthropic_block, check_images, openai_part
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
            "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
@@ -218,6 +220,24 @@ class ChatCompletionRequest(_Req):
         with tools still extends the conversation) and the reply is not parsed for calls."""
         return self.tool_choice != "none"
 
+    def internal_messages(self, pending: list[Pending]) -> list[dict[str, Any]]:
+        """The messages with each ``image_url`` part as the internal part (a fresh dict; the
+        image's check is appended to ``pending``, see :mod:`molt_core.server.wire_images`);
+        other messages pass through as sent (the ledger validates them).
+
+        Raises:
+            ImageError: an image part without ``image_url.url`` (naming the field).
+        """
+        out = []
+        for i, m in enumerate(self.messages):
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in c):
+                m = {**m, "content": [openai_part(p, f"messages[{i}].content[{j}]", pending)
+                                      if isinstance(p, dict) and p.get("type") == "image_url" else p
+                                      for j, p in enumerate(c)]}
+            out.append(m)
+        return out
+
     def tools_openai(self) -> list[dict[str, Any]] | None:
         """The tools in OpenAI form (also under ``tool_choice: "none"``), or None."""
         if not self.tools:
@@ -360,15 +380,25 @@ class MessagesRequest(_Req):
             out.append({"type": "function", "function": fn})
         return out
 
-    def openai_messages(self) -> list[dict[str, Any]]:
+    def openai_messages(self, pending: list[Pending] | None = None) -> list[dict[str, Any]]:
         """Convert to OpenAI-style messages: ``system`` first; ``tool_result`` blocks become
         ``role: tool`` messages (in order, before the user text of the same turn);
         ``thinking`` / ``text`` / ``tool_use`` assistant blocks become reasoning, content
-        and ``tool_calls``.
+        and ``tool_calls``; ``image`` blocks (a user turn's or a tool result's) become internal
+        image parts next to the text (:mod:`molt_core.server.wire_images`), their checks
+        appended to ``pending`` (None: checked here).
 
         Raises:
             WireError: 400 naming ``messages[i].content[j]`` for an unsupported or malformed block.
+            ImageError: a malformed or (``pending`` None) refused image, naming its field.
         """
+        checks: list[Pending] = [] if pending is None else pending
+        out = self._convert(checks)
+        if pending is None:
+            check_images(checks)
+        return out
+
+    def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.system:
             out.append({"role": "system", "content": self.system if isinstance(self.system, str)
@@ -381,20 +411,22 @@ class MessagesRequest(_Req):
                 out.append({"role": m.role, "content": m.content})
                 continue
             if m.role == "user":
-                texts: list[str] = []
+                parts: list[Any] = []  # text (str) and image parts, in order
                 for j, b in enumerate(m.content):
                     kind = b.get("type")
                     if kind == "text" and isinstance(b.get("text"), str):
-                        texts.append(b["text"])
+                        parts.append(b["text"])
+                    elif kind == "image":
+                        parts.append(anthropic_block(b, f"{where}.content[{j}]", pending))
                     elif kind == "tool_result":
                         c = b.get("content", "")
-                        text = c if isinstance(c, str) else _block_text(c, f"{where}.content[{j}].content")
-                        out.append({"role": "tool", "content": text, "tool_call_id": str(b.get("tool_use_id", ""))})
+                        content = c if isinstance(c, str) else _block_content(c, f"{where}.content[{j}].content", pending)
+                        out.append({"role": "tool", "content": content, "tool_call_id": str(b.get("tool_use_id", ""))})
                     else:
                         raise WireError(400, f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
-                                             "(text and tool_result are supported)", f"{where}.content")
-                if texts or not any(b.get("type") == "tool_result" for b in m.content):
-                    out.append({"role": "user", "content": "".join(texts)})
+                                             "(text, image and tool_result are supported)", f"{where}.content")
+                if parts or not any(b.get("type") == "tool_result" for b in m.content):
+                    out.append({"role": "user", "content": _joined(parts)})
             else:
                 text, reasoning, calls = [], None, []
                 for j, b in enumerate(m.content):
@@ -418,6 +450,29 @@ class MessagesRequest(_Req):
                     msg["tool_calls"] = calls
                 out.append(msg)
         return out
+
+
+def _joined(parts: list[Any]) -> str | list[Any]:
+    """Text parts (str) joined into one string when there is no image; else a content list
+    of text parts and the image parts, in order."""
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+
+
+def _block_content(blocks: Any, where: str, pending: list[Pending]) -> str | list[Any]:
+    """A tool result's content blocks: text and image blocks (:func:`_joined`)."""
+    if not isinstance(blocks, list):
+        raise WireError(400, f"{where} must be a string or a list of text and image blocks", where)
+    parts: list[Any] = []
+    for j, b in enumerate(blocks):
+        if isinstance(b, dict) and b.get("type") == "image":
+            parts.append(anthropic_block(b, f"{where}[{j}]", pending))
+        elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
+            parts.append(b["text"])
+        else:
+            raise WireError(400, f"{where}[{j}] must be a text or image block", where)
+    return _joined(parts)
 
 
 def _block_text(blocks: list[dict[str, Any]], where: str) -> str:
