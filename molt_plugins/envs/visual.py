@@ -94,7 +94,7 @@ class VisualOptions(BaseModel):
     image_size: int = Field(56, ge=16, le=1024)
     max_count: int = Field(4, ge=1, le=9)
     shape_size: int | None = Field(None, ge=2)
-    shape_kinds: list[ShapeKind] = Field(default_factory=lambda: ["square"], min_length=1)
+    shape_kinds: list[ShapeKind] = Field(default_factory=lambda: list[ShapeKind](["square"]), min_length=1)
     gap: int = Field(2, ge=1)
     cell: int | None = Field(None, ge=4)
     min_gap: int | None = Field(None, ge=1)
@@ -134,22 +134,22 @@ class VisualOptions(BaseModel):
 def _sample_count(rng: random.Random, o: VisualOptions) -> dict[str, Any]:
     n = rng.randint(1, o.max_count)
     s, size = o.side(), o.image_size
+    boxes: list[list[Any]] = []  # [kind, x, y]
     if o.cell is not None:
         per_row, margin = size // o.cell, max(1, o.gap // 2)
-        boxes = []
         for c in rng.sample(range(per_row * per_row), n):
             x = (c % per_row) * o.cell + rng.randint(margin, o.cell - s - margin)
             y = (c // per_row) * o.cell + rng.randint(margin, o.cell - s - margin)
             boxes.append([rng.choice(o.shape_kinds), x, y])
-        return {"size": size, "side": s, "shapes": sorted(boxes, key=lambda b: (b[2], b[1], b[0]))}
-    while True:  # rejection sampling; the validator guarantees a grid packing exists
-        boxes: list[list[Any]] = []
+    while len(boxes) < n:  # free placement: rejection sampling (the validator guarantees a packing)
+        boxes = []
         for _ in range(200 * n):
             x, y = rng.randint(1, size - s - 1), rng.randint(1, size - s - 1)
-            if all(abs(x - bx) >= s + o.gap or abs(y - by) >= s + o.gap for _, bx, by in boxes):
+            if all(abs(x - b[1]) >= s + o.gap or abs(y - b[2]) >= s + o.gap for b in boxes):
                 boxes.append([rng.choice(o.shape_kinds), x, y])
                 if len(boxes) == n:
-                    return {"size": size, "side": s, "shapes": sorted(boxes, key=lambda b: (b[2], b[1], b[0]))}
+                    break
+    return {"size": size, "side": s, "shapes": sorted(boxes, key=lambda b: (b[2], b[1], b[0]))}
 
 
 def _digit_box(size: int) -> tuple[int, int, int]:
@@ -273,6 +273,7 @@ class VisualEnv(Env):
     """
 
     Options = VisualOptions
+    options: VisualOptions
     molt_example = {"options": {"task": "count", "eval_size": 8}}
     """Options for ``molt plugins --check`` (a short held-out split)."""
 
@@ -284,7 +285,7 @@ class VisualEnv(Env):
         return self.options.seed if self.options.seed is not None else seed
 
     def _task(self, params: dict[str, Any]) -> dict[str, Any]:
-        o: VisualOptions = self.options
+        o = self.options
         return {"task": o.task, "params": params, "question": o.question or QUESTIONS[o.task],
                 "answer": answer_of(o.task, params)}
 
