@@ -451,7 +451,8 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
 
     Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per
     step: ``step``, ``sft/loss``, ``sft/tokens``, ``sft/grad_norm``, ``time/step``) and
-    ``OUT/model/`` (``save_pretrained`` + tokenizer; use it as ``model.path``).
+    ``OUT/model/`` (``save_pretrained`` + tokenizer, + image processor for a vision-language
+    model; use it as ``model.path``).
     ``OUT`` defaults to ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
 
     Returns:
@@ -488,4 +489,6 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     trainer.model.save_pretrained(out / "model", safe_serialization=True)
     if trainer.tokenizer is not None:
         trainer.tokenizer.save_pretrained(out / "model")
+    if trainer.vision_processor is not None:  # a vision-language model: its preprocessor_config.json
+        trainer.vision_processor.image_processor.save_pretrained(out / "model")
     return out / "model"

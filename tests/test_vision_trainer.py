@@ -137,3 +137,20 @@ def test_async_stale_image_rows_are_measured_under_their_own_version(setup):
     assert m["invariants/staleness_max"] == 1.0 and m["invariants/onpolicy_stale_tokens"] > 0
     assert m["invariants/logprob_absdiff_max_onpolicy"] <= 1e-5
     assert m["invariants/logprob_absdiff_max"] > 1e-4  # the policy moved between the versions
+
+
+def test_a_vl_checkpoint_is_a_model_path_with_its_processor(setup, tmp_path):
+    """checkpoints/step-N/model/ holds the image processor too: it loads back as model.path
+    (model, tokenizer and vision processor) and gives the trainer's logprobs."""
+    from molt_core.train.checkpoint import save_checkpoint
+
+    tok, vp, model, jobs, outs = setup
+    tr = trainer(model, tok)
+    tr.train_step(rollouts(jobs, outs))
+    d = save_checkpoint(tr, tmp_path) / "model"
+    again = Trainer(tiny_cfg(model={"path": str(d)}), tokenizer=load_tokenizer(str(d)))
+    assert again.vision_processor is not None and again.vision_processor.image_token_id == 514
+    batch = build_batch(rollouts(jobs, outs), tr.pad_id, tr.vocab_size)
+    a, _ = tr.recompute_logprobs(batch)
+    b, _ = again.recompute_logprobs(batch)
+    assert torch.equal(a, b)

@@ -343,13 +343,14 @@ class TransformersEngine(WorkerThreadEngine):
         if not any(r.vision is not None for r in rows):
             return {}
         pos = pos2d.unsqueeze(0).expand(3, -1, -1).clone()
-        pixels, grids = [], []
+        pixels: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
         for i, (r, (a, b)) in enumerate(zip(rows, spans)):
             if r.vision is None:
                 continue
             pos[:, i, n - (b - a):] = r.vision.positions(b)[:, a:].to(pos.device)
             pv, grid = r.vision.after(a)
-            if pv is not None:
+            if pv is not None and grid is not None:
                 pixels.append(pv)
                 grids.append(grid)
         kw: dict[str, Any] = {"position_ids": pos}

@@ -1,7 +1,8 @@
 """Checkpoints of a :class:`~molt_core.train.trainer.Trainer` on disk.
 
 A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/``: a Hugging Face-loadable
-``model/`` (``save_pretrained`` safetensors, config, tokenizer), ``ref/`` and ``critic/`` when
+``model/`` (``save_pretrained`` safetensors, config, tokenizer; a vision-language model's
+image processor), ``ref/`` and ``critic/`` when
 present, ``trainer_state.pt`` (optimizers, schedulers, KL controller, RNG states) and
 ``state.json`` (step, version, data cursor). It is written into a temporary directory and
 renamed (a kill leaves the whole checkpoint or none), then pruned to ``checkpoint.keep``.
@@ -239,6 +240,8 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
         save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
+    if getattr(trainer, "vision_processor", None) is not None:  # preprocessor_config.json: model/ loads as model.path
+        trainer.vision_processor.image_processor.save_pretrained(tmp / "model")
     if trainer.ref_model is not None and not lora:  # with LoRA the reference is base/ (adapter disabled)
         save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
