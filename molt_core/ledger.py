@@ -294,7 +294,8 @@ class Ledger:
         self._epoch = 0
         self._last_req: tuple[Any, ...] | None = None
         self.vision = vision
-        #: the rollout's images: SHA-256 -> encoded bytes, each distinct image once
+        #: the rollout's images: SHA-256 -> encoded bytes, each distinct image once (an image of a
+        #: request that later failed stays too; the trajectory stores only those its segments show)
         self._images: dict[str, bytes] = {}
         # normalize_messages, reusing the previous request's normalized prefix
         self._normalize = NormalizeCache(self._images, image_policy)
@@ -786,7 +787,10 @@ class Ledger:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The committed conversation (last request's messages + the assistant message returned)."""
+        """The committed conversation (last request's messages + the assistant message returned).
+
+        Messages with images hold them as ``{"type": "image", "sha256": hex}`` parts (the bytes
+        stay in the rollout's store); sending this history back (as the Env loop does) extends it."""
         with self._lock:
             return [dict(m) for m in self._history]
 

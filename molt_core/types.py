@@ -391,13 +391,15 @@ class RewardFailed(RuntimeError):
 class Result(_Strict):
     """What ``Env.step`` or ``ChatAgent.run`` returns.
 
-    ``reward`` (float, summed over turns by the Env runner), ``observation`` (next text the
-    model sees, or None), ``terminated`` / ``truncated`` (Gymnasium semantics), ``info``,
-    ``score`` (task metric, may differ from reward), ``sampling_params`` for the next turn.
+    ``reward`` (float, summed over turns by the Env runner), ``observation`` (the next user
+    message the model sees: text, or a list of content parts -- ``{"type": "text", "text"}``
+    and images from :func:`molt_core.images.image_part` -- or None), ``terminated`` /
+    ``truncated`` (Gymnasium semantics), ``info``, ``score`` (task metric, may differ from
+    reward), ``sampling_params`` for the next turn.
     """
 
     reward: float = 0.0
-    observation: str | None = None
+    observation: str | list[dict[str, Any]] | None = None
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = Field(default_factory=dict)

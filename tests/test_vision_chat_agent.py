@@ -98,15 +98,18 @@ def _image_env():
             return [{"role": "user", "content": [{"type": "text", "text": "colour?"}, image_part(RED)]}]
 
         def step(self, action_text, state):
-            return Result(reward=0.5, observation="again?" if state.turn == 0 else None, terminated=state.turn > 0)
+            if state.turn == 0:  # the second user turn shows a new image
+                return Result(reward=0.5, observation=[image_part(BLUE), {"type": "text", "text": "and this?"}])
+            return Result(reward=0.5, terminated=True)
 
     return _Env()
 
 
 def test_env_loop_passes_images_and_records_them():
-    """The framework-owned Env loop (runtime worker): the ledger expands the image, the engine
-    gets its bytes on every turn (the history re-sent by the loop holds it by digest), and the
-    trajectory records the run and stores the image once."""
+    """The framework-owned Env loop (runtime worker): the ledger expands each image, the engine
+    gets the prompt's images on every turn (the history re-sent by the loop holds the first by
+    digest; the second arrives in a later observation), and the trajectory records both runs
+    and stores each image once."""
     from fake_engine import ScriptedEngine
     from molt_core.models import load_tokenizer
     from molt_core.vision import load_vision_processor
@@ -117,8 +120,11 @@ def test_env_loop_passes_images_and_records_them():
     group = run_episode(_image_env(), {"prompt": "x"}, engine=eng, max_tokens=6)
     (traj,) = group.trajectories
     assert traj.status == "ok", traj.error
-    assert eng.images == [[RED], [RED]] and traj.info["requests"]["extend"] == 1
+    assert eng.images == [[RED], [RED, BLUE]] and traj.info["requests"]["extend"] == 1
     (seg,) = traj.segments
-    (ref,) = seg.images
-    assert seg.token_ids[ref.start:ref.end] == [PAD] * 4 and seg.token_ids.count(PAD) == 4
-    assert list(traj.images) == [hashlib.sha256(RED).hexdigest()] and check_tokens(traj) == TokenCheck(0, 0)
+    red, blue = seg.images
+    assert seg.token_ids[red.start:red.end] == [PAD] * 4 and seg.token_ids[blue.start:blue.end] == [PAD] * 6
+    assert seg.token_ids.count(PAD) == 10 and traj.reward == 1.0
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    assert (red.sha256, blue.sha256) == (sha(RED), sha(BLUE)) and set(traj.images) == {sha(RED), sha(BLUE)}
+    assert check_tokens(traj) == TokenCheck(0, 0)
