@@ -107,3 +107,15 @@ def test_molt_run_vision_is_token_exact_and_clean(tmp_path, tok):
         (ref,) = seg["images"]
         start = prompt.index(pad)
         assert ref == {"sha256": sha, "start": start, "end": start + RUN, "grid_thw": GRID}
+
+
+def test_docs_images_table_states_the_defaults():
+    """docs/vision.md's `[images]` snippet is valid and equals ImagePolicy's defaults."""
+    import re
+    import tomllib
+
+    from molt_core.images import ImagePolicy
+
+    text = (ROOT / "docs" / "vision.md").read_text()
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if b.startswith("[images]"))
+    assert ImagePolicy(**tomllib.loads(block)["images"]) == ImagePolicy()
