@@ -11,12 +11,13 @@ from molt_core.hookspecs import hookimpl
 
 @hookimpl
 def molt_register_envs(register):
-    """Register ``dataset``, ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``."""
+    """Register ``dataset``, ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``, ``visual``."""
     from molt_plugins.envs.dataset import DatasetEnv
     from molt_plugins.envs.gymnasium_env import GymnasiumTextEnv
     from molt_plugins.envs.humaneval import HumanEvalEnv
     from molt_plugins.envs.python_tool import PythonToolChatAgent, PythonToolEnv
     from molt_plugins.envs.reasoning_gym import ReasoningGymEnv
+    from molt_plugins.envs.visual import VisualEnv
 
     register("dataset", DatasetEnv)
     register("reasoning_gym", ReasoningGymEnv)
@@ -24,6 +25,7 @@ def molt_register_envs(register):
     register("python_tool_chat", PythonToolChatAgent)
     register("humaneval", HumanEvalEnv)
     register("gymnasium", GymnasiumTextEnv)
+    register("visual", VisualEnv)
 
 
 @hookimpl
