@@ -391,6 +391,63 @@ def _builtin_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Any
     return Qwen3Config(**common)
 
 
+#: logit given to a vision special token so it is never sampled: exp underflows to exactly 0 in
+#: float32 and bfloat16, while the value stays finite (no -inf * 0 = nan in entropies) even
+#: after a division by a small temperature
+VISION_TOKEN_LOGIT = -1e9
+
+_VISION_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(model: Any) -> list[int]:
+    """Ids of the vision special tokens a Qwen2-VL-family model's config names
+    (``image_token_id``, ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id``),
+    sorted; empty for a text-only model."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "vision_config", None) is None:
+        return []
+    return sorted({int(v) for f in _VISION_TOKEN_FIELDS if isinstance(v := getattr(cfg, f, None), int)})
+
+
+def mask_vision_tokens(model: Any) -> list[int]:
+    """Make a vision-language model never put probability on its vision special tokens.
+
+    A sampled ``<|image_pad|>`` would be an image-placeholder run with no image: the next
+    prompt then has more image tokens than images, and the trainer refuses the rollout. So the
+    output embedding's logits of :func:`vision_token_ids` are set to :data:`VISION_TOKEN_LOGIT`
+    by a forward hook on ``model.get_output_embeddings()`` -- the engine's sampling and
+    behaviour logprobs and the trainer's recompute all see the same masked logits ``[..., V]``
+    (logprobs of the other tokens are renormalised over them: ``log_softmax`` of the masked
+    row). Idempotent; the ids are recorded on the model as ``molt_vision_token_mask`` (the
+    hook's handle as ``molt_vision_token_mask_handle``).
+
+    Returns:
+        The masked ids (empty, and nothing installed, for a text-only model).
+    """
+    ids = vision_token_ids(model)
+    if not ids or getattr(model, "molt_vision_token_mask", None) is not None:
+        return ids
+    head = model.get_output_embeddings()
+    ids = [i for i in ids if i < head.weight.shape[0]]
+    if not ids:
+        return ids
+    index = torch.tensor(ids, dtype=torch.long)
+
+    def _mask(_module: Any, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.index_fill(-1, index.to(out.device), VISION_TOKEN_LOGIT)
+
+    #: the hook's handle (``.remove()`` undoes the mask) and the masked ids
+    model.molt_vision_token_mask_handle = head.register_forward_hook(_mask)
+    model.molt_vision_token_mask = ids
+    return ids
+
+
+def _mask_vision(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its vision special tokens never sampled (:func:`mask_vision_tokens`)."""
+    mask_vision_tokens(model)
+    return model
+
+
 def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, seed: int = 0) -> torch.nn.Module:
     """Load a causal LM in eval mode on CPU.
 
@@ -428,6 +485,7 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
                 from transformers import Qwen2_5_VLForConditionalGeneration
 
                 model = Qwen2_5_VLForConditionalGeneration._from_config(_vl_config(tok), dtype=torch.float32)
+                _mask_vision(model)
             else:
                 config = _builtin_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -444,7 +502,7 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
         except ValueError as e:  # "Unrecognized configuration class": a vision-language model (Qwen2.5-VL, ...)
             if "configuration class" not in str(e):
                 raise
-            return AutoModelForImageTextToText.from_pretrained(name, dtype=torch_dtype, **kw).eval()
+            return _mask_vision(AutoModelForImageTextToText.from_pretrained(name, dtype=torch_dtype, **kw).eval())
     except OSError as e:
         if Path(path).is_dir():
             raise

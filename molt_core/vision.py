@@ -31,7 +31,15 @@ from typing import Any, Sequence
 
 import torch
 
-from molt_core.models import TINY_VL_MAX_PIXELS, TINY_VL_MERGE, TINY_VL_MIN_PIXELS, TINY_VL_PATCH
+from molt_core.models import (  # noqa: F401 - the vision-token mask is part of this module's API
+    TINY_VL_MAX_PIXELS,
+    TINY_VL_MERGE,
+    TINY_VL_MIN_PIXELS,
+    TINY_VL_PATCH,
+    VISION_TOKEN_LOGIT,
+    mask_vision_tokens,
+    vision_token_ids,
+)
 from molt_core.types import ImageRef
 
 __all__ = [

@@ -216,3 +216,44 @@ def test_weight_swap_mid_generation_with_images(tok, vp):
         ref = direct_logprobs(load_model(VL, seed=seed), vp, ids, [img], out, sp)
         idx = [i for i, v in enumerate(out.versions) if v == version]
         assert max(abs(out.logprobs[i] - float(ref[i])) for i in idx) <= 1e-5, version
+
+
+def test_vision_special_tokens_are_never_sampled(tok, vp):
+    """A policy that would put nearly all its mass on ``<|image_pad|>`` (an image run with no
+    image: the next prompt would have more image tokens than images) never samples it: the
+    vision special tokens' logits are masked in the model the engine and the trainer share, and
+    the behaviour logprobs are those of the masked distribution. Fault: the mask removed, the
+    same engine samples ``<|image_pad|>``."""
+    model = load_model(VL)
+    head = model.get_output_embeddings()
+    assert model.molt_vision_token_mask == [512, 513, 514, 515] == sorted(
+        tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]))
+
+    def prefer_image_pad(_m, _i, out):  # runs before the mask: logit 50 on <|image_pad|>
+        return out.index_fill(-1, torch.tensor([514]), 50.0)
+
+    head.register_forward_hook(prefer_image_pad, prepend=True)
+    img = png(28, 28)
+    p = prompt(tok, vp, "How many shapes?", [img])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p[:3]])).logits
+    assert (logits[..., [512, 513, 514, 515]] == -1e9).all()
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s) for s in range(4)]
+
+    def sample():
+        e = TransformersEngine(model, tokenizer=tok, vision_processor=vp, max_batch_size=4)
+        try:
+            async def go():
+                return await asyncio.gather(*[e.generate(p, sp, images=[img]) for sp in params])
+            return asyncio.run(go())
+        finally:
+            e.close()
+
+    outs = sample()
+    assert all(t not in (512, 513, 514, 515) for o in outs for t in o.token_ids)
+    for o, sp in zip(outs, params):
+        ref = direct_logprobs(model, vp, p, [img], o, sp)
+        assert (ref - torch.tensor(o.logprobs)).abs().max().item() <= 1e-5
+    model.molt_vision_token_mask_handle.remove()  # the fault: no mask
+    outs = sample()
+    assert sum(t == 514 for o in outs for t in o.token_ids) >= 20

@@ -216,6 +216,10 @@ class TransformersEngine(WorkerThreadEngine):
         self.device = first.device if first is not None else torch.device("cpu")
         cfg = getattr(model, "config", None)
         self.is_vision = is_vision_model(model)
+        if self.is_vision:  # never sample a vision special token (an image run with no image)
+            from molt_core.models import mask_vision_tokens
+
+            mask_vision_tokens(model)
         self.vision_processor = vision_processor
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30) or (1 << 30))

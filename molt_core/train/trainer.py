@@ -109,8 +109,9 @@ class Trainer:
             model = load_model(cfg.model.path, dtype="float32", gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        from molt_core.models import device_for
+        from molt_core.models import device_for, mask_vision_tokens
 
+        mask_vision_tokens(model)  # a VL model never samples a vision special token; same logits as the engine
         self.device = device_for(cfg.trainer.num_gpus)
         from molt_core.models import DTYPES
 
