@@ -216,6 +216,11 @@ class VLLMEngine(WorkerThreadEngine):
         self.vocab_size = int(text_cfg.get("vocab_size") or cfg["vocab_size"])
         self.is_vision = "vision_config" in cfg
         self.image_token_id = cfg.get("image_token_id") if self.is_vision else None
+        # never sample a vision special token (molt_core.models.mask_vision_tokens does the same in
+        # the trainer): logit bias -100, vLLM's floor, applied before its processed logprobs
+        self._vision_bias = {int(cfg[f]): -100.0 for f in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                           "vision_end_token_id")
+                             if self.is_vision and isinstance(cfg.get(f), int)} or None
 
         args: dict[str, Any] = dict(
             model=model_dir, tokenizer=model_dir, dtype=dtype, seed=0 if seed is None else int(seed),
@@ -374,7 +379,7 @@ class VLLMEngine(WorkerThreadEngine):
             max_tokens=min(int(p.max_tokens), self.max_model_len - prompt_len),
             stop=list(p.stop) or None, stop_token_ids=sorted(self.eos_token_ids | set(p.stop_token_ids)),
             ignore_eos=True, logprobs=0, skip_special_tokens=False, include_stop_str_in_output=True,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.CUMULATIVE,
+            logit_bias=self._vision_bias, output_kind=self._vllm.sampling_params.RequestOutputKind.CUMULATIVE,
         )
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
