@@ -4,8 +4,9 @@ PyTorch loop, and ``molt run`` async (``max_staleness=1``) vs sync -- ratios fro
 Setup (``recipes/quickstart.toml``, ``/work/shared/BENCHMARKS.md``): the builtin tiny Qwen3
 (~0.85M parameters, ChatML byte-level tokenizer), 2-digit addition "What is A + B?" from the
 ``reasoning_gym`` env with a binary exact-match reward, 8 prompts x 8 completions per step, at
-most 8 new tokens at T = 1 (no top-k / top-p), no KL / reference, AdamW lr 3e-4 constant, betas
-(0.9, 0.98), eps 1e-8, no weight decay, grad-norm clip 1.0, GRPO advantages
+most 8 new tokens at T = 1 (no top-k / top-p), no KL / reference, AdamW with the recipe's
+``[trainer]`` settings for every arm (lr 1.5e-4 constant, betas (0.9, 0.98), eps 1e-8, no weight
+decay, grad-norm clip 1.0), GRPO advantages
 ``(r - mean_group) / (std_group + 1e-6)``, one policy update per batch.
 
 Every arm starts from the SAME warm-start weights, written once by ``molt sft
@@ -80,6 +81,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' gradient_checkpointing rename
 
 import torch
+
+from molt_core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "quickstart.toml"
@@ -246,7 +249,7 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
     tok = AutoTokenizer.from_pretrained(str(sft_model), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(sft_model), local_files_only=True, dtype=torch.float32).eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay)
     P, n = args.prompts, args.samples
     rewards, step_s, gen_s, rew_s, upd_s = [], [], [], [], []
     for step in range(args.steps):
@@ -272,7 +275,8 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
         loss = -(adv[:, None] * logp * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if args.grad_clip:  # 0 disables, as in molt
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         t3 = time.perf_counter()
         rewards.append(float(r.mean()))
@@ -298,8 +302,9 @@ def run_trl(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]], 
     targs = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=batch, num_generations=args.samples,
         max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=args.betas[0],
+        adam_beta2=args.betas[1], adam_epsilon=args.eps, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip,
+        optim="adamw_torch",
         loss_type="grpo", beta=0.0, num_iterations=1, bf16=False, fp16=False, gradient_checkpointing=False,
         use_cpu=True, max_steps=args.steps, logging_steps=10_000, save_strategy="no", report_to=[],
         seed=seed, disable_tqdm=True, dataloader_num_workers=0, log_completions=False, shuffle_dataset=False,
@@ -419,6 +424,12 @@ def main() -> None:
     args.prompts = recipe["rollout"]["prompts_per_step"]
     args.samples = recipe["rollout"]["n_samples_per_prompt"]
     args.max_tokens = recipe["rollout"]["max_tokens"]
+    optim = load_config(RECIPE).trainer  # the recipe's optimizer, for the TRL and plain arms too
+    if optim.lr_schedule != "constant" or optim.warmup_steps:
+        ap.error(f"{RECIPE}: the TRL and plain arms use a constant LR without warm-up; the recipe has "
+                 f"lr_schedule = {optim.lr_schedule!r}, warmup_steps = {optim.warmup_steps}")
+    args.lr, args.betas, args.eps = optim.lr, tuple(optim.betas), optim.eps
+    args.weight_decay, args.grad_clip = optim.weight_decay, optim.grad_clip
     if args.window > args.steps:
         ap.error(f"--window {args.window} is longer than --steps {args.steps}")
     torch.set_num_threads(args.threads)
