@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from molt_core.types import Result, SamplingParams
 
+if TYPE_CHECKING:
+    from molt_core.config import RunConfig
+    from molt_core.plugins import PluginHost
+
 __all__ = ["AgentOptions", "Agent", "Env", "ChatAgent", "EpisodeState", "AgentContext", "make_agent",
-           "GymnasiumEnv", "from_gymnasium"]
+           "load_agent", "GymnasiumEnv", "from_gymnasium"]
 
 
 class AgentOptions(BaseModel):
@@ -309,3 +314,53 @@ def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
         raise TypeError(f"from_gymnasium: expected an env id, a gymnasium.Env or a factory, got {type(env).__name__}")
     return GymnasiumEnv(make, obs_to_text=obs_to_text, text_to_action=text_to_action, action_names=action_names,
                         eval_size=eval_size, invalid_action_reward=invalid_action_reward, system_prompt=system_prompt)
+
+
+def load_agent(cfg: RunConfig, host: PluginHost) -> Agent:
+    """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
+    registered env), with ``agent.options``.
+
+    A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
+    ``ChatAgent`` subclass.
+
+    Returns:
+        An :class:`Env` or :class:`ChatAgent` instance.
+
+    Raises:
+        ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
+            a missing file, not a ``.py`` file, a file that fails to import or defines no agent
+            or several, or invalid options.
+    """
+    from molt_core.plugins import import_path
+
+    a = cfg.agent
+    if bool(a.name) == bool(a.path):
+        raise ValueError("set exactly one of agent.name (a registered env, see `molt plugins`) or agent.path (a .py file) / --agent")
+    if a.name:
+        try:
+            obj = host.get("envs", a.name)
+        except KeyError as e:
+            raise ValueError(f"agent.name: {e.args[0]}") from None
+        return make_agent(obj, a.options)
+    path = str(a.path)
+    if not Path(path).is_file():
+        raise ValueError(f"agent.path: no such file {a.path!r}")
+    if Path(path).suffix != ".py":
+        raise ValueError(f"agent.path {a.path!r}: not a .py file; give a Python file defining an Env or ChatAgent")
+    try:
+        mod = import_path(path, prefix="molt_agent")
+    except Exception as e:  # the user's file: report its error in one line, before any compute
+        raise ValueError(f"agent.path {a.path!r}: importing it failed: {type(e).__name__}: {e}") from e
+    modname = mod.__name__
+    if hasattr(mod, "agent"):
+        obj = mod.agent
+        if isinstance(obj, (Env, ChatAgent)):
+            return obj
+        return make_agent(obj, a.options)
+    found = [v for v in vars(mod).values()
+             if isinstance(v, type) and issubclass(v, (Env, ChatAgent)) and v not in (Env, ChatAgent)
+             and v.__module__ == modname]
+    if len(found) != 1:
+        names = ", ".join(c.__name__ for c in found) or "none"
+        raise ValueError(f"agent.path {a.path!r} must define `agent` or exactly one Env/ChatAgent subclass (found {names})")
+    return make_agent(found[0], a.options)

@@ -32,7 +32,8 @@ from molt_core.config import RunConfig, TeacherSection
 from molt_core.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import RewardRunner
-from molt_core.runtime.workers import _EPISODE, RolloutWorker, load_agent
+from molt_core.agents import load_agent
+from molt_core.runtime.workers import _EPISODE, RolloutWorker
 from molt_core.types import Result, SamplingParams, Trajectory
 
 __all__ = ["ModelRef", "UrlWorker", "default_report_path", "evaluate", "resolve_model", "run_config_of", "summary"]

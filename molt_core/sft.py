@@ -396,7 +396,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     from rich.console import Console
 
     from molt_core.progress import step_progress
-    from molt_core.runtime import load_agent
+    from molt_core.agents import load_agent
     from molt_core.train import Trainer
 
     if cfg.sft.steps <= 0:

@@ -121,19 +121,19 @@ def test_kl_as_reward_through_the_real_trainer_stays_finite(monkeypatch):
     """Finding 11: the poisoned token goes through ``Trainer.train_step`` (reinforce with
     ``kl_as_reward``); the per-token rewards the trainer hands to ``compute_advantages`` are
     read there, not re-typed."""
-    import molt_core.algo.advantages as adv_mod
+    import molt_core.train.trainer as trainer_mod  # patched where train_step looks it up
     from molt_core.train import Trainer
     from molt_core.types import SampledSpan, Segment, Trajectory
     from trainer_utils import BiasLM, tiny_cfg
 
     seen = {}
-    real = adv_mod.compute_advantages
+    real = trainer_mod.compute_advantages
 
     def spy(*a, **k):
         seen["token_rewards"] = k["token_rewards"].clone()
         return real(*a, **k)
 
-    monkeypatch.setattr(adv_mod, "compute_advantages", spy)
+    monkeypatch.setattr(trainer_mod, "compute_advantages", spy)
     pol, ref = [0.0, -100.0, 0.0], [0.0, 0.0, 0.0]  # token 1: -100.69 nats under the policy, -1.10 under ref
     cfg = tiny_cfg(algo={"advantage": "reinforce", "kl_coef": 0.1, "kl_as_reward": True},
                    trainer={"grad_clip": 0.0, "lr": 1e-3})

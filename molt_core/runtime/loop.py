@@ -22,7 +22,8 @@ from molt_core.progress import step_progress
 from molt_core.rewards import component_metrics
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog, check_loggers
-from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards, load_agent
+from molt_core.agents import load_agent
+from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.tasks import TaskStream, check_train_split
 from molt_core.types import Group, Trajectory
 

@@ -14,62 +14,17 @@ import asyncio
 import contextvars
 import os
 import traceback
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, make_agent
+from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
 from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k, task_result
-from molt_core.plugins import PluginHost, import_path, load_plugins
+from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k"]
-
-
-def load_agent(cfg: RunConfig, host: PluginHost) -> Env | ChatAgent:
-    """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
-    registered env), with ``agent.options``.
-
-    A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
-    ``ChatAgent`` subclass.
-
-    Raises:
-        ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
-            a missing file, not a ``.py`` file, a file that fails to import or defines no agent
-            or several, or invalid options.
-    """
-    a = cfg.agent
-    if bool(a.name) == bool(a.path):
-        raise ValueError("set exactly one of agent.name (a registered env, see `molt plugins`) or agent.path (a .py file) / --agent")
-    if a.name:
-        try:
-            obj = host.get("envs", a.name)
-        except KeyError as e:
-            raise ValueError(f"agent.name: {e.args[0]}") from None
-        return make_agent(obj, a.options)
-    if not Path(a.path).is_file():
-        raise ValueError(f"agent.path: no such file {a.path!r}")
-    if Path(a.path).suffix != ".py":
-        raise ValueError(f"agent.path {a.path!r}: not a .py file; give a Python file defining an Env or ChatAgent")
-    try:
-        mod = import_path(a.path, prefix="molt_agent")
-    except Exception as e:  # the user's file: report its error in one line, before any compute
-        raise ValueError(f"agent.path {a.path!r}: importing it failed: {type(e).__name__}: {e}") from e
-    modname = mod.__name__
-    if hasattr(mod, "agent"):
-        obj = mod.agent
-        if isinstance(obj, (Env, ChatAgent)):
-            return obj
-        return make_agent(obj, a.options)
-    found = [v for v in vars(mod).values()
-             if isinstance(v, type) and issubclass(v, (Env, ChatAgent)) and v not in (Env, ChatAgent)
-             and v.__module__ == modname]
-    if len(found) != 1:
-        names = ", ".join(c.__name__ for c in found) or "none"
-        raise ValueError(f"agent.path {a.path!r} must define `agent` or exactly one Env/ChatAgent subclass (found {names})")
-    return make_agent(found[0], a.options)
 
 
 def check_rewards(cfg: RunConfig, host: PluginHost) -> None:

@@ -1,12 +1,18 @@
 """The trainer, split by job.
 
 * :mod:`molt_core.train.ingress` -- finished rollouts -> a padded :class:`Batch` (checks).
-* :mod:`molt_core.train.trainer` -- :class:`Trainer`: recompute, correction, advantages,
-  the update, weight export.
-* :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints.
+* :mod:`molt_core.train.trainer` -- :class:`Trainer`: orchestrates a step (recompute,
+  correction, advantages, the update), weight export.
+* :mod:`molt_core.train.forward` -- logprob forwards (:func:`token_logprobs`);
+  :mod:`molt_core.train.update` -- LR schedule (:func:`lr_factor`), policy loss over
+  micro-batches, optimizer steps; :mod:`molt_core.train.critic` -- the GAE critic
+  (:class:`ValueModel`); :mod:`molt_core.train.routing_replay` -- MoE routing replay (R3);
+  :mod:`molt_core.train.metrics` -- the metrics of a step.
+* :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints
+  (:mod:`molt_core.train.model_files`: one module's weight files).
 * :mod:`molt_core.train.distributed` -- :class:`ShardedTrainer`: ``trainer.world_size`` ranks,
-  one FSDP2-sharded model; :mod:`molt_core.train.dist_checkpoint` -- its checkpoints
-  (``torch.distributed.checkpoint`` + the Hugging Face directory).
+  one FSDP2-sharded model; :mod:`molt_core.train.dist_checkpoint` -- the ``dcp/`` part of its checkpoints
+  (``torch.distributed.checkpoint``; written by :func:`molt_core.train.checkpoint.save_sharded_checkpoint`).
 """
 
 from molt_core.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints

@@ -12,6 +12,11 @@ anything is loaded; a truncated, missing or bit-flipped file raises
 :class:`CheckpointCorrupt` naming the file. :func:`latest_intact_checkpoint` -- what
 ``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
 skipped. A checkpoint written before checksums existed is accepted unverified.
+
+A sharded trainer's checkpoint (:func:`save_sharded_checkpoint`) adds ``dcp/``, whose state
+tree and reader are in :mod:`molt_core.train.dist_checkpoint`; one module's weight files
+are written and read by :mod:`molt_core.train.model_files`, a LoRA model's by
+:mod:`molt_core.train.lora`.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from molt_core.train.dist_checkpoint import dcp_state, load_dcp
+from molt_core.train.lora import load_lora_checkpoint, save_lora_checkpoint
+from molt_core.train.model_files import load_model, load_optimizer, save_model
+
 __all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
-           "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
+           "load_checkpoint", "save_checkpoint", "save_sharded_checkpoint", "verify_checkpoint"]
 
 _log = logging.getLogger("molt.checkpoint")
 
@@ -165,6 +174,40 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     return _commit(trainer, run_dir, tmp, final)
 
 
+def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of a :class:`~molt_core.train.distributed.ShardedTrainer`
+    (every rank calls it): ``dcp/`` by every rank (:mod:`molt_core.train.dist_checkpoint`),
+    the rest by rank 0; atomic like :func:`save_checkpoint` (temp dir + rename, then pruned).
+
+    Returns:
+        The checkpoint directory (on every rank).
+
+    Raises:
+        TypeError: ``data_cursor`` is not JSON-serialisable.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    try:
+        cursor_json = json.dumps(dict(data_cursor or {}))
+    except TypeError as e:
+        raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
+    rank0 = dist.get_rank() == 0
+    paths: list[Any] = list(_begin(run_dir, trainer.step, "sharded")) if rank0 else [None, None]
+    dist.broadcast_object_list(paths, src=0)
+    final, tmp = Path(paths[0]), Path(paths[1])
+    dcp.save(dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = {name: get_model_state_dict(m, options=opts) for name, m in
+            (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
+    if rank0:
+        write_checkpoint_files(trainer, tmp, cursor_json, full=full, extra={"world_size": dist.get_world_size()})
+        _commit(trainer, run_dir, tmp, final)
+    dist.barrier()
+    return final
+
+
 def _begin(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
     """``(final, tmp)`` directories of the checkpoint of ``step``; ``tmp`` made empty."""
     root = Path(run_dir) / CHECKPOINT_DIR
@@ -191,17 +234,15 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
     full = full or {}
     lora = trainer.cfg.trainer.lora is not None
     if lora:  # model/ merged, base/ and adapter/ (molt_core.train.lora)
-        from molt_core.train.lora import save_lora_checkpoint
-
         save_lora_checkpoint(trainer.model, tmp)
     else:
-        _save_model(trainer.model, tmp / "model", full.get("model"))
+        save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
     if trainer.ref_model is not None and not lora:  # with LoRA the reference is base/ (adapter disabled)
-        _save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
+        save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
-        _save_model(trainer.critic, tmp / "critic", full.get("critic"))
+        save_model(trainer.critic, tmp / "critic", full.get("critic"))
     own_optim = not full
     torch.save({
         "optimizer": trainer.optimizer.state_dict() if own_optim else None,
@@ -284,8 +325,6 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     if trainer.critic is not None and not (p / "critic").is_dir():
         raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
     if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/
-        from molt_core.train.dist_checkpoint import load_dcp
-
         load_dcp(trainer, p / "dcp")
     else:
         if trainer.cfg.trainer.lora is not None:
@@ -293,15 +332,15 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
 
             load_lora_checkpoint(trainer.model, p)
         else:
-            _load_model(trainer.model, p / "model")
+            load_model(trainer.model, p / "model")
         if (p / "ref").is_dir() and trainer.cfg.trainer.lora is None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
-            _load_model(trainer.ref_model, p / "ref")
-        _load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
+            load_model(trainer.ref_model, p / "ref")
+        load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
         if trainer.critic is not None:
-            _load_model(trainer.critic, p / "critic")
-            _load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
+            load_model(trainer.critic, p / "critic")
+            load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
     trainer.scheduler.load_state_dict(st["scheduler"])
     if trainer.critic is not None:
         trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])
@@ -314,75 +353,6 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
-
-
-def _save_model(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-    """``save_pretrained`` (safetensors) of ``model``, with ``state`` (a gathered full state
-    dict) in place of its own when given; plain modules get one ``model.safetensors``."""
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(d, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
-    else:
-        from safetensors.torch import save_file
-
-        d.mkdir(parents=True, exist_ok=True)
-        state = state if state is not None else model.state_dict()
-        seen: dict[int, str] = {}
-        out = {}
-        for k, v in state.items():  # tied tensors once (safetensors refuses shared storage)
-            if v.data_ptr() in seen:
-                continue
-            seen[v.data_ptr()] = k
-            out[k] = v.contiguous()
-        save_file(out, str(d / "model.safetensors"))
-
-
-def _load_model(model: torch.nn.Module, d: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{d}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    if _sharded(model):  # full tensors into this rank's shards (a tied key saved once loads both)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        return
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
-    # keys dropped by save_pretrained are tied to a saved parameter (e.g. lm_head <- embed_tokens)
-    live = model.state_dict()
-    saved_ptrs = {live[k].data_ptr() for k in state if k in live}
-    untied = [k for k in missing if live[k].data_ptr() not in saved_ptrs]
-    if untied:
-        raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def _load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state)``; for a sharded ``model`` (a checkpoint of one rank
-    resumed on several) the parameter indices of ``state`` become parameter names and each
-    rank keeps its shard of every moment (``set_optimizer_state_dict``, full state dict)."""
-    if not _sharded(model):
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names: dict[int, str] = {}
-    for n, prm in model.named_parameters():
-        names.setdefault(id(prm), n)
-    fqns = [names[id(prm)] for g in optimizer.param_groups for prm in g["params"]]
-    full = {"state": {fqns[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _fsync_dir(d: Path) -> None:

@@ -1,5 +1,5 @@
-"""Checkpoints of a sharded trainer: a distributed checkpoint for resume, plus the usual
-Hugging Face directory.
+"""The ``dcp/`` part of a sharded trainer's checkpoint: its state tree and its reader (the
+writer, :func:`molt_core.train.checkpoint.save_sharded_checkpoint`, writes the rest too).
 
 A sharded checkpoint is the layout of :mod:`molt_core.train.checkpoint` (``model/`` -- the
 *full* weights gathered onto rank 0, ``save_pretrained`` safetensors + tokenizer, loadable
@@ -20,16 +20,15 @@ node, or a shared file system).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["load_dcp", "save_sharded_checkpoint"]
+__all__ = ["dcp_state", "load_dcp"]
 
 
-def _dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
+def dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
     """The state dict tree ``{"model", "optim", "ref", "critic", "critic_optim"}`` of
     ``trainer`` (sharded DTensors for a sharded trainer), restricted to ``parts``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -41,41 +40,6 @@ def _dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
     if trainer.critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optimizer)
     return {k: v for k, v in state.items() if parts is None or k in parts}
-
-
-def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-    """Write the checkpoint of a :class:`~molt_core.train.distributed.ShardedTrainer`
-    (every rank calls it): ``dcp/`` by every rank, the rest by rank 0; atomic like
-    :func:`molt_core.train.checkpoint.save_checkpoint` (temp dir + rename, then pruned).
-
-    Returns:
-        The checkpoint directory (on every rank).
-
-    Raises:
-        TypeError: ``data_cursor`` is not JSON-serialisable.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from molt_core.train.checkpoint import _begin, _commit, write_checkpoint_files
-
-    try:
-        cursor_json = json.dumps(dict(data_cursor or {}))
-    except TypeError as e:
-        raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-    rank0 = dist.get_rank() == 0
-    paths: list[Any] = list(_begin(run_dir, trainer.step, "sharded")) if rank0 else [None, None]
-    dist.broadcast_object_list(paths, src=0)
-    final, tmp = Path(paths[0]), Path(paths[1])
-    dcp.save(_dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = {name: get_model_state_dict(m, options=opts) for name, m in
-            (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
-    if rank0:
-        write_checkpoint_files(trainer, tmp, cursor_json, full=full, extra={"world_size": dist.get_world_size()})
-        _commit(trainer, run_dir, tmp, final)
-    dist.barrier()
-    return final
 
 
 def load_dcp(trainer: Any, d: str | Path) -> None:
@@ -98,7 +62,7 @@ def load_dcp(trainer: Any, d: str | Path) -> None:
         | ({"critic", "critic_optim"} if trainer.critic is not None else set())
     if not want <= saved:
         raise FileNotFoundError(f"{d}: the distributed checkpoint lacks {sorted(want - saved)}")
-    state = _dcp_state(trainer, want)
+    state = dcp_state(trainer, want)
     dcp.load(state, checkpoint_id=str(d))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if "ref" in state:

@@ -281,9 +281,9 @@ class ShardedTrainer(Trainer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, run_dir, data_cursor: dict[str, Any] | None = None):
-        """Every rank: :func:`molt_core.train.dist_checkpoint.save_sharded_checkpoint` (a
+        """Every rank: :func:`molt_core.train.checkpoint.save_sharded_checkpoint` (a
         distributed checkpoint in ``dcp/`` plus the Hugging Face ``model/`` of the full weights)."""
-        from molt_core.train.dist_checkpoint import save_sharded_checkpoint
+        from molt_core.train.checkpoint import save_sharded_checkpoint
 
         return save_sharded_checkpoint(self, run_dir, data_cursor)
 

@@ -19,7 +19,7 @@ import torch
 
 from molt_core.types import Trajectory
 
-__all__ = ["Batch", "IngressError", "build_batch", "refuse_malformed"]
+__all__ = ["Batch", "IngressError", "admit", "build_batch", "refuse_malformed"]
 
 _log = logging.getLogger("molt.ingress")
 
@@ -337,3 +337,32 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
         seen.add(t.rollout_id)
         kept.append(t)
     return kept, {"ingress/refused_malformed": float(len(reasons)), "ingress/refused_no_span": float(no_span)}, reasons
+
+
+def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | None, need_teacher: bool,
+          refuse_unverified: bool) -> tuple[list[Trajectory], Batch | None, dict[str, float]]:
+    """A train step's ingress: refuse malformed rollouts one at a time
+    (:func:`refuse_malformed`; the whole batch first, so the clean case builds once), then
+    rollouts whose action tokens differ from -- or, with ``refuse_unverified``, lack -- the
+    engine's record (:func:`molt_core.identity.screen`).
+
+    Returns:
+        ``(kept trajectories, their Batch or None when it must be rebuilt from them, metrics)``
+        -- the metrics of :func:`molt_core.identity.screen` plus ``ingress/refused_malformed``,
+        ``ingress/refused_no_span``, with ``ingress/refused_rollouts`` counting every refusal.
+    """
+    from molt_core.identity import screen
+
+    try:
+        batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher)
+        malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0}
+    except IngressError:
+        batch = None
+        trajectories, malformed, _reasons = refuse_malformed(trajectories, pad_id, vocab_size, need_teacher=need_teacher)
+    n_in = len(trajectories)
+    kept, ingress = screen(trajectories, refuse_unverified=refuse_unverified)
+    if len(kept) != n_in:
+        batch = None
+    ingress.update(malformed)
+    ingress["ingress/refused_rollouts"] += malformed["ingress/refused_malformed"]
+    return kept, batch, ingress

@@ -170,9 +170,9 @@ def base_training(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, lis
 
 
 def _save_pretrained(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor]) -> None:
-    from molt_core.train.checkpoint import _save_model
+    from molt_core.train.model_files import save_model
 
-    _save_model(model.get_base_model(), d, state)
+    save_model(model.get_base_model(), d, state)
 
 
 def save_lora_checkpoint(model: torch.nn.Module, d: Path) -> None:

@@ -1,0 +1,145 @@
+"""The policy update: the LR schedule, the loss over micro-batches with gradient accumulation,
+the optimizer steps, and how micro-batch loss metrics combine."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from molt_core.algo.kl import kl_loss
+from molt_core.algo.losses import policy_loss
+from molt_core.train.ingress import Batch
+
+__all__ = ["in_support", "lr_factor", "merge_loss_metrics", "policy_update"]
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the base LR for optimizer step ``step`` (0-based).
+
+    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first
+    step is not wasted at LR 0). After it, with ``p = (step - warmup) / max(1, total - warmup)``
+    clamped to [0, 1]: ``constant`` -> 1; ``linear`` -> ``1 - p``; ``cosine`` ->
+    ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, without restarts).
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    p = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1.0 - p
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"trainer.lr_schedule {schedule!r} is unknown; use constant, linear or cosine")
+
+
+def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights: torch.Tensor | None,
+                  ref_lp: torch.Tensor | None, adv: torch.Tensor, train_mask: torch.Tensor, num_tokens: int,
+                  correct: Callable[..., Any] | None, out_of_support: torch.Tensor | None = None,
+                  kl_keep: torch.Tensor | None = None
+                  ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
+    """``ppo_epochs`` optimizer steps of ``trainer``'s policy over the batch's micro-batches.
+
+    Per micro-batch: :func:`molt_core.algo.losses.policy_loss` (normalised by the step's
+    ``num_tokens``, so micro-batch losses sum, B15) plus ``kl_coef *``
+    :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip
+    and one optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``,
+    ``out_of_support`` are ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
+
+    With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
+    micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
+    otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
+    ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
+    ones outside the reference's support).
+
+    Returns:
+        ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
+        -- the last two only when fused.
+    """
+    cfg = trainer.cfg
+    clip = cfg.trainer.grad_clip
+    dev = trainer.device
+    fused = correct is not None
+    B, Tfull = batch.input_ids.shape
+    if fused:
+        prox = torch.zeros((B, Tfull), dtype=torch.float32)
+        ent_all = torch.zeros((B, Tfull), dtype=torch.float32)
+    sums: dict[str, float] = {}
+    for _epoch in range(cfg.trainer.ppo_epochs):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        tot = pol = klv = 0.0
+        extra: dict[str, float] = {}
+        for rows, real in trainer._work(batch):
+            active = real and bool(train_mask[rows].any())
+            if not active and not (fused and real) and not trainer.lockstep:
+                continue
+            with torch.set_grad_enabled(active or trainer.lockstep):
+                lp, ent = trainer._forward(trainer.model, batch, rows, with_entropy=fused)
+            T = lp.shape[1]
+            if fused and real:
+                prox[rows, :T] = lp.detach().float().cpu()
+                ent_all[rows, :T] = ent.cpu()
+            if not active:
+                if trainer.lockstep:  # every process runs the same backwards (FSDP2 collectives)
+                    (0.0 * torch.nan_to_num(lp, neginf=0.0).sum()).backward()
+                continue
+            if fused:
+                c = correct(prox[rows, :T], rows)
+                w, oos = c.weights, c.out_of_support
+            else:
+                w, oos = weights[rows, :T], out_of_support[rows, :T]
+            # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
+            # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
+            # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
+            # can push a token out of the current support too: same treatment.
+            oos = oos.to(dev) | ~torch.isfinite(lp.detach())
+            m = train_mask[rows, :T].to(dev) & ~oos
+            lp = torch.where(oos, torch.zeros((), device=dev), lp)
+            p_mb = torch.where(oos, torch.zeros((), device=dev), prox[rows, :T].to(dev))
+            loss, lm = policy_loss(cfg.algo, lp, p_mb, adv[rows, :T].to(dev), m, w.to(dev), num_tokens)
+            pol += float(loss.detach())
+            merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
+            if ref_lp is not None and not cfg.algo.kl_as_reward and trainer.kl_coef > 0:
+                km = m if kl_keep is None else m & kl_keep[rows, :T].to(dev)
+                kl_term = kl_loss(lp, ref_lp[rows, :T].to(dev), km, num_tokens, cfg.algo.kl_estimator)
+                klv += float(kl_term.detach())
+                loss = loss + trainer.kl_coef * kl_term
+            tot += float(loss.detach())
+            loss.backward()
+        gn = trainer._clip_grads(trainer.params, clip)
+        trainer.optimizer.step()
+        ep = {(k if k.startswith("loss/") else f"loss/{k}"): v for k, v in extra.items()}
+        ep.update({"loss/total": tot, "loss/policy": pol, "loss/kl": klv})
+        ep = trainer._reduce_losses(ep)
+        ep["grad_norm"] = gn
+        for k, v in ep.items():
+            sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
+    return sums, (trainer._combine_rows(prox) if fused else None), (trainer._combine_rows(ent_all) if fused else None)
+
+
+def in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
+    """``prox`` ``[B, T]`` with the behaviour logprob in place of ``-inf`` on out-of-support
+    tokens ``oos`` (``[B, T]`` bool), for consumers that need finite values (advantages, KL
+    and logprob-difference metrics over in-support tokens); None passes through."""
+    return None if prox is None else torch.where(oos, beh, prox)
+
+
+def merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: float) -> None:
+    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by
+    min/max, the loss value and token count by sum, the rest (per-token means) weighted by
+    the micro-batch's ``share`` of the step's action tokens."""
+    for k, v in mb.items():
+        v = float(v)
+        if k.endswith("_min"):
+            acc[k] = min(acc.get(k, v), v)
+        elif k.endswith("_max"):
+            acc[k] = max(acc.get(k, v), v)
+        elif k in ("loss/pg", "loss/tokens"):
+            acc[k] = acc.get(k, 0.0) + v
+        else:
+            acc[k] = acc.get(k, 0.0) + v * share
