@@ -241,6 +241,22 @@ def grpo_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6, tol: f
     return torch.where(std < tol, torch.zeros_like(adv), adv).view(-1).float()
 
 
+def reinforce_step(model: Any, opt: Any, params: list, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor,
+                   adv: torch.Tensor, grad_clip: float) -> None:
+    """One plain update: REINFORCE loss ``-sum(adv * logp * mask) / sum(mask)`` over the sampled
+    tokens of the batch (``ids`` / ``att`` / ``mask`` ``[B, L]`` right-padded, ``mask`` True on
+    sampled tokens, ``adv`` ``[B]``), backward, global grad-norm clip (0 disables, as in molt), AdamW."""
+    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:]
+    loss = -(adv[:, None] * logp * m).sum() / m.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+
+
 def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
     """The no-framework loop: generate -> reward -> GRPO advantages -> REINFORCE -> AdamW."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -269,15 +285,7 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             att[i, : len(p) + len(c)] = 1
             mask[i, len(p): len(p) + len(c)] = True
-        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        m = mask[:, 1:]
-        loss = -(adv[:, None] * logp * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip:  # 0 disables, as in molt
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
+        reinforce_step(model, opt, params, ids, att, mask, adv, args.grad_clip)
         t3 = time.perf_counter()
         rewards.append(float(r.mean()))
         step_s.append(t3 - t0)
