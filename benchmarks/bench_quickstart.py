@@ -10,7 +10,7 @@ decay, grad-norm clip 1.0), GRPO advantages
 ``(r - mean_group) / (std_group + 1e-6)``, one policy update per batch.
 
 Every arm starts from the SAME warm-start weights, written once by ``molt sft
-recipes/quickstart.toml --out OUT/sft-<steps>`` (800 SFT steps on 30%-noisy labels; reused on
+recipes/quickstart.toml --out OUT/sft-<steps>`` (the recipe's ``[sft]``: 1200 steps on 30%-noisy labels; reused on
 later runs), and sees the SAME prompts in the same order: for seed ``s`` the first ``steps x 8``
 tasks of the env's ``train`` stream (``ReasoningGymEnv.tasks("train", s)``, as ``molt run``
 draws them with ``run.seed = s``), and is evaluated on the env's held-out ``eval`` split of
