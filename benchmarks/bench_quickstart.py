@@ -4,12 +4,13 @@ PyTorch loop, and ``molt run`` async (``max_staleness=1``) vs sync -- ratios fro
 Setup (``recipes/quickstart.toml``, ``/work/shared/BENCHMARKS.md``): the builtin tiny Qwen3
 (~0.85M parameters, ChatML byte-level tokenizer), 2-digit addition "What is A + B?" from the
 ``reasoning_gym`` env with a binary exact-match reward, 8 prompts x 8 completions per step, at
-most 8 new tokens at T = 1 (no top-k / top-p), no KL / reference, AdamW lr 3e-4 constant, betas
-(0.9, 0.98), eps 1e-8, no weight decay, grad-norm clip 1.0, GRPO advantages
+most 8 new tokens at T = 1 (no top-k / top-p), no KL / reference, AdamW with the recipe's
+``[trainer]`` settings for every arm (lr 1.5e-4 constant, betas (0.9, 0.98), eps 1e-8, no weight
+decay, grad-norm clip 1.0), GRPO advantages
 ``(r - mean_group) / (std_group + 1e-6)``, one policy update per batch.
 
 Every arm starts from the SAME warm-start weights, written once by ``molt sft
-recipes/quickstart.toml --out OUT/sft-<steps>`` (800 SFT steps on 30%-noisy labels; reused on
+recipes/quickstart.toml --out OUT/sft-<steps>`` (the recipe's ``[sft]``: 1200 steps on 30%-noisy labels; reused on
 later runs), and sees the SAME prompts in the same order: for seed ``s`` the first ``steps x 8``
 tasks of the env's ``train`` stream (``ReasoningGymEnv.tasks("train", s)``, as ``molt run``
 draws them with ``run.seed = s``), and is evaluated on the env's held-out ``eval`` split of
@@ -80,6 +81,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' gradient_checkpointing rename
 
 import torch
+
+from molt_core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "quickstart.toml"
@@ -238,6 +241,22 @@ def grpo_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6, tol: f
     return torch.where(std < tol, torch.zeros_like(adv), adv).view(-1).float()
 
 
+def reinforce_step(model: Any, opt: Any, params: list, ids: torch.Tensor, att: torch.Tensor, mask: torch.Tensor,
+                   adv: torch.Tensor, grad_clip: float) -> None:
+    """One plain update: REINFORCE loss ``-sum(adv * logp * mask) / sum(mask)`` over the sampled
+    tokens of the batch (``ids`` / ``att`` / ``mask`` ``[B, L]`` right-padded, ``mask`` True on
+    sampled tokens, ``adv`` ``[B]``), backward, global grad-norm clip (0 disables, as in molt), AdamW."""
+    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:]
+    loss = -(adv[:, None] * logp * m).sum() / m.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+
+
 def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
     """The no-framework loop: generate -> reward -> GRPO advantages -> REINFORCE -> AdamW."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -246,7 +265,7 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
     tok = AutoTokenizer.from_pretrained(str(sft_model), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(sft_model), local_files_only=True, dtype=torch.float32).eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay)
     P, n = args.prompts, args.samples
     rewards, step_s, gen_s, rew_s, upd_s = [], [], [], [], []
     for step in range(args.steps):
@@ -266,14 +285,7 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             att[i, : len(p) + len(c)] = 1
             mask[i, len(p): len(p) + len(c)] = True
-        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        m = mask[:, 1:]
-        loss = -(adv[:, None] * logp * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        reinforce_step(model, opt, params, ids, att, mask, adv, args.grad_clip)
         t3 = time.perf_counter()
         rewards.append(float(r.mean()))
         step_s.append(t3 - t0)
@@ -298,8 +310,9 @@ def run_trl(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]], 
     targs = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=batch, num_generations=args.samples,
         max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98,
-        adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=args.betas[0],
+        adam_beta2=args.betas[1], adam_epsilon=args.eps, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip,
+        optim="adamw_torch",
         loss_type="grpo", beta=0.0, num_iterations=1, bf16=False, fp16=False, gradient_checkpointing=False,
         use_cpu=True, max_steps=args.steps, logging_steps=10_000, save_strategy="no", report_to=[],
         seed=seed, disable_tqdm=True, dataloader_num_workers=0, log_completions=False, shuffle_dataset=False,
@@ -419,6 +432,12 @@ def main() -> None:
     args.prompts = recipe["rollout"]["prompts_per_step"]
     args.samples = recipe["rollout"]["n_samples_per_prompt"]
     args.max_tokens = recipe["rollout"]["max_tokens"]
+    optim = load_config(RECIPE).trainer  # the recipe's optimizer, for the TRL and plain arms too
+    if optim.lr_schedule != "constant" or optim.warmup_steps:
+        ap.error(f"{RECIPE}: the TRL and plain arms use a constant LR without warm-up; the recipe has "
+                 f"lr_schedule = {optim.lr_schedule!r}, warmup_steps = {optim.warmup_steps}")
+    args.lr, args.betas, args.eps = optim.lr, tuple(optim.betas), optim.eps
+    args.weight_decay, args.grad_clip = optim.weight_decay, optim.grad_clip
     if args.window > args.steps:
         ap.error(f"--window {args.window} is longer than --steps {args.steps}")
     torch.set_num_threads(args.threads)

@@ -238,6 +238,12 @@ class _Open:
 #: (id(tokenizer), chat template, template kwargs) -> facts derived by Ledger._fast_render/_probe
 _TEMPLATE_FACTS: dict[tuple[int, str, str], tuple[Any, ...]] = {}
 
+#: per tokenizer: template text -> its ids (:meth:`Ledger._encode`), at most ``_ENCODED_MAX``
+#: texts each, oldest dropped first
+_ENCODED: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_ENCODED_MAX = 4096
+_ENCODED_LOCK = threading.Lock()
+
 
 class Ledger:
     """Token-exact accumulation of one session (one rollout); thread-safe.
@@ -396,8 +402,23 @@ class Ledger:
         self.stop_token_ids = sorted(stops)
 
     def _encode(self, text: str) -> list[int]:
-        """Tokenize template / new-message text (never generated text)."""
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        """Tokenize template / new-message text (never generated text). Encoding is a pure
+        function of (tokenizer, text): the ids of a recent text are reused (the
+        ``n_samples_per_prompt`` rollouts of a group render the same prompt; issue 16 item 2)."""
+        if not text:
+            return []
+        cache = _ENCODED.get(self.tokenizer)
+        if cache is None:
+            with _ENCODED_LOCK:
+                cache = _ENCODED.setdefault(self.tokenizer, {})
+        ids = cache.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            with _ENCODED_LOCK:  # sessions of the loopback server run on several threads
+                if len(cache) >= _ENCODED_MAX:
+                    cache.pop(next(iter(cache)))  # the oldest entry (dicts keep insertion order)
+                cache[text] = ids
+        return list(ids)
 
     # ---------------------------------------------------------------- prepare / commit
 

@@ -341,3 +341,64 @@ def test_run_steps_and_sft_steps_flags(tmp_path):
     assert steps == [0, 1, 2]
     res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "0"])
     assert res.exit_code == 2 and "--steps" in res.output
+
+
+def test_runlog_plot_later_draws_a_snapshot_off_the_loop_and_coalesces(tmp_path, monkeypatch):
+    """The step loop hands reward.png redraws to a background thread (issue 16 item 2: ~0.2 s
+    of matplotlib every 10 steps was inside the step wall). A redraw gets the rows logged so
+    far (a snapshot: later rows are not in it); a request while one is running is dropped;
+    plot() and close() wait for it."""
+    import threading
+
+    from molt_core.runtime import RunLog, rundir
+
+    started, release, drawn = threading.Event(), threading.Event(), []
+
+    def slow_draw(run_dir, rows):
+        started.set()
+        assert release.wait(10)
+        drawn.append([r["step"] for r in rows])
+
+    monkeypatch.setattr(rundir, "draw_reward_plot", slow_draw)
+    log = RunLog(tmp_path, RunConfig.model_validate({}), load_plugins([]), resume_step=None)
+    log.log(1, {"reward/mean": 0.5})
+    assert log.plot_later() is True
+    assert started.wait(10)
+    log.log(2, {"reward/mean": 0.75})
+    assert log.plot_later() is False  # the first redraw still runs: dropped, not queued
+    release.set()
+    log.plot()  # waits for the background redraw, then draws every row
+    assert drawn == [[1], [1, 2]]
+    assert log.plot_later() is True
+    log.close()
+    assert drawn == [[1], [1, 2], [1, 2]]
+
+
+def test_runlog_background_plot_error_is_raised_not_lost(tmp_path, monkeypatch):
+    """A redraw that fails on the background thread raises at the next plot()/close()."""
+    from molt_core.runtime import RunLog, rundir
+
+    def broken(run_dir, rows):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(rundir, "draw_reward_plot", broken)
+    log = RunLog(tmp_path, RunConfig.model_validate({}), load_plugins([]), resume_step=None)
+    log.log(1, {"reward/mean": 0.5})
+    assert log.plot_later() is True
+    with pytest.raises(OSError, match="disk full"):
+        log.close()
+
+
+def test_draw_reward_plot_writes_a_png(tmp_path):
+    """draw_reward_plot (matplotlib's object API, thread-safe) writes a PNG of 700 x 400
+    pixels (figsize 7 x 4 inches at 100 dpi)."""
+    import struct
+
+    from molt_core.runtime.rundir import draw_reward_plot
+
+    pytest.importorskip("matplotlib")
+    rows = [{"step": s, "reward/mean": s / 30} for s in range(1, 31)] + [{"step": 30, "eval/pass@1": 0.5}]
+    out = draw_reward_plot(tmp_path, rows)
+    data = out.read_bytes()
+    assert out == tmp_path / "reward.png" and data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (700, 400)  # IHDR width, height

@@ -5,6 +5,7 @@ and log (see :mod:`molt_core.runtime` for the data flow and the async semantics)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import math
@@ -282,6 +283,10 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     if resume and ckpt is None:  # say so before Ray starts
         raise FileNotFoundError(_no_checkpoint_message(run_dir, cfg, bool(skipped)))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
+    # the tokenizer (to decode sampled trajectories for display) loads while Ray starts, not in step 1
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-tokenizer")
+    tokenizer = pool.submit(_driver_tokenizer, cfg)
+    pool.shutdown(wait=False)  # its thread ends once the tokenizer is loaded
     ray = _Local() if local else init_ray(cfg, ray_address)
     cfg_dict = cfg.model_dump(by_alias=True)
     t_start = time.perf_counter()
@@ -414,8 +419,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     last_eval: dict[str, float] = {}
     skipped_steps = 0
-    tokenizer: Any = False  # for the decoded text of sampled trajectories (display only), loaded at first use
-    with Progress(*columns, console=console, transient=False) as progress:
+    # a redirected console prints the bar once, at the end: no refresh thread redrawing it meanwhile
+    with Progress(*columns, console=console, transient=False, auto_refresh=console.is_terminal,
+                  refresh_per_second=4) as progress:
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
@@ -462,15 +468,13 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 metrics.update(last_eval)
             log.log(s1, metrics)
             if s1 == 1 or s1 % 10 == 0:
-                if tokenizer is False:
-                    tokenizer = _driver_tokenizer(cfg)
-                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories], tokenizer)
+                log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories], tokenizer.result())
             if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
                 # groups in flight now are relaunched first after a resume (each task trained once)
                 pending = sorted([index_of[r] for _, r in inflight] + [j for j, _, _ in redo])
                 ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": launched, "untrained": pending}))
-            if s1 % 10 == 0 or s1 == cfg.run.steps:
-                log.plot()
+            if s1 % 10 == 0 and s1 < cfg.run.steps:
+                log.plot_later()  # on a background thread: the loop does not wait for matplotlib
             info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
             if last_eval:
                 info += f"  eval {_eval_summary(last_eval)}"
