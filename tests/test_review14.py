@@ -46,3 +46,50 @@ def test_two_ranks_match_one_rank_when_a_rank_has_no_row(tmp_path):
     _assert_parity(one, two["metrics"])
     for k, v in single.model.state_dict().items():
         torch.testing.assert_close(two["weights"][k], v, rtol=RTOL, atol=W_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _one_publish_behind(tmp_path, dtype: str, lr: float) -> tuple[float, float]:
+    """Train one step at ``lr`` on the engine's samples, then let the engine miss the publish
+    (old weights) while its tokens carry the new version: ``(clean max, stale max)`` of
+    ``invariants/logprob_absdiff_max_onpolicy``."""
+    import asyncio
+
+    from test_weightpack import make_workers
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tw, rw = make_workers(tmp_path, model={"dtype": dtype}, engine={"dtype": dtype}, trainer={"lr": lr})
+
+    def rollout(stamp=None):
+        loop = asyncio.new_event_loop()
+        try:
+            groups = loop.run_until_complete(rw.rollout([{"i": 3}, {"i": 5}], 4))
+        finally:
+            loop.close()
+        trajs = [t for g in groups for t in g.trajectories if t.status == "ok"]
+        for t in trajs if stamp is not None else []:
+            for s in t.segments:
+                s.versions = [stamp if v is not None else None for v in s.versions]
+        return trajs
+
+    try:
+        state, v = tw.weights()
+        asyncio.run(rw.load_weights(state, v))
+        clean = tw.train_step(rollout())["invariants/logprob_absdiff_max_onpolicy"]
+        stale = tw.train_step(rollout(stamp=tw.trainer.version))["invariants/logprob_absdiff_max_onpolicy"]
+    finally:
+        rw.engine.close()
+    return clean, stale
+
+
+@pytest.mark.slow  # two engine + trainer pairs (~25 s)
+def test_bf16_bound_misses_one_stale_publish_at_the_gpu_recipe_lr(tmp_path):
+    """What docs/gpu.md now says: at lr 1e-6 (recipes/examples/gpu_qwen3.toml) an engine that
+    missed one publish reads under the bf16 bound (0.1) -- blind -- while float32 flags the same
+    fault against its 1e-4 bound. (The docs claimed 2.5 for "one publish behind"; that figure came
+    from noise of 0.05 on every weight, not from a publish.)"""
+    from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+
+    clean32, stale32 = _one_publish_behind(tmp_path / "f32", "float32", 1e-6)
+    assert clean32 <= ONPOLICY_ABSDIFF_TOL["float32"] < stale32
+    clean16, stale16 = _one_publish_behind(tmp_path / "bf16", "bfloat16", 1e-6)
+    assert clean16 <= ONPOLICY_ABSDIFF_TOL["bfloat16"] and stale16 <= ONPOLICY_ABSDIFF_TOL["bfloat16"]
