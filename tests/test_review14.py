@@ -93,3 +93,44 @@ def test_bf16_bound_misses_one_stale_publish_at_the_gpu_recipe_lr(tmp_path):
     assert clean32 <= ONPOLICY_ABSDIFF_TOL["float32"] < stale32
     clean16, stale16 = _one_publish_behind(tmp_path / "bf16", "bfloat16", 1e-6)
     assert clean16 <= ONPOLICY_ABSDIFF_TOL["bfloat16"] and stale16 <= ONPOLICY_ABSDIFF_TOL["bfloat16"]
+
+
+def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
+    """A plain checkpoint's model/ resumed on a sharded trainer (molt_core.train.model_files.load_model)
+    loaded with ``strict=False`` and no check: a missing tensor kept the rank's current weights, an
+    unknown one was dropped, silently (the plain path raises for both). Now the same checks, before
+    anything is loaded; a good directory (tied lm_head saved once) still loads exactly. One process,
+    a gloo group of one."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from molt_core.models import load_model as build
+    from molt_core.train.distributed import init_distributed, shard_module
+    from molt_core.train.model_files import load_model, save_model
+
+    src = build("builtin:tiny-qwen3", seed=7)
+    save_model(src, tmp_path / "good")
+    saved = load_file(str(tmp_path / "good" / "model.safetensors"))
+    assert "lm_head.weight" not in saved  # tied: saved once
+    skip = "model.layers.0.mlp.down_proj.weight"
+    (tmp_path / "missing").mkdir()
+    save_file({k: v for k, v in saved.items() if k != skip}, str(tmp_path / "missing" / "model.safetensors"))
+    (tmp_path / "unknown").mkdir()
+    save_file({**saved, "model.layers.9.mlp.extra.weight": torch.zeros(2)}, str(tmp_path / "unknown" / "model.safetensors"))
+    init_distributed(0, 1, f"file://{tmp_path / 'rdzv'}", backend="gloo")
+    try:
+        m = shard_module(build("builtin:tiny-qwen3", seed=0))
+        full = lambda: get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))  # noqa: E731
+        before = {k: v.clone() for k, v in full().items()}
+        with pytest.raises(ValueError, match=r"lacks weights for \['model\.layers\.0\.mlp\.down_proj\.weight'\]"):
+            load_model(m, tmp_path / "missing")
+        with pytest.raises(ValueError, match=r"unknown parameters \['model\.layers\.9\.mlp\.extra\.weight'\]"):
+            load_model(m, tmp_path / "unknown")
+        assert all(torch.equal(v, before[k]) for k, v in full().items())  # refused before loading anything
+        load_model(m, tmp_path / "good")
+        got = full()
+        for k, v in src.state_dict().items():
+            assert torch.equal(got[k], v), k
+    finally:
+        dist.destroy_process_group()
