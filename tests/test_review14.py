@@ -134,3 +134,28 @@ def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
             assert torch.equal(got[k], v), k
     finally:
         dist.destroy_process_group()
+
+
+def test_sharded_stale_shadow_is_the_only_unsharded_copy(tmp_path):
+    """With ``async.max_staleness`` > 0 a sharded rank kept two full unsharded copies of the
+    policy on its device beside its shards -- the template (a deepcopy made before sharding) and
+    the shadow deep-copied from it -- which the 1/N memory figure (bench_fsdp_memory.py: params
+    + optimizer only) does not see. Now the template waits on CPU and becomes the shadow (moved to
+    the trainer's device) on first use: one copy. One process, a gloo group of one."""
+    import torch.distributed as dist
+
+    from molt_core.train.distributed import ShardedTrainer, init_distributed
+
+    init_distributed(0, 1, f"file://{tmp_path / 'rdzv'}", backend="gloo")
+    try:
+        tr = ShardedTrainer(_config())
+        template = tr.history.template
+        assert template is not None and {p.device.type for p in template.parameters()} == {"cpu"}
+        steps = _rollouts(Trainer(_config()))
+        m = [tr.train_step(s) for s in steps]
+        assert m[1]["invariants/onpolicy_stale_tokens"] > 0  # the shadow ran version 0
+        assert m[1]["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
+        assert tr.history.shadow is template and tr.history.template is None  # no second copy
+        assert {p.device for p in tr.history.shadow.parameters()} == {tr.device}
+    finally:
+        dist.destroy_process_group()
