@@ -45,9 +45,12 @@ __all__ = ["ONPOLICY_ABSDIFF_TOL", "VersionHistory", "onpolicy_metrics", "sample
 #: bfloat16 -- 8 mantissa bits (relative step 2^-8): a logit of size ~10 moves by ~0.04 in one
 #: rounding, and a bf16 engine (bf16 activations end to end) and the trainer's bf16 autocast
 #: (norms and softmax in fp32) round differently. Measured on the tiny Qwen3 with bf16 on CPU
-#: (tests/test_bf16.py): max 0.027, mean 0.0089; with the engine one publish behind: 2.5. A
-#: reading above the bound means the engine and the trainer disagree on the weights or the
-#: forward, not rounding.
+#: (tests/test_bf16.py): max 0.027, mean 0.0089. A reading above the bound means the engine and
+#: the trainer disagree on the weights or the forward, not rounding. The converse does not hold
+#: in bf16: a fault smaller than the rounding stays under the bound. An engine one publish behind
+#: (it kept version v's weights but stamped v + 1) read 1.26 after an lr-1e-3 step, but 0.040 at
+#: lr 1e-5 and 0.023 at lr 1e-6 (recipes/examples/gpu_qwen3.toml's lr) -- under 0.1, where the
+#: float32 bound flags the same fault (0.042 / 0.0042 > 1e-4; review 14, tiny Qwen3 on CPU).
 ONPOLICY_ABSDIFF_TOL = {"float32": 1e-4, "bfloat16": 0.1}
 
 

@@ -208,3 +208,22 @@ def test_engine_device_follows_num_gpus(monkeypatch):
     assert kw["device"] == "cuda:1"  # an explicit option wins
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert engine_kwargs(RunConfig.model_validate({"engine": {"num_gpus": 1}}))["device"] == "cpu"
+
+
+def test_vision_language_names_mapped_to_the_checkpoint_spelling():
+    """Review 14: a vision-language trainer's state dict nests the language model
+    (``model.language_model.*``, ``model.visual.*``) while the checkpoint vLLM loaded spells them
+    ``model.*`` / ``visual.*``. The Ray path (VLLMEngine.load_weights) maps them; the collective
+    path refused every tensor with a KeyError (with ``weight_sync = "auto"``, the default of the vLLM
+    engine on a GPU, the first publish of a VL run failed). Now both map the same way."""
+    st = {"model.language_model.embed_tokens.weight": torch.arange(6, dtype=torch.float32).view(2, 3),
+          "model.language_model.norm.weight": torch.tensor([1.5, -2.0, 0.25]),
+          "model.visual.patch.weight": torch.tensor([3.0, 4.0])}
+    expected = {"model.embed_tokens.weight": (2, 3), "model.norm.weight": (3,), "visual.patch.weight": (2,)}
+    assert ws.checkpoint_name("model.language_model.norm.weight", expected) == "model.norm.weight"
+    assert ws.checkpoint_name("model.norm.weight", expected) == "model.norm.weight"
+    _h, results = _run([(st, 1, 1)], n_recv=1, expected=expected)
+    got = results[0][0]
+    assert list(got) == ["model.embed_tokens.weight", "model.norm.weight", "visual.patch.weight"]
+    assert torch.equal(got["model.norm.weight"], st["model.language_model.norm.weight"])
+    assert torch.equal(got["visual.patch.weight"], st["model.visual.patch.weight"])

@@ -61,6 +61,7 @@ from typing import Any
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
 from molt_core.engines.vllm_weight_sync import EXTENSION, check_full_state
+from molt_core.engines.vllm_weight_sync import checkpoint_name as _checkpoint_name
 from molt_core.identity import IdDigest
 from molt_core.types import SamplingParams
 
@@ -583,18 +584,6 @@ class VLLMEngine(WorkerThreadEngine):
 
 #: transformers 5 names a Qwen2-VL-family model's tensors ``model.language_model.*`` /
 #: ``model.visual.*`` in memory but saves them as ``model.*`` / ``visual.*`` (the original layout)
-_CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-
-
-def _checkpoint_name(name: str, expected: dict[str, Any]) -> str:
-    """``name`` as the checkpoint vLLM loaded spells it (a state_dict name of the in-memory
-    layout mapped to the saved one, :data:`_CHECKPOINT_PREFIXES`); unchanged when already known."""
-    if name in expected:
-        return name
-    for new, old in _CHECKPOINT_PREFIXES:
-        if name.startswith(new) and old + name[len(new):] in expected:
-            return old + name[len(new):]
-    return name
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -45,7 +45,8 @@ import torch
 
 from molt_core.runtime.weightpack import buffer_checksum, pack_tensors, state_views
 
-__all__ = ["EXTENSION", "SyncGroup", "SyncHeader", "WeightSyncExtension", "check_full_state", "choose_backend",
+__all__ = ["CHECKPOINT_PREFIXES", "EXTENSION", "SyncGroup", "SyncHeader", "WeightSyncExtension", "check_full_state",
+           "checkpoint_name", "choose_backend",
            "free_address", "load_into_worker", "receive_weights", "send_weights"]
 
 #: the ``worker_extension_cls`` qualname the vLLM engine passes to vLLM
@@ -177,6 +178,26 @@ class SyncHeader:
         return sum(self.sizes.values())
 
 
+#: in-memory state_dict prefix -> the saved checkpoint's (transformers 5 vision-language models
+#: nest the language model; their checkpoints on disk do not)
+CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def checkpoint_name(name: str, expected: dict[str, Any]) -> str:
+    """``name`` as the checkpoint vLLM loaded spells it: a state_dict name of the in-memory
+    layout mapped to the saved one (:data:`CHECKPOINT_PREFIXES`) when that one is in
+    ``expected`` (name -> shape); unchanged otherwise.
+
+    Example: ``model.language_model.norm.weight`` -> ``model.norm.weight`` when ``expected``
+    has the latter."""
+    if name in expected:
+        return name
+    for new, old in CHECKPOINT_PREFIXES:
+        if name.startswith(new) and old + name[len(new):] in expected:
+            return old + name[len(new):]
+    return name
+
+
 def check_full_state(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
                      tied: bool) -> list[str]:
     """The names of ``shapes`` (name -> shape, what a publish carries) to load into a vLLM
@@ -246,7 +267,8 @@ def receive_weights(group: SyncGroup, version: int, expected: dict[str, tuple[in
 
     Returns:
         ``(header, [(name, tensor view), ...])``: views into the received buffers (on
-        ``group.device``), in the sender's order, ready for ``load_weights``.
+        ``group.device``), in the sender's order, named as the checkpoint spells them
+        (:func:`checkpoint_name`), ready for ``load_weights``.
 
     Raises:
         ValueError: the header's version is not ``version``; a buffer whose checksum differs
@@ -265,8 +287,10 @@ def receive_weights(group: SyncGroup, version: int, expected: dict[str, tuple[in
         if got != header.checksums[dt]:
             raise ValueError(f"weight sync refused: the {dt} buffer ({buf.numel()} bytes) has checksum {got}, the "
                              f"trainer sent {header.checksums[dt]} (bytes lost or changed in transit)")
-    names = check_full_state({n: s for n, _, s, _ in header.index}, expected, tied)
-    views = state_views(buffers, header.index)
+    # the trainer's in-memory names in the checkpoint's spelling, as the Ray path maps them
+    # (VLLMEngine.load_weights): a vision-language model's model.language_model.* -> model.*
+    names = check_full_state({checkpoint_name(n, expected): s for n, _, s, _ in header.index}, expected, tied)
+    views = {checkpoint_name(n, expected): v for n, v in state_views(buffers, header.index).items()}
     return header, [(n, views[n]) for n in names]
 
 

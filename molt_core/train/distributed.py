@@ -149,12 +149,15 @@ def _is_sharded(model: torch.nn.Module | None) -> bool:
 
 class _FullStateHistory(VersionHistory):
     """:class:`VersionHistory` for a sharded policy: each version is the *full* state dict
-    (gathered on every rank, kept on CPU), run in a plain (unsharded) shadow copied from
-    ``template`` -- the policy as built, before sharding (an FSDP module cannot be copied)."""
+    (gathered on every rank, kept on CPU), run in a plain (unsharded) shadow on ``device``
+    copied from ``template`` -- the policy as built, before sharding (an FSDP module cannot be
+    copied), kept on CPU until the shadow is built from it, then dropped: one unsharded copy on
+    the device at most, not two."""
 
-    def __init__(self, keep: int, template: torch.nn.Module | None) -> None:
+    def __init__(self, keep: int, template: torch.nn.Module | None, device: torch.device | None = None) -> None:
         super().__init__(keep)
         self.template = template
+        self.device = device
 
     def record(self, version: int, model: torch.nn.Module) -> None:
         if self.keep == 0:
@@ -170,7 +173,10 @@ class _FullStateHistory(VersionHistory):
         super().record(version, _Full())  # type: ignore[arg-type]
 
     def load(self, version: int, like: torch.nn.Module) -> torch.nn.Module:
-        return super().load(version, self.template if self.template is not None else like)
+        if self.shadow is None and self.template is not None:
+            self.shadow = self.template.to(self.device) if self.device is not None else self.template
+            self.template = None
+        return super().load(version, like)
 
 
 class ShardedTrainer(Trainer):
@@ -202,13 +208,15 @@ class ShardedTrainer(Trainer):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         super().__init__(cfg, model, tokenizer, ref_model, replay_backend)
-        self.history = _FullStateHistory(self.history.keep, self._template)
+        self.history = _FullStateHistory(self.history.keep, self._template, self.device)
 
     # -- sharding ---------------------------------------------------------------------------
     def _shard(self) -> None:
         cfg = self.cfg
         keep = cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0
-        self._template = copy.deepcopy(self.model).eval().requires_grad_(False) if keep else None
+        # the unsharded template of the stale-token shadow waits on CPU (not a second full copy
+        # of the policy on the device beside its shards)
+        self._template = copy.deepcopy(self.model).to("cpu").eval().requires_grad_(False) if keep else None
         shard_module(self.model)
         if self.ref_model is not None:
             shard_module(self.ref_model)

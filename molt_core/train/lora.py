@@ -63,7 +63,9 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     Raises:
         ImportError: peft is not installed (names the ``lora`` extra).
         ValueError: no module of the model matches ``target_modules`` (peft's message,
-            prefixed with the field to fix).
+            prefixed with the field to fix); or a targeted layer's weight is tied to another
+            parameter (``lm_head`` / ``embed_tokens`` with ``tie_word_embeddings``): the merged
+            weights would untie them, which the engines and a saved ``model/`` cannot hold.
     """
     peft = _peft()
     conf = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -71,9 +73,34 @@ def wrap(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, conf)
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
+            wrapped = peft.get_peft_model(model, conf)
     except ValueError as e:
         raise ValueError(f"trainer.lora.target_modules = {lora.target_modules!r}: {e}") from e
+    tied = _tied_targets(wrapped)
+    if tied:
+        raise ValueError(
+            f"trainer.lora.target_modules = {lora.target_modules!r} puts an adapter on "
+            f"{', '.join(f'{a} (its weight is tied to {b})' for a, b in tied)}: the merged policy would need two "
+            f"different weights where the model (tie_word_embeddings) and every engine hold one, so engines and "
+            f"checkpoints would silently run other weights; leave the tied layer out of target_modules")
+    return wrapped
+
+
+def _tied_targets(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(adapted layer, other parameter)`` for each LoRA layer whose base weight is also
+    another module's parameter (tied input/output embeddings): ``W + delta`` then differs from
+    the tied twin, which a plain state dict of a tied model cannot express."""
+    owners: dict[int, list[str]] = {}
+    for n, p in model.get_base_model().named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(_base_name(n))
+    out = []
+    for name, layer in _lora_layers(model).items():
+        mine = f"{name}.weight"
+        others = [n for n in owners.get(id(layer.get_base_layer().weight), []) if n != mine]
+        if others:
+            out.append((name, others[0]))
+    return out
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -38,7 +38,8 @@ def load_model(model: torch.nn.Module, d: Path) -> None:
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``d``.
-        ValueError: weights for parameters the model lacks, or missing untied weights.
+        ValueError: weights for parameters the model lacks, or missing untied weights (sharded
+            or not: checked before anything is loaded into a sharded model).
     """
     from safetensors.torch import load_file
 
@@ -51,6 +52,16 @@ def load_model(model: torch.nn.Module, d: Path) -> None:
     if is_sharded(model):  # full tensors into this rank's shards (a tied key saved once loads both)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        # the same key checks as the plain path, made before anything is loaded
+        owner: dict[str, int] = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        live_keys = set(owner) | {n for n, _ in model.named_buffers()}
+        unexpected = [k for k in state if k not in live_keys]
+        if unexpected:
+            raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
+        saved = {owner[k] for k in state if k in owner}
+        untied = [k for k in sorted(owner) if k not in state and owner[k] not in saved]
+        if untied:
+            raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
