@@ -40,10 +40,12 @@ def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, 
         return ids, []
     from molt_core.vision import expand_placeholders
 
-    try:
-        return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
-    except ValueError as e:
-        raise ValueError(f"{e} (message text must not contain the model's image placeholder tokens)") from None
+    n = sum(1 for t in ids if t == vision.image_token_id)
+    if n != len(shas):
+        raise ValueError(f"the prompt has {n} image placeholder(s) (<|image_pad|>, id {vision.image_token_id}) but "
+                         f"{len(shas)} image(s) were given (message text must not contain the model's image "
+                         "placeholder tokens)")
+    return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
 
 
 def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:
