@@ -154,3 +154,35 @@ def test_a_vl_checkpoint_is_a_model_path_with_its_processor(setup, tmp_path):
     a, _ = tr.recompute_logprobs(batch)
     b, _ = again.recompute_logprobs(batch)
     assert torch.equal(a, b)
+
+
+def test_ingress_refuses_a_grid_the_trainers_processor_does_not_give(setup):
+    """The engine expanded each image with its processor and recorded the grid; a trainer whose
+    processor gives another grid would feed other pixels and positions. Ingress compares the
+    grid it computes with the recorded one and refuses the rollout (before: the record was only
+    checked against the run length, and the forward raised mid-step)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from molt_core.vision import VisionProcessor
+
+    tok, vp, model, jobs, outs = setup
+    tr = trainer(model, tok)
+    clean = rollouts(jobs, outs)
+    # the 28x56 image (width x height) is grid [1, 8, 4] (h = 56 / 7, w = 28 / 7): 8 tokens; the
+    # transposed record [1, 4, 8] has the same run length, so only the grid comparison sees it
+    flipped = copy.deepcopy(clean[2])
+    r = flipped.segments[0].images[1]
+    assert list(r.grid_thw) == [1, 8, 4]
+    flipped.segments[0].images[1] = r.model_copy(update={"grid_thw": [1, 4, 8]})
+    with pytest.raises(ValueError, match=r"images\[1\] records grid \[1, 4, 8\] but the trainer's image processor "
+                                         r"gives \[1, 8, 4\]"):
+        build_batch([flipped], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
+    m = tr.train_step([flipped] + clean[:2])
+    assert m["ingress/refused_malformed"] == 1.0
+    # a trainer processor with a smaller pixel cap (28 x 28): every image shrinks; every rollout refused
+    small = Qwen2VLImageProcessorPil(patch_size=7, merge_size=2, temporal_patch_size=2, min_pixels=14 * 14,
+                                     max_pixels=28 * 28)
+    tr.vision_processor = VisionProcessor(small, vp.image_token_id, 2)
+    with pytest.raises(ValueError, match=r"images\[0\] records grid \[1, 4, 6\] but the trainer's image processor "
+                                         r"gives \[1, 2, 4\]"):
+        build_batch([clean[2]], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
