@@ -518,3 +518,29 @@ def test_molt_run_with_collective_sync(tmp_path):
     for row in steps:
         assert row["sync/bytes"] == 853_376 * 4  # tiny-qwen3 in fp32, the tied embedding once
         assert row["invariants/logprob_absdiff_max_onpolicy"] <= BOUND and row["rollout/failed"] == 0
+
+
+@vllm_test
+def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
+    """The loopback server and the rollout worker's ledger take the engine's
+    ``vision_processor`` (None: a text-only model, whose image requests get a 400). The vLLM
+    engine had none, so every image request to a VL model on vLLM was refused as text-only.
+    vLLM itself is not started here (its Qwen2.5-VL needs torchvision): its worker is stubbed."""
+    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_core.images import data_url
+    from molt_core.ledger import Ledger
+    from molt_core.server import create_app
+    from tests.test_vision import VL, png
+
+    monkeypatch.setattr(VLLMEngine, "_run", lambda self, args, started, err: started.set())
+    eng = VLLMEngine(VL, max_batch_size=2, seed=0, kv_cache_memory_bytes=32 << 20)
+    try:
+        vp = eng.vision_processor
+        assert vp is not None and vp.image_token_id == 514 and vp.merge_size == 2
+        assert create_app(eng, eng.tokenizer).state.sessions.vision is vp
+        img = png(28, 28)
+        p = Ledger(eng.tokenizer, vision=vp).prepare([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(img, "image/png")}}, {"type": "text", "text": "n?"}]}])
+        assert p.prompt_ids.count(514) == 4 and p.images == [img]  # 28x28: (28 / 14) ** 2 image tokens
+    finally:
+        eng.close()

@@ -216,6 +216,9 @@ class VLLMEngine(WorkerThreadEngine):
         self.vocab_size = int(text_cfg.get("vocab_size") or cfg["vocab_size"])
         self.is_vision = "vision_config" in cfg
         self.image_token_id = cfg.get("image_token_id") if self.is_vision else None
+        #: the model's :class:`~molt_core.vision.VisionProcessor` (None for a text model): the loopback
+        #: server and the ledger read it to expand image placeholders, as with the transformers engine
+        self.vision_processor = self._vision_processor(model, model_dir, tokenizer) if self.is_vision else None
         # never sample a vision special token (molt_core.models.mask_vision_tokens does the same in
         # the trainer): logit bias -100, vLLM's floor, applied before its processed logprobs
         self._vision_bias = {int(cfg[f]): -100.0 for f in ("image_token_id", "video_token_id", "vision_start_token_id",
@@ -282,6 +285,19 @@ class VLLMEngine(WorkerThreadEngine):
         if is_vision_model(model):  # the builtin VL model's image processor (preprocessor_config.json)
             tiny_image_processor().save_pretrained(self._tmpdir)
         return self._tmpdir, tokenizer
+
+    def _vision_processor(self, model: Any, model_dir: str, tokenizer: Any) -> Any:
+        """The VL model's processor: a builtin's own (as the trainer loads it from ``model.path``),
+        else the one in ``model_dir``. Raises: ValueError (a tokenizer without ``<|image_pad|>``),
+        after removing a temporary model directory."""
+        from molt_core.models import is_builtin
+        from molt_core.vision import load_vision_processor
+
+        try:
+            return load_vision_processor(model if isinstance(model, str) and is_builtin(model) else model_dir, tokenizer)
+        except Exception:
+            self._cleanup_dir()
+            raise
 
     def _cleanup_dir(self) -> None:
         if self._tmpdir is not None:
