@@ -544,3 +544,14 @@ def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
         assert p.prompt_ids.count(514) == 4 and p.images == [img]  # 28x28: (28 / 14) ** 2 image tokens
     finally:
         eng.close()
+    # a model object: the builtin's processor is written beside it; any other VL object is refused
+    # (before, every VL object got the tiny model's processor, whatever its patch size)
+    obj = load_model(VL)
+    eng = VLLMEngine(obj, load_tokenizer(VL), max_batch_size=2, kv_cache_memory_bytes=32 << 20)
+    try:
+        assert eng.vision_processor.num_tokens([1, 4, 4]) == 4 and eng.vision_processor.image_token_id == 514
+    finally:
+        eng.close()
+    obj.config.vision_config.patch_size = 14
+    with pytest.raises(ValueError, match="give the vllm engine the model's directory"):
+        VLLMEngine(obj, load_tokenizer(VL), max_batch_size=2, kv_cache_memory_bytes=32 << 20)

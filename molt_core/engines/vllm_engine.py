@@ -277,11 +277,18 @@ class VLLMEngine(WorkerThreadEngine):
             model = load_model(model, dtype="float32", seed=model_seed)
         elif tokenizer is None:
             raise ValueError("a model object needs its tokenizer: VLLMEngine(model, tokenizer)")
+        from molt_core.models import TINY_VL_MERGE, TINY_VL_PATCH
+        from molt_core.vision import is_vision_model, tiny_image_processor
+
+        if is_vision_model(model):  # only the builtin VL model's processor is known for a model object
+            vc = model.config.vision_config
+            if (getattr(vc, "patch_size", None), getattr(vc, "spatial_merge_size", None)) != (TINY_VL_PATCH, TINY_VL_MERGE):
+                raise ValueError("a vision-language model object other than builtin:tiny-qwen2.5-vl has no known image "
+                                 "processor; give the vllm engine the model's directory (with its "
+                                 "preprocessor_config.json) instead of the object")
         self._tmpdir = tempfile.mkdtemp(prefix="molt-vllm-")
         model.save_pretrained(self._tmpdir, safe_serialization=True)
         tokenizer.save_pretrained(self._tmpdir)
-        from molt_core.vision import is_vision_model, tiny_image_processor
-
         if is_vision_model(model):  # the builtin VL model's image processor (preprocessor_config.json)
             tiny_image_processor().save_pretrained(self._tmpdir)
         return self._tmpdir, tokenizer
