@@ -232,7 +232,7 @@ def _retained(tok, vp, images):
     try:
         base = tracemalloc.get_traced_memory()[0]
         led = _converse(tok, vp, images)
-        vp._cache.clear()  # the processor's own LRU of pixels (bounded separately), not the ledger's
+        vp.clear_cache()  # the processor's own LRU of pixels (bounded separately), not the ledger's
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
