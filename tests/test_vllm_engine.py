@@ -542,6 +542,10 @@ def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
         p = Ledger(eng.tokenizer, vision=vp).prepare([{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(img, "image/png")}}, {"type": "text", "text": "n?"}]}])
         assert p.prompt_ids.count(514) == 4 and p.images == [img]  # 28x28: (28 / 14) ** 2 image tokens
+        assert len(eng._images(p.prompt_ids, [img])) == 1
+        short = [t for i, t in enumerate(p.prompt_ids) if i != p.prompt_ids.index(514)]  # a 3-token run
+        with pytest.raises(ValueError, match=r"image 0: its run has 3 tokens but its grid \[1, 4, 4\] gives 4"):
+            eng._images(short, [img])
     finally:
         eng.close()
     # a model object: the builtin's processor is written beside it; any other VL object is refused

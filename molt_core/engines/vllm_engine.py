@@ -389,8 +389,11 @@ class VLLMEngine(WorkerThreadEngine):
                              "use one such as builtin:tiny-qwen2.5-vl")
         if runs != len(images):
             raise ValueError(f"prompt_ids hold {runs} image token run(s) but {len(images)} image(s) were given")
-        from molt_core.vision import decode_image
+        from molt_core.vision import check_runs, decode_image
 
+        vp = getattr(self, "vision_processor", None)
+        if vp is not None:  # each run as long as the processor expands its image (the ledger's expansion)
+            check_runs(ids, [vp.process(b)[1] for b in images], vp)
         return [decode_image(b) for b in images]
 
     def _vllm_params(self, p: SamplingParams, prompt_len: int) -> Any:
