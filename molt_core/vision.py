@@ -358,6 +358,6 @@ def padded_inputs(model: Any, vp: VisionProcessor | None, rows: Sequence[tuple[S
         pos[:, i, len(ids):] = torch.arange(len(ids), width) + delta
         pixels.append(pv)
         grids.append(grid)
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a LoRA reference holds no parameters
     return {"position_ids": pos.to(device), "pixel_values": torch.cat(pixels).to(device, dtype),
             "image_grid_thw": torch.cat(grids).to(device)}

@@ -186,3 +186,25 @@ def test_ingress_refuses_a_grid_the_trainers_processor_does_not_give(setup):
     with pytest.raises(ValueError, match=r"images\[0\] records grid \[1, 4, 6\] but the trainer's image processor "
                                          r"gives \[1, 2, 4\]"):
         build_batch([clean[2]], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
+
+
+def test_lora_reference_on_image_rows(setup):
+    """LoRA with a KL term: the reference is the policy with its adapter disabled. It got no
+    image inputs (its forward took only ids) and had no get_rope_index, so every step on image
+    rollouts raised. Now its logprobs on image rows equal the base model's, and after a step
+    moves the adapter the KL term is positive while the on-policy check stays clean."""
+    pytest.importorskip("peft")
+    tok, vp, model, jobs, outs = setup
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    tr = Trainer(tiny_cfg(model={"path": VL}, trainer={"lr": 1e-2, "lora": lora}, algo={"kl_coef": 0.05},
+                          **{"async": {"max_staleness": 1}}), model=copy.deepcopy(model), tokenizer=tok)
+    batch = build_batch(rollouts(jobs, outs), tr.pad_id, tr.vocab_size)
+    m1 = tr.train_step(rollouts(jobs, outs))
+    assert m1["invariants/logprob_absdiff_max_onpolicy"] <= 1e-5 and m1["loss/kl"] == 0.0
+    ref, _ = tr.recompute_logprobs(batch, model=tr.ref_model)
+    base, _ = trainer(model, tok).recompute_logprobs(batch)
+    assert float((ref - base).abs()[batch.mask].max()) <= 1e-5
+    pol, _ = tr.recompute_logprobs(batch)
+    assert float((pol - base).abs()[batch.mask].max()) > 1e-4  # the adapter moved the policy
+    m2 = tr.train_step(rollouts(jobs, outs))
+    assert m2["loss/kl"] > 0.0
