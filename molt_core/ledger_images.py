@@ -40,10 +40,13 @@ def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, 
         return ids, []
     from molt_core.vision import expand_placeholders
 
-    try:
-        return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
-    except ValueError as e:
-        raise ValueError(f"{e} (message text must not contain the model's image placeholder tokens)") from None
+    n = sum(1 for t in ids if t == vision.image_token_id)
+    if n != len(shas):
+        why = ("message text must not contain the model's image placeholder tokens" if n > len(shas) else
+               "the chat template does not render every image part: send images only where it renders them")
+        raise ValueError(f"the prompt has {n} image placeholder(s) (<|image_pad|>, id {vision.image_token_id}) but "
+                         f"{len(shas)} image(s) were given ({why})")
+    return expand_placeholders(ids, [pool[h] for h in shas], vision, offset=offset)
 
 
 def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:

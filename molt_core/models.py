@@ -415,7 +415,7 @@ def mask_vision_tokens(model: Any) -> list[int]:
     A sampled ``<|image_pad|>`` would be an image-placeholder run with no image: the next
     prompt then has more image tokens than images, and the trainer refuses the rollout. So the
     output embedding's logits of :func:`vision_token_ids` are set to :data:`VISION_TOKEN_LOGIT`
-    by a forward hook on ``model.get_output_embeddings()`` -- the engine's sampling and
+    (the lowest finite value of a dtype that cannot hold it: -65504 in float16) by a forward hook on ``model.get_output_embeddings()`` -- the engine's sampling and
     behaviour logprobs and the trainer's recompute all see the same masked logits ``[..., V]``
     (logprobs of the other tokens are renormalised over them: ``log_softmax`` of the masked
     row). Idempotent; the ids are recorded on the model as ``molt_vision_token_mask`` (the
@@ -434,7 +434,10 @@ def mask_vision_tokens(model: Any) -> list[int]:
     index = torch.tensor(ids, dtype=torch.long)
 
     def _mask(_module: Any, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
-        return out.index_fill(-1, index.to(out.device), VISION_TOKEN_LOGIT)
+        # float16 logits (float16 weights or autocast) cannot hold -1e9: use the dtype's lowest
+        # finite value there (-65504; exp of it underflows to 0 as well)
+        value = max(VISION_TOKEN_LOGIT, torch.finfo(out.dtype).min) if out.is_floating_point() else VISION_TOKEN_LOGIT
+        return out.index_fill(-1, index.to(out.device), value)
 
     #: the hook's handle (``.remove()`` undoes the mask) and the masked ids
     model.molt_vision_token_mask_handle = head.register_forward_hook(_mask)

@@ -82,14 +82,31 @@ class VisionProcessor:
       * ``merge_size`` -- spatial merge (``2`` in the Qwen2-VL family): a run has
         ``t * h * w // merge_size**2`` tokens.
       * ``cache_size`` -- processed images kept, by SHA-256 (LRU).
+      * ``cache_bytes`` -- most bytes of ``pixel_values`` kept (default 1 GiB): a real model's
+        image may process to hundreds of MB (Qwen2.5-VL at its shipped ``max_pixels``:
+        65,536 patch rows x 1,176 float32 = 308 MB), so the count alone does not bound memory.
+        An image bigger than the budget is not kept.
     """
 
     image_processor: Any
     image_token_id: int
     merge_size: int
     cache_size: int = 256
+    cache_bytes: int = 1 << 30
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _nbytes: int = field(default=0, repr=False)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of ``pixel_values`` the cache holds now."""
+        return self._nbytes
+
+    def clear_cache(self) -> None:
+        """Drop every processed image."""
+        with self._lock:
+            self._cache.clear()
+            self._nbytes = 0
 
     def process(self, data: bytes) -> tuple[torch.Tensor, list[int]]:
         """Process one image.
@@ -109,10 +126,16 @@ class VisionProcessor:
                 return hit
         out = self.image_processor(images=[decode_image(data)], return_tensors="pt")
         res = (out["pixel_values"].to(torch.float32), [int(g) for g in out["image_grid_thw"][0]])
+        size = res[0].numel() * res[0].element_size()
+        if size > self.cache_bytes:
+            return res
         with self._lock:
-            self._cache[key] = res
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = res
+                self._nbytes += size
+            while self._cache and (len(self._cache) > self.cache_size or self._nbytes > self.cache_bytes):
+                _, (old, _) = self._cache.popitem(last=False)
+                self._nbytes -= old.numel() * old.element_size()
         return res
 
     def num_tokens(self, grid_thw: Sequence[int]) -> int:
@@ -335,6 +358,6 @@ def padded_inputs(model: Any, vp: VisionProcessor | None, rows: Sequence[tuple[S
         pos[:, i, len(ids):] = torch.arange(len(ids), width) + delta
         pixels.append(pv)
         grids.append(grid)
-    dtype = next(model.parameters()).dtype
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype  # a LoRA reference holds no parameters
     return {"position_ids": pos.to(device), "pixel_values": torch.cat(pixels).to(device, dtype),
             "image_grid_thw": torch.cat(grids).to(device)}

@@ -232,7 +232,7 @@ def _retained(tok, vp, images):
     try:
         base = tracemalloc.get_traced_memory()[0]
         led = _converse(tok, vp, images)
-        vp._cache.clear()  # the processor's own LRU of pixels (bounded separately), not the ledger's
+        vp.clear_cache()  # the processor's own LRU of pixels (bounded separately), not the ledger's
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
@@ -305,3 +305,21 @@ def test_window_render_equals_full_render_with_images(vl):
     assert seg_w == seg_f and im_w == im_f and counts_w == counts_f == {"start": 1, "extend": 5, "rewrite": 0, "retry": 0}
     assert stats_w["window"] >= 3 and stats_f["window"] == 0
     assert [r.sha256 for r in seg_w[0].images] == [sha(imgs[0]), sha(imgs[5]), sha(imgs[2]), sha(imgs[4])]
+
+
+def test_a_template_that_drops_an_image_names_the_template_not_the_text(vl):
+    """A chat template that renders only text parts gives fewer placeholders than images: the
+    refusal says so (before, every count mismatch blamed placeholder tokens in the message text)."""
+    import copy
+
+    tok, vp = vl
+    text_only = copy.deepcopy(tok)
+    text_only.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+                               "{{ m.content }}{% else %}{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}"
+                               "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match=r"0 image placeholder\(s\) .* but 1 image\(s\) were given \(the chat template "
+                                         r"does not render every image part"):
+        Ledger(text_only, vision=vp).prepare([user("x", png(28, 28))])
+    with pytest.raises(ValueError, match=r"2 image placeholder\(s\) .* but 1 image\(s\) .*message text must not contain"):
+        Ledger(tok, vision=vp).prepare([user("<|image_pad|>", png(28, 28))])

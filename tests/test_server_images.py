@@ -334,3 +334,29 @@ def test_text_only_model_refuses_images(vl):
         {"type": "image_url", "image_url": {"url": data_url(png(14, 14), "image/png")}}]}]}
     r = tc.post(f"/s/{sid}/v1/chat/completions", json=body, headers=auth)
     assert r.status_code == 400 and "no vision processor" in r.json()["error"]["message"]
+
+
+def test_image_the_processor_refuses_is_a_400_naming_the_field_on_every_wire(app_client):
+    """A decodable PNG the model's processor cannot take (Qwen2-VL's ``smart_resize`` refuses an
+    aspect ratio >= 200: 300x1 gives 300) is a bad image: a 400 ``invalid_image`` naming the
+    image's field on each wire, nothing generated (before: a 400 on ``messages`` blaming
+    placeholder tokens in the message text)."""
+    bad = png(300, 1)
+    url, words = data_url(bad, "image/png"), "image processor refuses this 300x1 image"
+    eng, tc, sid, auth = app_client()
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                                     {"type": "image_url", "image_url": {"url": url}}]}]}
+    r = tc.post(f"/s/{sid}/v1/chat/completions", json=body, headers=auth)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_image", r.text
+    assert err["param"] == "messages[0].content[1].image_url.url" and words in err["message"]
+    assert "placeholder" not in err["message"]
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(bad)}}]}]}
+    r = tc.post(f"/s/{sid}/v1/messages", json=body, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith("messages[0].content[0].source.data: ") and words in r.text
+    body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}]}
+    r = tc.post(f"/s/{sid}/v1/responses", json=body, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].image_url"
+    assert eng.calls == 0

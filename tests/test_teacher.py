@@ -75,3 +75,42 @@ def test_registered():
     from molt_core.plugins import load_plugins
 
     assert load_plugins().get("teachers", "hf_teacher") is HFTeacher
+
+
+def test_vl_teacher_sees_the_rollout_images():
+    """A vision-language teacher scores an image rollout with its images (pixels and 3D
+    positions): with the policy's own weights (builtin:tiny-qwen2.5-vl, seed 0) its logprobs
+    equal the engine's behaviour logprobs (T = 1, no filter) on every sampled token. Before,
+    the teacher ran on the ids alone -- image tokens with no image -- and its logprobs differed
+    (the fault below: the same ids scored without images)."""
+    import asyncio
+    import base64
+
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.types import SampledSpan, SamplingParams
+    from molt_core.vision import expand_placeholders, image_sha256
+    from tests.test_vision import VL, png
+
+    tok = load_tokenizer(VL)
+    eng = TransformersEngine(VL, seed=0)
+    img = png(42, 28, (0, 0, 200))
+    ids = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids, refs = expand_placeholders(ids, [img], eng.vision_processor)
+    try:
+        out = asyncio.run(eng.generate(ids, SamplingParams(temperature=1.0, max_tokens=6, seed=4), images=[img]))
+    finally:
+        eng.close()
+    P, n = len(ids), len(ids) + len(out.token_ids)
+    seg = Segment(token_ids=ids + out.token_ids, loss_mask=[False] * P + [True] * len(out.token_ids),
+                  logprobs=[None] * P + out.logprobs, versions=[None] * P + out.versions,
+                  spans=[SampledSpan(start=P, end=n, temperature=1.0, top_k=-1, top_p=1.0)], images=refs)
+    traj = Trajectory(rollout_id="r", group_id="g", reward=1.0, segments=[seg],
+                      images={image_sha256(img): base64.b64encode(img).decode()})
+    teacher = HFTeacher(tok, path=VL, seed=0)
+    (lps,) = teacher.trajectory_logprobs(traj)
+    got = torch.tensor([x for x in lps if x is not None])
+    assert len(got) == len(out.token_ids)
+    assert float((got - torch.tensor(out.logprobs)).abs().max()) <= 1e-5
+    (blind,) = teacher.batch_token_logprobs([seg.token_ids])  # the fault: no images shown
+    assert float((torch.tensor(blind[P:]) - torch.tensor(out.logprobs)).abs().max()) > 1e-3

@@ -179,3 +179,24 @@ def test_a_saved_vl_directory_loads_back_with_its_processor(tmp_path, tok, vp):
     kw = dict(pixel_values=pv, image_grid_thw=thw, mm_token_type_ids=(x == 514).int())
     with torch.no_grad():
         assert torch.equal(model(input_ids=x, **kw).logits, again(input_ids=x, **kw).logits)
+
+
+def test_processed_image_cache_is_bounded_in_bytes(tok):
+    """The pixel cache is bounded by bytes as well as by count: a 28x28 image is 16 patch rows
+    of 3 * 2 * 7 * 7 = 294 float32 (16 * 294 * 4 = 18,816 bytes); with a 40,000-byte budget two
+    fit, a third evicts the oldest, and an image over the budget (56x56: 64 rows, 75,264 bytes)
+    is processed but not kept."""
+    from molt_core.vision import VisionProcessor, tiny_image_processor
+
+    vp = VisionProcessor(tiny_image_processor(), 514, 2, cache_bytes=40_000)
+    a, b, c = png(28, 28, (1, 0, 0)), png(28, 28, (2, 0, 0)), png(28, 28, (3, 0, 0))
+    assert vp.process(a)[0].shape == (16, 294)
+    vp.process(b)
+    assert vp.cached_bytes == 2 * 18_816 and len(vp._cache) == 2
+    vp.process(c)
+    assert vp.cached_bytes == 2 * 18_816 and list(vp._cache) == [image_sha256(b), image_sha256(c)]
+    big = vp.process(png(56, 56))
+    assert big[0].shape == (64, 294) and big[1] == [1, 8, 8]
+    assert vp.cached_bytes == 2 * 18_816 and len(vp._cache) == 2
+    vp.clear_cache()
+    assert vp.cached_bytes == 0 and not vp._cache

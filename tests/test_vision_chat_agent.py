@@ -128,3 +128,31 @@ def test_env_loop_passes_images_and_records_them():
     sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
     assert (red.sha256, blue.sha256) == (sha(RED), sha(BLUE)) and set(traj.images) == {sha(RED), sha(BLUE)}
     assert check_tokens(traj) == TokenCheck(0, 0)
+
+
+@pytest.mark.slow
+def test_trainer_recompute_on_a_multi_turn_image_rollout_equals_the_engine():
+    """The two-turn ImageAgent rollout: the second prompt reuses the first turn's keys/values
+    from the engine's prefix cache and prefills only the tail, whose new image is encoded there
+    with positions continuing the first turn's M-RoPE positions. The trainer runs the whole
+    segment (both images, 3D positions from the model's own get_rope_index) in one forward: its
+    logprobs equal the engine's on every sampled token of both turns (<= 1e-5, float32)."""
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.models import load_model
+    from molt_core.train import Trainer, build_batch
+    from trainer_utils import tiny_cfg
+
+    engine = TransformersEngine(VL, seed=0)
+    try:
+        group = run_episode(ImageAgent(), {"prompt": "colours"}, engine=engine, max_tokens=6)
+        assert engine.prefix_cache.hits == 1  # the second turn reused the first turn's prefix
+    finally:
+        engine.close()
+    (traj,) = group.trajectories
+    assert traj.info["requests"]["extend"] == 1 and [len(s.images) for s in traj.segments] == [2]
+    tr = Trainer(tiny_cfg(model={"path": VL}), model=load_model(VL, seed=0), tokenizer=engine.tokenizer)
+    batch = build_batch([traj], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
+    lp, _ = tr.recompute_logprobs(batch)
+    diff = (lp - batch.behaviour_logprobs).abs()[batch.mask]
+    assert diff.numel() == sum(sp.end - sp.start for sp in traj.segments[0].spans) == 12
+    assert float(diff.max()) <= 1e-5

@@ -257,3 +257,22 @@ def test_vision_special_tokens_are_never_sampled(tok, vp):
     model.molt_vision_token_mask_handle.remove()  # the fault: no mask
     outs = sample()
     assert sum(t == 514 for o in outs for t in o.token_ids) >= 20
+
+
+def test_vision_token_mask_in_float16():
+    """float16 logits cannot hold -1e9 (index_fill raised 'value cannot be converted to type
+    c10::Half without overflow' on every forward of a VL model in float16 or under float16
+    autocast): the mask uses float16's lowest finite value, -65504, whose probability is 0."""
+    model = load_model(VL)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        auto = model(input_ids=ids).logits
+    half = model.to(torch.float16)
+    with torch.no_grad():
+        direct = half(input_ids=ids).logits
+    for logits in (auto, direct):
+        assert logits.dtype == torch.float16
+        assert (logits[..., [512, 513, 514, 515]] == -65504.0).all() and torch.isfinite(logits).all()
+        p = logits.float().softmax(-1)
+        assert (p[..., [512, 513, 514, 515]] == 0).all()
+        assert torch.isfinite(torch.special.entr(p).sum(-1)).all()

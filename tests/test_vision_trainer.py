@@ -154,3 +154,57 @@ def test_a_vl_checkpoint_is_a_model_path_with_its_processor(setup, tmp_path):
     a, _ = tr.recompute_logprobs(batch)
     b, _ = again.recompute_logprobs(batch)
     assert torch.equal(a, b)
+
+
+def test_ingress_refuses_a_grid_the_trainers_processor_does_not_give(setup):
+    """The engine expanded each image with its processor and recorded the grid; a trainer whose
+    processor gives another grid would feed other pixels and positions. Ingress compares the
+    grid it computes with the recorded one and refuses the rollout (before: the record was only
+    checked against the run length, and the forward raised mid-step)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from molt_core.vision import VisionProcessor
+
+    tok, vp, model, jobs, outs = setup
+    tr = trainer(model, tok)
+    clean = rollouts(jobs, outs)
+    # the 28x56 image (width x height) is grid [1, 8, 4] (h = 56 / 7, w = 28 / 7): 8 tokens; the
+    # transposed record [1, 4, 8] has the same run length, so only the grid comparison sees it
+    flipped = copy.deepcopy(clean[2])
+    r = flipped.segments[0].images[1]
+    assert list(r.grid_thw) == [1, 8, 4]
+    flipped.segments[0].images[1] = r.model_copy(update={"grid_thw": [1, 4, 8]})
+    with pytest.raises(ValueError, match=r"images\[1\] records grid \[1, 4, 8\] but the trainer's image processor "
+                                         r"gives \[1, 8, 4\]"):
+        build_batch([flipped], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
+    m = tr.train_step([flipped] + clean[:2])
+    assert m["ingress/refused_malformed"] == 1.0
+    # a trainer processor with a smaller pixel cap (28 x 28): every image shrinks; every rollout refused
+    small = Qwen2VLImageProcessorPil(patch_size=7, merge_size=2, temporal_patch_size=2, min_pixels=14 * 14,
+                                     max_pixels=28 * 28)
+    tr.vision_processor = VisionProcessor(small, vp.image_token_id, 2)
+    with pytest.raises(ValueError, match=r"images\[0\] records grid \[1, 4, 6\] but the trainer's image processor "
+                                         r"gives \[1, 2, 4\]"):
+        build_batch([clean[2]], tr.pad_id, tr.vocab_size, vision=tr.vision_processor)
+
+
+def test_lora_reference_on_image_rows(setup):
+    """LoRA with a KL term: the reference is the policy with its adapter disabled. It got no
+    image inputs (its forward took only ids) and had no get_rope_index, so every step on image
+    rollouts raised. Now its logprobs on image rows equal the base model's, and after a step
+    moves the adapter the KL term is positive while the on-policy check stays clean."""
+    pytest.importorskip("peft")
+    tok, vp, model, jobs, outs = setup
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    tr = Trainer(tiny_cfg(model={"path": VL}, trainer={"lr": 1e-2, "lora": lora}, algo={"kl_coef": 0.05},
+                          **{"async": {"max_staleness": 1}}), model=copy.deepcopy(model), tokenizer=tok)
+    batch = build_batch(rollouts(jobs, outs), tr.pad_id, tr.vocab_size)
+    m1 = tr.train_step(rollouts(jobs, outs))
+    assert m1["invariants/logprob_absdiff_max_onpolicy"] <= 1e-5 and m1["loss/kl"] == 0.0
+    ref, _ = tr.recompute_logprobs(batch, model=tr.ref_model)
+    base, _ = trainer(model, tok).recompute_logprobs(batch)
+    assert float((ref - base).abs()[batch.mask].max()) <= 1e-5
+    pol, _ = tr.recompute_logprobs(batch)
+    assert float((pol - base).abs()[batch.mask].max()) > 1e-4  # the adapter moved the policy
+    m2 = tr.train_step(rollouts(jobs, outs))
+    assert m2["loss/kl"] > 0.0

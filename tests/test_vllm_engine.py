@@ -518,3 +518,44 @@ def test_molt_run_with_collective_sync(tmp_path):
     for row in steps:
         assert row["sync/bytes"] == 853_376 * 4  # tiny-qwen3 in fp32, the tied embedding once
         assert row["invariants/logprob_absdiff_max_onpolicy"] <= BOUND and row["rollout/failed"] == 0
+
+
+@vllm_test
+def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
+    """The loopback server and the rollout worker's ledger take the engine's
+    ``vision_processor`` (None: a text-only model, whose image requests get a 400). The vLLM
+    engine had none, so every image request to a VL model on vLLM was refused as text-only.
+    vLLM itself is not started here (its Qwen2.5-VL needs torchvision): its worker is stubbed."""
+    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_core.images import data_url
+    from molt_core.ledger import Ledger
+    from molt_core.server import create_app
+    from tests.test_vision import VL, png
+
+    monkeypatch.setattr(VLLMEngine, "_run", lambda self, args, started, err: started.set())
+    eng = VLLMEngine(VL, max_batch_size=2, seed=0, kv_cache_memory_bytes=32 << 20)
+    try:
+        vp = eng.vision_processor
+        assert vp is not None and vp.image_token_id == 514 and vp.merge_size == 2
+        assert create_app(eng, eng.tokenizer).state.sessions.vision is vp
+        img = png(28, 28)
+        p = Ledger(eng.tokenizer, vision=vp).prepare([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(img, "image/png")}}, {"type": "text", "text": "n?"}]}])
+        assert p.prompt_ids.count(514) == 4 and p.images == [img]  # 28x28: (28 / 14) ** 2 image tokens
+        assert len(eng._images(p.prompt_ids, [img])) == 1
+        short = [t for i, t in enumerate(p.prompt_ids) if i != p.prompt_ids.index(514)]  # a 3-token run
+        with pytest.raises(ValueError, match=r"image 0: its run has 3 tokens but its grid \[1, 4, 4\] gives 4"):
+            eng._images(short, [img])
+    finally:
+        eng.close()
+    # a model object: the builtin's processor is written beside it; any other VL object is refused
+    # (before, every VL object got the tiny model's processor, whatever its patch size)
+    obj = load_model(VL)
+    eng = VLLMEngine(obj, load_tokenizer(VL), max_batch_size=2, kv_cache_memory_bytes=32 << 20)
+    try:
+        assert eng.vision_processor.num_tokens([1, 4, 4]) == 4 and eng.vision_processor.image_token_id == 514
+    finally:
+        eng.close()
+    obj.config.vision_config.patch_size = 14
+    with pytest.raises(ValueError, match="give the vllm engine the model's directory"):
+        VLLMEngine(obj, load_tokenizer(VL), max_batch_size=2, kv_cache_memory_bytes=32 << 20)

@@ -217,6 +217,9 @@ class VLLMEngine(WorkerThreadEngine):
         self.vocab_size = int(text_cfg.get("vocab_size") or cfg["vocab_size"])
         self.is_vision = "vision_config" in cfg
         self.image_token_id = cfg.get("image_token_id") if self.is_vision else None
+        #: the model's :class:`~molt_core.vision.VisionProcessor` (None for a text model): the loopback
+        #: server and the ledger read it to expand image placeholders, as with the transformers engine
+        self.vision_processor = self._vision_processor(model, model_dir, tokenizer) if self.is_vision else None
         # never sample a vision special token (molt_core.models.mask_vision_tokens does the same in
         # the trainer): logit bias -100, vLLM's floor, applied before its processed logprobs
         self._vision_bias = {int(cfg[f]): -100.0 for f in ("image_token_id", "video_token_id", "vision_start_token_id",
@@ -275,14 +278,34 @@ class VLLMEngine(WorkerThreadEngine):
             model = load_model(model, dtype="float32", seed=model_seed)
         elif tokenizer is None:
             raise ValueError("a model object needs its tokenizer: VLLMEngine(model, tokenizer)")
+        from molt_core.models import TINY_VL_MERGE, TINY_VL_PATCH
+        from molt_core.vision import is_vision_model, tiny_image_processor
+
+        if is_vision_model(model):  # only the builtin VL model's processor is known for a model object
+            vc = model.config.vision_config
+            if (getattr(vc, "patch_size", None), getattr(vc, "spatial_merge_size", None)) != (TINY_VL_PATCH, TINY_VL_MERGE):
+                raise ValueError("a vision-language model object other than builtin:tiny-qwen2.5-vl has no known image "
+                                 "processor; give the vllm engine the model's directory (with its "
+                                 "preprocessor_config.json) instead of the object")
         self._tmpdir = tempfile.mkdtemp(prefix="molt-vllm-")
         model.save_pretrained(self._tmpdir, safe_serialization=True)
         tokenizer.save_pretrained(self._tmpdir)
-        from molt_core.vision import is_vision_model, tiny_image_processor
-
         if is_vision_model(model):  # the builtin VL model's image processor (preprocessor_config.json)
             tiny_image_processor().save_pretrained(self._tmpdir)
         return self._tmpdir, tokenizer
+
+    def _vision_processor(self, model: Any, model_dir: str, tokenizer: Any) -> Any:
+        """The VL model's processor: a builtin's own (as the trainer loads it from ``model.path``),
+        else the one in ``model_dir``. Raises: ValueError (a tokenizer without ``<|image_pad|>``),
+        after removing a temporary model directory."""
+        from molt_core.models import is_builtin
+        from molt_core.vision import load_vision_processor
+
+        try:
+            return load_vision_processor(model if isinstance(model, str) and is_builtin(model) else model_dir, tokenizer)
+        except Exception:
+            self._cleanup_dir()
+            raise
 
     def _cleanup_dir(self) -> None:
         if self._tmpdir is not None:
@@ -367,8 +390,11 @@ class VLLMEngine(WorkerThreadEngine):
                              "use one such as builtin:tiny-qwen2.5-vl")
         if runs != len(images):
             raise ValueError(f"prompt_ids hold {runs} image token run(s) but {len(images)} image(s) were given")
-        from molt_core.vision import decode_image
+        from molt_core.vision import check_runs, decode_image
 
+        vp = getattr(self, "vision_processor", None)
+        if vp is not None:  # each run as long as the processor expands its image (the ledger's expansion)
+            check_runs(ids, [vp.process(b)[1] for b in images], vp)
         return [decode_image(b) for b in images]
 
     def _vllm_params(self, p: SamplingParams, prompt_len: int) -> Any:

@@ -310,9 +310,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             return
         remote = any(p.url is not None and not p.url.startswith("data:") for p in pending)
         if remote or body_bytes > INLINE_PREPARE_BYTES:
-            await asyncio.to_thread(check_images, pending, policy)
+            await asyncio.to_thread(check_images, pending, policy, vision)
         else:
-            check_images(pending, policy)
+            check_images(pending, policy, vision)
 
     async def guarded(wire: str, fn: Callable[[], Any]) -> Any:
         try:

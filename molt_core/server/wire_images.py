@@ -99,9 +99,15 @@ def responses_part(part: dict[str, Any], where: str, pending: list[Pending]) -> 
     return out
 
 
-def check_images(pending: list[Pending], policy: ImagePolicy | None = None) -> None:
+def check_images(pending: list[Pending], policy: ImagePolicy | None = None, vision: Any = None) -> None:
     """Validate every pending image (:mod:`molt_core.images`; blocking: Pillow decode, and a
     fetch for an allowed remote URL) and set each part's URL to its data URL.
+
+    Args:
+        vision: the model's :class:`~molt_core.vision.VisionProcessor`, or None. When given,
+            each image is also run through it (the result is cached by digest, so the ledger's
+            expansion reuses it): an image the processor refuses -- e.g. Qwen2-VL's
+            ``smart_resize`` refuses an aspect ratio of 200 or more -- is a bad image too.
 
     Raises:
         ImageError: the first refused image, naming its wire field.
@@ -114,3 +120,9 @@ def check_images(pending: list[Pending], policy: ImagePolicy | None = None) -> N
         else:
             img = decode_base64(p.b64, p.media_type, p.field, policy)
             p.part["image_url"]["url"] = f"data:{img.media_type};base64,{p.b64}"  # validated base64: no re-encode
+        if vision is not None:
+            try:
+                vision.process(img.data)
+            except ValueError as e:
+                raise ImageError(f"the model's image processor refuses this {img.width}x{img.height} image ({e}); "
+                                 "send an image it accepts", p.field) from None

@@ -112,8 +112,10 @@ def build_batch(
             with one per-token list per segment, a float on each sampled token.
         vision: the model's :class:`~molt_core.vision.VisionProcessor`: each segment's image
             runs are checked against its ``images`` (one run per ref, where the ref says, of
-            the length its grid gives; :func:`molt_core.vision.check_runs`). None skips that
-            check (the images' bytes are still checked against their digests).
+            the length its grid gives; :func:`molt_core.vision.check_runs`), and each image's
+            grid as this processor computes it (what the trainer's forward will use) must
+            equal the recorded ``grid_thw`` (what the engine expanded). None skips those
+            checks (the images' bytes are still checked against their digests).
 
     Returns:
         The padded :class:`Batch`.
@@ -125,7 +127,8 @@ def build_batch(
             sampled token outside every span, conflicting
             overlapping spans, missing/misaligned teacher logprobs, an image whose bytes are
             missing, not base64 or do not hash to their key, or (with ``vision``) image runs
-            that do not match a segment's ``images``.
+            that do not match a segment's ``images`` or a recorded grid other than the one
+            ``vision`` computes (the engine and trainer processors differ).
     """
     usable = [t for t in trajectories if t.status == "ok"]
     if not usable:
@@ -341,6 +344,15 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
                 check_runs(seg.token_ids, [ref.grid_thw for ref in seg.images], vision, seg.images)
             except ValueError as e:
                 raise IngressError(f"{where[b]}: {e}") from None
+            for k, (ref, data) in enumerate(zip(seg.images, imgs)):
+                try:
+                    grid = vision.process(data)[1]  # cached by digest: the forward reuses it
+                except ValueError as e:
+                    raise IngressError(f"{where[b]}: images[{k}]: {e}") from None
+                if list(grid) != list(ref.grid_thw):
+                    raise IngressError(f"{where[b]}: images[{k}] records grid {list(ref.grid_thw)} but the trainer's "
+                                       f"image processor gives {list(grid)}: the engine and the trainer process "
+                                       "images differently (use the same model.path processor for both)")
         out.append(imgs)
     return out
 

@@ -162,17 +162,31 @@ class AdapterDisabled(torch.nn.Module):
     is not a submodule, so ``.to()``, ``.eval()`` and ``requires_grad_(False)`` on it leave the
     policy alone, and a checkpoint does not save it).
 
-    ``forward(input_ids [B, T] int64, **kw)`` returns the policy's output object (``.logits``).
+    ``forward(input_ids [B, T] int64, **kw)`` returns the policy's output object (``.logits``);
+    ``kw`` (``use_cache``, ``logits_to_keep``, and a vision-language model's ``pixel_values``,
+    ``image_grid_thw`` and 3D ``position_ids``) goes to the policy unchanged.
+    ``get_rope_index`` is the policy's (the M-RoPE positions do not depend on the adapter).
     """
 
     def __init__(self, policy: torch.nn.Module) -> None:
         super().__init__()
         self._policy = [policy]  # a list: not registered as a submodule
 
-    def forward(self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: Any = 0) -> Any:
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: Any = 0, **kw: Any) -> Any:
         policy = self._policy[0]
         with policy.disable_adapter():
-            return policy(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep)
+            return policy(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kw)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The policy's parameter dtype (this module holds none of its own)."""
+        return next(self._policy[0].parameters()).dtype
+
+    def get_rope_index(self, *args: Any, **kw: Any) -> Any:
+        """The policy's ``get_rope_index`` (vision-language models; see :func:`molt_core.vision.rope_positions`)."""
+        from molt_core.vision import _rope_index_fn
+
+        return _rope_index_fn(self._policy[0])(*args, **kw)
 
 
 @contextmanager

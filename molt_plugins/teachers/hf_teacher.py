@@ -84,26 +84,44 @@ class HFTeacher:
         self.model.eval()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
+        from molt_core.vision import is_vision_model, load_vision_processor
 
-    def batch_token_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float | None]]:
+        #: the teacher's image processor (a vision-language teacher), else None
+        self.vision = load_vision_processor(o.path, self.tokenizer) if is_vision_model(self.model) else None
+
+    def batch_token_logprobs(self, sequences: Sequence[Sequence[int]],
+                             images: Sequence[Sequence[bytes]] | None = None) -> list[list[float | None]]:
         """Teacher logprob of every token given its prefix, per sequence.
 
         Args:
             sequences: token-id lists (any lengths >= 1).
+            images: per sequence, the encoded bytes of its images in token order (each image's
+                ``<|image_pad|>`` run expanded in the ids); None or empty lists for text. A
+                vision-language teacher sees them as the policy did (pixels and 3D positions,
+                :func:`molt_core.vision.padded_inputs`).
 
         Returns:
             One list per sequence, same length: ``None`` at position 0, else the float
             ``log p_teacher(t_i | t_<i)`` (natural log, computed in float32).
 
         Raises:
-            ValueError: an empty sequence or an id outside the teacher's embedding table.
+            ValueError: an empty sequence, an id outside the teacher's embedding table, images
+                for a teacher that is not a vision-language model, or image runs that the
+                teacher's processor expands to other lengths.
         """
         import torch
 
         out: list[list[float | None]] = []
         V = self.model.get_input_embeddings().num_embeddings
+        images = images if images is not None else [[] for _ in sequences]
+        if len(images) != len(sequences):
+            raise ValueError(f"images has {len(images)} entries for {len(sequences)} sequences; give one list per sequence")
+        if any(images) and self.vision is None:
+            raise ValueError(f"the teacher ({self.options.path}) is not a vision-language model: it cannot score "
+                             "rollouts with images; use a vision-language teacher")
         for k in range(0, len(sequences), self.options.batch_size):
             chunk = [list(map(int, s)) for s in sequences[k:k + self.options.batch_size]]
+            imgs = [list(x) for x in images[k:k + self.options.batch_size]]
             for j, s in enumerate(chunk):
                 if not s:
                     raise ValueError(f"sequence {k + j} is empty")
@@ -116,8 +134,11 @@ class HFTeacher:
             for j, s in enumerate(chunk):  # right padding: positions of real tokens are unchanged
                 ids[j, : len(s)] = torch.tensor(s)
                 att[j, : len(s)] = 1
+            from molt_core.vision import padded_inputs
+
+            kw = padded_inputs(self.model, self.vision, list(zip(chunk, imgs)), T)
             with torch.no_grad():
-                logits = self.model(input_ids=ids, attention_mask=att).logits.float()  # [B, T, V]
+                logits = self.model(input_ids=ids, attention_mask=att, **kw).logits.float()  # [B, T, V]
             lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
             for j, s in enumerate(chunk):
                 out.append([None] + [float(x) for x in lp[j, : len(s) - 1]])
@@ -129,9 +150,13 @@ class HFTeacher:
 
     def trajectory_logprobs(self, trajectory: Any) -> list[list[float | None]]:
         """Per segment of ``trajectory``, the teacher logprob of each *sampled* token (None
-        on prompt / tool tokens): the ``info["teacher_logprobs"]`` format the trainer reads."""
+        on prompt / tool tokens): the ``info["teacher_logprobs"]`` format the trainer reads.
+        A segment's images (``Trajectory.images``) are shown to the teacher as to the policy."""
+        import base64
+
         segs = trajectory.segments
-        full = self.batch_token_logprobs([s.token_ids for s in segs]) if segs else []
+        imgs = [[base64.b64decode(trajectory.images[r.sha256]) for r in s.images] for s in segs]
+        full = self.batch_token_logprobs([s.token_ids for s in segs], imgs) if segs else []
         return [[x if m else None for x, m in zip(lps, s.loss_mask)] for lps, s in zip(full, segs)]
 
     def annotate(self, trajectory: Any) -> Any:
