@@ -162,7 +162,7 @@ def decode_bytes(data: bytes, media_type: str | None, where: str, policy: ImageP
                 _SEEN.popitem(last=False)
     actual, w, h = seen
     if media_type is not None and actual != media_type:
-        raise ImageError(f"the bytes are a {actual} image but the media type says {media_type}; send the image's "
+        raise ImageError(f"the bytes are an {actual} image but the media type says {media_type}; send the image's "
                          "real media type", where)
     if w * h > policy.max_pixels:
         raise ImageError(f"the image is {w}x{h} = {w * h} pixels, over the limit of {policy.max_pixels}; send a "
@@ -179,7 +179,7 @@ def _pillow_check(data: bytes, where: str, policy: ImagePolicy) -> tuple[str, in
         with Image.open(io.BytesIO(data)) as im:
             fmt, (w, h) = im.format, im.size
             if fmt not in _FORMAT_MEDIA:
-                raise ImageError(f"the bytes are a {fmt} image; send one of {', '.join(MEDIA_TYPES)}", where)
+                raise ImageError(f"the bytes are an {fmt} image; send one of {', '.join(MEDIA_TYPES)}", where)
             if w * h > policy.max_pixels:
                 raise ImageError(f"the image is {w}x{h} = {w * h} pixels, over the limit of {policy.max_pixels}; "
                                  "send a smaller image (or raise images.max_pixels)", where)
