@@ -115,3 +115,34 @@ def test_local_ray_cluster_refuses_unauthenticated_calls_and_prints_no_auth_warn
     assert (out["gcs_none"], out["gcs_wrong"], out["gcs_token"]) == ("UNAUTHENTICATED", "UNAUTHENTICATED", "OK")
     assert (out["raylet_none"], out["raylet_wrong"], out["raylet_token"]) == ("UNAUTHENTICATED", "UNAUTHENTICATED", "OK")
     assert not out["home_token"]  # the per-run token lives in the environment only, never in ~/.ray
+
+
+def test_a_gpu_request_the_local_cluster_cannot_place_fails_fast(monkeypatch, capsys):
+    """Ray would wait forever for GPUs a local cluster never gets (it only logs an autoscaler
+    line every ~35 s): `molt run` stops at once with the sum it needed and the options to change;
+    on a joined cluster (which may scale up) it warns and waits."""
+    import types
+
+    from molt_core.config import RunConfig
+    from molt_core.runtime import raycluster
+
+    cfg = RunConfig.model_validate({"trainer": {"num_gpus": 1, "world_size": 2}, "engine": {"num_gpus": 0.5, "num_engines": 2}})
+    assert raycluster.gpu_shortfall(cfg, 3.0) is None
+    msg = raycluster.gpu_shortfall(cfg, 1.0)
+    assert msg.startswith("the run needs 3 GPU(s) (trainer.num_gpus 1 x trainer.world_size 2 + engine.num_gpus 0.5 x "
+                          "engine.num_engines 2) but the Ray cluster has 1;")
+    calls = []
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: calls.append("init"),
+                                 cluster_resources=lambda: {"CPU": 2.0, "GPU": 1.0},
+                                 shutdown=lambda: calls.append("shutdown"))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(raycluster, "prepare_auth", lambda addr: "")
+    monkeypatch.setattr(raycluster, "_refresh_ray_config", lambda: None)
+    with pytest.raises(ValueError, match="needs 3 GPU"):
+        raycluster.init_ray(cfg, None)
+    assert calls == ["init", "shutdown"]
+    calls.clear()
+    assert raycluster.init_ray(cfg, "10.0.0.1:6379") is fake and calls == ["init"]
+    assert "warning: the run needs 3 GPU(s)" in capsys.readouterr().err
+    cpu = RunConfig.model_validate({})
+    assert raycluster.gpu_shortfall(cpu, 0.0) is None

@@ -128,4 +128,24 @@ def init_ray(cfg: RunConfig, ray_address: str | None) -> Any:
         # address="local": always a fresh cluster, never a stale one left by `ray start`
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                  runtime_env=env, log_to_driver=True, logging_level="warning")
+    short = gpu_shortfall(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
+    if short:
+        if not ray_address:  # a local cluster never grows: Ray would wait for the GPUs forever
+            ray.shutdown()
+            raise ValueError(short)
+        print(f"warning: {short} (waiting for the cluster to provide them)", file=sys.stderr)
     return ray
+
+
+def gpu_shortfall(cfg: RunConfig, cluster_gpus: float) -> str | None:
+    """Why the run's GPU request cannot be placed on a cluster with ``cluster_gpus`` GPUs, or
+    None when it fits. The request is ``trainer.num_gpus * trainer.world_size +
+    engine.num_gpus * engine.num_engines`` (GPUs, fractions allowed)."""
+    tc, ec = cfg.trainer, cfg.engine
+    need = tc.num_gpus * tc.world_size + ec.num_gpus * ec.num_engines
+    if need <= cluster_gpus + 1e-9:
+        return None
+    return (f"the run needs {need:g} GPU(s) (trainer.num_gpus {tc.num_gpus:g} x trainer.world_size {tc.world_size} + "
+            f"engine.num_gpus {ec.num_gpus:g} x engine.num_engines {ec.num_engines}) but the Ray cluster has "
+            f"{cluster_gpus:g}; lower those options (e.g. --set trainer.num_gpus=0 --set engine.num_gpus=0 on a CPU "
+            f"machine), or join a cluster with GPUs (--ray-address)")
