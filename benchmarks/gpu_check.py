@@ -1,5 +1,7 @@
-"""The GPU check of issue 14: one script a GPU machine runs, writing ``gpu_check.json`` to
-``--out`` after every part (a run cut short keeps what it measured).
+"""GPU check: weight sync, bf16 forward consistency and RL steps, written to OUT/gpu_check.json.
+
+One script a GPU machine runs, writing ``gpu_check.json`` to ``--out`` after every part (a run
+cut short keeps what it measured).
 
 Parts (each records ``ok`` / ``failed`` / ``skipped`` with its reason and figures):
 
@@ -385,14 +387,15 @@ def part_rl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="gpu_check_out")
-    ap.add_argument("--model", default="Qwen/Qwen3-0.6B")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", default="gpu_check_out", help="output dir (gpu_check.json, the RL runs)")
+    ap.add_argument("--model", default="Qwen/Qwen3-0.6B",
+                    help="a Hub id or model directory (a same-shaped random model when not in the cache)")
+    ap.add_argument("--steps", type=int, default=4, help="RL part: steps of each run")
     ap.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_step of the RL part")
     ap.add_argument("--receivers", type=int, default=1, help="sync part: receiving processes (GPUs beyond the first)")
     ap.add_argument("--reps", type=int, default=5, help="sync part: syncs timed")
     ap.add_argument("--n-rollouts", type=int, default=16, help="bf16 part: rollouts per measured step")
-    ap.add_argument("--parts", default="sync,bf16,rl")
+    ap.add_argument("--parts", default="sync,bf16,rl", help="comma list of the parts to run: sync, bf16, rl")
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="RL part: skip the weight_sync=ray peer run")
     ap.add_argument("--allow-cpu", dest="tiny", action="store_true",
                     help="run on CPU with the builtin tiny model (smoke test of this script)")
