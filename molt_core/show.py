@@ -9,6 +9,7 @@ printed as they are; older rows (token ids only) are decoded with the tokenizer 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,15 @@ def _versions(row: dict[str, Any]) -> str:
     if not vs:
         return "-"
     return str(min(vs)) if min(vs) == max(vs) else f"{min(vs)}-{max(vs)}"
+
+
+_IMAGE_RUN = re.compile(r"(?:<\|image_pad\|>)+")
+
+
+def collapse_images(text: str) -> str:
+    """``text`` with each run of ``<|image_pad|>`` placeholders (one image's tokens) shown as
+    ``[image: N tokens]``: a real Qwen2.5-VL image is up to thousands of them."""
+    return _IMAGE_RUN.sub(lambda m: f"[image: {len(m.group(0)) // len('<|image_pad|>')} tokens]", text)
 
 
 def _task_line(task: dict[str, Any]) -> str:
@@ -133,7 +143,7 @@ def show_run(run_dir: str | Path, step: int | None = None, n: int = 4, console: 
             v = t.get("versions")
             tag = "" if not v else (f" (v{v[0]})" if v[0] == v[1] else f" (v{v[0]}-{v[1]})")
             console.print(Text(f"[turn {i}] context:", style="bold"))
-            console.print(Text(t.get("context", ""), style="dim"))
+            console.print(Text(collapse_images(t.get("context", "")), style="dim"))
             console.print(Text(f"[turn {i}] response{tag}:", style="bold green"))
             console.print(Text(t.get("response", "")))
         if r.get("status") != "ok" and r.get("error"):

@@ -150,3 +150,13 @@ def test_eval_summary_says_how_many_eval_rollouts_failed(m, text):
     from molt_core.runtime.loop import _eval_summary
 
     assert _eval_summary(m) == text
+
+
+def test_image_placeholder_runs_are_collapsed_for_display():
+    from molt_core.show import collapse_images
+
+    ctx = "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 16 + "<|vision_end|>How many?<|im_end|>"
+    assert collapse_images(ctx) == "<|im_start|>user\n<|vision_start|>[image: 16 tokens]<|vision_end|>How many?<|im_end|>"
+    two = "<|image_pad|>" * 4 + "x" + "<|image_pad|>"
+    assert collapse_images(two) == "[image: 4 tokens]x[image: 1 tokens]"
+    assert collapse_images("no images") == "no images"
