@@ -110,9 +110,11 @@ def main() -> None:
               help="RL steps (run.steps); the SFT warm start still runs its sft.steps first.")
 @click.option("--sft-steps", type=click.IntRange(0), default=None,
               help="SFT warm-start steps before RL (sft.steps; 0 skips the warm start).")
+@click.option("--dry-run", is_flag=True,
+              help="Validate the recipe and overrides, print the resolved recipe (TOML) and exit; starts nothing.")
 def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...], out: str | None,
         agent: str | None, ray_address: str | None, resume: str | None, local: bool, steps: int | None,
-        sft_steps: int | None) -> None:
+        sft_steps: int | None, dry_run: bool) -> None:
     """Train the agent of RECIPE (a TOML path or a shipped recipe name) with RL.
 
     A few steps to try a recipe: ``molt run quickstart --steps 3 --sft-steps 0``."""
@@ -132,6 +134,9 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
+    if dry_run:
+        click.echo(cfg.to_toml(), nl=False)
+        return
     from molt_core import runtime
 
     try:

@@ -203,3 +203,20 @@ def test_molt_sft_steps_is_sft_steps_and_redirected_output_gets_no_tqdm_bars(mon
     assert r.exit_code == 0, r.output
     assert seen == {"steps": 7, "bars_off": "1"}  # CliRunner's stderr is not a terminal
     assert "wrote runs/x/model (use --set model.path=runs/x/model)" in r.output
+
+
+def test_run_dry_run_validates_and_prints_the_resolved_recipe_without_starting_anything(tmp_path):
+    import tomllib
+
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+
+    r = CliRunner().invoke(main, ["run", "quickstart", "--dry-run", "--steps", "7", "--set", "trainer.world_size=2",
+                                  "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    cfg = tomllib.loads(r.output)
+    assert cfg["run"]["steps"] == 7 and cfg["trainer"]["world_size"] == 2 and cfg["sft"]["steps"] == 1200
+    assert not (tmp_path / "run").exists()  # no run directory, no Ray
+    bad = CliRunner().invoke(main, ["run", "quickstart", "--dry-run", "--set", "trainer.wrld_size=2"])
+    assert bad.exit_code == 2 and "did you mean 'world_size'" in bad.output
