@@ -475,6 +475,15 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
                   f"  session {info.session_id}: OpenAI base_url={info.openai_base_url}  "
                   f"Anthropic base_url={info.anthropic_base_url}  api_key={info.api_key}\n"
                   f"  Ctrl-C to stop.", highlight=False)
+    import signal
+
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # stop on SIGINT and SIGTERM even when started with them ignored (a background job of a
+    # non-interactive shell, or a parent that ignores SIGINT, passes SIG_IGN on)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
     try:
         while handle.running:
             time.sleep(0.5)

@@ -129,10 +129,14 @@ def test_bigvocab_random_samples_token_exact():
     assert sum(lp is not None for s in traj.segments for lp in s.logprobs) == len(sampled)
 
 
-def test_molt_serve_cli():
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN])
+def test_molt_serve_cli(inherited):
+    """`molt serve` answers and stops on SIGINT -- also when started with SIGINT ignored (a
+    background job of a non-interactive shell; a parent process that ignores it)."""
     env = {**os.environ, "MOLT_ADMIN_KEY": "adm-test", "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "molt_core.cli", "serve", "--model", "builtin:tiny-qwen3"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     try:
         line = p.stdout.readline()
         assert line, p.stderr.read()
