@@ -482,14 +482,20 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
 
     # stop on SIGINT and SIGTERM even when started with them ignored (a background job of a
     # non-interactive shell, or a parent that ignores SIGINT, passes SIG_IGN on)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _stop)
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _stop)
     try:
         while handle.running:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
         handle.stop()
         for b in backends:
             b.stop()
