@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, check_images, responses_part
+from molt_core.server.wire_images import Pending, check_images, convert_checked, responses_part
 from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
 
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
@@ -102,11 +102,7 @@ class ResponsesRequest(_Req):
             WireError: 400 naming ``input[i]`` for an unsupported or malformed item.
             ImageError: a malformed or (``pending`` None) refused image, naming its field.
         """
-        checks: list[Pending] = [] if pending is None else pending
-        out = self._convert(checks)
-        if pending is None:
-            check_images(checks)
-        return out
+        return convert_checked(self._convert, pending)
 
     def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

@@ -126,3 +126,18 @@ def check_images(pending: list[Pending], policy: ImagePolicy | None = None, visi
             except ValueError as e:
                 raise ImageError(f"the model's image processor refuses this {img.width}x{img.height} image ({e}); "
                                  "send an image it accepts", p.field) from None
+
+
+def convert_checked(convert: Any, pending: list[Pending] | None) -> list[dict[str, Any]]:
+    """``convert(checks)`` (a wire's message conversion, which appends the images it meets to
+    ``checks``), then, when ``pending`` is None, the images checked here (:func:`check_images`);
+    else they are left in ``pending`` for the caller to check off the event loop.
+
+    Raises:
+        WireError: from ``convert``. ImageError: a refused image (``pending`` None).
+    """
+    checks: list[Pending] = [] if pending is None else pending
+    out = convert(checks)
+    if pending is None:
+        check_images(checks)
+    return out

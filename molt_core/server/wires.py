@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, anthropic_block, check_images, openai_part
+from molt_core.server.wire_images import Pending, anthropic_block, check_images, convert_checked, openai_part
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
            "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
@@ -392,11 +392,7 @@ class MessagesRequest(_Req):
             WireError: 400 naming ``messages[i].content[j]`` for an unsupported or malformed block.
             ImageError: a malformed or (``pending`` None) refused image, naming its field.
         """
-        checks: list[Pending] = [] if pending is None else pending
-        out = self._convert(checks)
-        if pending is None:
-            check_images(checks)
-        return out
+        return convert_checked(self._convert, pending)
 
     def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
