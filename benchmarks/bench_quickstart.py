@@ -16,14 +16,23 @@ tasks of the env's ``train`` stream (``ReasoningGymEnv.tasks("train", s)``, as `
 draws them with ``run.seed = s``), and is evaluated on the env's held-out ``eval`` split of
 that seed (excluded from the train stream).
 
-Arms (each seed runs them in a rotated order, so drift of the shared machine spreads evenly):
+Each arm runs in its own process. By default (``--interleave 5``) the arms of a seed take
+turns of 5 s on the machine: the running arm's whole process tree (Ray's processes included)
+is stopped with SIGSTOP and the next continued with SIGCONT, so a change in the load from
+other jobs on a shared machine falls on every arm alike instead of on whichever arm ran
+when it came. Each step's wall-clock bounds are logged (``time/step_end_unix`` for molt); the
+time an arm was stopped inside a step is taken out of that step, and steps that were
+stopped at all stay out of the medians (a resumed process starts on cold caches).
+``--interleave 0`` runs the arms one after another, in an order rotated per seed.
+
+Arms:
 
 * ``molt`` -- ``molt run quickstart --set model.path=<sft>/model --set sft.steps=0
   --set async.max_staleness=0 ...`` as a subprocess (Ray, rollout worker with the embedded
   engine, ledger, gate, trainer actor, weight sync). In-run eval and intermediate checkpoints
   are off (``eval.n_problems=0``, ``checkpoint.every=0``) so they do not enter the wall time.
   From its ``metrics.jsonl``: the step time is the wall between consecutive step ends
-  (``time/elapsed``; it includes the run's per-step logging and its ``reward.png`` redraw every
+  (``time/step_end_unix``; it includes the run's per-step logging and its ``reward.png`` redraw every
   10 steps), the phases are ``time/rollout``, ``time/train_step`` (of which the trainer's
   ``time/train``), ``time/sync`` and their sum ``time/step``. The final checkpoint is evaluated
   like the other arms; ``process wall`` adds Ray start-up and shutdown.
@@ -65,6 +74,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -192,23 +202,22 @@ def moving_average(xs: list[float], window: int) -> list[float]:
 # --------------------------------------------------------------------------- arms
 
 
-def run_molt(args: Any, sft_model: Path, seed: int, staleness: int, out: Path) -> dict[str, Any]:
-    """``molt run quickstart`` as a subprocess; reads its ``metrics.jsonl`` and final checkpoint."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "molt_core.cli", "run", str(RECIPE), "--out", str(out / "run"),
-           "--set", f"model.path={json.dumps(str(sft_model))}", "--set", "sft.steps=0",
-           "--set", f"run.steps={args.steps}", "--set", f"run.seed={seed}", "--set", f"run.threads={args.threads}",
-           "--set", f"async.max_staleness={staleness}", "--set", "eval.n_problems=0", "--set", "checkpoint.every=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "RAY_USAGE_STATS_ENABLED": "0"}
-    t0 = time.perf_counter()
-    with open(out / "molt_run.log", "w") as logf:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=args.arm_timeout).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        tail = (out / "molt_run.log").read_text()[-3000:]
-        raise RuntimeError(f"molt run exited {rc}; log {out / 'molt_run.log'}:\n{tail}")
+def molt_command(args: Any, sft_model: Path, seed: int, staleness: int, out: Path) -> list[str]:
+    """The ``molt run quickstart`` command line of a molt arm (run directory ``out/run``)."""
+    return [sys.executable, "-m", "molt_core.cli", "run", str(RECIPE), "--out", str(out / "run"),
+            "--set", f"model.path={json.dumps(str(sft_model))}", "--set", "sft.steps=0",
+            "--set", f"run.steps={args.steps}", "--set", f"run.seed={seed}", "--set", f"run.threads={args.threads}",
+            "--set", f"async.max_staleness={staleness}", "--set", "eval.n_problems=0", "--set", "checkpoint.every=0"]
+
+
+def collect_molt(out: Path) -> dict[str, Any]:
+    """A finished molt arm's figures from its ``metrics.jsonl`` and final checkpoint.
+
+    A step's bounds are the wall clock (``time/step_end_unix``, seconds since the epoch) at
+    the previous step's end and at its own end (the first step starts ``time/step`` before
+    its end), so the run's per-step extras (metrics line, trajectory sample, ``reward.png``
+    every 10 steps) count too. Raises ``RuntimeError`` when the run left no checkpoint.
+    """
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) >= 1]
     from molt_core.train import latest_checkpoint
@@ -218,15 +227,13 @@ def run_molt(args: Any, sft_model: Path, seed: int, staleness: int, out: Path) -
         raise RuntimeError(f"molt run left no checkpoint in {out / 'run'}")
     stale = max((r.get("invariants/staleness_max") or 0.0) for r in rows)
     retok = max((r.get("invariants/tokens_retokenized") or 0.0) for r in rows)
-    # a step's wall: from the end of the previous step to its end (time/elapsed), so the run's
-    # per-step extras (metrics line, trajectory sample, reward.png every 10 steps) count too
-    el = [r["time/elapsed"] for r in rows]
+    ends = [r["time/step_end_unix"] for r in rows]
     return {
         "rewards": [float(r["reward/mean"]) if r.get("reward/mean") is not None else 0.0 for r in rows],
-        "step_s": [rows[0]["time/step"]] + [b - a for a, b in zip(el, el[1:])],
+        "bounds": [[ends[0] - rows[0]["time/step"], ends[0]]] + [[a, b] for a, b in zip(ends, ends[1:])],
         "phases_s": {k.split("/", 1)[1]: [r.get(k) or 0.0 for r in rows]
                      for k in ("time/rollout", "time/train_step", "time/sync", "time/train", "time/step")},
-        "process_wall_s": wall, "model_dir": str(ck / "model"),
+        "model_dir": str(ck / "model"),
         "invariants": {"staleness_max": stale, "tokens_retokenized": retok},
     }
 
@@ -267,10 +274,10 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay)
     P, n = args.prompts, args.samples
-    rewards, step_s, gen_s, rew_s, upd_s = [], [], [], [], []
+    rewards, bounds, gen_s, rew_s, upd_s = [], [], [], [], []
     for step in range(args.steps):
         batch = tasks[step * P:(step + 1) * P]
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         prompts = [prompt_ids(tok, t["question"]) for t in batch for _ in range(n)]
         comps = generate(model, tok, prompts, args.max_tokens, sample=True)
         t1 = time.perf_counter()
@@ -288,11 +295,11 @@ def run_plain(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]]
         reinforce_step(model, opt, params, ids, att, mask, adv, args.grad_clip)
         t3 = time.perf_counter()
         rewards.append(float(r.mean()))
-        step_s.append(t3 - t0)
+        bounds.append([w0, w0 + (t3 - t0)])
         gen_s.append(t1 - t0)
         rew_s.append(t2 - t1)
         upd_s.append(t3 - t2)
-    return {"rewards": rewards, "step_s": step_s,
+    return {"rewards": rewards, "bounds": bounds,
             "phases_s": {"generate": gen_s, "reward+adv": rew_s, "update": upd_s}, "model": model, "tok": tok}
 
 
@@ -332,8 +339,9 @@ def run_trl(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]], 
         return rs
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=ds, processing_class=tok)
-    rec: dict[str, float] = {"gen": 0.0, "t0": 0.0}
-    step_s, gen_s = [], []
+    rec: dict[str, float] = {"gen": 0.0, "t0": 0.0, "w0": 0.0}
+    bounds: list[list[float]] = []
+    gen_s: list[float] = []
     orig_generate = trainer._generate
 
     def timed_generate(prompts):
@@ -347,19 +355,19 @@ def run_trl(args: Any, sft_model: Path, seed: int, tasks: list[dict[str, Any]], 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
             rec["gen"] = 0.0
-            rec["t0"] = time.perf_counter()
+            rec["w0"], rec["t0"] = time.time(), time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            step_s.append(time.perf_counter() - rec["t0"])
+            bounds.append([rec["w0"], rec["w0"] + time.perf_counter() - rec["t0"]])
             gen_s.append(rec["gen"])
 
     trainer.add_callback(Clock())
     trainer.remove_callback(PrinterCallback)  # its end-of-training metrics dict would clutter the output
     trainer.train()
-    if len(rewards) != len(step_s):
-        raise RuntimeError(f"TRL: {len(rewards)} reward batches for {len(step_s)} steps (expected one per step)")
-    return {"rewards": rewards, "step_s": step_s,
-            "phases_s": {"generate": gen_s, "rest": [s - g for s, g in zip(step_s, gen_s)]},
+    if len(rewards) != len(bounds):
+        raise RuntimeError(f"TRL: {len(rewards)} reward batches for {len(bounds)} steps (expected one per step)")
+    return {"rewards": rewards, "bounds": bounds,
+            "phases_s": {"generate": gen_s, "rest": [b - a - g for (a, b), g in zip(bounds, gen_s)]},
             "model": trainer.accelerator.unwrap_model(trainer.model), "tok": tok}
 
 
@@ -383,13 +391,151 @@ def warm_start(args: Any) -> Path:
     return model
 
 
+def tree_signal(root: Any, sig: int) -> None:
+    """Send ``sig`` to ``root`` (a ``psutil.Process``) and every descendant -- for SIGSTOP the
+    parent first and the tree re-listed until no new process appears (a stopped process
+    cannot start more); processes that exited meanwhile are skipped."""
+    import psutil
+
+    seen: set[int] = set()
+    while True:
+        try:
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        new = [p for p in procs if p.pid not in seen]
+        if not new:
+            return
+        for p in new:
+            seen.add(p.pid)
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        if sig != signal.SIGSTOP:
+            return
+
+
+def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str], Path]], slice_s: float,
+                      timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Run each arm's command (``arm -> (argv, env, log path)``) to its end.
+
+    ``slice_s = 0``: one arm after another. ``slice_s > 0``: the arms take turns of
+    ``slice_s`` seconds on the machine -- the running arm's whole process tree (Ray's
+    processes included) is stopped with SIGSTOP and the next one continued with SIGCONT --
+    so load from other jobs on a shared machine falls on every arm alike instead of on
+    whichever arm ran when it came. Returns per arm ``rc``, ``run_s`` (seconds it was
+    running, pauses excluded) and ``pauses`` (``[start, end]`` wall-clock intervals,
+    seconds since the epoch, during which it was stopped). An arm running longer than
+    ``timeout_s`` is killed (``rc`` -9).
+    """
+    import psutil
+
+    queue = list(cmds)
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Any] = {}
+    out = {a: {"rc": None, "run_s": 0.0, "pauses": []} for a in cmds}
+    try:
+        while queue:
+            arm = queue.pop(0)
+            argv, env, log = cmds[arm]
+            if arm not in procs:
+                logs[arm] = open(log, "w")
+                procs[arm] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[arm], stderr=subprocess.STDOUT)
+            else:
+                out[arm]["pauses"][-1][1] = time.time()
+                tree_signal(psutil.Process(procs[arm].pid), signal.SIGCONT)
+            t0 = time.perf_counter()
+            left = timeout_s - out[arm]["run_s"]
+            turn = min(slice_s, left) if slice_s > 0 else left
+            while procs[arm].poll() is None and time.perf_counter() - t0 < turn:
+                time.sleep(0.02)
+            out[arm]["run_s"] += time.perf_counter() - t0
+            if procs[arm].poll() is not None:
+                out[arm]["rc"] = procs[arm].returncode
+                logs[arm].close()
+            elif out[arm]["run_s"] >= timeout_s:
+                tree_signal(psutil.Process(procs[arm].pid), signal.SIGKILL)
+                procs[arm].wait()
+                out[arm]["rc"] = -9
+                logs[arm].close()
+            else:
+                tree_signal(psutil.Process(procs[arm].pid), signal.SIGSTOP)
+                out[arm]["pauses"].append([time.time(), None])
+                queue.append(arm)
+    finally:  # interrupted: no stopped process tree may outlive the benchmark
+        for arm, p in procs.items():
+            if p.poll() is None:
+                try:
+                    root = psutil.Process(p.pid)
+                    tree_signal(root, signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+    return out
+
+
+def unpause(bounds: list[list[float]], pauses: list[list[float]]) -> tuple[list[float], list[bool]]:
+    """Step times with the arm's stopped time taken out.
+
+    ``bounds``: per step ``[start, end]``; ``pauses``: ``[start, end]`` intervals the arm was
+    stopped (both wall clock, seconds since the epoch). Returns per step its duration less
+    its overlap with the pauses, and whether it overlapped one at all (such steps stay out
+    of the medians: a resumed process starts on cold caches).
+    """
+    secs, paused = [], []
+    for a, b in bounds:
+        ov = sum(max(0.0, min(b, pe) - max(a, ps)) for ps, pe in pauses)
+        secs.append(max(0.0, (b - a) - ov))
+        paused.append(ov > 0.0 or any(a <= ps <= b for ps, _ in pauses))
+    return secs, paused
+
+
+def child_main(d: Path) -> None:
+    """``--child DIR``: run the TRL or plain arm described by ``DIR/child.json`` and write
+    ``DIR/result.json`` (rewards, step bounds, phases) and ``DIR/model`` (weights + tokenizer)."""
+    spec = json.loads((d / "child.json").read_text())
+    args = argparse.Namespace(**spec["args"])
+    torch.set_num_threads(args.threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    seed, sft_model = spec["seed"], Path(spec["sft_model"])
+    tasks = train_tasks(make_env(load_recipe()), seed, args.steps * args.prompts)
+    if spec["arm"] == "trl":
+        res = run_trl(args, sft_model, seed, tasks, d / "trl")
+    else:
+        res = run_plain(args, sft_model, seed, tasks)
+    res.pop("model").save_pretrained(d / "model")
+    res.pop("tok").save_pretrained(d / "model")
+    (d / "result.json").write_text(json.dumps(res))
+
+
+def arm_command(arm: str, args: Any, sft_model: Path, seed: int, d: Path) -> list[str]:
+    """The command line of one arm, writing into ``d`` (made empty first)."""
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    if arm in ("molt", "molt_async"):
+        return molt_command(args, sft_model, seed, 1 if arm == "molt_async" else 0, d)
+    (d / "child.json").write_text(json.dumps({"arm": arm, "seed": seed, "sft_model": str(sft_model),
+                                              "args": {k: v for k, v in vars(args).items() if k != "child"}}))
+    return [sys.executable, str(Path(__file__).resolve()), "--child", str(d)]
+
+
 def summarise_arm(res: dict[str, Any], args: Any) -> dict[str, Any]:
-    """Per-arm summary of one seed (medians skip the first ``--warmup`` steps)."""
+    """Per-arm summary of one seed: medians over the steps after the first ``--warmup`` that
+    were not paused by ``--interleave``; totals over every step's unpaused time."""
     w = min(args.warmup, max(0, len(res["step_s"]) - 1))
+    keep = [i for i in range(w, len(res["step_s"])) if not res["paused"][i]] or list(range(w, len(res["step_s"])))
     k = steps_to_target(res["rewards"], args.target, args.window)
     return {
-        "median_step_s": statistics.median(res["step_s"][w:]),
-        "phases_median_s": {p: statistics.median(v[w:]) for p, v in res["phases_s"].items()},
+        "median_step_s": statistics.median(res["step_s"][i] for i in keep),
+        "phases_median_s": {p: statistics.median(v[i] for i in keep) for p, v in res["phases_s"].items()},
+        "steps_in_medians": len(keep),
         "steps_to_target": k,
         "seconds_to_target": sum(res["step_s"][:k]) if k else None,
         "loop_s": sum(res["step_s"]),
@@ -420,9 +566,16 @@ def main() -> None:
     ap.add_argument("--eval-problems", type=int, default=256)
     ap.add_argument("--out", default=None, help="output dir (default runs/bench_quickstart/<time>)")
     ap.add_argument("--cache", default=str(ROOT / "runs" / "bench_quickstart"), help="where warm starts are cached")
-    ap.add_argument("--arm-timeout", type=float, default=3600.0, help="seconds before a molt run is killed")
+    ap.add_argument("--arm-timeout", type=float, default=3600.0, help="running seconds before an arm is killed")
+    ap.add_argument("--interleave", type=float, default=5.0,
+                    help="seconds per turn when the arms of a seed take turns (SIGSTOP/SIGCONT), so drift of a "
+                         "shared machine falls on every arm alike; 0 runs them one after another")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
+    if args.child:
+        child_main(Path(args.child))
+        return
     recipe = load_recipe()
     if args.quick:
         args.steps, args.seeds, args.window, args.target, args.eval_problems = 30, 1, 10, 0.5, 64
@@ -469,36 +622,42 @@ def main() -> None:
         print(f"seed {seed}: start held-out greedy {results['start_eval'][str(seed)]['greedy']:.3f} "
               f"sampled {results['start_eval'][str(seed)]['sampled']:.3f}", flush=True)
         order = arms[si % len(arms):] + arms[: si % len(arms)]
+        env_vars = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "RAY_USAGE_STATS_ENABLED": "0"}
+        dirs = {arm: out / f"seed{seed}" / arm for arm in order}
+        cmds = {arm: (arm_command(arm, args, sft_model, seed, dirs[arm]), env_vars, dirs[arm] / "arm.log")
+                for arm in order}
+        print(f"seed {seed}: arms {', '.join(order)}"
+              + (f", taking turns of {args.interleave:g} s" if args.interleave > 0 else ", one after another"), flush=True)
+        runs = run_arm_processes(cmds, args.interleave, args.arm_timeout)
         per: dict[str, Any] = {}
         for arm in order:
-            t0 = time.perf_counter()
             try:
+                if runs[arm]["rc"] != 0:
+                    tail = (dirs[arm] / "arm.log").read_text()[-3000:]
+                    raise RuntimeError(f"exited {runs[arm]['rc']}; log {dirs[arm] / 'arm.log'}:\n{tail}")
                 if arm in ("molt", "molt_async"):
-                    res = run_molt(args, sft_model, seed, 1 if arm == "molt_async" else 0, out / f"seed{seed}" / arm)
-                    model = AutoModelForCausalLM.from_pretrained(res.pop("model_dir"), local_files_only=True,
-                                                                 dtype=torch.float32)
-                elif arm == "trl":
-                    res = run_trl(args, sft_model, seed, tasks, out / f"seed{seed}" / "trl")
-                    model = res.pop("model")
-                    res.pop("tok")
+                    res = collect_molt(dirs[arm])
+                    model_dir = res.pop("model_dir")
+                    res["process_wall_s"] = runs[arm]["run_s"]
                 else:
-                    res = run_plain(args, sft_model, seed, tasks)
-                    model = res.pop("model")
-                    res.pop("tok")
+                    res = json.loads((dirs[arm] / "result.json").read_text())
+                    model_dir = str(dirs[arm] / "model")
+                model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
             except Exception as e:  # one broken arm should not lose the others
                 print(f"seed {seed} {arm}: FAILED {type(e).__name__}: {e}", flush=True)
                 per[arm] = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            res["arm_wall_s"] = time.perf_counter() - t0
+            res["step_s"], res["paused"] = unpause(res["bounds"], runs[arm]["pauses"])
+            res["arm_wall_s"] = runs[arm]["run_s"]
             res["final_eval"] = evaluate(model, tok, eval_tasks, args.max_tokens, seed)
             del model
             res["summary"] = summarise_arm(res, args)
             s = res["summary"]
-            print(f"seed {seed} {arm:10s} median step {1e3 * s['median_step_s']:7.1f} ms  "
-                  f"to {args.target}: {s['steps_to_target'] or '-'} steps / "
+            print(f"seed {seed} {arm:10s} median step {1e3 * s['median_step_s']:7.1f} ms "
+                  f"({s['steps_in_medians']} steps)  to {args.target}: {s['steps_to_target'] or '-'} steps / "
                   f"{s['seconds_to_target'] or float('nan'):.1f} s  reward {s['reward_first_window']:.2f} -> "
                   f"{s['reward_last_window']:.2f}  final greedy {res['final_eval']['greedy']:.3f} "
-                  f"sampled {res['final_eval']['sampled']:.3f}  ({res['arm_wall_s']:.0f} s)", flush=True)
+                  f"sampled {res['final_eval']['sampled']:.3f}  ({res['arm_wall_s']:.0f} s running)", flush=True)
             per[arm] = res
         results["seeds"][str(seed)] = per
         results["ratios"] = seed_ratios(results, args)

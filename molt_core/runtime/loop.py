@@ -458,7 +458,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch),
                        "async/start_lag_max": float(start_lag),
                        "time/rollout": t1 - t0, "time/train_step": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
-                       "time/elapsed": t3 - t_start}
+                       "time/elapsed": t3 - t_start, "time/step_end_unix": time.time()}
             s1 = step + 1
             if cfg.eval.every and s1 % cfg.eval.every == 0 and s1 < cfg.run.steps:
                 last_eval = evaluate()
