@@ -111,6 +111,17 @@ class VersionHistory:
         """Forget every version (e.g. after loading a checkpoint: the engines' versions differ)."""
         self._states.clear()
 
+    def snapshot(self, like: torch.nn.Module) -> "VersionHistory":
+        """A frozen view of the versions held now, sharing the shadow model (built here from
+        ``like`` when needed) -- for a check that runs on another thread while :meth:`record`
+        moves on (a later record may drop a version; the view keeps its weights)."""
+        if self.shadow is None and self._states:
+            self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
+        view = VersionHistory(self.keep)
+        view._states = dict(self._states)
+        view.shadow = self.shadow
+        return view
+
     def load(self, version: int, like: torch.nn.Module) -> torch.nn.Module:
         """The shadow model holding ``version``'s weights (built from ``like`` on first use).
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, check_images, convert_checked, responses_part
+from molt_core.server.wire_images import Pending, convert_checked, responses_part
 from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
 
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]

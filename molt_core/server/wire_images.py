@@ -24,7 +24,7 @@ from typing import Any
 
 from molt_core.images import ImageError, ImagePolicy, data_url, decode_base64, decode_url
 
-__all__ = ["Pending", "openai_part", "anthropic_block", "responses_part", "check_images"]
+__all__ = ["Pending", "openai_part", "anthropic_block", "responses_part", "check_images", "convert_checked"]
 
 
 @dataclass

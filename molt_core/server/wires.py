@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, anthropic_block, check_images, convert_checked, openai_part
+from molt_core.server.wire_images import Pending, anthropic_block, convert_checked, openai_part
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
            "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]

@@ -199,6 +199,7 @@ class ShardedTrainer(Trainer):
     """
 
     lockstep = True
+    overlap_onpolicy_check = False  # its forwards are collectives: one thread, one order on every rank
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
                  ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import copy
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -173,6 +174,7 @@ class Trainer:
         self.vocab_size = model_vocab(self.model)
         #: weights of the last ``max_staleness`` versions, for the on-policy consistency measure
         self.history = VersionHistory(cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0)
+        self._check_pool: ThreadPoolExecutor | None = None  # the overlapped on-policy check's thread
         init_routing(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
@@ -181,6 +183,9 @@ class Trainer:
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
     #: nothing to train still runs its forward and a zero backward
     lockstep = False
+    #: the on-policy check of stale rows may run on a worker thread beside the update
+    #: (:meth:`_onpolicy_stale`); a sharded trainer's forwards are collectives, kept in order
+    overlap_onpolicy_check = True
 
     def _shard(self) -> None:
         """Shard the models across processes, before the optimizers see the parameters."""
@@ -343,7 +348,7 @@ class Trainer:
         # 3. update; first keep these weights as this version (for the on-policy measure of
         # later steps) and measure this step's tokens sampled by older versions under theirs
         t_check = time.perf_counter()
-        onpol = self._onpolicy_stale(batch)
+        onpol_result = self._onpolicy_stale(batch)
         if num_tokens > 0:
             self.history.record(self.version, self.model)
         t_check = time.perf_counter() - t_check
@@ -365,6 +370,9 @@ class Trainer:
             if self.critic is not None:
                 metrics.update(update_critic(self, batch, old_values, returns, train_mask, num_tokens))
         t_train = time.perf_counter() - t1
+        t_wait = time.perf_counter()
+        onpol = onpol_result()
+        t_check += time.perf_counter() - t_wait
 
         # 4. metrics of the step's batch (before the update)
         corr = correct(prox)  # the correction the update used (per row, so identical per micro-batch)
@@ -392,12 +400,35 @@ class Trainer:
         metrics["train/step"] = float(self.step)
         return metrics
 
-    def _onpolicy_stale(self, batch: Batch) -> torch.Tensor:
-        """|behaviour - recomputed| ``[N]`` of the batch's tokens sampled by older versions,
-        each under its own version's weights (see :mod:`molt_core.version_history`)."""
+    def _onpolicy_stale(self, batch: Batch) -> Callable[[], torch.Tensor]:
+        """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
+        older versions, each under its own version's weights (see
+        :mod:`molt_core.version_history`); returns a function that waits for the result.
+
+        The recompute only reads the shadow model and the batch, so where it is safe
+        (:attr:`overlap_onpolicy_check`: one process, no routing replay, no images -- their
+        processing and replay state are shared with the update) it runs on a worker thread
+        while the update runs: torch releases the GIL inside its kernels, so on a
+        multi-core machine the check's forward overlaps the update's instead of adding to
+        it. The result is the same tensor either way (same weights, rows and micro-batches).
+        """
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)  # a new sample each step
-        return stale_absdiff(batch, self.version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
-                             self.model, self.cfg.async_.onpolicy_rows, generator=gen)
+        version = self.version
+        overlap = (self.overlap_onpolicy_check and bool((batch.versions[batch.mask] < version).any())
+                   and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
+        # the thread reads a frozen view: record() may drop the version it measures meanwhile
+        history = self.history.snapshot(self.model) if overlap else self.history
+
+        def run() -> torch.Tensor:
+            return stale_absdiff(batch, version, history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
+                                 self.model, self.cfg.async_.onpolicy_rows, generator=gen)
+
+        if not overlap:
+            out = run()
+            return lambda: out
+        if self._check_pool is None:
+            self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molt-onpolicy-check")
+        return self._check_pool.submit(run).result
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
