@@ -416,15 +416,17 @@ def tree_signal(root: Any, sig: int) -> None:
             return
 
 
-def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str], Path]], slice_s: float,
-                      timeout_s: float) -> dict[str, dict[str, Any]]:
+def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str] | None, Path]], slice_s: float,
+                      timeout_s: float, ready: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:
     """Run each arm's command (``arm -> (argv, env, log path)``) to its end.
 
     ``slice_s = 0``: one arm after another. ``slice_s > 0``: the arms take turns of
     ``slice_s`` seconds on the machine -- the running arm's whole process tree (Ray's
     processes included) is stopped with SIGSTOP and the next one continued with SIGCONT --
     so load from other jobs on a shared machine falls on every arm alike instead of on
-    whichever arm ran when it came. Returns per arm ``rc``, ``run_s`` (seconds it was
+    whichever arm ran when it came. An arm with a ``ready`` file keeps its first turn until
+    that file is non-empty (Ray's start-up has wall-clock timeouts that a stop would
+    trip; a molt arm is ready once its first metrics row is written). Returns per arm ``rc``, ``run_s`` (seconds it was
     running, pauses excluded) and ``pauses`` (``[start, end]`` wall-clock intervals,
     seconds since the epoch, during which it was stopped). An arm running longer than
     ``timeout_s`` is killed (``rc`` -9).
@@ -448,7 +450,10 @@ def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str], Path]], s
             t0 = time.perf_counter()
             left = timeout_s - out[arm]["run_s"]
             turn = min(slice_s, left) if slice_s > 0 else left
-            while procs[arm].poll() is None and time.perf_counter() - t0 < turn:
+            flag = (ready or {}).get(arm)
+            starting = flag is not None and not out[arm]["pauses"]
+            while procs[arm].poll() is None and time.perf_counter() - t0 < left and (
+                    time.perf_counter() - t0 < turn or (starting and not (flag.is_file() and flag.stat().st_size))):
                 time.sleep(0.02)
             out[arm]["run_s"] += time.perf_counter() - t0
             if procs[arm].poll() is not None:
@@ -628,7 +633,8 @@ def main() -> None:
                 for arm in order}
         print(f"seed {seed}: arms {', '.join(order)}"
               + (f", taking turns of {args.interleave:g} s" if args.interleave > 0 else ", one after another"), flush=True)
-        runs = run_arm_processes(cmds, args.interleave, args.arm_timeout)
+        runs = run_arm_processes(cmds, args.interleave, args.arm_timeout,
+                                 ready={a: dirs[a] / "run" / "metrics.jsonl" for a in order if a.startswith("molt")})
         per: dict[str, Any] = {}
         for arm in order:
             try:

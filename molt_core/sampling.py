@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["processed_logits", "processed_logprobs"]
+__all__ = ["BATCHED_DRAW_MAX_VOCAB", "draw_tokens", "processed_logits", "processed_logprobs"]
 
 
 def processed_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -59,3 +59,43 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     Example (B08): logits ``[2, 1, 0]``, T=0.5 -> logprob of token 0 is -0.142932.
     """
     return torch.log_softmax(processed_logits(logits, temperature, top_k, top_p), dim=-1)
+
+
+#: above this vocabulary size :func:`draw_tokens` samples row by row (one fused multinomial
+#: per row beats a batched division over a [rows, V] tensor that no longer fits in cache)
+BATCHED_DRAW_MAX_VOCAB = 8192
+
+
+def draw_tokens(logprobs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, row ``j`` drawn from ``exp(logprobs[j])`` with ``generators[j]``.
+
+    Exactly ``torch.multinomial(logprobs[j].exp(), 1, generator=generators[j])`` for every row
+    -- the same token from the same generator state -- but batched: for one sample torch
+    draws ``E ~ Exp(1)`` i.i.d. per vocabulary entry from the generator and takes
+    ``argmax(p / E)`` (the exponential race, equivalent to the Gumbel-max trick: Gumbel
+    1954; Vieira 2014 "Gumbel-max trick and weighted reservoir sampling"). Here the
+    exponentials are drawn per row from that row's generator, and the division and argmax
+    run once over the whole batch -- at a 512-token vocabulary and 64 rows 0.99 ms against
+    2.65 ms for 64 multinomial calls. Above :data:`BATCHED_DRAW_MAX_VOCAB` entries, and for
+    a row that is not a distribution, it calls ``torch.multinomial`` per row (which raises on
+    NaN, inf or negative entries, or an all-zero row, as before).
+
+    Args:
+        logprobs: ``[B, V]`` float32 log-probabilities (``-inf`` for filtered tokens).
+        generators: ``B`` generators (``None``: torch's default generator), one per row.
+
+    Returns:
+        ``[B]`` int64 token ids.
+
+    Raises:
+        RuntimeError: a row is not a valid distribution (from ``torch.multinomial``).
+    """
+    p = logprobs.exp()
+    rows = p.shape[0]
+    if p.shape[-1] > BATCHED_DRAW_MAX_VOCAB or not bool(torch.isfinite(p).all()) or bool((p.sum(-1) <= 0).any()):
+        return torch.cat([torch.multinomial(p[j], 1, generator=generators[j]) for j in range(rows)]) if rows \
+            else torch.zeros(0, dtype=torch.long, device=p.device)
+    q = torch.empty_like(p)
+    for j in range(rows):
+        q[j].exponential_(generator=generators[j])
+    return torch.div(p, q, out=q).argmax(-1)

@@ -73,3 +73,18 @@ def test_interleaved_arms_never_run_while_stopped(tmp_path):
     # one after another: no pauses at all
     runs = bq.run_arm_processes(cmds, 0.0, 60.0)
     assert all(r["rc"] == 0 and r["pauses"] == [] for r in runs.values())
+
+
+def test_an_arm_keeps_its_first_turn_until_it_is_ready(tmp_path):
+    """Ray's start-up has wall-clock timeouts: a molt arm is not stopped before its ready file
+    (its first metrics row) is written, however short the turns."""
+    bq = _bench()
+    flag = tmp_path / "ready"
+    slow = ("import sys, time\nt = time.time()\nwhile time.time() - t < 1.0:\n    pass\n"
+            "open(sys.argv[1], 'w').write('x')\ntime.sleep(0.6)\n")
+    cmds = {"a": ([sys.executable, "-c", slow, str(flag)], None, tmp_path / "a.log"),
+            "b": ([sys.executable, "-c", "import time; time.sleep(0.6)"], None, tmp_path / "b.log")}
+    runs = bq.run_arm_processes(cmds, 0.2, 60.0, ready={"a": flag})
+    assert runs["a"]["rc"] == 0 == runs["b"]["rc"]
+    assert runs["a"]["pauses"], "a was never stopped after it was ready"
+    assert runs["a"]["pauses"][0][0] >= flag.stat().st_mtime

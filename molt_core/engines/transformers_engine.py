@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
-from molt_core.sampling import processed_logprobs
+from molt_core.sampling import draw_tokens, processed_logprobs
 from molt_core.types import SamplingParams
 
 __all__ = ["TransformersEngine"]
@@ -619,16 +619,13 @@ class TransformersEngine(WorkerThreadEngine):
         version = self.version
         for (temp, top_k, top_p), idx in groups.items():
             lp = processed_logprobs(logits[idx], temp, top_k, top_p)  # [g, V] float32
-            greedy = lp.argmax(-1).tolist() if temp == 0 else None
-            for j, i in enumerate(idx):
+            toks = lp.argmax(-1) if temp == 0 else draw_tokens(lp, [rows[i].generator for i in idx])
+            chosen = lp.gather(-1, toks[:, None]).squeeze(-1).tolist()
+            for j, (i, tok) in enumerate(zip(idx, toks.tolist())):
                 r = rows[i]
-                if greedy is not None:
-                    tok = greedy[j]
-                else:
-                    tok = int(torch.multinomial(lp[j].exp(), 1, generator=r.generator))
                 r.tokens.append(tok)
                 r.digest.update((tok,))
-                r.logprobs.append(float(lp[j, tok]))
+                r.logprobs.append(chosen[j])
                 r.versions.append(version)
                 self._check_stop(r, tok)
 
