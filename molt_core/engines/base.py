@@ -140,19 +140,31 @@ class WorkerThreadEngine:
         """Resolve request ``r``'s future (``r.future`` on event loop ``r.loop``) with a
         :class:`GenerationOutput` or an exception, from the worker thread; a no-op when the
         future is already done or its loop is gone."""
+        WorkerThreadEngine._deliver_many([(r, result)])
 
-        def _set() -> None:
-            if r.future.done():
-                return
-            if isinstance(result, BaseException):
-                r.future.set_exception(result)
-            else:
-                r.future.set_result(result)
+    @staticmethod
+    def _deliver_many(items: list[tuple[Any, Any]]) -> None:
+        """:meth:`_deliver` for several requests with one wake-up per event loop (each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe and hands it the GIL: 64 rows
+        finishing in one decode step cost 64 wake-ups before)."""
+        by_loop: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
+        for r, result in items:
+            by_loop.setdefault(id(r.loop), (r.loop, []))[1].append((r, result))
 
-        try:
-            r.loop.call_soon_threadsafe(_set)
-        except RuntimeError:  # the caller's event loop is gone
-            pass
+        def _set(batch: list[tuple[Any, Any]]) -> None:
+            for r, result in batch:
+                if r.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    r.future.set_exception(result)
+                else:
+                    r.future.set_result(result)
+
+        for loop, batch in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_set, batch)
+            except RuntimeError:  # the caller's event loop is gone
+                pass
 
     def _stop_worker(self, timeout: float) -> None:
         """Mark closed, wake the worker and join it (``timeout`` seconds at most)."""

@@ -600,14 +600,17 @@ class TransformersEngine(WorkerThreadEngine):
         hold ``prompt_ids + tokens[:-1]``."""
         if not self.prefix_cache.budget_bytes:
             return
+        counts = mask.sum(-1).tolist()
         for i in finished:
             r = rows[i]
-            real = mask[i].bool()
             ids = r.prompt_ids + r.tokens[:-1]
-            if r.future.cancelled() or int(real.sum()) != len(ids):
+            if r.future.cancelled() or int(counts[i]) != len(ids):
                 continue
-            self.prefix_cache.put(ids, [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers],
-                                  r.vision.runs if r.vision is not None else ())
+            real = mask[i].bool()
+            # left padding: the real columns are the last ones -- a slice copy, not a boolean gather
+            cols: Any = slice(mask.shape[1] - len(ids), None) if bool(real[mask.shape[1] - len(ids):].all()) else real
+            self.prefix_cache.put(ids, [(layer.keys[i][:, cols].clone(), layer.values[i][:, cols].clone())
+                                        for layer in layers], r.vision.runs if r.vision is not None else ())
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> None:
         """Sample one token per row from ``logits`` ``[B, V]`` with each row's transform,
@@ -644,14 +647,17 @@ class TransformersEngine(WorkerThreadEngine):
             r.finish_reason = "length"
 
     def _deliver_finished(self, rows: list[_Request]) -> None:
-        """Hand each finished row its :class:`GenerationOutput` (after it left ``_running``)."""
+        """Hand each finished row its :class:`GenerationOutput` (after it left ``_running``),
+        one event-loop wake-up for all of them."""
+        done: list[tuple[_Request, GenerationOutput]] = []
         for r in rows:
             if r.finish_reason is not None:
-                self._deliver(r, GenerationOutput(
+                done.append((r, GenerationOutput(
                     token_ids=r.tokens, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
                     stop_reason=r.stop_reason, prompt_len=len(r.prompt_ids), routed_experts=self._routed_rows(r),
                     sampled_digest=r.digest.hexdigest(),
-                ))
+                )))
+        self._deliver_many(done)
 
     def _routed_rows(self, r: _Request) -> list[list[list[int]]] | None:
         """``[P + N, L, K]`` routed experts of ``r`` by absolute position (-1 rows where the
