@@ -36,8 +36,9 @@ k1 estimator, Schulman 2020 -- before the update),
 ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
 (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
 forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
-``time/onpolicy_check`` (recompute under older versions, plus the copy of this
-version's weights kept for later steps' check),
+``time/onpolicy_check`` (the copy of this version's weights kept for later steps'
+check, plus the recompute under older versions -- or, when that overlaps the update
+on a worker thread, the wait for it),
 ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 """
 
