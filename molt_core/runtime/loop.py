@@ -320,19 +320,39 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         console.print(f"weight sync: collective ({backend}) from the trainer's rank 0 into the vLLM workers",
                       highlight=False)
 
-    def publish() -> int:
+    # the driver does not wait for the engines to load a step's weights: it launches the next
+    # groups at once with min_version (each worker prepares prompts meanwhile and samples
+    # nothing before it holds that version -- as if it had waited; groups already in flight
+    # take the weights between decode steps, as before); the loads are awaited before take()
+    overlap_publish = sync_mode != "collective"
+    loading: list[Any] = []
+
+    def loaded() -> None:
+        # the loads still in flight (a failed load raises here, naming its error)
+        if loading:
+            got = ray.get(list(loading))
+            loading.clear()
+            if len(set(got)) != 1:
+                raise RuntimeError(f"the engines loaded different policy versions {got}")
+
+    def publish(wait: bool = True) -> int:
         if sync_mode == "collective":  # trainer rank 0 -> every vLLM worker, one broadcast
             return publish_collective(ray, trainer, workers)
         # two object refs, resolved inside each worker: weights never pass through the driver
         state_ref, version_ref = trainer.weights.options(num_returns=2).remote()
-        versions = ray.get([w.load_weights.remote(state_ref, version_ref) for w in workers])
-        return int(versions[0])
+        loading.extend(w.load_weights.remote(state_ref, version_ref) for w in workers)
+        if not wait:
+            return int(ray.get(version_ref))
+        v = int(ray.get(loading)[0])
+        loading.clear()
+        return v
 
     version = publish()
 
     def evaluate() -> dict[str, float]:
         if not eval_tasks:
             return {}
+        loaded()  # evaluate the weights just published
         # per-sample seeds depend on the task's index only (molt_core.evalstats): `molt eval` on
         # a checkpoint of this run recomputes these numbers exactly, however tasks are sharded
         idx = list(range(len(eval_tasks)))
@@ -397,7 +417,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         for i in range(len(workers)):
             sh = picked[i::len(workers)]
             if sh:
-                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote([t for _, t, _ in sh], n)
+                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(
+                    [t for _, t, _ in sh], n, version if overlap_publish else None)
                 refs = refs if len(sh) > 1 else (refs,)
                 inflight.extend((version, r) for r in refs)
                 epoch_of.update(zip(refs, [e for _, _, e in sh]))
@@ -430,6 +451,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
             # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
             while len(inflight) < (1 + cfg.async_.max_staleness) * P and (redo or launched < cfg.run.steps * P):
                 launch()
+            loaded()
             started, epoch = take(min(P, len(inflight)))
             groups = [g for _, g in started]
             start_lag = max(version - v for v, _ in started) if started else 0
@@ -453,7 +475,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                            f"{int(rm['rollout/groups_filtered'])} were filtered; or the gate dropped every sequence")
                     progress.console.print(f"[bold yellow]warning:[/] step {step + 1} trained on nothing: {why}")
             t2 = time.perf_counter()
-            version = publish()
+            version = publish(wait=not overlap_publish or step + 1 == cfg.run.steps)
             t3 = time.perf_counter()
             metrics = {"policy_version": float(version), **rm, **tm, "rollout/epoch": float(epoch),
                        "async/start_lag_max": float(start_lag),

@@ -80,6 +80,8 @@ def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | No
 # what one episode opened, for rewards that want the whole rollout: set per episode task by
 # RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
 _EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
+#: the policy version a rollout's first sample must come from (None: whatever the engine holds)
+_MIN_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("molt_min_version", default=None)
 
 
 class RolloutWorker:
@@ -130,6 +132,11 @@ class RolloutWorker:
         self.server = None
         self.inflight = 0
         self.first_failure: str | None = None  # traceback of the first rollout whose agent raised
+        # the policy version the engine holds after the last finished load (None: its initial
+        # weights), a failed load's error, and the event rollouts waiting for a version wait on
+        self._held_version: int | None = None
+        self._load_error: BaseException | None = None
+        self._weights_event: asyncio.Event | None = None
         self._stop_ids = Ledger(self.tokenizer, chat_template_kwargs=self.template_kwargs).stop_token_ids
 
     @classmethod
@@ -216,6 +223,7 @@ class RolloutWorker:
         if room <= 0:
             return None
         p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
+        await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
         if prep.images:  # the prompt's images, in token order (a text-only engine is never passed any)
             out = await self.engine.generate(prep.prompt_ids, p, images=prep.images)
         else:
@@ -225,6 +233,7 @@ class RolloutWorker:
         return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
+        await self._weights_at(_MIN_VERSION.get())  # the agent's loop may call the engine at once
         # a seeded episode (eval) seeds the session: turn t samples with seed + t, as an Env episode does
         sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs,
                                              seed=params.seed)
@@ -292,14 +301,17 @@ class RolloutWorker:
             out.append(t)
         return out
 
-    async def rollout(self, tasks: list[dict], n: int) -> list[Group]:
+    async def rollout(self, tasks: list[dict], n: int, min_version: int | None = None) -> list[Group]:
         """Run ``n`` rollouts of each task concurrently (the engine batches them); each
-        group is scored as soon as its ``n`` rollouts finish.
+        group is scored as soon as its ``n`` rollouts finish. With ``min_version``, no
+        rollout samples before the engine holds that policy version (:meth:`load_weights`
+        may still be running: episodes prepare their first prompt meanwhile).
 
         Returns:
             One :class:`Group` per task, trajectories in completion-independent order.
         """
         self.inflight += len(tasks) * n
+        _MIN_VERSION.set(min_version)  # the episodes' tasks below inherit it
         try:
             params = _sampling(self.cfg, self._stop_ids)
             groups = [Group(task=t) for t in tasks]
@@ -310,10 +322,10 @@ class RolloutWorker:
         finally:
             self.inflight -= len(tasks) * n
 
-    async def rollout_each(self, tasks: list[dict], n: int) -> Group | tuple[Group, ...]:
+    async def rollout_each(self, tasks: list[dict], n: int, min_version: int | None = None) -> Group | tuple[Group, ...]:
         """:meth:`rollout` for a call with ``num_returns = len(tasks)``: one return value (so one
         object ref) per group -- the Group itself for a single task, else a tuple."""
-        groups = await self.rollout(tasks, n)
+        groups = await self.rollout(tasks, n, min_version)
         return groups[0] if len(groups) == 1 else tuple(groups)
 
     async def evaluate_tasks(self, tasks: list[dict], n: int, temperature: float,
@@ -344,8 +356,38 @@ class RolloutWorker:
         :meth:`TrainerWorker.weights` publishes (the engine gets views into its buffer)."""
         from molt_core.runtime.weightpack import as_state_dict
 
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
+        except BaseException as e:  # rollouts waiting for this version fail instead of waiting forever
+            self._loaded(None, e)
+            raise
+        self._loaded(version)
         return version
+
+    def _loaded(self, version: int | None, error: BaseException | None = None) -> None:
+        """Record that the engine now holds policy ``version`` (or that a load failed) and wake
+        the rollouts waiting in :meth:`_weights_at`."""
+        if version is not None:
+            self._held_version = version if self._held_version is None else max(self._held_version, version)
+        if error is not None:
+            self._load_error = error
+        if self._weights_event is not None:
+            self._weights_event.set()
+            self._weights_event = None
+
+    async def _weights_at(self, version: int | None) -> None:
+        """Wait until the engine holds policy ``version`` (None: no wait).
+
+        Raises:
+            RuntimeError: a weight load failed while waiting (the rollout fails, the run
+                sees the load's own error where it waits for the load).
+        """
+        while version is not None and (self._held_version is None or self._held_version < version):
+            if self._load_error is not None:
+                raise RuntimeError(f"waiting for policy version {version}: the weight load failed: {self._load_error!r}")
+            if self._weights_event is None:
+                self._weights_event = asyncio.Event()
+            await self._weights_event.wait()
 
     # -- collective weight sync (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
     def sync_world_size(self) -> int:
@@ -360,7 +402,9 @@ class RolloutWorker:
     async def sync_receive(self, version: int) -> int:
         """Receive policy ``version`` broadcast by the trainer (applied between decode steps);
         returns the bytes received. Raises the engine's ``ValueError`` when it refuses the sync."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.receive_weights, version)
+        got = await asyncio.get_running_loop().run_in_executor(None, self.engine.receive_weights, version)
+        self._loaded(version)
+        return got
 
     def failure(self) -> str | None:
         """The traceback of the first rollout on this worker whose agent raised, or None."""
