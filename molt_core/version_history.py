@@ -24,7 +24,10 @@ Cost, exactly:
   (a second full copy of the weights there), built on the first stale recompute and kept for
   the run (loading a version into it is a host-to-device copy, no new allocation);
 * time, counted in ``time/onpolicy_check``: the copy of the weights at each step and, per
-  step, one extra no-grad forward over the measured rows of each older version in the batch.
+  step, one extra no-grad forward over the measured rows of each older version in the batch
+  -- which a one-process CPU trainer runs on a worker thread beside the update
+  (:meth:`molt_core.train.Trainer._onpolicy_stale`), so only the wait for it after the
+  update is counted there.
 """
 
 from __future__ import annotations

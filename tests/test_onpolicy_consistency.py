@@ -411,3 +411,31 @@ def test_overlapped_onpolicy_check_equals_the_serial_one_and_flags_a_fault():
     assert m_o["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
     _, m_f = _two_async_steps(True, fault=0.5)
     assert m_f["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
+    """The stale rows' check runs on the worker thread only for a CPU trainer: on an
+    accelerator both threads' kernels share one stream (nothing overlaps) and the check's
+    logits would sit in memory beside the update's activations (a higher peak than in line).
+    The thread a recompute ran on tells which path was taken; the values are the same."""
+    import threading
+
+    from molt_core.train import build_batch
+
+    me = threading.get_ident()
+    inline: list[bool] = []
+
+    def fake_recompute(batch, model=None, with_entropy=False):
+        inline.append(threading.get_ident() == me)
+        return torch.zeros(batch.input_ids.shape), None
+
+    for device, want_inline in (("cpu", False), ("cuda", True)):
+        tr = _async_trainer()  # version 1, holds version 0
+        lps = [_lp(B0, 0), _lp(B0, 1)]
+        batch = build_batch([_traj("a", 1.0, [2, 0, 1], lps, [0, 0])], tr.pad_id, tr.vocab_size)
+        tr.device = torch.device(device)  # only the decision reads it: the recompute is faked
+        tr.recompute_logprobs = fake_recompute
+        inline.clear()
+        d = tr._onpolicy_stale(batch)()
+        assert inline == [want_inline], device
+        assert d.tolist() == pytest.approx([abs(x) for x in lps])  # |behaviour - 0| of both stale tokens

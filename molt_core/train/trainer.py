@@ -184,7 +184,7 @@ class Trainer:
     #: nothing to train still runs its forward and a zero backward
     lockstep = False
     #: the on-policy check of stale rows may run on a worker thread beside the update
-    #: (:meth:`_onpolicy_stale`); a sharded trainer's forwards are collectives, kept in order
+    #: (:meth:`_onpolicy_stale`, CPU only); a sharded trainer's forwards are collectives, kept in order
     overlap_onpolicy_check = True
 
     def _shard(self) -> None:
@@ -407,14 +407,19 @@ class Trainer:
 
         The recompute only reads the shadow model and the batch, so where it is safe
         (:attr:`overlap_onpolicy_check`: one process, no routing replay, no images -- their
-        processing and replay state are shared with the update) it runs on a worker thread
-        while the update runs: torch releases the GIL inside its kernels, so on a
-        multi-core machine the check's forward overlaps the update's instead of adding to
-        it. The result is the same tensor either way (same weights, rows and micro-batches).
+        processing and replay state are shared with the update) and pays (a CPU trainer) it
+        runs on a worker thread while the update runs: torch releases the GIL inside its
+        kernels, so on a multi-core machine the check's forward overlaps the update's
+        instead of adding to it. On an accelerator it stays in line: both threads' kernels
+        queue on the same stream, so nothing overlaps, while the check's activations (its
+        logits ``[rows, T, V]``) would sit in memory beside the update's and raise the peak.
+        The result is the same tensor either way (same weights, rows and micro-batches).
         """
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)  # a new sample each step
         version = self.version
-        overlap = (self.overlap_onpolicy_check and bool((batch.versions[batch.mask] < version).any())
+        overlap = (self.overlap_onpolicy_check and self.device.type == "cpu"
+                   and any(v < version for v in self.history.versions())
+                   and bool((batch.versions[batch.mask] < version).any())
                    and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
         # the thread reads a frozen view: record() may drop the version it measures meanwhile
         history = self.history.snapshot(self.model) if overlap else self.history
