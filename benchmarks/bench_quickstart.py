@@ -207,7 +207,11 @@ def molt_command(args: Any, sft_model: Path, seed: int, staleness: int, out: Pat
     return [sys.executable, "-m", "molt_core.cli", "run", str(RECIPE), "--out", str(out / "run"),
             "--set", f"model.path={json.dumps(str(sft_model))}", "--set", "sft.steps=0",
             "--set", f"run.steps={args.steps}", "--set", f"run.seed={seed}", "--set", f"run.threads={args.threads}",
-            "--set", f"async.max_staleness={staleness}", "--set", "eval.n_problems=0", "--set", "checkpoint.every=0"]
+            "--set", f"async.max_staleness={staleness}", "--set", "eval.n_problems=0", "--set", "checkpoint.every=0",
+            # a rollout's deadline is wall clock, which runs on while the arm is stopped (--interleave):
+            # a stop longer than the recipe's 60 s (another arm's Ray start-up turn) would fail the
+            # rollouts in flight -- an arm computing something else, which TRL and plain never face
+            "--set", f"rollout.timeout_s={max(60.0, args.arm_timeout)}"]
 
 
 def collect_molt(out: Path) -> dict[str, Any]:
@@ -227,6 +231,7 @@ def collect_molt(out: Path) -> dict[str, Any]:
         raise RuntimeError(f"molt run left no checkpoint in {out / 'run'}")
     stale = max((r.get("invariants/staleness_max") or 0.0) for r in rows)
     retok = max((r.get("invariants/tokens_retokenized") or 0.0) for r in rows)
+    failed = sum((r.get("rollout/failed") or 0.0) for r in rows)  # e.g. a rollout past its deadline
     ends = [r["time/step_end_unix"] for r in rows]
     return {
         "rewards": [float(r["reward/mean"]) if r.get("reward/mean") is not None else 0.0 for r in rows],
@@ -234,7 +239,7 @@ def collect_molt(out: Path) -> dict[str, Any]:
         "phases_s": {k.split("/", 1)[1]: [r.get(k) or 0.0 for r in rows]
                      for k in ("time/rollout", "time/train_step", "time/sync", "time/train", "time/step")},
         "model_dir": str(ck / "model"),
-        "invariants": {"staleness_max": stale, "tokens_retokenized": retok},
+        "invariants": {"staleness_max": stale, "tokens_retokenized": retok, "rollouts_failed": failed},
     }
 
 
@@ -424,7 +429,7 @@ def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str] | None, Pa
     ``slice_s`` seconds on the machine -- the running arm's whole process tree (Ray's
     processes included) is stopped with SIGSTOP and the next one continued with SIGCONT --
     so load from other jobs on a shared machine falls on every arm alike instead of on
-    whichever arm ran when it came. An arm with a ``ready`` file keeps its first turn until
+    whichever arm ran when it came; an arm left alone (the others ended) is not stopped. An arm with a ``ready`` file keeps its first turn until
     that file is non-empty (Ray's start-up has wall-clock timeouts that a stop would
     trip; a molt arm is ready once its first metrics row is written). Returns per arm ``rc``, ``run_s`` (seconds it was
     running, pauses excluded) and ``pauses`` (``[start, end]`` wall-clock intervals,
@@ -436,6 +441,7 @@ def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str] | None, Pa
     queue = list(cmds)
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Any] = {}
+    stopped: set[str] = set()
     out = {a: {"rc": None, "run_s": 0.0, "pauses": []} for a in cmds}
     try:
         while queue:
@@ -444,7 +450,8 @@ def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str] | None, Pa
             if arm not in procs:
                 logs[arm] = open(log, "w")
                 procs[arm] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[arm], stderr=subprocess.STDOUT)
-            else:
+            elif arm in stopped:
+                stopped.discard(arm)
                 out[arm]["pauses"][-1][1] = time.time()
                 tree_signal(psutil.Process(procs[arm].pid), signal.SIGCONT)
             t0 = time.perf_counter()
@@ -464,9 +471,12 @@ def run_arm_processes(cmds: dict[str, tuple[list[str], dict[str, str] | None, Pa
                 procs[arm].wait()
                 out[arm]["rc"] = -9
                 logs[arm].close()
+            elif not queue:  # no other arm waits for the machine: keep running, unstopped
+                queue.append(arm)
             else:
                 tree_signal(psutil.Process(procs[arm].pid), signal.SIGSTOP)
                 out[arm]["pauses"].append([time.time(), None])
+                stopped.add(arm)
                 queue.append(arm)
     finally:  # interrupted: no stopped process tree may outlive the benchmark
         for arm, p in procs.items():
@@ -732,7 +742,8 @@ def overall(results: dict[str, Any], arms: list[str]) -> dict[str, Any]:
             "final_sampled": _stats([r["final_eval"]["sampled"] for r in rs]),
             "process_wall_s": _stats([r["process_wall_s"] for r in rs if "process_wall_s" in r]),
             "invariants": {k: max(r.get("invariants", {}).get(k, 0.0) for r in rs)
-                           for k in ("staleness_max", "tokens_retokenized")} if arm.startswith("molt") else None,
+                           for k in ("staleness_max", "tokens_retokenized", "rollouts_failed")}
+            if arm.startswith("molt") else None,
         }
     for name, acc in results.get("ratios", {}).items():
         summ["ratios"][name] = {k: _stats(v) for k, v in acc.items()}
@@ -788,7 +799,8 @@ def print_tables(results: dict[str, Any], arms: list[str], args: Any) -> None:
         inv = (summ["arms"].get(arm) or {}).get("invariants")
         if inv:
             con.print(f"{arm}: invariants/staleness_max {inv['staleness_max']:.0f}, "
-                      f"invariants/tokens_retokenized {inv['tokens_retokenized']:.0f} (max over steps)")
+                      f"invariants/tokens_retokenized {inv['tokens_retokenized']:.0f} (max over steps), "
+                      f"failed rollouts {inv['rollouts_failed']:.0f} (most in one seed)")
 
 
 def plot(results: dict[str, Any], arms: list[str], args: Any, path: Path) -> None:
