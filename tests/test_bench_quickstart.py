@@ -30,7 +30,8 @@ def test_bench_quickstart_smoke(tmp_path):
         assert all(0.0 <= x <= 1.0 for x in r["rewards"])
         assert r["summary"]["steps_to_target"] == 2  # target 0.0 is met by the first full 2-step window
         assert set(r["final_eval"]) == {"greedy", "sampled"}
-    assert per["molt"]["invariants"] == {"staleness_max": 0.0, "tokens_retokenized": 0.0}
+    assert per["molt"]["invariants"] == {"staleness_max": 0.0, "tokens_retokenized": 0.0, "rollouts_failed": 0.0}
+    assert per["molt_async"]["invariants"]["rollouts_failed"] == 0.0
     assert per["molt_async"]["invariants"]["staleness_max"] <= 1.0
     assert set(res["summary"]["ratios"]) == {"molt/trl", "molt/plain", "trl/plain", "molt_async/molt", "molt_async/trl"}
     assert res["summary"]["ratios"]["molt/plain"]["step_time"]["n"] == 1
