@@ -439,3 +439,28 @@ def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
         d = tr._onpolicy_stale(batch)()
         assert inline == [want_inline], device
         assert d.tolist() == pytest.approx([abs(x) for x in lps])  # |behaviour - 0| of both stale tokens
+
+
+def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
+    """The overlapped check fails only after the update moved the weights: the step still
+    advances ``version`` / ``step`` (they match the weights the trainer now holds), then raises."""
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 1e-2}))
+    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1)
+    set_behaviour(tr, ts0)
+    set_behaviour(tr, ts1)
+    tr.train_step(ts0)
+    real = tr.recompute_logprobs
+
+    def shadow_fails(batch, model=None, with_entropy=False):
+        if model is not None and model is tr.history.shadow:
+            raise MemoryError("no room for the shadow's logits")
+        return real(batch, model=model, with_entropy=with_entropy)
+
+    tr.recompute_logprobs = shadow_fails
+    before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+    with pytest.raises(RuntimeError, match="on-policy check of step 2 failed after its update.*version 2.*MemoryError"):
+        tr.train_step(ts1)
+    assert tr.version == 2 and tr.step == 2  # the weights moved, and so did the bookkeeping
+    assert any(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())

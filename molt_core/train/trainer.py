@@ -371,7 +371,11 @@ class Trainer:
                 metrics.update(update_critic(self, batch, old_values, returns, train_mask, num_tokens))
         t_train = time.perf_counter() - t1
         t_wait = time.perf_counter()
-        onpol = onpol_result()
+        check_error: BaseException | None = None
+        try:
+            onpol = onpol_result()
+        except Exception as e:  # the overlapped check failed after the update: finish the step's
+            check_error, onpol = e, torch.zeros(0, dtype=torch.float64)  # bookkeeping, then raise
         t_check += time.perf_counter() - t_wait
 
         # 4. metrics of the step's batch (before the update)
@@ -398,6 +402,9 @@ class Trainer:
         metrics["time/step"] = wall
         metrics["tokens_per_s"] = float(batch.lengths.sum()) / max(wall, 1e-9)
         metrics["train/step"] = float(self.step)
+        if check_error is not None:  # version / step / scheduler already match the updated weights
+            raise RuntimeError(f"the on-policy check of step {self.step} failed after its update "
+                               f"(the trainer is at version {self.version}): {check_error!r}") from check_error
         return metrics
 
     def _onpolicy_stale(self, batch: Batch) -> Callable[[], torch.Tensor]:
