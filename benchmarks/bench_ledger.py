@@ -103,7 +103,7 @@ def session(tok: Any, turns: int, gc_freeze: bool = False) -> dict[str, list[tup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=500)
     ap.add_argument("--window", type=int, default=20, help="turns per median")
     ap.add_argument("--model", default="builtin:tiny-qwen3")

@@ -86,7 +86,7 @@ def run_one(out: Path, name: str, sets: list[str], seed: int, threads: int, extr
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="run.threads values")
     ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=V,KEY=V (repeatable)")

@@ -293,7 +293,7 @@ def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="overhead,load,ledger", help="sections to run, comma-separated")
     ap.add_argument("--requests", type=int, default=30, help="sequential requests of the overhead section")
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -67,7 +67,7 @@ def plain_update(model, opt, params, trajs, group: int, grad_clip: float) -> Non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="builtin:tiny-qwen3", help="model path (a warm start: see the usage line)")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)

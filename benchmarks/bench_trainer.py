@@ -1,7 +1,7 @@
 """Trainer step time: molt-sdk's :class:`~molt_core.train.Trainer` vs TRL's ``GRPOTrainer``
 on the same tiny model, batch and data, interleaved step by step in one run.
 
-Setup (``/work/shared/BENCHMARKS.md``): builtin tiny Qwen3 (~0.85M parameters), 2-digit
+Setup (the reference benchmark setting, ``recipes/quickstart.toml``): builtin tiny Qwen3 (~0.85M parameters), 2-digit
 addition "What is A + B?" with exact-match reward, 8 prompts x 8 completions per step, at
 most 8 new tokens at T = 1, no KL / reference, AdamW lr 3e-4 constant, betas (0.9, 0.98),
 grad-norm clip 1.0, GRPO advantages. TRL is configured fairly: ``loss_type="grpo"``,
@@ -20,7 +20,7 @@ How the comparison is kept to the *training* part on *the same data*:
   logprob recompute, correction + gate, advantages, loss, backward, clip, AdamW).
 
 Both start from identical weights, warm-started by ``--sft-steps`` (default 800) of molt's
-SFT on 30%-noisy labels as in ``BENCHMARKS.md``, so completions end and rewards vary as in a
+SFT on 30%-noisy labels as in the quickstart recipe, so completions end and rewards vary as in a
 real run (``--sft-steps 0``: a random model, every reward 0). Steps before ``--warmup`` are excluded; the medians and
 the ratio molt / TRL are printed (< 1 means molt's trainer step is faster).
 
@@ -59,7 +59,7 @@ def exact_match(completions, answer, **_):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=800,
-                    help="warm start both models (same weights) so rewards vary, as in BENCHMARKS.md")
+                    help="warm start both models (same weights) so rewards vary, as the quickstart does")
     ap.add_argument("--label-noise", type=float, default=0.3, help="fraction of wrong SFT targets")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

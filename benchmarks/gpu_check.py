@@ -386,7 +386,7 @@ def part_rl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check_out", help="output dir (gpu_check.json, the RL runs)")
     ap.add_argument("--model", default="Qwen/Qwen3-0.6B",
                     help="a Hub id or model directory (a same-shaped random model when not in the cache)")

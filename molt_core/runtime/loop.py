@@ -287,6 +287,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-tokenizer")
     tokenizer = pool.submit(_driver_tokenizer, cfg)
     pool.shutdown(wait=False)  # its thread ends once the tokenizer is loaded
+    if not local:  # start-up takes seconds: say what the wait is
+        console.print("starting Ray" + (f" (joining {ray_address})" if ray_address else "") + " and the workers ...",
+                      highlight=False)
     ray = _Local() if local else init_ray(cfg, ray_address)
     cfg_dict = cfg.model_dump(by_alias=True)
     t_start = time.perf_counter()
