@@ -92,9 +92,10 @@ def draw_tokens(logprobs: torch.Tensor, generators: list[torch.Generator | None]
     """
     p = logprobs.exp()
     rows = p.shape[0]
+    if rows == 0:
+        return torch.zeros(0, dtype=torch.long, device=p.device)
     if p.shape[-1] > BATCHED_DRAW_MAX_VOCAB or not bool(torch.isfinite(p).all()) or bool((p.sum(-1) <= 0).any()):
-        return torch.cat([torch.multinomial(p[j], 1, generator=generators[j]) for j in range(rows)]) if rows \
-            else torch.zeros(0, dtype=torch.long, device=p.device)
+        return torch.cat([torch.multinomial(p[j], 1, generator=generators[j]) for j in range(rows)])
     q = torch.empty_like(p)
     for j in range(rows):
         q[j].exponential_(generator=generators[j])

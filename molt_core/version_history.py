@@ -117,7 +117,12 @@ class VersionHistory:
     def snapshot(self, like: torch.nn.Module) -> "VersionHistory":
         """A frozen view of the versions held now, sharing the shadow model (built here from
         ``like`` when needed) -- for a check that runs on another thread while :meth:`record`
-        moves on (a later record may drop a version; the view keeps its weights)."""
+        moves on (a later record may drop a version; the view keeps its weights).
+
+        Returns:
+            A :class:`VersionHistory` holding the same per-version CPU state dicts (shared
+            tensors, no copy) and the same shadow model. Raises nothing.
+        """
         if self.shadow is None and self._states:
             self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
         view = VersionHistory(self.keep)

@@ -331,12 +331,10 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     loading: list[Any] = []
 
     def loaded() -> None:
-        # the loads still in flight (a failed load raises here, naming its error)
+        # wait for the loads still in flight (a failed load raises here, naming its error)
         if loading:
-            got = ray.get(list(loading))
+            ray.get(list(loading))
             loading.clear()
-            if len(set(got)) != 1:
-                raise RuntimeError(f"the engines loaded different policy versions {got}")
 
     def publish(wait: bool = True) -> int:
         if sync_mode == "collective":  # trainer rank 0 -> every vLLM worker, one broadcast
@@ -344,11 +342,9 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         # two object refs, resolved inside each worker: weights never pass through the driver
         state_ref, version_ref = trainer.weights.options(num_returns=2).remote()
         loading.extend(w.load_weights.remote(state_ref, version_ref) for w in workers)
-        if not wait:
-            return int(ray.get(version_ref))
-        v = int(ray.get(loading)[0])
-        loading.clear()
-        return v
+        if wait:
+            loaded()
+        return int(ray.get(version_ref))
 
     version = publish()
 
