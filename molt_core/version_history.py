@@ -25,9 +25,9 @@ Cost, exactly:
   the run (loading a version into it is a host-to-device copy, no new allocation);
 * time, counted in ``time/onpolicy_check``: the copy of the weights at each step and, per
   step, one extra no-grad forward over the measured rows of each older version in the batch
-  -- which a one-process CPU trainer runs on a worker thread beside the update
-  (:meth:`molt_core.train.Trainer._onpolicy_stale`), so only the wait for it after the
-  update is counted there.
+  -- which a one-process CPU trainer runs in a child process beside the update
+  (:mod:`molt_core.train.onpolicy_check`; the copies then live in shared memory,
+  :meth:`VersionHistory.share`), so only the wait for it after the update is counted there.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ class VersionHistory:
         self.keep = keep
         self._states: dict[int, dict[str, torch.Tensor]] = {}
         self.shadow: torch.nn.Module | None = None
+        #: with :meth:`share`: ``keep + 1`` shared-memory state dicts the copies are written into
+        self.ring: list[dict[str, torch.Tensor]] | None = None
+        self._slot: dict[int, int] = {}  # held version -> its ring slot
 
     def record(self, version: int, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights (CPU) as policy ``version``; keep only the newest ``keep``.
@@ -85,6 +88,16 @@ class VersionHistory:
         ``embed_tokens.weight``) are copied once and share the copy.
         """
         if self.keep == 0:
+            return
+        if self.ring is not None:  # into the slot no held version uses (one check in flight reads the others)
+            free = min(set(range(len(self.ring))) - {self._slot[v] for v in self._states})
+            dst = self.ring[free]
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    dst[k].copy_(v.detach())  # tied entries share a slot tensor: copied twice, same bytes
+            self._states[version], self._slot[version] = dst, free
+            for old in sorted(self._states)[:-self.keep]:
+                del self._states[old], self._slot[old]
             return
         copies: dict[tuple, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
@@ -97,6 +110,45 @@ class VersionHistory:
         self._states[version] = state
         for old in sorted(self._states)[:-self.keep]:
             del self._states[old]
+
+    def share(self, model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+        """From now on keep the copies in a ring of ``keep + 1`` state dicts in shared memory
+        (allocated here, shaped like ``model``'s, tied entries sharing one tensor), so another
+        process can read a version without it being sent: :meth:`slots` says which slot holds
+        which version. :meth:`record` writes a new version into the slot no held version uses,
+        so a reader of the held versions is safe until the next :meth:`record`. Versions held
+        before the call are copied into the ring.
+
+        Returns:
+            The ring (``keep + 1`` dicts name -> CPU tensor in shared memory).
+
+        Raises:
+            ValueError: ``keep`` is 0 (nothing is held).
+        """
+        if self.keep == 0:
+            raise ValueError("VersionHistory.share: keep is 0, there is nothing to share")
+        ring: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.keep + 1):
+            made: dict[tuple, torch.Tensor] = {}
+            state: dict[str, torch.Tensor] = {}
+            for k, v in model.state_dict().items():
+                key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+                if key not in made:
+                    made[key] = torch.empty(v.shape, dtype=v.dtype).share_memory_()
+                state[k] = made[key]
+            ring.append(state)
+        held, self._slot = self._states, {}
+        self.ring, self._states = ring, {}
+        for i, v in enumerate(sorted(held)):
+            with torch.no_grad():
+                for k, t in held[v].items():
+                    ring[i][k].copy_(t)
+            self._states[v], self._slot[v] = ring[i], i
+        return ring
+
+    def slots(self) -> dict[int, int]:
+        """Held version -> its ring slot (after :meth:`share`; else empty)."""
+        return dict(self._slot)
 
     def nbytes(self) -> int:
         """Host bytes held by the copies of every held version (shared tensors counted once)."""
@@ -113,22 +165,7 @@ class VersionHistory:
     def clear(self) -> None:
         """Forget every version (e.g. after loading a checkpoint: the engines' versions differ)."""
         self._states.clear()
-
-    def snapshot(self, like: torch.nn.Module) -> "VersionHistory":
-        """A frozen view of the versions held now, sharing the shadow model (built here from
-        ``like`` when needed) -- for a check that runs on another thread while :meth:`record`
-        moves on (a later record may drop a version; the view keeps its weights).
-
-        Returns:
-            A :class:`VersionHistory` holding the same per-version CPU state dicts (shared
-            tensors, no copy) and the same shadow model. Raises nothing.
-        """
-        if self.shadow is None and self._states:
-            self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
-        view = VersionHistory(self.keep)
-        view._states = dict(self._states)
-        view.shadow = self.shadow
-        return view
+        self._slot.clear()
 
     def load(self, version: int, like: torch.nn.Module) -> torch.nn.Module:
         """The shadow model holding ``version``'s weights (built from ``like`` on first use).

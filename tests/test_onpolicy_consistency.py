@@ -396,12 +396,13 @@ def _two_async_steps(overlap: bool, fault: float = 0.0):
 
 
 def test_overlapped_onpolicy_check_equals_the_serial_one_and_flags_a_fault():
-    """The stale rows' check runs on a worker thread beside the update (one process, no
-    images, no routing replay): same metrics and weights as run in line, and a fault of
-    0.5 nats in one stale token reads 0.5."""
+    """The stale rows' check runs in a child process beside the update (one process trainer,
+    no images, no routing replay), reading the version history in shared memory: same metrics
+    and weights as run in line, and a fault of 0.5 nats in one stale token reads 0.5."""
     tr_o, m_o = _two_async_steps(True)
     tr_s, m_s = _two_async_steps(False)
-    assert tr_o._check_pool is not None and tr_s._check_pool is None  # the thread was (not) used
+    assert tr_o._check_proc is not None and tr_s._check_proc is None  # the process was (not) used
+    assert tr_o.history.ring is not None and tr_s.history.ring is None
     assert m_o["invariants/onpolicy_stale_tokens"] == m_o["train/action_tokens"] > 0
     for key in m_s:
         if not key.startswith("time/") and key != "tokens_per_s":
@@ -409,58 +410,117 @@ def test_overlapped_onpolicy_check_equals_the_serial_one_and_flags_a_fault():
     for (n, a), (_, b) in zip(tr_o.model.named_parameters(), tr_s.model.named_parameters()):
         assert torch.equal(a, b), n
     assert m_o["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
-    _, m_f = _two_async_steps(True, fault=0.5)
+    tr_o._check_proc.close()
+    tr_f, m_f = _two_async_steps(True, fault=0.5)
+    assert tr_f._check_proc is not None
     assert m_f["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
+    tr_f._check_proc.close()
+
+
+def _five_async_steps(overlap: bool, swap_slots: bool = False):
+    """The tiny Qwen3 at ``async.max_staleness = 2``, lr 1e-2: five steps whose batches hold
+    rows sampled by versions (0), (0), (1, 0), (2), (3) -- so the ring of 3 shared slots
+    wraps around (version 3 reuses version 0's slot). ``swap_slots`` hands the check the
+    held versions' slots swapped (the fault of reading the wrong version's weights)."""
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 2}}, trainer={"lr": 1e-2}))
+    tr.overlap_onpolicy_check = overlap
+    if swap_slots:
+        real = tr.history.slots
+        tr.history.slots = lambda: dict(zip(sorted(real()), reversed([real()[v] for v in sorted(real())])))
+    a, b, e = synthetic_rollouts(0), synthetic_rollouts(1), synthetic_rollouts(4)
+    for t in (a, b, e):
+        set_behaviour(tr, t)  # version 0
+    ms = [tr.train_step(a)]
+    c = synthetic_rollouts(2)
+    set_behaviour(tr, c)  # version 1
+    ms.append(tr.train_step(b))  # version 0's rows at version 1
+    d = synthetic_rollouts(3)
+    set_behaviour(tr, d)  # version 2
+    ms.append(tr.train_step(c + e))  # versions 1 and 0 at version 2
+    f = synthetic_rollouts(5)
+    set_behaviour(tr, f)  # version 3
+    ms.append(tr.train_step(d))  # version 2 at version 3
+    ms.append(tr.train_step(f))  # version 3 (in version 0's old slot) at version 4
+    assert tr.version == 5 and all(m["grad_norm"] > 0 for m in ms)
+    return tr, ms
+
+
+def test_onpolicy_check_process_reads_each_rows_own_version_through_the_ring():
+    """With the check process, each stale row is measured under the weights of the version
+    that sampled it, read from the shared ring: the same readings as in line at every step
+    (the step with rows of two older versions included, and after the ring wraps), all under
+    1e-4 nats; handing the check the slots swapped (version 0's rows under version 1's
+    weights, an lr-1e-2 step apart) reads far above it."""
+    tr_o, ms_o = _five_async_steps(True)
+    tr_s, ms_s = _five_async_steps(False)
+    assert tr_o._check_proc is not None and len(tr_o.history.ring) == 3
+    # slots: v0 -> 0 (moved in at the first check), v1 -> 1, v2 -> 2, then v3 -> 0 and v4 -> 1 (the freed ones)
+    assert tr_o.history.slots() == {3: 0, 4: 1}
+    for k, (m_o, m_s) in enumerate(zip(ms_o, ms_s)):
+        stale = m_o["invariants/onpolicy_stale_tokens"]
+        assert stale == m_s["invariants/onpolicy_stale_tokens"] and (stale > 0) == (k > 0), k
+        assert m_o["invariants/logprob_absdiff_max_onpolicy"] == m_s["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
+    tr_o._check_proc.close()
+    tr_f, ms_f = _five_async_steps(True, swap_slots=True)
+    assert ms_f[2]["invariants/logprob_absdiff_max_onpolicy"] > 1e-2  # two held versions, swapped
+    tr_f._check_proc.close()
 
 
 def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
-    """The stale rows' check runs on the worker thread only for a CPU trainer: on an
-    accelerator both threads' kernels share one stream (nothing overlaps) and the check's
-    logits would sit in memory beside the update's activations (a higher peak than in line).
-    The thread a recompute ran on tells which path was taken; the values are the same."""
-    import threading
-
+    """The stale rows' check runs in the check process only for a CPU trainer: on an
+    accelerator a second process's kernels would contend for the device and its logits would
+    sit in memory beside the update's activations. The recompute call tells which path was
+    taken (in line: the trainer's own ``recompute_logprobs``); the values are the same."""
     from molt_core.train import build_batch
 
-    me = threading.get_ident()
-    inline: list[bool] = []
+    calls: list[bool] = []
 
     def fake_recompute(batch, model=None, with_entropy=False):
-        inline.append(threading.get_ident() == me)
+        calls.append(True)
         return torch.zeros(batch.input_ids.shape), None
 
     for device, want_inline in (("cpu", False), ("cuda", True)):
         tr = _async_trainer()  # version 1, holds version 0
         lps = [_lp(B0, 0), _lp(B0, 1)]
         batch = build_batch([_traj("a", 1.0, [2, 0, 1], lps, [0, 0])], tr.pad_id, tr.vocab_size)
-        tr.device = torch.device(device)  # only the decision reads it: the recompute is faked
+        tr.device = torch.device(device)  # only the decision reads it; in line the recompute is faked
         tr.recompute_logprobs = fake_recompute
-        inline.clear()
+        calls.clear()
         d = tr._onpolicy_stale(batch)()
-        assert inline == [want_inline], device
-        assert d.tolist() == pytest.approx([abs(x) for x in lps])  # |behaviour - 0| of both stale tokens
+        assert bool(calls) == want_inline and (tr._check_proc is None) == want_inline, device
+        want = [abs(x) for x in lps] if want_inline else [abs(x - _lp(B0, i)) for i, x in enumerate(lps)]
+        assert d.tolist() == pytest.approx(want, abs=1e-6)  # in line |behaviour - 0|; process: the real 0
+        if tr._check_proc is not None:
+            tr._check_proc.close()
 
 
 def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
     """The overlapped check fails only after the update moved the weights: the step still
-    advances ``version`` / ``step`` (they match the weights the trainer now holds), then raises."""
+    advances ``version`` / ``step`` (they match the weights the trainer now holds), then raises
+    with the check process's error. A check process that died before the step is a clear
+    error too, raised before the update."""
+    import os
+    import signal
+
     from trainer_utils import set_behaviour, synthetic_rollouts
 
     tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 1e-2}))
-    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1)
-    set_behaviour(tr, ts0)
-    set_behaviour(tr, ts1)
+    ts0, ts1, ts2 = synthetic_rollouts(0), synthetic_rollouts(1), synthetic_rollouts(2)
+    for t in (ts0, ts1, ts2):
+        set_behaviour(tr, t)
     tr.train_step(ts0)
-    real = tr.recompute_logprobs
-
-    def shadow_fails(batch, model=None, with_entropy=False):
-        if model is not None and model is tr.history.shadow:
-            raise MemoryError("no room for the shadow's logits")
-        return real(batch, model=model, with_entropy=with_entropy)
-
-    tr.recompute_logprobs = shadow_fails
+    tr.history.slots = lambda: {0: 99}  # the child looks for a ring slot that does not exist
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
-    with pytest.raises(RuntimeError, match="on-policy check of step 2 failed after its update.*version 2.*MemoryError"):
+    with pytest.raises(RuntimeError, match="on-policy check of step 2 failed after its update.*version 2.*"
+                                           "check process failed: IndexError"):
         tr.train_step(ts1)
     assert tr.version == 2 and tr.step == 2  # the weights moved, and so did the bookkeeping
     assert any(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())
+    os.kill(tr._check_proc._proc.pid, signal.SIGKILL)
+    tr._check_proc._proc.join(10)
+    before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"on-policy check process died \(exit code -9\)"):
+        tr.train_step(ts2)  # rows older than version 2 while version 1 is held: a check is sent
+    assert tr.version == 2 and all(torch.equal(before[k], v) for k, v in tr.model.named_parameters())

@@ -38,7 +38,7 @@ k1 estimator, Schulman 2020 -- before the update),
 forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
 ``time/onpolicy_check`` (the copy of this version's weights kept for later steps'
 check, plus the recompute under older versions -- or, when that overlaps the update
-on a worker thread, the wait for it),
+in a process of its own, the wait for it),
 ``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
 """
 

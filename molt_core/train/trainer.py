@@ -46,8 +46,8 @@ is only exactly 1 on-policy if the recompute and the loss forward are the same f
 from __future__ import annotations
 
 import copy
+import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -66,6 +66,8 @@ from molt_core.train.routing_replay import init_routing, routing, routing_metric
 from molt_core.train.update import in_support, lr_factor, policy_update
 from molt_core.types import Trajectory
 from molt_core.version_history import VersionHistory, stale_absdiff
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Trainer", "ValueModel", "lr_factor", "token_logprobs"]
 
@@ -174,7 +176,8 @@ class Trainer:
         self.vocab_size = model_vocab(self.model)
         #: weights of the last ``max_staleness`` versions, for the on-policy consistency measure
         self.history = VersionHistory(cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0)
-        self._check_pool: ThreadPoolExecutor | None = None  # the overlapped on-policy check's thread
+        self._check_proc: Any = None  # the on-policy check's process (CheckProcess), started on first use
+        self._check_proc_failed = False
         init_routing(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
@@ -183,7 +186,7 @@ class Trainer:
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
     #: nothing to train still runs its forward and a zero backward
     lockstep = False
-    #: the on-policy check of stale rows may run on a worker thread beside the update
+    #: the on-policy check of stale rows may run in a process of its own beside the update
     #: (:meth:`_onpolicy_stale`, CPU only); a sharded trainer's forwards are collectives, kept in order
     overlap_onpolicy_check = True
 
@@ -412,37 +415,48 @@ class Trainer:
         older versions, each under its own version's weights (see
         :mod:`molt_core.version_history`); returns a function that waits for the result.
 
-        The recompute only reads the shadow model and the batch, so where it is safe
-        (:attr:`overlap_onpolicy_check`: one process, no routing replay, no images -- their
-        processing and replay state are shared with the update) and pays (a CPU trainer) it
-        runs on a worker thread while the update runs: torch releases the GIL inside its
-        kernels, so on a multi-core machine the check's forward overlaps the update's
-        instead of adding to it. On an accelerator it stays in line: both threads' kernels
-        queue on the same stream, so nothing overlaps, while the check's activations (its
-        logits ``[rows, T, V]``) would sit in memory beside the update's and raise the peak.
-        The result is the same tensor either way (same weights, rows and micro-batches).
+        Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
+        images -- their processing and replay state live in this process) and pays (a CPU
+        trainer), the recompute runs in a child process beside the update
+        (:class:`molt_core.train.onpolicy_check.CheckProcess`, reading the version history in
+        shared memory): on a multi-core CPU its forward then costs the update nothing (on a
+        thread it would share the interpreter lock with it). On an accelerator it stays in
+        line: a second process's kernels would contend for the same device, and its logits
+        ``[rows, T, V]`` would sit in memory beside the update's activations. The result is
+        the same tensor either way (same weights, rows, micro-batches and thread count).
         """
-        gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)  # a new sample each step
+        seed = self.cfg.run.seed * 1_000_003 + self.version  # a new sample each step
         version = self.version
-        overlap = (self.overlap_onpolicy_check and self.device.type == "cpu"
-                   and any(v < version for v in self.history.versions())
-                   and bool((batch.versions[batch.mask] < version).any())
-                   and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
-        # the thread reads a frozen view: record() may drop the version it measures meanwhile
-        history = self.history.snapshot(self.model) if overlap else self.history
+        needed = (any(v < version for v in self.history.versions())
+                  and bool((batch.versions[batch.mask] < version).any()))
+        if needed and self._check_process_ok(batch):
+            proc = self._check_process()
+            if proc is not None:
+                return proc.submit(batch, version, self.history.slots(), self.cfg.async_.onpolicy_rows, seed)
+        gen = torch.Generator().manual_seed(seed)
+        out = stale_absdiff(batch, version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
+                            self.model, self.cfg.async_.onpolicy_rows, generator=gen)
+        return lambda: out
 
-        def run() -> torch.Tensor:
-            return stale_absdiff(batch, version, history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
-                                 self.model, self.cfg.async_.onpolicy_rows, generator=gen)
+    def _check_process_ok(self, batch: Batch) -> bool:
+        """Whether the on-policy check of ``batch`` may run in the check process."""
+        return (self.overlap_onpolicy_check and self.device.type == "cpu" and self.history.keep > 0
+                and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
 
-        if not overlap:
-            out = run()
-            return lambda: out
-        if self._check_pool is None:
-            # (not niced: a low-priority thread preempted while it holds the GIL stalls the update;
-            # measured 182 -> 198 ms train time per async quickstart step with nice 10)
-            self._check_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="molt-onpolicy-check")
-        return self._check_pool.submit(run).result
+    def _check_process(self) -> Any:
+        """The on-policy check's process (started on first use, the history then moved to shared
+        memory), or None when it cannot start (logged once; the check then runs in line)."""
+        if self._check_proc is None and not self._check_proc_failed:
+            from molt_core.train.onpolicy_check import CheckProcess
+
+            try:
+                ring = self.history.share(self.model)  # the held versions move to shared memory
+                self._check_proc = CheckProcess(self.model, ring, self.cfg.trainer.micro_batch_size,
+                                                self.compute_dtype, torch.get_num_threads())
+            except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
+                self._check_proc_failed = True
+                log.warning("the on-policy check runs in line (its process could not start: %r)", e)
+        return self._check_proc
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
