@@ -98,7 +98,7 @@ def main() -> None:
 @main.command()
 @click.argument("recipe", required=False)
 @click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable); '~SECTION.KEY' removes one (its default applies).")
 @click.option("--out", "out", default=None, help="Run directory (default runs/<recipe>-<time>).")
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent to train.")
 @click.option("--ray-address", default=None,
@@ -156,7 +156,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
 @main.command()
 @click.argument("recipe")
 @click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable); '~SECTION.KEY' removes one (its default applies).")
 @click.option("--out", "out", default=None, help="Output directory (default runs/<recipe>-sft-<time>).")
 @click.option("--agent", "agent", default=None, help="Path to a .py file defining the Env or ChatAgent whose tasks to learn.")
 @click.option("--data", "data", default=None,
@@ -194,7 +194,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
 @click.option("--out", "out", default=None, type=click.Path(), help="JSON report file (default: RUN/eval/step_N.json for a "
               "run's checkpoint, else runs/eval-<time>.json).")
 @click.option("--plugin", "plugin", multiple=True, help="Load a plugin: dotted module path or path/to/file.py (repeatable).")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a recipe field (repeatable); '~SECTION.KEY' removes one (its default applies).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="API key for a URL --model (env OPENAI_API_KEY).")
 @click.option("--served-model", default=None, help="Model name for a URL --model (default: the server's first model).")
 def eval_(recipe: str | None, model: str, n: int | None, k: int | None, out: str | None, plugin: tuple[str, ...],

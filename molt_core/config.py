@@ -7,6 +7,7 @@ key, or a value of the wrong type (a string where an int belongs, say), is an er
 floats, bools, lists, quoted strings); anything that is not a TOML value is taken as a bare
 string (``--set model.path=runs/x``), and a field declared a string takes the raw text
 whatever it looks like (``--set run.name=2024-01-01``, ``1e-3``, ``true``, ``nan``).
+``--set '~section.key'`` removes an option the recipe sets, so it takes its default.
 """
 
 from __future__ import annotations
@@ -520,10 +521,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     """Parse ``section.key=value`` into (``["section", "key"]``, typed value).
 
     The value is parsed as a TOML value (``8`` -> int, ``3e-4`` -> float, ``true`` -> bool,
-    ``[1, 2]`` -> list, ``"x"`` -> str); otherwise it is the bare string.
+    ``[1, 2]`` -> list, ``"x"`` -> str); otherwise it is the bare string. (``~section.key``,
+    which removes an option, is handled by :func:`apply_overrides`.)
 
     Raises:
-        ConfigError: no ``=`` or an empty key.
+        ConfigError: no ``=``, an empty key, or an empty value (``key=""`` is the empty string).
     """
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
@@ -532,6 +534,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"--set {item!r}: empty key")
     raw = raw.strip()
+    if not raw:
+        raise ConfigError(f"--set {item!r}: empty value; for an empty string write {key}='\"\"', to put the "
+                          f"option back to its default write '~{key}'")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -590,15 +595,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
     A value is coerced to the declared type of its field: a string field takes the raw text
     (so ``run.name=2024-01-01``, ``1e-3``, ``true`` or ``nan`` stay the strings typed); other
-    fields take the TOML value (:func:`parse_override`).
+    fields take the TOML value (:func:`parse_override`). ``~section.key`` (Hydra's syntax, as in
+    verl) removes the key, so the option takes its default.
 
     Raises:
-        ConfigError: an override is malformed or descends into a non-table value.
+        ConfigError: an override is malformed, descends into a non-table value, or removes a
+            key that is not set.
     """
     import copy
 
     out = copy.deepcopy(data)
     for item in overrides:
+        if item.strip().startswith("~"):  # Hydra's deletion syntax (verl's CLI): back to the default
+            _unset(out, item)
+            continue
         path, value = parse_override(item)
         names = out.get("loggers")
         if path[0] == "loggers" and len(path) > 1 and isinstance(names, list) and all(isinstance(n, str) for n in names):
@@ -613,6 +623,27 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             cur = nxt
         cur[path[-1]] = value
     return out
+
+
+def _unset(data: dict[str, Any], item: str) -> None:
+    """Apply ``--set '~section.key'``: remove that key from ``data`` (in place), so the option
+    takes its default (e.g. ``~trainer.lora`` turns a recipe's LoRA off, ``~model.gguf_file``
+    clears a path).
+
+    Raises:
+        ConfigError: a value after the key, or the key is not in the recipe.
+    """
+    key = item.strip()[1:].strip()
+    if "=" in key or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected '~section.key' (no value) to remove an option")
+    path = key.split(".")
+    cur: Any = data
+    for p in path[:-1]:
+        cur = cur.get(p) if isinstance(cur, dict) else None
+    if not isinstance(cur, dict) or path[-1] not in cur:
+        raise ConfigError(f"--set {item!r}: {key!r} is not set in the recipe (or an earlier --set), so there is "
+                          f"nothing to remove; it already has its default")
+    del cur[path[-1]]
 
 
 def find_recipe(recipe: str | Path) -> Path:

@@ -63,6 +63,28 @@ def test_overrides_apply_and_validate(tmp_path):
         apply_overrides({}, ["novalue"])
 
 
+def test_tilde_override_removes_an_option_so_its_default_applies():
+    """``--set '~section.key'`` (Hydra's deletion syntax, as verl's CLI) removes a key the recipe
+    sets: LoRA off for the LoRA example, the quickstart's lr back to the
+    default. Removing a key that is not set, or giving it a value, is an error naming
+    the override; an empty value is refused with both spellings of what was meant."""
+    assert load_config("examples/lora").trainer.lora is not None
+    assert load_config("examples/lora", ["~trainer.lora"]).trainer.lora is None
+    assert load_config("quickstart").trainer.lr == 1.5e-4
+    assert load_config("quickstart", ["~trainer.lr"]).trainer.lr == RunConfig().trainer.lr
+    assert load_config("quickstart", ["~trainer.lr", "trainer.lr=2e-4"]).trainer.lr == 2e-4  # in order
+    with pytest.raises(ConfigError, match=r"--set '~trainer.lora': 'trainer.lora' is not set in the recipe"):
+        load_config("quickstart", ["~trainer.lora"])
+    with pytest.raises(ConfigError, match=r"--set '~nosection.x': 'nosection.x' is not set"):
+        load_config("quickstart", ["~nosection.x"])
+    with pytest.raises(ConfigError, match=r"expected '~section.key' \(no value\)"):
+        load_config("quickstart", ["~trainer.lr=1"])
+    with pytest.raises(ConfigError, match=r"--set 'run.name=': empty value; for an empty string write "
+                                          r"run.name='\"\"', to put the option back to its default write '~run.name'"):
+        load_config("quickstart", ["run.name="])
+    assert load_config("quickstart", ['run.name=""']).run.name == ""
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config("quickstart", ["trainer.lr=1e-3"])
     path = cfg.write(tmp_path / "run" / "config.toml")
