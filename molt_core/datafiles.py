@@ -110,7 +110,8 @@ def load_rows(source: str, split: str = "train", fmt: Format = "auto", config: s
     Raises:
         ValueError: an unknown file suffix, a directory with neither a saved dataset nor a
             ``SPLIT.jsonl`` / ``SPLIT.parquet`` file, a missing split, an uncached Hub name
-            while offline, ``datasets`` not installed when needed, a malformed JSONL line.
+            while offline, ``datasets`` not installed when needed, a malformed JSONL line, a
+            Parquet file that cannot be read.
     """
     src = resolve_source(source)
     if isinstance(src, Path) and src.is_file():
@@ -122,7 +123,14 @@ def load_rows(source: str, split: str = "train", fmt: Format = "auto", config: s
             return read_jsonl(src, what)
         if kind == "parquet":
             ds = _datasets(what, "reading Parquet")
-            return _from_hf(ds.Dataset.from_parquet(str(src)), what, source, split)
+            try:
+                table = ds.Dataset.from_parquet(str(src))
+            except Exception as e:  # noqa: BLE001 -- pyarrow / datasets raise many types for a bad file
+                cause = e.__cause__ or e  # datasets wraps the reader's error
+                raise ValueError(f"{what} = {source!r} is not a readable Parquet file ({type(cause).__name__}: "
+                                 f"{str(cause)[:200]}); write it again (pandas DataFrame.to_parquet, "
+                                 f"datasets Dataset.to_parquet) or give a .jsonl file") from None
+            return _from_hf(table, what, source, split)
         raise ValueError(f"{what} = {source!r} is a file; format {kind!r} reads a dataset directory or a Hub name")
     if isinstance(src, Path):  # a directory
         saved = any((src / f).exists() for f in ("dataset_dict.json", "state.json"))

@@ -48,6 +48,24 @@ def test_parquet_file(tmp_path):
     assert len(list(env.tasks("eval", 0))) == 1 and len(env._train) == 4
 
 
+def test_corrupt_parquet_file_names_the_option_and_the_fix(tmp_path):
+    """A .parquet file that is not Parquet (truncated, or another format renamed) is a
+    ValueError naming the option and the file, with the reader's reason and how to fix it --
+    not pyarrow's bare error -- through the env as through load_rows."""
+    datasets = pytest.importorskip("datasets")
+    bad = tmp_path / "bad.parquet"
+    bad.write_text('{"q": "1 plus 1", "a": "2"}\n')  # JSONL under a .parquet name
+    with pytest.raises(ValueError, match=r"agent.options.path = '.*bad.parquet' is not a readable Parquet file "
+                                         r"\(ArrowInvalid: .*\); write it again .* or give a .jsonl file"):
+        load_rows(str(bad), what="agent.options.path")
+    good = tmp_path / "good.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(good))
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # truncated
+    with pytest.raises(ValueError, match=r"agent.options.path = ..*cut.parquet. is not a readable Parquet file"):
+        DatasetEnv(path=str(cut), prompt_field="q", answer_field="a")
+
+
 def test_save_to_disk_dataset_dict_splits(tmp_path):
     datasets = pytest.importorskip("datasets")
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
