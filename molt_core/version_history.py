@@ -124,9 +124,18 @@ class VersionHistory:
 
         Raises:
             ValueError: ``keep`` is 0 (nothing is held).
+            MemoryError: the ring would take more than half of the free space of
+                ``/dev/shm`` (where shared tensors live on Linux; a small one is common in
+                containers, and writing past it kills the process instead of raising).
         """
         if self.keep == 0:
             raise ValueError("VersionHistory.share: keep is 0, there is nothing to share")
+        need = (self.keep + 1) * _state_nbytes(model)
+        free = _shm_free()
+        if free is not None and need > free // 2:  # a tmpfs over its size kills the writer (SIGBUS), no error
+            raise MemoryError(f"the version history's shared ring needs {need / 2**20:.1f} MiB and /dev/shm has "
+                              f"{free / 2**20:.1f} MiB free (half of it may be used; Ray's object store lives "
+                              f"there too): give the container a larger /dev/shm (docker run --shm-size)")
         ring: list[dict[str, torch.Tensor]] = []
         for _ in range(self.keep + 1):
             made: dict[tuple, torch.Tensor] = {}
@@ -179,6 +188,25 @@ class VersionHistory:
             self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
         self.shadow.load_state_dict(self._states[version])
         return self.shadow
+
+
+def _state_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s state dict, tensors sharing storage counted once."""
+    seen: dict[tuple, int] = {}
+    for v in model.state_dict().values():
+        seen[(v.data_ptr(), v.dtype, tuple(v.shape))] = v.numel() * v.element_size()
+    return sum(seen.values())
+
+
+def _shm_free() -> int | None:
+    """Free bytes of ``/dev/shm`` (None where there is none, e.g. macOS)."""
+    import os
+
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def select_rows(batch, rows: torch.Tensor):

@@ -524,3 +524,19 @@ def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
     with pytest.raises(RuntimeError, match=r"on-policy check process died \(exit code -9\)"):
         tr.train_step(ts2)  # rows older than version 2 while version 1 is held: a check is sent
     assert tr.version == 2 and all(torch.equal(before[k], v) for k, v in tr.model.named_parameters())
+
+
+def test_a_small_dev_shm_keeps_the_check_in_line_and_says_why(monkeypatch, caplog):
+    """A container's /dev/shm is often 64 MiB, and writing past a tmpfs's size kills the writer
+    (SIGBUS) instead of raising: when the ring would take more than half of what is free, the
+    trainer logs why and runs the check in line, with the same readings (0.5 for a 0.5-nat fault)."""
+    import logging
+
+    import molt_core.version_history as vh
+
+    monkeypatch.setattr(vh, "_shm_free", lambda: 1024)
+    with caplog.at_level(logging.WARNING, logger="molt_core.train.trainer"):
+        tr, m = _two_async_steps(True, fault=0.5)
+    assert tr._check_proc is None and tr._check_proc_failed and tr.history.ring is None
+    assert "runs in line" in caplog.text and "MiB free" in caplog.text and "--shm-size" in caplog.text
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
