@@ -111,41 +111,21 @@ class VersionHistory:
         for old in sorted(self._states)[:-self.keep]:
             del self._states[old]
 
-    def share(self, model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
-        """From now on keep the copies in a ring of ``keep + 1`` state dicts in shared memory
-        (allocated here, shaped like ``model``'s, tied entries sharing one tensor), so another
-        process can read a version without it being sent: :meth:`slots` says which slot holds
-        which version. :meth:`record` writes a new version into the slot no held version uses,
-        so a reader of the held versions is safe until the next :meth:`record`. Versions held
-        before the call are copied into the ring.
-
-        Returns:
-            The ring (``keep + 1`` dicts name -> CPU tensor in shared memory).
+    def share(self, ring: list[dict[str, torch.Tensor]]) -> None:
+        """From now on keep the copies in ``ring``: ``keep + 1`` state dicts (same keys as the
+        model's) whose tensors another process maps too (shared memory,
+        :class:`molt_core.train.onpolicy_check.CheckProcess`), so it can read a version without
+        it being sent; :meth:`slots` says which slot holds which version. :meth:`record`
+        writes a new version into the slot no held version uses, so a reader of the held
+        versions is safe until the next :meth:`record`. Versions held before the call are
+        copied into the ring.
 
         Raises:
-            ValueError: ``keep`` is 0 (nothing is held).
-            MemoryError: the ring would take more than half of the free space of
-                ``/dev/shm`` (where shared tensors live on Linux; a small one is common in
-                containers, and writing past it kills the process instead of raising).
+            ValueError: ``ring`` does not have ``keep + 1`` slots (``keep`` 0 holds nothing).
         """
-        if self.keep == 0:
-            raise ValueError("VersionHistory.share: keep is 0, there is nothing to share")
-        need = (self.keep + 1) * _state_nbytes(model)
-        free = _shm_free()
-        if free is not None and need > free // 2:  # a tmpfs over its size kills the writer (SIGBUS), no error
-            raise MemoryError(f"the version history's shared ring needs {need / 2**20:.1f} MiB and /dev/shm has "
-                              f"{free / 2**20:.1f} MiB free (half of it may be used; Ray's object store lives "
-                              f"there too): give the container a larger /dev/shm (docker run --shm-size)")
-        ring: list[dict[str, torch.Tensor]] = []
-        for _ in range(self.keep + 1):
-            made: dict[tuple, torch.Tensor] = {}
-            state: dict[str, torch.Tensor] = {}
-            for k, v in model.state_dict().items():
-                key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
-                if key not in made:
-                    made[key] = torch.empty(v.shape, dtype=v.dtype).share_memory_()
-                state[k] = made[key]
-            ring.append(state)
+        if self.keep == 0 or len(ring) != self.keep + 1:
+            raise ValueError(f"VersionHistory.share: a ring of keep + 1 = {self.keep + 1} slots is needed "
+                             f"(got {len(ring)}; keep 0 holds nothing)")
         held, self._slot = self._states, {}
         self.ring, self._states = ring, {}
         for i, v in enumerate(sorted(held)):
@@ -153,7 +133,6 @@ class VersionHistory:
                 for k, t in held[v].items():
                     ring[i][k].copy_(t)
             self._states[v], self._slot[v] = ring[i], i
-        return ring
 
     def slots(self) -> dict[int, int]:
         """Held version -> its ring slot (after :meth:`share`; else empty)."""
@@ -188,25 +167,6 @@ class VersionHistory:
             self.shadow = copy.deepcopy(like).eval().requires_grad_(False)
         self.shadow.load_state_dict(self._states[version])
         return self.shadow
-
-
-def _state_nbytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s state dict, tensors sharing storage counted once."""
-    seen: dict[tuple, int] = {}
-    for v in model.state_dict().values():
-        seen[(v.data_ptr(), v.dtype, tuple(v.shape))] = v.numel() * v.element_size()
-    return sum(seen.values())
-
-
-def _shm_free() -> int | None:
-    """Free bytes of ``/dev/shm`` (None where there is none, e.g. macOS)."""
-    import os
-
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def select_rows(batch, rows: torch.Tensor):

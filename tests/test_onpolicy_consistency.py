@@ -375,7 +375,7 @@ def test_onpolicy_token_outside_its_own_support_is_counted_and_metrics_stay_fini
     assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["invariants/logprob_absdiff_max_onpolicy"] == 0.0
 
 
-def _two_async_steps(overlap: bool, fault: float = 0.0):
+def _two_async_steps(overlap: bool, fault: float = 0.0, wait: bool = True):
     """The tiny Qwen3 at ``async.max_staleness = 1``: step 1 on rollouts sampled by version 0,
     step 2 on rollouts also sampled by version 0 (one version stale), with ``fault`` nats added
     to one behaviour logprob of step 2's first rollout."""
@@ -390,6 +390,8 @@ def _two_async_steps(overlap: bool, fault: float = 0.0):
     k = seg.loss_mask.index(True)
     seg.logprobs[k] += fault
     m0 = tr.train_step(ts0)
+    if tr._check_proc is not None and wait:  # started after the first update; in line until it is ready
+        assert tr._check_proc.ready(timeout=120)
     m1 = tr.train_step(ts1)
     assert m0["grad_norm"] > 0 and m1["grad_norm"] > 0 and tr.version == 2
     return tr, m1
@@ -401,7 +403,7 @@ def test_overlapped_onpolicy_check_equals_the_serial_one_and_flags_a_fault():
     and weights as run in line, and a fault of 0.5 nats in one stale token reads 0.5."""
     tr_o, m_o = _two_async_steps(True)
     tr_s, m_s = _two_async_steps(False)
-    assert tr_o._check_proc is not None and tr_s._check_proc is None  # the process was (not) used
+    assert tr_o._check_proc.checks == 1 and tr_s._check_proc is None  # the process was (not) used
     assert tr_o.history.ring is not None and tr_s.history.ring is None
     assert m_o["invariants/onpolicy_stale_tokens"] == m_o["train/action_tokens"] > 0
     for key in m_s:
@@ -412,7 +414,7 @@ def test_overlapped_onpolicy_check_equals_the_serial_one_and_flags_a_fault():
     assert m_o["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
     tr_o._check_proc.close()
     tr_f, m_f = _two_async_steps(True, fault=0.5)
-    assert tr_f._check_proc is not None
+    assert tr_f._check_proc.checks == 1
     assert m_f["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
     tr_f._check_proc.close()
 
@@ -433,6 +435,8 @@ def _five_async_steps(overlap: bool, swap_slots: bool = False):
     for t in (a, b, e):
         set_behaviour(tr, t)  # version 0
     ms = [tr.train_step(a)]
+    if overlap:
+        assert tr._check_proc.ready(timeout=120)
     c = synthetic_rollouts(2)
     set_behaviour(tr, c)  # version 1
     ms.append(tr.train_step(b))  # version 0's rows at version 1
@@ -455,7 +459,7 @@ def test_onpolicy_check_process_reads_each_rows_own_version_through_the_ring():
     weights, an lr-1e-2 step apart) reads far above it."""
     tr_o, ms_o = _five_async_steps(True)
     tr_s, ms_s = _five_async_steps(False)
-    assert tr_o._check_proc is not None and len(tr_o.history.ring) == 3
+    assert tr_o._check_proc.checks == 4 and len(tr_o.history.ring) == 3
     # slots: v0 -> 0 (moved in at the first check), v1 -> 1, v2 -> 2, then v3 -> 0 and v4 -> 1 (the freed ones)
     assert tr_o.history.slots() == {3: 0, 4: 1}
     for k, (m_o, m_s) in enumerate(zip(ms_o, ms_s)):
@@ -485,15 +489,15 @@ def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
         tr = _async_trainer()  # version 1, holds version 0
         lps = [_lp(B0, 0), _lp(B0, 1)]
         batch = build_batch([_traj("a", 1.0, [2, 0, 1], lps, [0, 0])], tr.pad_id, tr.vocab_size)
+        assert tr._check_proc.ready(timeout=120)  # started after the first update (on the CPU)
         tr.device = torch.device(device)  # only the decision reads it; in line the recompute is faked
         tr.recompute_logprobs = fake_recompute
         calls.clear()
         d = tr._onpolicy_stale(batch)()
-        assert bool(calls) == want_inline and (tr._check_proc is None) == want_inline, device
+        assert bool(calls) == want_inline and tr._check_proc.checks == (0 if want_inline else 1), device
         want = [abs(x) for x in lps] if want_inline else [abs(x - _lp(B0, i)) for i, x in enumerate(lps)]
         assert d.tolist() == pytest.approx(want, abs=1e-6)  # in line |behaviour - 0|; process: the real 0
-        if tr._check_proc is not None:
-            tr._check_proc.close()
+        tr._check_proc.close()
 
 
 def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
@@ -511,6 +515,7 @@ def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
     for t in (ts0, ts1, ts2):
         set_behaviour(tr, t)
     tr.train_step(ts0)
+    assert tr._check_proc.ready(timeout=120)
     tr.history.slots = lambda: {0: 99}  # the child looks for a ring slot that does not exist
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
     with pytest.raises(RuntimeError, match="on-policy check of step 2 failed after its update.*version 2.*"
@@ -518,8 +523,8 @@ def test_a_failing_overlapped_check_raises_after_the_steps_bookkeeping():
         tr.train_step(ts1)
     assert tr.version == 2 and tr.step == 2  # the weights moved, and so did the bookkeeping
     assert any(not torch.equal(before[k], v) for k, v in tr.model.named_parameters())
-    os.kill(tr._check_proc._proc.pid, signal.SIGKILL)
-    tr._check_proc._proc.join(10)
+    os.kill(tr._check_proc.pid, signal.SIGKILL)
+    tr._check_proc._proc.wait(10)
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
     with pytest.raises(RuntimeError, match=r"on-policy check process died \(exit code -9\)"):
         tr.train_step(ts2)  # rows older than version 2 while version 1 is held: a check is sent
@@ -532,11 +537,50 @@ def test_a_small_dev_shm_keeps_the_check_in_line_and_says_why(monkeypatch, caplo
     trainer logs why and runs the check in line, with the same readings (0.5 for a 0.5-nat fault)."""
     import logging
 
-    import molt_core.version_history as vh
+    import molt_core.train.onpolicy_check as oc
 
-    monkeypatch.setattr(vh, "_shm_free", lambda: 1024)
+    monkeypatch.setattr(oc, "_shm_free", lambda: 1024)
     with caplog.at_level(logging.WARNING, logger="molt_core.train.trainer"):
         tr, m = _two_async_steps(True, fault=0.5)
     assert tr._check_proc is None and tr._check_proc_failed and tr.history.ring is None
     assert "runs in line" in caplog.text and "MiB free" in caplog.text and "--shm-size" in caplog.text
     assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_checks_run_in_line_until_the_process_is_ready_and_when_it_cannot_start(monkeypatch, caplog):
+    """No step waits for the check process's start-up (seconds of imports): until it reports
+    ready the check runs in line, with the same reading. A child that cannot start -- here the
+    model's class lives in a module only the trainer has (as one defined in a script's
+    ``__main__`` would) -- is logged once and the check stays in line."""
+    import logging
+    import sys
+    import time
+    import types
+
+    from molt_core.train.onpolicy_check import CheckProcess
+
+    monkeypatch.setattr(CheckProcess, "ready", lambda self, timeout=0.0: False)
+    tr, m = _two_async_steps(True, fault=0.5, wait=False)
+    assert tr._check_proc is not None and tr._check_proc.checks == 0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.5, abs=1e-4)
+    tr._check_proc.close()
+    monkeypatch.undo()
+
+    mod = types.ModuleType("molt_only_here")
+    exec("import torch\nclass Lin(torch.nn.Linear):\n    pass\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, "molt_only_here", mod)
+    proc = CheckProcess(mod.Lin(2, 2), 2, 4, torch.float32, 1)  # the trainer pickles it ...
+    with pytest.raises(RuntimeError, match="could not start: ModuleNotFoundError.*molt_only_here"):
+        proc.ready(timeout=120)  # ... the child cannot import its class
+    tr = _async_trainer()
+    tr._check_proc.close()
+    tr._check_proc = CheckProcess(mod.Lin(2, 2), 2, 4, torch.float32, 1)
+    with caplog.at_level(logging.WARNING, logger="molt_core.train.trainer"):
+        deadline = time.monotonic() + 120
+        while tr._check_proc is not None and time.monotonic() < deadline:  # never waits: poll until it answers
+            assert tr._check_ready() is False
+            time.sleep(0.05)
+        assert tr._check_ready() is False  # logged once
+    assert tr._check_proc is None and tr._check_proc_failed
+    assert caplog.text.count("runs in line (its process could not start: the on-policy check process could not "
+                             "start: ModuleNotFoundError") == 1

@@ -5,30 +5,39 @@ weights (:func:`molt_core.version_history.stale_absdiff`): one extra no-grad for
 Run on a thread of the trainer process, that forward shares the interpreter lock with the
 update and lengthens the step (tiny Qwen3 quickstart, 2 CPU cores: about 35-50 ms of a
 ~200 ms step). :class:`CheckProcess` runs it in a child process instead, so on a multi-core
-CPU it costs the update nothing but the copy of the weights that :meth:`VersionHistory.record`
-makes anyway:
+CPU it costs the update nothing but the copy of the weights that
+:meth:`~molt_core.version_history.VersionHistory.record` makes anyway:
 
-* the version history's copies live in shared memory (:meth:`VersionHistory.share`, a ring of
-  ``max_staleness + 1`` state dicts), handed to the child once; the child holds one model per
-  ring slot whose parameters *are* that slot's tensors, so no weights travel per step;
+* the version history's copies live in shared memory: a ring of ``max_staleness + 1`` slots,
+  each one file in ``/dev/shm`` holding a whole state dict, mapped by both processes (the
+  files are unlinked once both have mapped them, so nothing is left behind); the child holds
+  one model per slot whose parameters *are* that slot's tensors, so no weights travel per step;
 * per step the trainer sends the batch, the version it trains and which slot holds each older
   version; the child runs the same :func:`~molt_core.version_history.stale_absdiff` over the
-  same micro-batches and autocast as the trainer (:func:`molt_core.train.forward.recompute_logprobs`)
-  and sends back the ``[N]`` float64 differences -- bit-identical to the check run in line
-  (tests/test_onpolicy_consistency.py).
+  same micro-batches, autocast and thread count as the trainer
+  (:func:`molt_core.train.forward.recompute_logprobs`) and sends back the ``[N]`` float64
+  differences -- bit-identical to the check run in line (tests/test_onpolicy_consistency.py).
 
-Used by :class:`molt_core.train.Trainer` for a one-process CPU trainer with no images and no
-routing replay (:meth:`molt_core.train.Trainer._onpolicy_stale`); elsewhere the check stays in
-line. If the child cannot be started (the model cannot be pickled, no shared memory), the
-trainer falls back to the in-line check and logs why, once.
+The child is ``python -m molt_core.train.onpolicy_check`` (not a ``multiprocessing`` spawn,
+which would re-run an unguarded user script's ``__main__``); it gets the model pickled once and
+talks over its stdin / stdout with pickle. Used by :class:`molt_core.train.Trainer` for a
+one-process CPU trainer with no images and no routing replay
+(:meth:`molt_core.train.Trainer._onpolicy_stale`); elsewhere the check stays in line. If the
+child cannot start (a model class the child cannot import, too little shared memory), the
+trainer runs the check in line and logs why, once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import multiprocessing as mp
+import os
+import pickle
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -37,38 +46,141 @@ from molt_core.version_history import stale_absdiff
 
 __all__ = ["CheckProcess"]
 
-log = logging.getLogger(__name__)
+_ALIGN = 64  # bytes: every tensor of a slot starts on a cache line (and any dtype's alignment)
+
+
+def ring_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, torch.dtype, tuple[int, ...]]], int]:
+    """Where each state-dict entry of ``model`` lives in one slot's flat buffer.
+
+    Returns:
+        ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage
+        (tied input/output embeddings) get the same offset, so they stay tied.
+    """
+    layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+    at: dict[tuple, int] = {}
+    end = 0
+    for k, v in model.state_dict().items():
+        key = (v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+        if key not in at:
+            at[key] = end
+            end += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+        layout[k] = (at[key], v.dtype, tuple(v.shape))
+    return layout, max(end, _ALIGN)
+
+
+def map_slot(path: str, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]],
+             nbytes: int) -> dict[str, torch.Tensor]:
+    """The state dict of one ring slot: views into ``path`` mapped shared (created with
+    ``nbytes`` bytes when missing), per :func:`ring_layout`."""
+    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    out: dict[str, torch.Tensor] = {}
+    for k, (off, dtype, shape) in layout.items():
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out[k] = buf[off:off + n].view(dtype).view(shape)
+    return out
+
+
+def _shm_dir() -> str | None:
+    """``/dev/shm`` where it exists (Linux), else None (the temp dir: a file-backed mapping)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _shm_free() -> int | None:
+    """Free bytes of ``/dev/shm`` (None where there is none, e.g. macOS)."""
+    d = _shm_dir()
+    if d is None:
+        return None
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
 
 
 class CheckProcess:
     """A child process that runs the on-policy check of stale rows.
 
     Args:
-        model: the policy (a template: pickled once to the child, which builds one copy per
-            ring slot, its parameters replaced by that slot's shared tensors).
-        ring: the shared-memory state dicts of :meth:`VersionHistory.share` (``keep + 1`` of
-            them, same keys as ``model.state_dict()``).
+        model: the policy (pickled once to the child, which builds one copy per ring slot,
+            its parameters replaced by that slot's shared tensors).
+        slots: ring slots (``async.max_staleness + 1``).
         micro_batch_size: rows per forward (``trainer.micro_batch_size``: the trainer's split).
         compute_dtype: the forwards' autocast dtype (``torch.float32``: none).
         threads: torch threads of the child (the trainer's ``torch.get_num_threads()``, so its
             kernels reduce in the same order as an in-line check's).
 
+    Attributes:
+        ring: ``slots`` state dicts (name -> CPU tensor in shared memory) for
+            :meth:`molt_core.version_history.VersionHistory.share`.
+
     Raises:
-        Exception: whatever pickling the model or starting the process raises (the caller
-            falls back to the in-line check).
+        MemoryError: the ring would take more than half of the free space of ``/dev/shm``
+            (a small one is common in containers, and writing past it kills the process with
+            SIGBUS instead of raising).
+        Exception: whatever pickling the model or starting the process raises (a failure
+            inside the child is raised by :meth:`ready`).
     """
 
-    def __init__(self, model: torch.nn.Module, ring: list[dict[str, torch.Tensor]], micro_batch_size: int,
-                 compute_dtype: torch.dtype, threads: int) -> None:
-        import torch.multiprocessing  # noqa: F401  (registers the shared-memory tensor pickling)
-
-        ctx = mp.get_context("spawn")  # not fork: the trainer may hold threads (Ray, OpenMP)
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model, ring, micro_batch_size, compute_dtype, threads),
-                                 name="molt-onpolicy-check", daemon=True)
-        self._proc.start()
-        child.close()
+    def __init__(self, model: torch.nn.Module, slots: int, micro_batch_size: int, compute_dtype: torch.dtype,
+                 threads: int) -> None:
+        layout, nbytes = ring_layout(model)
+        free = _shm_free()
+        if free is not None and slots * nbytes > free // 2:
+            raise MemoryError(f"the version history's shared ring needs {slots * nbytes / 2**20:.1f} MiB and "
+                              f"/dev/shm has {free / 2**20:.1f} MiB free (half of it may be used; Ray's object "
+                              f"store lives there too): give the container a larger /dev/shm (docker run --shm-size)")
+        blob = pickle.dumps(model)
+        self._tmp = tempfile.mkdtemp(prefix="molt-onpolicy-", dir=_shm_dir())
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmp, True)
+        paths = [os.path.join(self._tmp, f"slot{i}") for i in range(slots)]
+        self.ring = [map_slot(p, layout, nbytes) for p in paths]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
+        self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._tmp)
+        self._send((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads))
+        self._ready = False
         self._busy = False
+        #: checks run in the child so far
+        self.checks = 0
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether the child has mapped the ring and built its models (waiting up to ``timeout``
+        seconds for it; the trainer checks in line until then, so the child's start-up -- a
+        few seconds of imports -- never holds a step up).
+
+        Raises:
+            RuntimeError: the child could not start (its error's text, e.g. a model class it
+                cannot import -- one defined in a script's ``__main__``) or died.
+        """
+        if not self._ready:
+            import select
+
+            if not select.select([self._proc.stdout], [], [], timeout)[0]:
+                return False
+            ok, err = self._recv()
+            shutil.rmtree(self._tmp, ignore_errors=True)  # both sides have mapped the slots: nothing left behind
+            if not ok:
+                self.close()
+                raise RuntimeError(f"the on-policy check process could not start: {err}")
+            self._ready = True
+        return True
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
+    def _send(self, obj: Any) -> None:
+        try:
+            pickle.dump(obj, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError as e:  # a broken pipe: the child is gone
+            raise RuntimeError(f"the on-policy check process died (exit code {self._proc.poll()})") from e
+
+    def _recv(self) -> Any:
+        try:
+            return pickle.load(self._proc.stdout)  # type: ignore[arg-type]
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            raise RuntimeError(f"the on-policy check process died (exit code {self._proc.wait()})") from e
 
     def submit(self, batch: Any, version: int, slots: dict[int, int], max_rows: int,
                seed: int) -> Callable[[], torch.Tensor]:
@@ -84,20 +196,16 @@ class CheckProcess:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died
                 during the check (from the returned function).
         """
-        if self._busy:
-            raise RuntimeError("internal: a second on-policy check was submitted before the first was taken")
-        try:
-            self._conn.send((batch, version, slots, max_rows, seed))
-        except OSError as e:  # a broken pipe: the child is gone
-            raise RuntimeError(f"the on-policy check process died (exit code {self._proc.exitcode})") from e
+        if self._busy or not self._ready:
+            raise RuntimeError("internal: an on-policy check was submitted before the process was ready "
+                               "or before the previous check was taken")
+        self._send((batch, version, slots, max_rows, seed))
         self._busy = True
+        self.checks += 1
 
         def result() -> torch.Tensor:
             self._busy = False
-            try:
-                ok, out = self._conn.recv()
-            except (EOFError, OSError) as e:
-                raise RuntimeError(f"the on-policy check process died (exit code {self._proc.exitcode})") from e
+            ok, out = self._recv()
             if not ok:
                 raise RuntimeError(f"the on-policy check process failed: {out}")
             return out
@@ -105,12 +213,21 @@ class CheckProcess:
         return result
 
     def close(self) -> None:
-        """Stop the child (it exits when its pipe closes; killed after 5 s)."""
-        with contextlib.suppress(OSError):
-            self._conn.close()
-        self._proc.join(timeout=5)
-        if self._proc.is_alive():
-            self._proc.kill()
+        """Stop the child (it exits when its stdin closes; killed after 5 s)."""
+        self._finalizer()
+
+
+def _stop(proc: subprocess.Popen, tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(OSError):
+        proc.stdout.close()  # type: ignore[union-attr]
 
 
 class _Forwarder:
@@ -158,32 +275,49 @@ class _Slots:
         return self._models[self._slots[version]]
 
 
-def _serve(conn: Any, model: torch.nn.Module, ring: list[dict[str, torch.Tensor]], micro_batch_size: int,
-           compute_dtype: torch.dtype, threads: int) -> None:
-    """The child's loop: one check per message until the pipe closes."""
+def _serve() -> None:
+    """The child: map the ring, then one check per message on stdin until it closes."""
     import copy
 
     from molt_core.train.forward import recompute_logprobs
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    torch.set_num_threads(max(1, threads))
-    model.eval().requires_grad_(False)
-    models = []
-    for state in ring:  # parameters and buffers become the slot's shared tensors (tied ones stay tied)
-        m = copy.deepcopy(model) if models else model
-        m.load_state_dict(state, assign=True)
-        models.append(m.eval().requires_grad_(False))
+    out = os.fdopen(os.dup(1), "wb")  # replies; anything a library prints goes to stderr
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+
+    def reply(obj: Any) -> None:
+        pickle.dump(obj, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+
+    try:
+        blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads = pickle.load(inp)
+        torch.set_num_threads(max(1, threads))
+        model = pickle.loads(blob).eval().requires_grad_(False)
+        models = []
+        for p in paths:  # parameters and buffers become the slot's shared tensors (tied ones stay tied)
+            m = copy.deepcopy(model) if models else model
+            m.load_state_dict(map_slot(p, layout, nbytes), assign=True)
+            models.append(m.eval().requires_grad_(False))
+    except Exception as e:  # noqa: BLE001 -- the trainer runs the check in line and says why
+        reply((False, repr(e)))
+        return
+    reply((True, None))
     fwd = _Forwarder(micro_batch_size, compute_dtype)
     while True:
         try:
-            batch, version, slots, max_rows, seed = conn.recv()
-        except (EOFError, OSError):
+            batch, version, slots, max_rows, seed = pickle.load(inp)
+        except EOFError:
             return
         try:
             gen = torch.Generator().manual_seed(seed)
             with torch.no_grad():
-                out = stale_absdiff(batch, version, _Slots(models, slots),
-                                    lambda b, m: recompute_logprobs(fwd, b, m)[0], None, max_rows, generator=gen)
-            conn.send((True, out))
+                d = stale_absdiff(batch, version, _Slots(models, slots),
+                                  lambda b, m: recompute_logprobs(fwd, b, m)[0], None, max_rows, generator=gen)
+            reply((True, d))
         except Exception as e:  # noqa: BLE001 -- the trainer raises it after the step's bookkeeping
-            conn.send((False, repr(e)))
+            reply((False, repr(e)))
+
+
+if __name__ == "__main__":
+    _serve()

@@ -354,6 +354,7 @@ class Trainer:
         onpol_result = self._onpolicy_stale(batch)
         if num_tokens > 0:
             self.history.record(self.version, self.model)
+            self._start_check_process()
         t_check = time.perf_counter() - t_check
         t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -429,10 +430,8 @@ class Trainer:
         version = self.version
         needed = (any(v < version for v in self.history.versions())
                   and bool((batch.versions[batch.mask] < version).any()))
-        if needed and self._check_process_ok(batch):
-            proc = self._check_process()
-            if proc is not None:
-                return proc.submit(batch, version, self.history.slots(), self.cfg.async_.onpolicy_rows, seed)
+        if needed and self._check_proc is not None and self._check_process_ok(batch) and self._check_ready():
+            return self._check_proc.submit(batch, version, self.history.slots(), self.cfg.async_.onpolicy_rows, seed)
         gen = torch.Generator().manual_seed(seed)
         out = stale_absdiff(batch, version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
                             self.model, self.cfg.async_.onpolicy_rows, generator=gen)
@@ -443,20 +442,38 @@ class Trainer:
         return (self.overlap_onpolicy_check and self.device.type == "cpu" and self.history.keep > 0
                 and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
 
-    def _check_process(self) -> Any:
-        """The on-policy check's process (started on first use, the history then moved to shared
-        memory), or None when it cannot start (logged once; the check then runs in line)."""
-        if self._check_proc is None and not self._check_proc_failed:
-            from molt_core.train.onpolicy_check import CheckProcess
+    def _start_check_process(self) -> None:
+        """Start the on-policy check's process once, when this trainer may use it (a one-process
+        CPU trainer keeping versions, no VL model, no routing replay) -- after the first update,
+        so a trainer that never steps starts none. The version history moves to its shared
+        ring now; the checks run in line until the child is ready. A failure to start is logged
+        once and the check stays in line (it measures the same thing)."""
+        if (self._check_proc is not None or self._check_proc_failed or not self.overlap_onpolicy_check
+                or self.device.type != "cpu" or self.history.keep == 0 or self.vision_processor is not None
+                or self.replay_backend is not None):
+            return
+        from molt_core.train.onpolicy_check import CheckProcess
 
-            try:
-                ring = self.history.share(self.model)  # the held versions move to shared memory
-                self._check_proc = CheckProcess(self.model, ring, self.cfg.trainer.micro_batch_size,
-                                                self.compute_dtype, torch.get_num_threads())
-            except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
-                self._check_proc_failed = True
-                log.warning("the on-policy check runs in line (its process could not start: %r)", e)
-        return self._check_proc
+        try:
+            proc = CheckProcess(self.model, self.history.keep + 1, self.cfg.trainer.micro_batch_size,
+                                self.compute_dtype, torch.get_num_threads())
+            self.history.share(proc.ring)  # the held versions move to shared memory
+            self._check_proc = proc
+        except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
+            self._check_failed(e)
+
+    def _check_ready(self) -> bool:
+        """Whether the check process can take this step's check (never waits)."""
+        try:
+            return bool(self._check_proc is not None and self._check_proc.ready())
+        except RuntimeError as e:
+            self._check_proc = None
+            self._check_failed(e)
+            return False
+
+    def _check_failed(self, e: BaseException) -> None:
+        self._check_proc_failed = True
+        log.warning("the on-policy check runs in line (its process could not start: %s)", e)
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
