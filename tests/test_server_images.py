@@ -26,22 +26,12 @@ from molt_core.identity import TokenCheck, check_tokens
 from molt_core.images import ImagePolicy, data_url
 from molt_core.server import create_app, start_server
 
-VL = "builtin:tiny-qwen2.5-vl"
 PAD = 514
 TOOLS = [{"type": "function", "function": {"name": "zoom", "description": "zoom in",
                                            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
 A_TOOLS = [{"name": "zoom", "description": "zoom in",
             "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
 CALL = '<tool_call>\n{"name": "zoom", "arguments": {"x": 1}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def vl():
-    from molt_core.models import load_tokenizer
-    from molt_core.vision import load_vision_processor
-
-    tok = load_tokenizer(VL)
-    return tok, load_vision_processor(VL, tok)
 
 
 @pytest.fixture()
