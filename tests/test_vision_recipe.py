@@ -1,5 +1,6 @@
-"""recipes/vision.toml: it validates and builds (default suite); (slow) `molt run vision` runs a
-few steps with image segments token-exact and every invariant metric clean."""
+"""recipes/vision.toml: it validates and builds (default suite); (slow) `molt run vision` and
+`molt run vision_chat` run a few steps with image segments token-exact and every invariant
+metric clean."""
 
 from __future__ import annotations
 
@@ -68,10 +69,11 @@ def test_vision_recipe_prompt_matches_the_vision_module(vl_tok):
 
 
 @pytest.mark.slow
-def test_molt_run_vision_is_token_exact_and_clean(tmp_path, vl_tok):
+@pytest.mark.parametrize("recipe", ["vision", "vision_chat"])  # the env, and the ChatAgent over the OpenAI SDK
+def test_molt_run_vision_is_token_exact_and_clean(tmp_path, vl_tok, recipe):
     out = tmp_path / "run"
     env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "molt_core.cli", "run", "vision", "--out", str(out), "--set", "run.steps=3",
+    cmd = [sys.executable, "-m", "molt_core.cli", "run", recipe, "--out", str(out), "--set", "run.steps=3",
            "--set", "sft.steps=20", "--set", "eval.n_problems=16", "--set", "eval.every=0",
            "--set", "rollout.prompts_per_step=4", "--set", "rollout.n_samples_per_prompt=4"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_vars, cwd=tmp_path)
