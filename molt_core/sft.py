@@ -303,7 +303,9 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
 
     Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the
     agent would be shown: for an :class:`~molt_core.agents.Env`, its ``first_messages(task)``
-    (the ``system_prompt``, if any, and ``reset(task)`` as the user message); otherwise ``task["question"]`` as the user
+    (the ``system_prompt``, if any, and ``reset(task)`` as the user message); for a
+    :class:`~molt_core.agents.ChatAgent` that defines ``first_messages(task)`` (the messages its
+    ``run`` sends first, images included), those; otherwise ``task["question"]`` as the user
     message. A fraction ``label_noise`` of the completions (chosen with a ``seed``-ed RNG) is
     replaced by :func:`noisy_answer`.
 
@@ -324,8 +326,8 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
             raise ValueError(f"sft: the agent's train split has only {i} tasks, sft.n_examples asks for {n}") from None
         if "answer" not in task:
             raise ValueError(f"sft: task {i} has no 'answer' field (keys: {sorted(task)}); SFT needs a target")
-        if isinstance(agent, Env):
-            msgs = agent.first_messages(task)  # as the runtime's Env runner renders the first turn
+        if isinstance(agent, Env) or callable(getattr(agent, "first_messages", None)):
+            msgs = agent.first_messages(task)  # as the Env runner (or the ChatAgent itself) sends the first turn
         else:
             if "question" not in task:
                 raise ValueError(f"sft: task {i} has no 'question' field (keys: {sorted(task)})")

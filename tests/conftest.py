@@ -15,3 +15,31 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     pass
+
+
+import pytest  # noqa: E402
+
+#: the builtin tiny vision-language model of the image tests
+VL = "builtin:tiny-qwen2.5-vl"
+
+
+@pytest.fixture(scope="module")
+def vl_tok():
+    """The tokenizer of ``builtin:tiny-qwen2.5-vl`` (the text vocabulary + vision tokens 512..515)."""
+    from molt_core.models import load_tokenizer
+
+    return load_tokenizer(VL)
+
+
+@pytest.fixture(scope="module")
+def vl_vp(vl_tok):
+    """Its ``VisionProcessor`` (module scope: its processed-pixel cache is not shared across files)."""
+    from molt_core.vision import load_vision_processor
+
+    return load_vision_processor(VL, vl_tok)
+
+
+@pytest.fixture(scope="module")
+def vl(vl_tok, vl_vp):
+    """``(tokenizer, VisionProcessor)`` of ``builtin:tiny-qwen2.5-vl``."""
+    return vl_tok, vl_vp

@@ -25,17 +25,7 @@ from molt_core.images import ImageError, image_part
 from molt_core.ledger import Ledger
 from molt_core.types import SamplingParams
 
-VL = "builtin:tiny-qwen2.5-vl"
 PAD, VSTART, VEND = 514, 512, 513
-
-
-@pytest.fixture(scope="module")
-def vl():
-    from molt_core.models import load_tokenizer
-    from molt_core.vision import load_vision_processor
-
-    tok = load_tokenizer(VL)
-    return tok, load_vision_processor(VL, tok)
 
 
 def png(w: int, h: int, color=(255, 0, 0), noise: int | None = None) -> bytes:

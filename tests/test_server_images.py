@@ -26,22 +26,12 @@ from molt_core.identity import TokenCheck, check_tokens
 from molt_core.images import ImagePolicy, data_url
 from molt_core.server import create_app, start_server
 
-VL = "builtin:tiny-qwen2.5-vl"
 PAD = 514
 TOOLS = [{"type": "function", "function": {"name": "zoom", "description": "zoom in",
                                            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
 A_TOOLS = [{"name": "zoom", "description": "zoom in",
             "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
 CALL = '<tool_call>\n{"name": "zoom", "arguments": {"x": 1}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def vl():
-    from molt_core.models import load_tokenizer
-    from molt_core.vision import load_vision_processor
-
-    tok = load_tokenizer(VL)
-    return tok, load_vision_processor(VL, tok)
 
 
 @pytest.fixture()
@@ -224,6 +214,69 @@ def test_responses_sdk_input_image_exact(vl, served):
     check_identity(traj)
 
 
+R_TOOLS = [{"type": "function", "name": "zoom", "description": "zoom in",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
+
+
+def test_responses_sdk_streaming_tool_call_and_images_in_later_items(vl, served):
+    """The Responses wire with images, streamed: turn 1 shows an image and streams a function
+    call; turn 2 sends a ``function_call_output`` whose output carries an image, streamed;
+    turn 3 is a new user message with a third image. One segment, id for id (runs 4, 2, 9 by
+    hand: 28x28, 14x28, 42x42), each image stored once."""
+    tok, _ = vl
+    a, b, d = png(28, 28), png(14, 28, (0, 200, 0)), png(42, 42, (10, 10, 10))
+    eng = ScriptedEngine(tok, [f"Zooming.\n{CALL}", "Green.", "Dark."])
+    h = served(eng)
+    info = h.create_session()
+    c = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+    image = lambda img: {"type": "input_image", "image_url": data_url(img, "image/png"), "detail": "auto"}  # noqa: E731
+    inp = [{"role": "user", "content": [{"type": "input_text", "text": "count"}, image(a)]}]
+    events = list(c.responses.create(model="policy", input=inp, tools=R_TOOLS, stream=True))
+    assert [e.type for e in events if e.type.startswith("response.function_call")] == [
+        "response.function_call_arguments.delta", "response.function_call_arguments.done"]
+    r1 = events[-1].response
+    assert events[-1].type == "response.completed" and [o.type for o in r1.output] == ["message", "function_call"]
+    fc = r1.output[1]
+    assert (fc.name, fc.arguments) == ("zoom", '{"x": 1}') and r1.output_text == "Zooming."
+    ids1 = r1.model_extra["token_ids"]
+    assert ids1 == enc(tok, f"Zooming.\n{CALL}") + [tok.eos_token_id]
+    shown = [{"role": "user", "content": [{"type": "text", "text": "count"}, {"type": "image"}]}]
+    seg = xp(enc(tok, render(tok, shown, TOOLS)), [4]) + ids1
+    assert eng.prompts[0] == seg[:-len(ids1)] and eng.images[0] == [a]
+    # turn 2: the tool's output is an image (and text), streamed back
+    inp += [*[o.model_dump(exclude_none=True) for o in r1.output],
+            {"type": "function_call_output", "call_id": fc.call_id,
+             "output": [{"type": "input_text", "text": "zoomed:"}, image(b)]}]
+    with c.responses.stream(model="policy", input=inp, tools=R_TOOLS) as st:
+        r2 = st.get_final_response()
+    assert r2.output_text == "Green."
+    ids2 = r2.model_extra["token_ids"]
+    asst = {"role": "assistant", "content": "Zooming.", "tool_calls": [
+        {"id": fc.call_id, "type": "function", "function": {"name": "zoom", "arguments": '{"x": 1}'}}]}
+    shown2 = shown + [asst, {"role": "tool", "tool_call_id": fc.call_id,
+                             "content": [{"type": "text", "text": "zoomed:"}, {"type": "image"}]}]
+    seg += xp(delta(tok, shown + [asst], shown2, TOOLS), [2]) + ids2
+    # turn 3: a later user message with a new image, streamed
+    inp += [*[o.model_dump(exclude_none=True) for o in r2.output],
+            {"role": "user", "content": [image(d), {"type": "input_text", "text": "and this?"}]}]
+    events = list(c.responses.create(model="policy", input=inp, tools=R_TOOLS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Dark."
+    ids3 = events[-1].response.model_extra["token_ids"]
+    assert ids3 == enc(tok, "Dark.") + [tok.eos_token_id]
+    shown3 = shown2 + [{"role": "assistant", "content": "Green."},
+                       {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and this?"}]}]
+    seg += xp(delta(tok, shown2 + [{"role": "assistant", "content": "Green."}], shown3, TOOLS), [9]) + ids3
+    assert eng.images == [[a], [a, b], [a, b, d]]
+    traj = h.close_session(info.session_id)
+    assert len(traj.segments) == 1 and traj.segments[0].token_ids == seg
+    s = traj.segments[0]
+    assert runs_of(s) == pad_runs(seg) and [r.end - r.start for r in s.images] == [4, 2, 9]
+    assert [r.grid_thw for r in s.images] == [[1, 4, 4], [1, 4, 2], [1, 6, 6]]
+    assert traj.images == {sha(a): b64(a), sha(b): b64(b), sha(d): b64(d)}
+    assert traj.info["requests"] == {"start": 1, "extend": 2, "rewrite": 0, "retry": 0}
+    check_identity(traj)
+
+
 # ------------------------------------------------------------------ refusals (in each wire's shape)
 
 
@@ -249,13 +302,16 @@ BAD = {  # name -> (url, base64 data, media type, expected words)
                          "image/jpeg image but the media type says image/png"),
     "unsupported media type": ("data:image/bmp;base64,AAAA", "AAAA", "image/bmp", "'image/bmp' is not supported"),
     "too big": (data_url(png(56, 56), "image/png"), b64(png(56, 56)), "image/png", "over the limit of 100 bytes"),
+    "too many pixels": (data_url(png(15, 14), "image/png"), b64(png(15, 14)), "image/png",
+                        "the image is 15x14 = 210 pixels, over the limit of 196"),
 }
+POLICY = {"too big": ImagePolicy(max_bytes=100), "too many pixels": ImagePolicy(max_pixels=196)}
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_images_refused_on_every_wire(app_client, case):
     url, data, mt, words = BAD[case]
-    eng, tc, sid, auth = app_client(image_policy=ImagePolicy(max_bytes=100) if case == "too big" else None)
+    eng, tc, sid, auth = app_client(image_policy=POLICY.get(case))
     # OpenAI Chat
     body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
                                                                      {"type": "image_url", "image_url": {"url": url}}]}]}
@@ -292,6 +348,12 @@ def test_remote_urls_refused_unless_allowed(app_client):
     body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}
     r = tc.post(f"/s/{sid}/v1/responses", json=body, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].file_id"
+    body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                                                 {"type": "input_image", "image_url": remote}]}]}
+    r = tc.post(f"/s/{sid}/v1/responses", json=body, headers=auth)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_image" and err["param"] == "input[0].content[1].image_url"
+    assert "allow_remote_urls" in err["message"]
     assert eng.calls == 0
 
 

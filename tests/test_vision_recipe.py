@@ -1,5 +1,6 @@
-"""recipes/vision.toml: it validates and builds (default suite); (slow) `molt run vision` runs a
-few steps with image segments token-exact and every invariant metric clean."""
+"""recipes/vision.toml: it validates and builds (default suite); (slow) `molt run vision` and
+`molt run vision_chat` run a few steps with image segments token-exact and every invariant
+metric clean."""
 
 from __future__ import annotations
 
@@ -24,23 +25,16 @@ RECIPE = ROOT / "recipes" / "vision.toml"
 RUN, GRID = 16, [1, 8, 8]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from molt_core.models import load_tokenizer
-
-    return load_tokenizer("builtin:tiny-qwen2.5-vl")
-
-
-def expected_prompt_ids(tok, env: VisualEnv, task: dict) -> list[int]:
+def expected_prompt_ids(vl_tok, env: VisualEnv, task: dict) -> list[int]:
     """The prompt as transformers' Qwen2.5-VL processor builds it: the chat template's text with
     the one ``<|image_pad|>`` replaced by the image's run (``Qwen2_5_VLProcessor.__call__``),
     then tokenized -- independent of molt's ledger and vision module."""
-    text = tok.apply_chat_template(env.first_messages(task), tokenize=False, add_generation_prompt=True)
+    text = vl_tok.apply_chat_template(env.first_messages(task), tokenize=False, add_generation_prompt=True)
     assert text.count("<|image_pad|>") == 1
-    return tok.encode(text.replace("<|image_pad|>", "<|image_pad|>" * RUN), add_special_tokens=False)
+    return vl_tok.encode(text.replace("<|image_pad|>", "<|image_pad|>" * RUN), add_special_tokens=False)
 
 
-def test_vision_recipe_validates_and_builds(tok):
+def test_vision_recipe_validates_and_builds(vl_tok):
     cfg = load_config(RECIPE)
     host = load_plugins()
     assert cfg.model.path == "builtin:tiny-qwen2.5-vl" and cfg.agent.name == "visual"
@@ -52,13 +46,13 @@ def test_vision_recipe_validates_and_builds(tok):
     assert len(ev) == cfg.eval.n_problems == 256
     assert {t["answer"] for t in ev} == {"1", "2", "3", "4"}
     # each image is 16 image tokens for the builtin model; the prompt is short enough for its context
-    ids = expected_prompt_ids(tok, env, ev[0])
-    assert ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == RUN
+    ids = expected_prompt_ids(vl_tok, env, ev[0])
+    assert ids.count(vl_tok.convert_tokens_to_ids("<|image_pad|>")) == RUN
     assert len(ids) + cfg.rollout.max_tokens <= cfg.rollout.max_total_tokens
     assert RECIPE.read_text().splitlines()[0].startswith("# ")
 
 
-def test_vision_recipe_prompt_matches_the_vision_module(tok):
+def test_vision_recipe_prompt_matches_the_vision_module(vl_tok):
     """molt's own expansion (molt_core.vision, what the ledger and SFT use) equals the
     processor-style reference above for the recipe's images."""
     from molt_core.sft import render_with_images
@@ -66,19 +60,20 @@ def test_vision_recipe_prompt_matches_the_vision_module(tok):
 
     cfg = load_config(RECIPE)
     env = VisualEnv(**cfg.agent.options)
-    vp = load_vision_processor(cfg.model.path, tok)
+    vp = load_vision_processor(cfg.model.path, vl_tok)
     for task in list(env.tasks("eval", 0))[:4]:
-        prompt, comp, images = render_with_images(tok, vp, env.first_messages(task), task["answer"])
-        assert prompt == expected_prompt_ids(tok, env, task)
+        prompt, comp, images = render_with_images(vl_tok, vp, env.first_messages(task), task["answer"])
+        assert prompt == expected_prompt_ids(vl_tok, env, task)
         assert images == [png_bytes(task)]
-        assert comp == tok.encode(task["answer"] + "<|im_end|>", add_special_tokens=False)
+        assert comp == vl_tok.encode(task["answer"] + "<|im_end|>", add_special_tokens=False)
 
 
 @pytest.mark.slow
-def test_molt_run_vision_is_token_exact_and_clean(tmp_path, tok):
+@pytest.mark.parametrize("recipe", ["vision", "vision_chat"])  # the env, and the ChatAgent over the OpenAI SDK
+def test_molt_run_vision_is_token_exact_and_clean(tmp_path, vl_tok, recipe):
     out = tmp_path / "run"
     env_vars = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "molt_core.cli", "run", "vision", "--out", str(out), "--set", "run.steps=3",
+    cmd = [sys.executable, "-m", "molt_core.cli", "run", recipe, "--out", str(out), "--set", "run.steps=3",
            "--set", "sft.steps=20", "--set", "eval.n_problems=16", "--set", "eval.every=0",
            "--set", "rollout.prompts_per_step=4", "--set", "rollout.n_samples_per_prompt=4"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env_vars, cwd=tmp_path)
@@ -93,7 +88,7 @@ def test_molt_run_vision_is_token_exact_and_clean(tmp_path, tok):
         assert x["invariants/onpolicy_tokens"] > 0
         assert x["invariants/logprob_absdiff_max_onpolicy"] <= 1e-5  # float32, image segments included
     env = VisualEnv(**load_config(RECIPE).agent.options)
-    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    pad = vl_tok.convert_tokens_to_ids("<|image_pad|>")
     trajs = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines() if x.strip()]
     assert trajs
     for t in trajs:
@@ -101,7 +96,7 @@ def test_molt_run_vision_is_token_exact_and_clean(tmp_path, tok):
         sha = hashlib.sha256(png).hexdigest()
         assert list(t["images"]) == [sha] and base64.b64decode(t["images"][sha]) == png  # stored once
         (seg,) = t["segments"]
-        prompt = expected_prompt_ids(tok, env, t["task"])
+        prompt = expected_prompt_ids(vl_tok, env, t["task"])
         assert seg["token_ids"][: len(prompt)] == prompt  # id for id, the 16 image tokens included
         assert not any(seg["loss_mask"][: len(prompt)]) and any(seg["loss_mask"][len(prompt):])
         (ref,) = seg["images"]

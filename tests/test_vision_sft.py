@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from molt_core.images import image_part
-from molt_core.models import load_model, load_tokenizer
+from molt_core.models import load_model
 from molt_core.sft import render_example, render_with_images, sft
 from molt_core.train import Trainer
 from molt_core.vision import load_vision_processor
@@ -24,42 +24,37 @@ def colour_example(name: str, size: int = 28):
     return msgs, name
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(VL)
-
-
-def test_render_with_images_equals_the_ledger(tok):
+def test_render_with_images_equals_the_ledger(vl_tok):
     from molt_core.ledger import Ledger
 
-    vp = load_vision_processor(VL, tok)
+    vp = load_vision_processor(VL, vl_tok)
     msgs, answer = colour_example("red", 56)
-    p, c, images = render_with_images(tok, vp, msgs, answer)
-    prep = Ledger(tok, vision=vp).prepare(msgs)
+    p, c, images = render_with_images(vl_tok, vp, msgs, answer)
+    prep = Ledger(vl_tok, vision=vp).prepare(msgs)
     assert p == prep.prompt_ids and images == prep.images == [png(56, 56, COLOURS["red"])]
     assert p.count(vp.image_token_id) == 16  # 56x56 -> grid 1x8x8 -> 16 tokens
-    assert c == tok.encode("red", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert c == vl_tok.encode("red", add_special_tokens=False) + [vl_tok.convert_tokens_to_ids("<|im_end|>")]
     # a text prompt is render_example's, no images
     text = [{"role": "user", "content": "hi"}]
-    assert render_with_images(tok, vp, text, "yo") == (*render_example(tok, text, "yo"), [])
+    assert render_with_images(vl_tok, vp, text, "yo") == (*render_example(vl_tok, text, "yo"), [])
     with pytest.raises(ValueError, match="not a vision-language model"):
-        render_with_images(tok, None, msgs, answer)
+        render_with_images(vl_tok, None, msgs, answer)
 
 
-def test_sft_on_images_learns_the_colour(tok):
+def test_sft_on_images_learns_the_colour(vl_tok):
     """Text is identical across examples; only the image tells the answer. After SFT the
     completion's mean logprob under the right image beats the wrong one's on every colour."""
     model = load_model(VL, seed=0)
     cfg = tiny_cfg(model={"path": VL}, trainer={"micro_batch_size": 6})
-    tr = Trainer(cfg, model=copy.deepcopy(model), tokenizer=tok)
+    tr = Trainer(cfg, model=copy.deepcopy(model), tokenizer=vl_tok)
     examples = [colour_example(n) for n in COLOURS for _ in range(2)]
     losses = sft(tr, examples, steps=40, batch_size=6, lr=3e-3, seed=0)
     assert losses[-1] < 0.1 * losses[0]
-    vp = load_vision_processor(VL, tok)
+    vp = load_vision_processor(VL, vl_tok)
     from molt_core.vision import padded_inputs
 
     def score(m, shown: str, answer: str) -> float:
-        p, c, images = render_with_images(tok, vp, colour_example(shown)[0], answer)
+        p, c, images = render_with_images(vl_tok, vp, colour_example(shown)[0], answer)
         ids = p + c
         kw = padded_inputs(m, vp, [(ids, images)], len(ids))
         with torch.no_grad():
@@ -77,7 +72,7 @@ def test_sft_on_images_learns_the_colour(tok):
     assert any(n.startswith("model.visual.") for n in moved)
 
 
-def test_sft_rows_may_carry_image_parts(tok):
+def test_sft_rows_may_carry_image_parts(vl_tok):
     from molt_core.sft import examples_from_rows
 
     msgs, answer = colour_example("blue")
@@ -85,8 +80,8 @@ def test_sft_rows_may_carry_image_parts(tok):
             {"messages": msgs + [{"role": "assistant", "content": answer}]}]
     ex = examples_from_rows(rows)
     assert ex == [(msgs, "blue"), (msgs, "blue")]
-    vp = load_vision_processor(VL, tok)
-    p, c, images = render_with_images(tok, vp, *ex[0])
+    vp = load_vision_processor(VL, vl_tok)
+    p, c, images = render_with_images(vl_tok, vp, *ex[0])
     assert p.count(vp.image_token_id) == 4 and len(images) == 1
     with pytest.raises(ValueError, match="assistant message's content must be a string"):
         examples_from_rows([{"messages": msgs + [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}]}])
