@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -132,11 +133,18 @@ class CheckProcess:
         paths = [os.path.join(self._tmp, f"slot{i}") for i in range(slots)]
         self.ring = [map_slot(p, layout, nbytes) for p in paths]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
-        self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check"],
+        # the child removes the ring's files once it has mapped them (or failed to): nothing is
+        # left in /dev/shm even when this process is killed before it reads the child's reply
+        self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check", self._tmp],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # the model (more than a pipe holds) goes on a thread: the write ends only once the
+        # child, after seconds of imports, has read it, and the step that starts it goes on
+        self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,
+                                        args=((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads),))
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._tmp)
-        self._send((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads))
+        self._sent = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._tmp, self._sender, self._sent)
+        self._sender.start()
         self._ready = False
         self._busy = False
         #: checks run in the child so far
@@ -157,7 +165,8 @@ class CheckProcess:
             if not select.select([self._proc.stdout], [], [], timeout)[0]:
                 return False
             ok, err = self._recv()
-            shutil.rmtree(self._tmp, ignore_errors=True)  # both sides have mapped the slots: nothing left behind
+            self._sender.join()  # the child has read the whole start message
+            shutil.rmtree(self._tmp, ignore_errors=True)  # (the child removed it already)
             if not ok:
                 self.close()
                 raise RuntimeError(f"the on-policy check process could not start: {err}")
@@ -168,6 +177,11 @@ class CheckProcess:
     def pid(self) -> int:
         """The child's process id."""
         return self._proc.pid
+
+    def _send_start(self, msg: Any) -> None:
+        with contextlib.suppress(RuntimeError, ValueError):  # the child is gone (or closed): ready() says so
+            self._send(msg)
+            self._sent.set()
 
     def _send(self, obj: Any) -> None:
         try:
@@ -180,7 +194,12 @@ class CheckProcess:
         try:
             return pickle.load(self._proc.stdout)  # type: ignore[arg-type]
         except (EOFError, OSError, pickle.UnpicklingError) as e:
-            raise RuntimeError(f"the on-policy check process died (exit code {self._proc.wait()})") from e
+            try:
+                code = self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # alive, but its reply was cut (an interrupted read): stop it
+                self._proc.kill()
+                code = self._proc.wait()
+            raise RuntimeError(f"the on-policy check process died (exit code {code})") from e
 
     def submit(self, batch: Any, version: int, slots: dict[int, int], max_rows: int,
                seed: int) -> Callable[[], torch.Tensor]:
@@ -190,35 +209,47 @@ class CheckProcess:
         that waits for the ``[N]`` float64 differences.
 
         The ring slots read must not be written (:meth:`VersionHistory.record`) before the
-        result is taken: the ring's spare slot guarantees it for one check in flight.
+        result is taken: the ring's spare slot guarantees it for one check in flight. A check
+        whose result was never taken (its step raised, or was interrupted, after sending it) is
+        waited for here and its reply dropped, so each result is its own check's.
 
         Raises:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died
                 during the check (from the returned function).
         """
-        if self._busy or not self._ready:
-            raise RuntimeError("internal: an on-policy check was submitted before the process was ready "
-                               "or before the previous check was taken")
+        if not self._ready:
+            raise RuntimeError("internal: an on-policy check was submitted before the process was ready")
+        if self._busy:  # an interrupted step's check: its reply is dropped (it failed or not)
+            with contextlib.suppress(_CheckFailed):
+                self._take()
         self._send((batch, version, slots, max_rows, seed))
         self._busy = True
         self.checks += 1
+        return self._take
 
-        def result() -> torch.Tensor:
-            self._busy = False
-            ok, out = self._recv()
-            if not ok:
-                raise RuntimeError(f"the on-policy check process failed: {out}")
-            return out
-
-        return result
+    def _take(self) -> torch.Tensor:
+        """The reply of the check in flight (``_busy`` stays set until it is read whole)."""
+        ok, out = self._recv()
+        self._busy = False
+        if not ok:
+            raise _CheckFailed(f"the on-policy check process failed: {out}")
+        return out
 
     def close(self) -> None:
         """Stop the child (it exits when its stdin closes; killed after 5 s)."""
         self._finalizer()
 
 
-def _stop(proc: subprocess.Popen, tmp: str) -> None:
+class _CheckFailed(RuntimeError):
+    """A check failed in the child (its error's text); the child goes on."""
+
+
+def _stop(proc: subprocess.Popen, tmp: str, sender: threading.Thread, sent: threading.Event) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
+    if not sent.is_set():  # the child has not read its start message (still importing, or stuck): no
+        proc.kill()  # check can be in flight; closing stdin would wait for the sender's write, which fails now
+        if sender is not threading.current_thread():
+            sender.join()
     with contextlib.suppress(OSError):
         proc.stdin.close()  # type: ignore[union-attr]
     try:
@@ -275,8 +306,9 @@ class _Slots:
         return self._models[self._slots[version]]
 
 
-def _serve() -> None:
-    """The child: map the ring, then one check per message on stdin until it closes."""
+def _serve(tmp: str) -> None:
+    """The child: map the ring (then remove its files, in ``tmp``), then one check per
+    message on stdin until it closes."""
     import copy
 
     from molt_core.train.forward import recompute_logprobs
@@ -291,13 +323,18 @@ def _serve() -> None:
         out.flush()
 
     try:
-        blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads = pickle.load(inp)
+        try:
+            blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads = pickle.load(inp)
+            states = [map_slot(p, layout, nbytes) for p in paths]
+        finally:  # both sides have mapped the slots (or this one never will): nothing left behind
+            shutil.rmtree(tmp, ignore_errors=True)
         torch.set_num_threads(max(1, threads))
         model = pickle.loads(blob).eval().requires_grad_(False)
+        del blob
         models = []
-        for p in paths:  # parameters and buffers become the slot's shared tensors (tied ones stay tied)
+        for state in states:  # parameters and buffers become the slot's shared tensors (tied ones stay tied)
             m = copy.deepcopy(model) if models else model
-            m.load_state_dict(map_slot(p, layout, nbytes), assign=True)
+            m.load_state_dict(state, assign=True)
             models.append(m.eval().requires_grad_(False))
     except Exception as e:  # noqa: BLE001 -- the trainer runs the check in line and says why
         reply((False, repr(e)))
@@ -320,4 +357,4 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(sys.argv[1])
