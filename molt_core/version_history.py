@@ -19,7 +19,10 @@ Cost, exactly:
 
 * host memory: one CPU copy of the weights per held version (``max_staleness`` of them);
   tensors that share storage (tied input/output embeddings) are copied once
-  (:meth:`VersionHistory.nbytes`);
+  (:meth:`VersionHistory.nbytes`); with the check process below, ``max_staleness + 1``
+  copies in shared memory (``/dev/shm``: the ring's spare slot takes the next version while
+  the process reads the others), plus that process (~270 MB of private memory: an interpreter
+  with torch imported; tiny Qwen3 on CPU);
 * accelerator memory: the shadow model -- a deep copy of the policy on the trainer's device
   (a second full copy of the weights there), built on the first stale recompute and kept for
   the run (loading a version into it is a host-to-device copy, no new allocation);
