@@ -706,3 +706,36 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("rows", [-1, 5])
+def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches(rows):
+    """The check process's ``[N]`` differences equal the in-line check's exactly, token for
+    token, when the batch is split into micro-batches (12 rows at ``micro_batch_size = 5``:
+    5 + 5 + 2, each padded to its own longest row -- the other tests' 12 rows fit the default
+    64 in one micro-batch) and with ``async.onpolicy_rows = 5`` (the same 5 rows sampled). The
+    behaviour logprobs are the placeholder -1.0, so each difference is ``|-1 - logprob under
+    version 0|``: every token's recompute is compared, not a zero."""
+    from molt_core.train import build_batch
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1, "onpolicy_rows": rows}},
+                          trainer={"lr": 1e-2, "micro_batch_size": 5}))
+    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1)  # ts1: version 0, behaviour -1.0
+    set_behaviour(tr, ts0)
+    tr.train_step(ts0)
+    assert tr._check_proc.ready(timeout=120)
+    batch = build_batch(ts1, tr.pad_id, tr.vocab_size)
+    assert batch.size == 12 and len(tr._micro_batches(batch)) == 3
+    d_proc = tr._onpolicy_stale(batch)()
+    assert tr._check_proc.checks == 1
+    tr.overlap_onpolicy_check = False
+    d_line = tr._onpolicy_stale(batch)()
+    assert tr._check_proc.checks == 1
+    n_all = int(batch.mask.sum())
+    assert (d_line.numel() == n_all) if rows < 0 else (0 < d_line.numel() < n_all)  # all, or 5 rows' tokens
+    assert torch.equal(d_proc, d_line) and bool((d_line > 0).all())
+    d_now = (batch.behaviour_logprobs - tr.recompute_logprobs(batch)[0]).abs()[batch.mask].double()
+    if rows < 0:  # the current (version 1) weights read otherwise: the process read version 0's
+        assert not torch.allclose(d_now, d_line, atol=1e-4)
+    tr._check_proc.close()
