@@ -739,3 +739,47 @@ def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches
     if rows < 0:  # the current (version 1) weights read otherwise: the process read version 0's
         assert not torch.allclose(d_now, d_line, atol=1e-4)
     tr._check_proc.close()
+
+
+def test_the_ring_is_allocated_when_the_process_starts_so_a_full_dev_shm_is_an_error_not_sigbus(monkeypatch):
+    """Every ring slot's pages are allocated in /dev/shm when the check process starts, so
+    another user of /dev/shm (Ray's object store, growing with each publish) cannot take them
+    before the slot's first write -- which then killed the trainer with SIGBUS (shown on a
+    10 MiB tmpfs: a 2-slot ring of 2 MiB each, a 7 MiB file written after it, the record into
+    the spare slot: exit 135; now the other writer gets ENOSPC). No room at the start is a
+    MemoryError naming the fix (the trainer then checks in line), and nothing is left behind."""
+    import errno
+    import glob
+    import subprocess
+    import sys
+
+    import molt_core.train.onpolicy_check as oc
+
+    real = subprocess.Popen
+    children: list = []
+
+    def never_reads(args, **kw):  # the ring's files stay until the child maps them: here, never
+        children.append(real([sys.executable, "-c", "import time; time.sleep(120)"], **kw))
+        return children[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", never_reads)
+    model = torch.nn.Linear(256, 256)
+    layout, nbytes = oc.ring_layout(model)
+    assert nbytes == 256 * 256 * 4 + 256 * 4  # weight, then bias (64-byte aligned)
+    p = oc.CheckProcess(model, 3, 4, torch.float32, 1)
+    sizes = [(os.stat(f).st_size, os.stat(f).st_blocks * 512) for f in sorted(glob.glob(os.path.join(p._tmp, "slot*")))]
+    assert len(sizes) == 3 and all(size == nbytes and blocks >= nbytes for size, blocks in sizes), sizes
+    children[0].kill()
+    p.close()
+    assert not os.path.exists(p._tmp)
+
+    def full(fd, offset, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(oc.os, "posix_fallocate", full)
+    before = set(glob.glob(os.path.join(oc._shm_dir() or "/nonexistent", "molt-onpolicy-*")))
+    with pytest.raises(MemoryError, match=r"shared ring \(0\.8 MiB\) does not fit in .*No space left on device.*"
+                                          r"--shm-size"):
+        oc.CheckProcess(model, 3, 4, torch.float32, 1)
+    assert len(children) == 1  # no child was started
+    assert set(glob.glob(os.path.join(oc._shm_dir() or "/nonexistent", "molt-onpolicy-*"))) == before

@@ -86,6 +86,25 @@ def _shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def _reserve(path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` bytes allocated now (``posix_fallocate`` where the OS has
+    it): a full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, instead of SIGBUS -- which kills
+    the trainer -- at the first write into a slot that another user of ``/dev/shm`` (Ray's
+    object store, growing with every publish) has filled meanwhile.
+
+    Raises:
+        OSError: no room (ENOSPC), or the file cannot be created.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # (macOS: no /dev/shm either; a sparse file in the temp dir)
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def _shm_free() -> int | None:
     """Free bytes of ``/dev/shm`` (None where there is none, e.g. macOS)."""
     d = _shm_dir()
@@ -131,6 +150,14 @@ class CheckProcess:
         self._tmp = tempfile.mkdtemp(prefix="molt-onpolicy-", dir=_shm_dir())
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmp, True)
         paths = [os.path.join(self._tmp, f"slot{i}") for i in range(slots)]
+        try:
+            for p in paths:
+                _reserve(p, nbytes)
+        except OSError as e:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise MemoryError(f"the version history's shared ring ({slots * nbytes / 2**20:.1f} MiB) does not fit "
+                              f"in {_shm_dir() or tempfile.gettempdir()} ({e.strerror}): give the container a larger "
+                              f"/dev/shm (docker run --shm-size)") from e
         self.ring = [map_slot(p, layout, nbytes) for p in paths]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
         # the child removes the ring's files once it has mapped them (or failed to): nothing is
