@@ -783,3 +783,22 @@ def test_the_ring_is_allocated_when_the_process_starts_so_a_full_dev_shm_is_an_e
         oc.CheckProcess(model, 3, 4, torch.float32, 1)
     assert len(children) == 1  # no child was started
     assert set(glob.glob(os.path.join(oc._shm_dir() or "/nonexistent", "molt-onpolicy-*"))) == before
+
+
+def test_trainer_close_stops_the_check_process_and_the_check_goes_on_in_line():
+    """``Trainer.close()`` stops the child (its exit code is set) and is idempotent; a later
+    step's check runs in line and still reads a 0.5-nat fault as 0.5."""
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    tr, _ = _two_async_steps(True)
+    proc = tr._check_proc
+    tr.close()
+    tr.close()
+    assert tr._check_proc is None and proc._proc.poll() is not None
+    ts = synthetic_rollouts(2)
+    set_behaviour(tr, ts, version=1)  # sampled "by version 1" with version 2's weights: 0 nats would be wrong
+    seg = ts[0].segments[0]
+    seg.logprobs[seg.loss_mask.index(True)] += 0.5
+    m = tr.train_step(ts)
+    assert tr._check_proc is None and m["invariants/onpolicy_stale_tokens"] > 0
+    assert m["invariants/logprob_absdiff_max_onpolicy"] > 0.5 - 1e-4

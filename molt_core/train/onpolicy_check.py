@@ -163,7 +163,8 @@ class CheckProcess:
         # the child removes the ring's files once it has mapped them (or failed to): nothing is
         # left in /dev/shm even when this process is killed before it reads the child's reply
         self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check", self._tmp],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                      process_group=0)  # a terminal's Ctrl-C is the trainer's alone
         # the model (more than a pipe holds) goes on a thread: the write ends only once the
         # child, after seconds of imports, has read it, and the step that starts it goes on
         self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,

@@ -462,6 +462,14 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
             self._check_failed(e)
 
+    def close(self) -> None:
+        """Stop the on-policy check's process, if one runs (it also stops when the trainer is
+        garbage-collected or the process exits); the check then runs in line. Idempotent."""
+        if self._check_proc is not None:
+            self._check_proc.close()
+            self._check_proc = None
+        self._check_proc_failed = True  # no new one
+
     def _check_ready(self) -> bool:
         """Whether the check process can take this step's check (never waits)."""
         try:
