@@ -49,6 +49,16 @@ def test_merge_loss_metrics_min_max_sum():
     assert got == {"loss/total": 1.5, "ratio_max": 3.0, "ratio_min": 0.25, "clipfrac": 0.125}
 
 
+def test_describe_ranks_names_each_rank():
+    from molt_core.runtime.trainer_group import describe_ranks
+
+    two = [{"rank": "0", "node_id": "n", "hostname": "vm", "pid": "11", "backend": "gloo"},
+           {"rank": "1", "node_id": "n", "hostname": "vm2", "pid": "12", "backend": "gloo"}]
+    assert describe_ranks(two) == "trainer: 2 ranks (gloo): rank 0 on vm pid 11, rank 1 on vm2 pid 12"
+    one = [{"rank": "0", "node_id": "n", "hostname": "vm", "pid": "7", "backend": "none"}]
+    assert describe_ranks(one) == "trainer: 1 rank: rank 0 on vm pid 7"
+
+
 def _config(**over):
     cfg = dict(run={"seed": 3, "steps": 4},
                trainer={"lr": 1e-3, "micro_batch_size": 4, "grad_clip": 0.5, "refuse_unverified": False},
