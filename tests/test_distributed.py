@@ -183,6 +183,7 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
 
     cfg = _config()
     single = Trainer(cfg)
+    one_tok = single.tokenizer
     steps = _rollouts(single)
     run_dir = tmp_path / "run"
     full = _run_ranks(tmp_path / "a", cfg, steps, 2, run_dir=str(run_dir), save_after=1)
@@ -197,6 +198,16 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
     assert resumed["metrics"][0]["loss/total"] == full["metrics"][1]["loss/total"]
 
     hf = AutoModelForCausalLM.from_pretrained(ck / "model")
+    # servable: `molt serve --model <ck>/model` builds this engine (weights and tokenizer from the directory)
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(str(ck / "model"), max_batch_size=2)
+    try:
+        served = eng.model.state_dict()
+        assert all(torch.equal(served[k].float(), v) for k, v in hf.state_dict().items())
+        assert eng.tokenizer.encode("What is 12 + 30?") == one_tok.encode("What is 12 + 30?")
+    finally:
+        eng.close()
     one = Trainer(cfg)
     one.load_checkpoint(ck)
     assert "written by 2 trainer ranks, resuming on 1: resharding" in capsys.readouterr().out
