@@ -197,6 +197,10 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
         assert torch.equal(resumed["weights"][k], v), k
     assert resumed["metrics"][0]["loss/total"] == full["metrics"][1]["loss/total"]
 
+    from safetensors import safe_open
+
+    with safe_open(str(ck / "model" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and len(list(f.keys())) == 46  # tied: saved once, as a plain trainer does
     hf = AutoModelForCausalLM.from_pretrained(ck / "model")
     # servable: `molt serve --model <ck>/model` builds this engine (weights and tokenizer from the directory)
     from molt_core.engines.transformers_engine import TransformersEngine

@@ -298,22 +298,12 @@ class ShardedTrainer(Trainer):
 
     # -- weights out ---------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """The full policy state dict on rank 0 (CPU tensors, gathered from every shard; a
-        collective: every rank must call it); an empty dict on the other ranks.
+        """The full policy state dict on rank 0 (CPU tensors, gathered from every shard, a tied
+        head one tensor with the embedding: :func:`molt_core.train.dist_checkpoint.full_state_dict`;
+        a collective: every rank must call it); an empty dict on the other ranks."""
+        from molt_core.train.dist_checkpoint import full_state_dict
 
-        Tied parameters (``lm_head.weight`` = ``model.embed_tokens.weight`` with
-        ``tie_word_embeddings``) are one tensor under both names, as in a plain model's state
-        dict: the gather returns a separate copy per name, which the weight packers
-        (:func:`molt_core.runtime.weightpack.pack_tensors`, storage-deduplicated) would send twice."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        first: dict[int, str] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            src = first.setdefault(id(p), name)
-            if src != name and src in full and name in full:
-                full[name] = full[src]
-        return full
+        return full_state_dict(self.model)
 
     def publish(self, engines) -> int:
         """Gather the full weights (every rank calls it) and load them into ``engines`` from
