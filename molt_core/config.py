@@ -98,7 +98,7 @@ class ModelSection(_Section):
     ``dtype`` -- the trainer's compute dtype: parameters, gradients and AdamW state stay
     float32 (master weights) and ``bfloat16``/``float16`` forwards run under autocast
     (:meth:`molt_core.train.Trainer.autocast`; bound of the forward-consistency invariant per
-    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`); ``init_from`` a checkpoint to start from;
+    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`);
     ``routing_replay`` -- for an MoE policy, replay the rollout's recorded expert selection in
     the trainer's forwards (R3, arXiv 2510.11370; needs a replay backend for the model type)."""
 
