@@ -23,6 +23,9 @@ Parts (each records ``ok`` / ``failed`` / ``skipped`` with its reason and figure
    it runs the transformers engine on the GPU in-process (``--local``). Figures per step:
    ``tokens_per_s``, ``time/step``, ``time/sync``, ``sync/bytes``, the forward-consistency
    invariant; medians over the steps after the first; the collective/ray sync-time ratio.
+4. ``fsdp`` -- the 1-vs-2-rank parity test on GPUs (2 FSDP2 ranks over NCCL, one GPU each, vs
+   one plain trainer; needs 2 GPUs, skipped otherwise): loss, grad norm and weights within
+   float32 tolerance.
 
 The policy is ``--model`` (default ``Qwen/Qwen3-0.6B``) when it is in the Hugging Face cache,
 else a Qwen3-0.6B-shaped model with random weights and the builtin tokenizer (same tensor
@@ -385,6 +388,63 @@ def part_rl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     return res
 
 
+# -- 4. FSDP2 parity over NCCL ------------------------------------------------------------------
+def part_fsdp(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    """The 1-vs-2-rank parity of ``tests/test_distributed.py`` on GPUs: two
+    :class:`~molt_core.train.distributed.ShardedTrainer` processes (``tests/distributed_worker.py``,
+    one GPU each, so NCCL) and one plain :class:`~molt_core.train.Trainer` on GPU 0 take the same
+    two RL steps (12 rows, micro-batches of 4, a sharded KL reference, an active clip, a stale
+    second step) on the builtin tiny Qwen3 in float32; the loss, grad norm and updated weights must
+    agree within float32 tolerance. ``--allow-cpu``: the same on CPU over gloo."""
+    import json as _json
+    import math
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trainer_utils import set_behaviour, synthetic_rollouts, tiny_cfg
+
+    from molt_core.train import Trainer
+
+    n_gpu = torch.cuda.device_count()
+    if n_gpu < 2 and not args.tiny:
+        return {"status": "skipped", "reason": f"{n_gpu} GPU(s): NCCL needs a GPU per rank (2)"}
+    gpus = 1 if n_gpu >= 2 else 0
+    cfg = tiny_cfg(run={"seed": 3, "steps": 4}, algo={"kl_coef": 0.05}, **{"async": {"max_staleness": 1}},
+                   trainer={"lr": 1e-3, "micro_batch_size": 4, "grad_clip": 0.5, "num_gpus": gpus})
+    single = Trainer(cfg)
+    steps = []
+    for seed in (11, 12):
+        trajs = synthetic_rollouts(seed, n_groups=3, n_per_group=3, two_segments_every=4)
+        set_behaviour(single, trajs, version=0)
+        steps.append(trajs)
+    one = [single.train_step(s) for s in steps]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "rollouts.json").write_text(_json.dumps([[t.model_dump(mode="json") for t in s] for s in steps]))
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs = []
+        for rank in range(2):
+            spec = {"rank": rank, "world_size": 2, "init_method": f"file://{d}/rdzv", "out": f"{d}/out.pt",
+                    "config": cfg.model_dump(mode="json", by_alias=True), "rollouts": f"{d}/rollouts.json"}
+            (Path(d) / f"spec{rank}.json").write_text(_json.dumps(spec))
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_worker.py"),
+                                           f"{d}/spec{rank}.json"], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            return {"status": "failed", "error": "a rank failed", "log_tail": "\n".join(x[-1500:] for x in logs)}
+        two = torch.load(f"{d}/out.pt", weights_only=False)
+    rel, atol, w_atol = 1e-5, 1e-6, 3e-5  # tests/test_distributed.py: RTOL, ATOL, W_ATOL
+    keys = ("loss/total", "loss/kl", "grad_norm", "invariants/logprob_absdiff_max_onpolicy")
+    diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two["metrics"])) for k in keys}
+    bad = [k for k in keys for a, b in zip(one, two["metrics"]) if not math.isclose(a[k], b[k], rel_tol=rel, abs_tol=atol)]
+    full = {k: v.cpu() for k, v in single.model.state_dict().items()}
+    w = max(float((two["weights"][k] - v).abs().max()) for k, v in full.items())
+    ok = not bad and w <= w_atol and one[0]["grad_norm"] > cfg.trainer.grad_clip
+    return {"status": "ok" if ok else "failed", "backend": "nccl" if gpus else "gloo", "device": "cuda" if gpus else "cpu",
+            "max_abs_diff": diffs, "out_of_tolerance": bad, "weights_max_abs_diff": w, "weights_tol": w_atol,
+            "loss_1_rank": [m["loss/total"] for m in one], "grad_norm_1_rank": [m["grad_norm"] for m in one]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check_out", help="output dir (gpu_check.json, the RL runs)")
@@ -395,7 +455,7 @@ def main() -> None:
     ap.add_argument("--receivers", type=int, default=1, help="sync part: receiving processes (GPUs beyond the first)")
     ap.add_argument("--reps", type=int, default=5, help="sync part: syncs timed")
     ap.add_argument("--n-rollouts", type=int, default=16, help="bf16 part: rollouts per measured step")
-    ap.add_argument("--parts", default="sync,bf16,rl", help="comma list of the parts to run: sync, bf16, rl")
+    ap.add_argument("--parts", default="sync,bf16,rl,fsdp", help="comma list of the parts to run: sync, bf16, rl, fsdp")
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="RL part: skip the weight_sync=ray peer run")
     ap.add_argument("--allow-cpu", dest="tiny", action="store_true",
                     help="run on CPU with the builtin tiny model (smoke test of this script)")
@@ -411,7 +471,7 @@ def main() -> None:
     report.data["policy"] = what
     report.write()
     print(f"policy: {what} ({model_dir})", flush=True)
-    parts = {"sync": part_sync, "bf16": part_bf16, "rl": part_rl}
+    parts = {"sync": part_sync, "bf16": part_bf16, "rl": part_rl, "fsdp": part_fsdp}
     for name in args.parts.split(","):
         run_part(report, name, parts[name], args, model_dir)
     failed = [n for n, r in report.data["parts"].items() if r.get("status") == "failed"]

@@ -98,7 +98,7 @@ class ModelSection(_Section):
     ``dtype`` -- the trainer's compute dtype: parameters, gradients and AdamW state stay
     float32 (master weights) and ``bfloat16``/``float16`` forwards run under autocast
     (:meth:`molt_core.train.Trainer.autocast`; bound of the forward-consistency invariant per
-    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`); ``init_from`` a checkpoint to start from;
+    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`);
     ``routing_replay`` -- for an MoE policy, replay the rollout's recorded expert selection in
     the trainer's forwards (R3, arXiv 2510.11370; needs a replay backend for the model type)."""
 
@@ -406,16 +406,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _lora_supported(self) -> "RunConfig":
         """``[trainer.lora]`` is refused with ``trainer.world_size > 1`` (the sharded trainer
-        does not wrap adapters yet) and with ``algo.advantage = "gae"`` (the critic would copy
-        the adapter layers)."""
+        does not wrap adapters yet)."""
         if self.trainer.lora is None:
             return self
         if self.trainer.world_size > 1:
-            raise ValueError(f"trainer.lora with trainer.world_size = {self.trainer.world_size} is not supported yet; "
-                             f"set trainer.world_size = 1 or remove [trainer.lora]")
-        if self.algo.advantage == "gae":
-            raise ValueError("trainer.lora with algo.advantage = 'gae' is not supported yet (the critic copies the "
-                             "policy's decoder); use a group estimator (grpo, rloo) or remove [trainer.lora]")
+            raise ValueError(f"trainer.lora with trainer.world_size = {self.trainer.world_size} is not supported yet "
+                             f"(the sharded trainer does not wrap adapters); set trainer.world_size = 1 (an adapter's "
+                             f"optimizer state is small: one rank holds it) or remove [trainer.lora]")
         return self
 
     def to_toml(self) -> str:

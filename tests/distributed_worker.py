@@ -6,7 +6,8 @@ one list per train step) and ``out`` (rank 0 writes the metrics of every step an
 updated weights there with ``torch.save``); optional ``run_dir`` with ``save_after`` (write a
 checkpoint after that many steps) or ``resume`` (a checkpoint to load first; then only the
 steps after its ``step`` run); optional ``sft`` (``examples``, ``steps``, ``batch_size``, ``lr``
-of a :func:`molt_core.sft.sft` warm start run first).
+of a :func:`molt_core.sft.sft` warm start run first); optional ``replay_backend``
+(``module:Class``, importable from tests/: the MoE routing-replay backend every rank uses).
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def main(spec_path: str) -> None:
 
     spec = json.loads(open(spec_path).read())
     init_distributed(spec["rank"], spec["world_size"], spec["init_method"], timeout_s=300)
-    trainer = ShardedTrainer(RunConfig.model_validate(spec["config"]))
+    backend = None
+    if spec.get("replay_backend"):
+        import importlib
+
+        mod, cls = spec["replay_backend"].split(":")
+        backend = getattr(importlib.import_module(mod), cls)()
+    trainer = ShardedTrainer(RunConfig.model_validate(spec["config"]), replay_backend=backend)
     steps = [[Trajectory.model_validate(t) for t in step] for step in json.loads(open(spec["rollouts"]).read())]
     if spec.get("resume"):
         trainer.load_checkpoint(spec["resume"])

@@ -49,6 +49,16 @@ def test_merge_loss_metrics_min_max_sum():
     assert got == {"loss/total": 1.5, "ratio_max": 3.0, "ratio_min": 0.25, "clipfrac": 0.125}
 
 
+def test_describe_ranks_names_each_rank():
+    from molt_core.runtime.trainer_group import describe_ranks
+
+    two = [{"rank": "0", "node_id": "n", "hostname": "vm", "pid": "11", "backend": "gloo"},
+           {"rank": "1", "node_id": "n", "hostname": "vm2", "pid": "12", "backend": "gloo"}]
+    assert describe_ranks(two) == "trainer: 2 ranks (gloo): rank 0 on vm pid 11, rank 1 on vm2 pid 12"
+    one = [{"rank": "0", "node_id": "n", "hostname": "vm", "pid": "7", "backend": "none"}]
+    assert describe_ranks(one) == "trainer: 1 rank: rank 0 on vm pid 7"
+
+
 def _config(**over):
     cfg = dict(run={"seed": 3, "steps": 4},
                trainer={"lr": 1e-3, "micro_batch_size": 4, "grad_clip": 0.5, "refuse_unverified": False},
@@ -173,6 +183,7 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
 
     cfg = _config()
     single = Trainer(cfg)
+    one_tok = single.tokenizer
     steps = _rollouts(single)
     run_dir = tmp_path / "run"
     full = _run_ranks(tmp_path / "a", cfg, steps, 2, run_dir=str(run_dir), save_after=1)
@@ -186,7 +197,21 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
         assert torch.equal(resumed["weights"][k], v), k
     assert resumed["metrics"][0]["loss/total"] == full["metrics"][1]["loss/total"]
 
+    from safetensors import safe_open
+
+    with safe_open(str(ck / "model" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and len(list(f.keys())) == 46  # tied: saved once, as a plain trainer does
     hf = AutoModelForCausalLM.from_pretrained(ck / "model")
+    # servable: `molt serve --model <ck>/model` builds this engine (weights and tokenizer from the directory)
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine(str(ck / "model"), max_batch_size=2)
+    try:
+        served = eng.model.state_dict()
+        assert all(torch.equal(served[k].float(), v) for k, v in hf.state_dict().items())
+        assert eng.tokenizer.encode("What is 12 + 30?") == one_tok.encode("What is 12 + 30?")
+    finally:
+        eng.close()
     one = Trainer(cfg)
     one.load_checkpoint(ck)
     assert "written by 2 trainer ranks, resuming on 1: resharding" in capsys.readouterr().out
@@ -207,3 +232,73 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards(tmp_path, capsys):
     assert up["metrics"][0]["loss/total"] == pytest.approx(m1["loss/total"], rel=RTOL, abs=ATOL)
     for k, v in single.model.state_dict().items():
         torch.testing.assert_close(up["weights"][k], v, rtol=RTOL, atol=W_ATOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _Ref:
+    def __init__(self, rank: int, name: str, err: Exception | None = None) -> None:
+        self.rank, self.name, self.err = rank, name, err
+
+
+class _FakeRay:
+    """The slice of Ray that :class:`TrainerGroup` uses; records what the driver resolves."""
+
+    def __init__(self) -> None:
+        self.got: list[_Ref] = []
+        self.puts = 0
+
+    def put(self, a):
+        self.puts += 1
+        return ("stored", a)
+
+    def wait(self, pending, num_returns=1):
+        return pending[:num_returns], pending[num_returns:]
+
+    def get(self, refs):
+        for r in refs:
+            self.got.append(r)
+            if r.err is not None:
+                raise r.err
+
+
+class _FakeRank:
+    def __init__(self, rank: int, fail: str | None = None) -> None:
+        self.rank, self.fail, self.calls = rank, fail, []
+
+    def __getattr__(self, name):
+        rank = self
+
+        class _M:
+            n = 1
+
+            def options(self, num_returns=1):
+                self.n = num_returns
+                return self
+
+            def remote(self, *args):
+                rank.calls.append((name, args))
+                err = RuntimeError(f"rank {rank.rank} failed") if rank.fail == name else None
+                refs = tuple(_Ref(rank.rank, name, err) for _ in range(self.n))
+                return refs if self.n > 1 else refs[0]
+
+        return _M()
+
+
+def test_trainer_group_keeps_the_weights_out_of_the_driver_and_fails_fast():
+    """``weights``: every rank joins the gather (a collective) and the driver gets rank 0's two
+    refs without resolving any (the workers resolve them: the weights skip the driver); any
+    other call waits for every rank and raises a failing rank's error; arguments go to the
+    object store once for all ranks."""
+    from molt_core.runtime.trainer_group import TrainerGroup
+
+    ray = _FakeRay()
+    ranks = [_FakeRank(0), _FakeRank(1, fail="train_step")]
+    group = TrainerGroup(ray, ranks, [])
+    state, version = group.weights.options(num_returns=2).remote()
+    assert (state.rank, state.name, version.rank) == (0, "weights", 0)
+    assert [r.calls for r in ranks] == [[("weights", ())], [("weights", ())]] and ray.got == []
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        group.train_step.remote(["rollouts"])
+    assert ray.puts == 1 and ranks[0].calls[1] == ranks[1].calls[1] == ("train_step", (("stored", ["rollouts"]),))
+    ray.got.clear()
+    ok = TrainerGroup(ray, [_FakeRank(0), _FakeRank(1)], [])
+    assert ok.save.remote("dir").rank == 0 and sorted(r.rank for r in ray.got) == [0, 1]  # waited for both

@@ -31,6 +31,10 @@ def test_two_rank_run_killed_then_resumed(tmp_path):
     assert max(r["step"] for r in rows(out)) < 12
     ranks = json.loads((out / "placement.json").read_text())["trainer_ranks"]
     assert [r["rank"] for r in ranks] == ["0", "1"] and {r["backend"] for r in ranks} == {"gloo"}
+    assert len({r["pid"] for r in ranks}) == 2  # one process per rank
+    line = (f"trainer: 2 ranks (gloo): rank 0 on {ranks[0]['hostname']} pid {ranks[0]['pid']}, "
+            f"rank 1 on {ranks[1]['hostname']} pid {ranks[1]['pid']}")
+    assert line in p.stderr.read().decode()  # the console names the ranks
 
     r = subprocess.run(MOLT + ["run", "--resume", str(out)], env=ENV, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py, the prepared GPU check of issue 14, runs end to end on CPU
 (``--allow-cpu``: gloo instead of NCCL, the builtin tiny Qwen3, bf16 on CPU) and writes the
 JSON a GPU machine would: the sync part (processes, exact bf16 weights, a wrong version
-refused), the bf16 part (clean within the documented bound, other weights flagged) and the RL
+refused), the bf16 part (clean within the documented bound, other weights flagged), the fsdp
+part (2 sharded ranks == 1 rank) and the RL
 part (``molt run --local`` here, as on a GPU machine without vLLM or Ray), with the figures it
 reports (tokens/s, step time, ``time/sync``, bytes per sync)."""
 
@@ -39,3 +40,6 @@ def test_gpu_check_runs_on_cpu_and_reports(tmp_path):
     (step,) = run["steps"]
     assert step["sync/bytes"] == 2 * n and step["time/sync"] > 0 and step["tokens_per_s"] > 0
     assert step["rollout/failed"] == 0 and step["invariants/logprob_absdiff_max_onpolicy"] <= bf16["tolerance"]
+    fsdp = rep["parts"]["fsdp"]  # the 1-vs-2-rank parity (NCCL on 2 GPUs; gloo here)
+    assert fsdp["status"] == "ok" and fsdp["backend"] == "gloo" and fsdp["out_of_tolerance"] == []
+    assert fsdp["weights_max_abs_diff"] <= fsdp["weights_tol"] and fsdp["grad_norm_1_rank"][0] > 0.5  # clip active

@@ -247,10 +247,46 @@ def test_lora_config_errors(base):
     assert (cfg.trainer.lora.r, cfg.trainer.lora.alpha) == (4, 8.0)
     with pytest.raises(ConfigError, match="trainer.world_size = 2 is not supported"):
         load_config("quickstart", ["trainer.lora.r=4", "trainer.world_size=2"])
-    with pytest.raises(ConfigError, match="'gae' is not supported"):
-        load_config("quickstart", ["trainer.lora.r=4", "algo.advantage=\"gae\""])
+    assert load_config("quickstart", ["trainer.lora.r=4", "algo.advantage=\"gae\""]).algo.advantage == "gae"
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules = \['nope_proj'\]"):
         make(base, lora={"r": 2, "target_modules": ["nope_proj"]})
+
+
+def test_gae_critic_beside_an_adapter_learns_and_resumes_exactly(base, tmp_path):
+    """LoRA with a GAE critic (refused before): the critic is a copy of the plain decoder (no
+    adapter layers; it copied the peft-wrapped one, adapters included, before) and trains every
+    weight; the policy's base weights stay bit-identical while its adapter and the critic learn;
+    a checkpoint holds critic/ and a resume continues bit for bit."""
+    gae = {"advantage": "gae"}
+    tr = make(base, algo=gae)
+    names = [n for n, _ in tr.critic.named_parameters()]
+    assert names and not [n for n in names if "lora_" in n or "base_layer" in n]
+    assert all(p.requires_grad for p in tr.critic.parameters())
+    dec0 = base[0].get_decoder().state_dict()
+    assert all(torch.equal(v, dec0[k]) for k, v in tr.critic.backbone.state_dict().items())  # the initial decoder
+    base0 = {k: v.clone() for k, v in base_state_dict(tr.model).items()}
+    ad0, c0 = _adapter(tr), {n: p.detach().clone() for n, p in tr.critic.named_parameters()}
+    ms = steps(tr, 2)
+    assert all(m["critic/grad_norm"] > 0 and m["grad_norm"] > 0 for m in ms)
+    assert all(torch.equal(v, base0[k]) for k, v in base_state_dict(tr.model).items())
+    assert all(not torch.equal(v, _adapter(tr)[n]) for n, v in ad0.items())
+    c1 = dict(tr.critic.named_parameters())
+    assert not torch.equal(c1["head.weight"], c0["head.weight"])  # from zeros
+    assert any(not torch.equal(c1[n], c0[n]) for n in c0 if n.startswith("backbone."))
+    ck = tr.save_checkpoint(tmp_path, {})
+    assert (ck / "critic").is_dir() and (ck / "adapter").is_dir()
+    tr2 = make(base, algo=gae)
+    tr2.load_checkpoint(ck)
+    a, b = steps(tr, 1, start=2)[0], steps(tr2, 1, start=2)[0]
+    assert (a["loss/total"], a["loss/value"], a["critic/grad_norm"]) == (b["loss/total"], b["loss/value"], b["critic/grad_norm"])
+    # with gradient checkpointing the critic's decoder layers are checkpointed too
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    ckpt = make(base, algo=gae, trainer={"gradient_checkpointing": True})
+    layers = [m for m in ckpt.critic.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 4 and all(m.gradient_checkpointing for m in layers)
+    m = steps(ckpt, 1)[0]
+    assert m["loss/value"] == pytest.approx(ms[0]["loss/value"], abs=1e-6)
 
 
 def test_missing_peft_names_the_extra(base, monkeypatch):

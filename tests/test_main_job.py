@@ -41,6 +41,12 @@ def test_env_recipe_trains(tmp_path):
     assert [x["step"] for x in rs] == [0, 1, 2, 3]
     steps = check_invariants(rs, 0)
     assert [s["policy_version"] for s in steps] == [1.0, 2.0, 3.0]
+    # one trainer rank: placement.json and the console name it (it listed none before)
+    placed = json.loads((out / "placement.json").read_text())
+    (rank,) = placed["trainer_ranks"]
+    assert rank["rank"] == "0" and rank["backend"] == "none" and rank["node_id"]  # a Ray actor: on a Ray node
+    assert rank["pid"] not in {w["pid"] for w in placed["rollout_workers"]}  # its own process
+    assert f"trainer: 1 rank: rank 0 on {rank['hostname']} pid {rank['pid']}" in r.stderr
     assert all(s["rollout/trajectories"] == 16 for s in steps)
     assert "eval/pass@1" in rs[0] and "eval/pass@1" in rs[-1]
     assert (out / "config.toml").is_file() and (out / "reward.png").is_file()

@@ -227,3 +227,57 @@ def test_vision_language_names_mapped_to_the_checkpoint_spelling():
     assert list(got) == ["model.embed_tokens.weight", "model.norm.weight", "visual.patch.weight"]
     assert torch.equal(got["model.norm.weight"], st["model.language_model.norm.weight"])
     assert torch.equal(got["visual.patch.weight"], st["model.visual.patch.weight"])
+
+
+_RANK = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from molt_core.runtime.trainer_group import ShardedTrainerWorker
+rank, init, host, port = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+w = ShardedTrainerWorker(json.loads(sys.argv[5]))
+w.start(rank, 2, init)
+backend = w.sync_init(host, port, 2, 120)  # rank 0 joins the sync group as its sender; rank 1 does not
+version = w.sync_send()                    # both ranks gather the shards; rank 0 broadcasts
+print(json.dumps({"backend": backend, "version": version, "bytes": getattr(w, "_sync_bytes", None)}))
+"""
+
+
+def test_two_sharded_ranks_broadcast_the_gathered_weights(tmp_path):
+    """The collective sync from a sharded trainer (recipes/examples/gpu_qwen3.toml: 2 FSDP2 ranks,
+    ``weight_sync = "collective"``) without vLLM: two :class:`ShardedTrainerWorker` processes (gloo),
+    and a receiver here in the place of the vLLM worker. Both ranks join the gather of the full
+    weights; rank 0 alone joins the sync group and sends them, cast to the engine's bf16: every
+    tensor arrives equal to one plain trainer's (same seed), the tied head once, the bytes counted."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from molt_core.config import RunConfig
+    from molt_core.train import Trainer
+
+    cfg = {"engine": {"name": "vllm", "dtype": "bfloat16", "weight_sync": "collective"},
+           "trainer": {"world_size": 2}, "async": {"max_staleness": 0}}
+    sd = Trainer(RunConfig.model_validate(cfg)).model.state_dict()  # the weights both ranks build (run.seed)
+    expected = {n: tuple(t.shape) for n, t in sd.items() if n != "lm_head.weight"}
+    host, port = free_address()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), f"file://{tmp_path / 'rdzv'}", host, str(port),
+                               json.dumps(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    got = {}
+    try:
+        g = SyncGroup(host, port, 1, 2, "cpu", timeout_s=120)
+        got["h"], named = receive_weights(g, 0, expected, tied=True)
+        got["named"] = {n: t.clone() for n, t in named}
+    finally:
+        outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    r0, r1 = (json.loads(o[0].strip().splitlines()[-1]) for o in outs)
+    n = sum(t.numel() for name, t in sd.items() if name != "lm_head.weight")
+    assert r0 == {"backend": "gloo", "version": 0, "bytes": got["h"].nbytes} and got["h"].nbytes == 2 * n + (-2 * n) % 8
+    assert r1 == {"backend": "", "version": 0, "bytes": None}  # rank 1 gathered but sent nothing
+    assert set(got["named"]) == set(expected)
+    for name, t in got["named"].items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, sd[name].to(torch.bfloat16)), name

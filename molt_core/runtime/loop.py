@@ -25,6 +25,7 @@ from molt_core.runtime.collective_sync import publish as publish_collective
 from molt_core.runtime.collective_sync import resolve_weight_sync
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog, check_loggers
+from molt_core.runtime.trainer_group import describe_ranks
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.tasks import TaskStream, check_train_split
@@ -305,9 +306,10 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     else:
         trainer = Trainer_.remote(cfg_dict)
     workers = [Worker_.remote(cfg_dict, i) for i in range(cfg.engine.num_engines)]
-    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers]),
-                 "trainer_ranks": getattr(trainer, "placements", [])}
+    ranks = trainer.placements if cfg.trainer.world_size > 1 else [ray.get(trainer.placement.remote())]
+    placement = {"rollout_workers": ray.get([w.placement.remote() for w in workers]), "trainer_ranks": ranks}
     (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+    console.print(describe_ranks(ranks), highlight=False, markup=False)
 
     cursor = {"step": 0, "tasks": 0}
     if ckpt is not None:

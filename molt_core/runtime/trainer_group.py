@@ -15,14 +15,13 @@ themselves.
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
 from molt_core.config import RunConfig
-from molt_core.runtime.workers import TrainerWorker
+from molt_core.runtime.workers import TrainerWorker, where
 
-__all__ = ["ShardedTrainerWorker", "TrainerGroup", "start_trainer_group"]
+__all__ = ["ShardedTrainerWorker", "TrainerGroup", "describe_ranks", "start_trainer_group"]
 
 
 class ShardedTrainerWorker(TrainerWorker):
@@ -44,14 +43,11 @@ class ShardedTrainerWorker(TrainerWorker):
     def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
         """Join the process group as ``rank`` and build the sharded trainer; returns where this
         rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``)."""
-        import ray
-
         from molt_core.train.distributed import ShardedTrainer, init_distributed
 
         backend = init_distributed(rank, world_size, init_method)
         self.trainer = ShardedTrainer(self.cfg)
-        return {"rank": str(rank), "node_id": ray.get_runtime_context().get_node_id(),
-                "hostname": socket.gethostname(), "pid": str(os.getpid()), "backend": backend}
+        return {"rank": str(rank), **where(), "backend": backend}
 
 
 class _Method:
@@ -126,3 +122,16 @@ def start_trainer_group(ray: Any, cfg: RunConfig, cfg_dict: dict) -> TrainerGrou
     url = ray.get(actors[0].rendezvous.remote())
     placements = ray.get([a.start.remote(i, n, url) for i, a in enumerate(actors)])
     return TrainerGroup(ray, actors, placements)
+
+
+def describe_ranks(ranks: list[dict[str, str]]) -> str:
+    """One console line for the trainer's ranks (entries of ``placement.json``'s
+    ``trainer_ranks``): how many, the process-group backend, and each rank's host and pid.
+
+    Example: ``trainer: 2 ranks (gloo): rank 0 on vm pid 29030, rank 1 on vm pid 29029``;
+    one rank: ``trainer: 1 rank: rank 0 on vm pid 812``.
+    """
+    n = len(ranks)
+    backends = sorted({r.get("backend", "none") for r in ranks} - {"none"})
+    head = f"trainer: {n} rank{'s' if n != 1 else ''}" + (f" ({', '.join(backends)})" if backends else "")
+    return head + ": " + ", ".join(f"rank {r['rank']} on {r['hostname']} pid {r['pid']}" for r in ranks)

@@ -24,7 +24,7 @@ from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
-__all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k"]
+__all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k", "where"]
 
 
 def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
@@ -54,6 +54,22 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
                 bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
                                 for x in e.errors() for w in [f"rewards.{name}.{'.'.join(map(str, x['loc']))}"])
                 raise ValueError(f"invalid reward options: {bad}") from None
+
+
+def where() -> dict[str, str]:
+    """Where this process runs: ``{"node_id", "hostname", "pid"}`` (the Ray node id when Ray is
+    initialised in this process, else ``""``)."""
+    import socket
+
+    node = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:  # pragma: no cover
+        pass
+    return {"node_id": node, "hostname": socket.gethostname(), "pid": str(os.getpid())}
 
 
 def engine_kwargs(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
@@ -415,18 +431,8 @@ class RolloutWorker:
         return self.inflight
 
     def placement(self) -> dict[str, str]:
-        """Where this worker runs: ``{"node_id", "hostname", "pid"}`` (Ray node id when in Ray)."""
-        import socket
-
-        node = ""
-        try:
-            import ray
-
-            if ray.is_initialized():
-                node = ray.get_runtime_context().get_node_id()
-        except ImportError:  # pragma: no cover
-            pass
-        return {"node_id": node, "hostname": socket.gethostname(), "pid": str(os.getpid())}
+        """Where this worker runs: :func:`where`."""
+        return where()
 
 
 class TrainerWorker:
@@ -448,6 +454,12 @@ class TrainerWorker:
         except ImportError:  # pragma: no cover
             pass
         self.trainer = Trainer(self.cfg) if build else None
+
+    def placement(self) -> dict[str, str]:
+        """Where this (single) trainer runs, in the shape of a sharded rank's entry
+        (:meth:`molt_core.runtime.trainer_group.ShardedTrainerWorker.start`): ``rank`` "0",
+        :func:`where`, ``backend`` "none" (no process group)."""
+        return {"rank": "0", **where(), "backend": "none"}
 
     def sft(self) -> dict[str, float]:
         """Warm start, all steps in one call: :meth:`sft_begin` then :meth:`sft_next` until done.

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from molt_core.train.dist_checkpoint import dcp_state, load_dcp
+from molt_core.train.dist_checkpoint import dcp_state, full_state_dict, load_dcp
 from molt_core.train.lora import load_lora_checkpoint, save_lora_checkpoint
 from molt_core.train.model_files import load_model, load_optimizer, save_model
 
@@ -188,7 +188,6 @@ def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     try:
         cursor_json = json.dumps(dict(data_cursor or {}))
@@ -199,8 +198,7 @@ def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict
     dist.broadcast_object_list(paths, src=0)
     final, tmp = Path(paths[0]), Path(paths[1])
     dcp.save(dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = {name: get_model_state_dict(m, options=opts) for name, m in
+    full = {name: full_state_dict(m) for name, m in
             (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
     if rank0:
         write_checkpoint_files(trainer, tmp, cursor_json, full=full, extra={"world_size": dist.get_world_size()})

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["dcp_state", "load_dcp"]
+__all__ = ["dcp_state", "full_state_dict", "load_dcp"]
 
 
 def dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
@@ -40,6 +40,23 @@ def dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
     if trainer.critic is not None:
         state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optimizer)
     return {k: v for k, v in state.items() if parts is None or k in parts}
+
+
+def full_state_dict(module: Any) -> dict[str, Any]:
+    """The full state dict of a sharded ``module`` gathered onto rank 0 (CPU tensors; a
+    collective: every rank calls it; empty on the other ranks), with tied parameters
+    (``lm_head.weight`` = ``model.embed_tokens.weight``) one tensor under both names as in a
+    plain module's state dict -- the gather returns a copy per name, which
+    ``save_pretrained`` would save and the weight packers would send twice."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        src = first.setdefault(id(p), name)
+        if src != name and src in full and name in full:
+            full[name] = full[src]
+    return full
 
 
 def load_dcp(trainer: Any, d: str | Path) -> None:

@@ -298,11 +298,12 @@ class ShardedTrainer(Trainer):
 
     # -- weights out ---------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
-        """The full policy state dict on rank 0 (CPU tensors, gathered from every shard; a
-        collective: every rank must call it); an empty dict on the other ranks."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """The full policy state dict on rank 0 (CPU tensors, gathered from every shard, a tied
+        head one tensor with the embedding: :func:`molt_core.train.dist_checkpoint.full_state_dict`;
+        a collective: every rank must call it); an empty dict on the other ranks."""
+        from molt_core.train.dist_checkpoint import full_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full_state_dict(self.model)
 
     def publish(self, engines) -> int:
         """Gather the full weights (every rank calls it) and load them into ``engines`` from

@@ -21,8 +21,9 @@ are trained -- the base weights ``W`` never change.
   and ``base/`` (the base weights, so a resume is exact: merged minus delta is not).
 
 Dropout is refused (the trainer runs in eval mode, see :mod:`molt_core.train.trainer`);
-LoRA with ``trainer.world_size > 1`` or a GAE critic is refused when the recipe is validated
-(:class:`molt_core.config.RunConfig`).
+LoRA with ``trainer.world_size > 1`` is refused when the recipe is validated
+(:class:`molt_core.config.RunConfig`); a GAE critic beside an adapter is a full copy of the plain
+decoder (built before the adapter is injected: :class:`molt_core.train.Trainer`).
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class Trainer:
 
     With ``algo.advantage = "gae"`` a critic (:class:`ValueModel`, a copy of the policy's
     decoder with a scalar head) is trained alongside, with its own AdamW at
-    ``trainer.critic_lr``.
+    ``trainer.critic_lr``; with LoRA the critic copies the plain decoder (no adapter) and trains
+    all of its weights.
 
     Raises:
         ValueError: a bad option combination (KL as reward with a sequence-level estimator,
@@ -121,15 +122,20 @@ class Trainer:
         #: forwards run in ``model.dtype`` under autocast over fp32 master weights (:meth:`autocast`)
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = model.to(self.device)
+        critic = None
         if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
             from molt_core.train.lora import wrap
 
+            if cfg.algo.advantage == "gae":  # the critic copies the plain decoder, before peft injects adapters
+                critic = ValueModel(self.model).eval()
             self.model = wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
         if cfg.trainer.gradient_checkpointing:
             from molt_core.train.grad_ckpt import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(self.model)
+            if critic is not None:
+                enable_gradient_checkpointing(critic.backbone)
         self.tokenizer = tokenizer
         from molt_core.vision import is_vision_model, load_vision_processor
 
@@ -155,7 +161,9 @@ class Trainer:
         tc = cfg.trainer
         if len(tc.betas) != 2:
             raise ValueError(f"trainer.betas must have 2 entries, got {tc.betas}")
-        self.critic = ValueModel(self.model).to(self.device) if cfg.algo.advantage == "gae" else None
+        if critic is None and cfg.algo.advantage == "gae":
+            critic = ValueModel(self.model)
+        self.critic = critic.to(self.device) if critic is not None else None
         self._shard()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps,
