@@ -374,6 +374,29 @@ def test_runlog_plot_later_draws_a_snapshot_off_the_loop_and_coalesces(tmp_path,
     assert drawn == [[1], [1, 2], [1, 2]]
 
 
+def test_runlog_plot_later_redraws_at_most_every_min_interval(tmp_path, monkeypatch):
+    """``plot_later(min_interval_s=30)`` (what the run loop asks every 10 steps) drops a
+    request less than 30 s after the last redraw started -- each redraw is ~0.15 s of CPU
+    beside the rollout and the update -- and takes the first one after; plot() always draws."""
+    from molt_core.runtime import RunLog, rundir
+
+    drawn, now = [], [1000.0]
+    monkeypatch.setattr(rundir, "draw_reward_plot", lambda run_dir, rows: drawn.append(len(rows)))
+    monkeypatch.setattr(rundir.time, "monotonic", lambda: now[0])
+    log = RunLog(tmp_path, RunConfig.model_validate({}), load_plugins([]), resume_step=None)
+    log.log(1, {"reward/mean": 0.5})
+    assert log.plot_later(min_interval_s=30.0) is True  # the first one
+    log._wait_plot()
+    now[0] += 29.9
+    log.log(2, {"reward/mean": 0.5})
+    assert log.plot_later(min_interval_s=30.0) is False
+    now[0] += 0.1
+    assert log.plot_later(min_interval_s=30.0) is True
+    log.plot()
+    log.close()
+    assert drawn == [1, 2, 2]
+
+
 def test_runlog_background_plot_error_is_raised_not_lost(tmp_path, monkeypatch):
     """A redraw that fails on the background thread raises at the next plot()/close()."""
     from molt_core.runtime import RunLog, rundir

@@ -496,8 +496,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 # groups in flight now are relaunched first after a resume (each task trained once)
                 pending = sorted([index_of[r] for _, r in inflight] + [j for j, _, _ in redo])
                 ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": launched, "untrained": pending}))
-            if s1 % 10 == 0 and s1 < cfg.run.steps:
-                log.plot_later()  # on a background thread: the loop does not wait for matplotlib
+            if s1 % 10 == 0 and s1 < cfg.run.steps:  # on a background thread, at most every 30 s:
+                log.plot_later(min_interval_s=30.0)  # the loop does not wait for matplotlib, nor share a core with it
             info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
             if last_eval:
                 info += f"  eval {_eval_summary(last_eval)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ class RunLog:
         self.path = run_dir / METRICS_FILE
         self.rows: list[dict] = []
         self._plotter: Any = None  # a one-thread executor for plot_later, started on first use
+        self._plotted_at = -math.inf  # time.monotonic() of the last background redraw's start
         self._plotting: Any = None  # the future of the last background redraw
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -241,15 +243,19 @@ class RunLog:
         self._wait_plot()
         return draw_reward_plot(self.run_dir, list(self.rows))
 
-    def plot_later(self) -> bool:
+    def plot_later(self, min_interval_s: float = 0.0) -> bool:
         """Redraw ``reward.png`` on a background thread from a snapshot of the rows logged so
-        far, so the step loop does not wait for matplotlib (~0.2 s a redraw on one CPU core).
-        A request while a redraw is still running is dropped (the next one covers it).
-        Returns whether a redraw was started. An error in it is raised by the next
-        :meth:`plot` or :meth:`close`."""
+        far, so the step loop does not wait for matplotlib (~0.15 s of CPU a redraw). A
+        request while a redraw is still running, or less than ``min_interval_s`` seconds
+        after the last one started, is dropped (the next one covers it): the redraws share
+        the machine's cores with the rollout and the update. Returns whether a redraw was
+        started. An error in it is raised by the next :meth:`plot` or :meth:`close`."""
         if self._plotting is not None and not self._plotting.done():
             return False
+        if time.monotonic() - self._plotted_at < min_interval_s:
+            return False
         self._wait_plot()  # re-raises the previous redraw's error, if any
+        self._plotted_at = time.monotonic()
         import concurrent.futures
 
         if self._plotter is None:
