@@ -160,11 +160,20 @@ class CheckProcess:
                               f"/dev/shm (docker run --shm-size)") from e
         self.ring = [map_slot(p, layout, nbytes) for p in paths]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
-        # the child removes the ring's files once it has mapped them (or failed to): nothing is
-        # left in /dev/shm even when this process is killed before it reads the child's reply
-        self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check", self._tmp],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                      process_group=0)  # a terminal's Ctrl-C is the trainer's alone
+        # Linux: the files are unlinked at once and live on through descriptors the child inherits
+        # (it maps /proc/self/fd/N), so nothing is left in /dev/shm whoever is killed when; else
+        # the child removes them once it has mapped them (or failed to)
+        fds = [os.open(p, os.O_RDWR) for p in paths] if os.path.isdir("/proc/self/fd") else []
+        if fds:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            paths = [f"/proc/self/fd/{fd}" for fd in fds]
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "molt_core.train.onpolicy_check", self._tmp],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, pass_fds=fds,
+                                          process_group=0)  # a terminal's Ctrl-C is the trainer's alone
+        finally:
+            for fd in fds:
+                os.close(fd)
         # the model (more than a pipe holds) goes on a thread: the write ends only once the
         # child, after seconds of imports, has read it, and the step that starts it goes on
         self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,
@@ -356,6 +365,10 @@ def _serve(tmp: str) -> None:
             states = [map_slot(p, layout, nbytes) for p in paths]
         finally:  # both sides have mapped the slots (or this one never will): nothing left behind
             shutil.rmtree(tmp, ignore_errors=True)
+            for p in paths:  # inherited descriptors (Linux): the mappings hold the memory now
+                if p.startswith("/proc/self/fd/"):
+                    with contextlib.suppress(OSError):
+                        os.close(int(p.rsplit("/", 1)[1]))
         torch.set_num_threads(max(1, threads))
         model = pickle.loads(blob).eval().requires_grad_(False)
         del blob
