@@ -638,9 +638,28 @@ def _unset(data: dict[str, Any], item: str) -> None:
     for p in path[:-1]:
         cur = cur.get(p) if isinstance(cur, dict) else None
     if not isinstance(cur, dict) or path[-1] not in cur:
+        if _declared(path) is None and not _plugin_options(path):  # a typo, not an option left at its default
+            raise ConfigError(f"--set {item!r}: {key!r} is not an option{_closest_option(path)}")
         raise ConfigError(f"--set {item!r}: {key!r} is not set in the recipe (or an earlier --set), so there is "
                           f"nothing to remove; it already has its default")
     del cur[path[-1]]
+
+
+def _plugin_options(path: list[str]) -> bool:
+    """Whether ``path`` lies inside a free-form table (a plugin's ``options``, ``loggers``),
+    whose keys no schema here declares."""
+    return any(p in ("options", "loggers") for p in path[:-1]) or path[0] == "loggers"
+
+
+def _closest_option(path: list[str]) -> str:
+    """`` (did you mean 'a.b'?)`` for the declared option closest to ``path``'s last part among
+    its parent's fields; ``""`` when none is close or the parent is not a declared table."""
+    cls: Any = RunConfig if len(path) == 1 else _declared(path[:-1])
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return ""
+    names = [f.alias or n for n, f in cls.model_fields.items()]
+    close = difflib.get_close_matches(path[-1], names, n=1)
+    return f" (did you mean {'.'.join(path[:-1] + close[:1])!r}?)" if close else ""
 
 
 def find_recipe(recipe: str | Path) -> Path:

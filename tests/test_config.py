@@ -75,8 +75,13 @@ def test_tilde_override_removes_an_option_so_its_default_applies():
     assert load_config("quickstart", ["~trainer.lr", "trainer.lr=2e-4"]).trainer.lr == 2e-4  # in order
     with pytest.raises(ConfigError, match=r"--set '~trainer.lora': 'trainer.lora' is not set in the recipe"):
         load_config("quickstart", ["~trainer.lora"])
-    with pytest.raises(ConfigError, match=r"--set '~nosection.x': 'nosection.x' is not set"):
+    with pytest.raises(ConfigError, match=r"--set '~nosection.x': 'nosection.x' is not an option$"):
         load_config("quickstart", ["~nosection.x"])
+    with pytest.raises(ConfigError, match=r"--set '~trainer.lorra': 'trainer.lorra' is not an option "
+                                          r"\(did you mean 'trainer.lora'\?\)"):
+        load_config("examples/lora", ["~trainer.lorra"])  # a typo, not an option at its default
+    with pytest.raises(ConfigError, match=r"'agent.options.nope' is not set in the recipe"):
+        load_config("quickstart", ["~agent.options.nope"])  # a plugin's options: no schema here
     with pytest.raises(ConfigError, match=r"expected '~section.key' \(no value\)"):
         load_config("quickstart", ["~trainer.lr=1"])
     with pytest.raises(ConfigError, match=r"--set 'run.name=': empty value; for an empty string write "

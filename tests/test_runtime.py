@@ -425,3 +425,20 @@ def test_draw_reward_plot_writes_a_png(tmp_path):
     data = out.read_bytes()
     assert out == tmp_path / "reward.png" and data[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", data[16:24]) == (700, 400)  # IHDR width, height
+
+
+def test_ctrl_c_during_molt_run_says_how_to_resume(monkeypatch):
+    """A Ctrl-C in ``molt run`` ends with exit code 130 and the resume command (click alone
+    printed only "Aborted!", which a new user read as the run being lost)."""
+    from click.testing import CliRunner
+
+    from molt_core import runtime
+    from molt_core.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "main_job", interrupted)
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1"])
+    assert res.exit_code == 130
+    assert "interrupted; continue from the last checkpoint with: molt run --resume <the run directory" in res.output
