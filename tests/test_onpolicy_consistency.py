@@ -145,7 +145,7 @@ def test_onpolicy_row_sample_is_random_and_changes_every_step():
     assert len(set().union(*[set(p.tolist()) for p in picks])) > 16
 
 
-def test_version_history_copies_tied_weights_once_and_counts_copy_time():
+def test_version_history_copies_tied_weights_once_and_counts_copy_time(monkeypatch):
     """Finding 5: tied input/output embeddings are stored once per version (the tiny Qwen3
     ties them: before, every version held them twice, +7.7%); the copy is timed in
     ``time/onpolicy_check``."""
@@ -167,18 +167,23 @@ def test_version_history_copies_tied_weights_once_and_counts_copy_time():
     for v in (1, 2, 3):
         h.record(v, tr.model)
     assert h.versions() == [1, 2, 3] and h.nbytes() == 3 * unique  # keep = 3: three copies, not 3.23
-    # the trainer's copy is timed as part of the check, not of the update
-    real = tr.history.record
+    # the trainer's copy is timed as part of the check, not of the update: the copy moves a
+    # fake clock on by 1000 s, which lands in time/onpolicy_check and not in time/train
+    real, clock, offset = tr.history.record, time.perf_counter, [0.0]
 
     def slow(version, model):
-        time.sleep(1.0)  # (the tiny update takes ~0.1 s: 1 s leaves room for a loaded machine)
+        offset[0] += 1000.0
         real(version, model)
 
     tr.history.record = slow
     ts = synthetic_rollouts(0)
     set_behaviour(tr, ts)
+    import molt_core.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: clock() + offset[0])
     m = tr.train_step(ts)
-    assert m["time/onpolicy_check"] >= 1.0 and m["time/train"] < 1.0
+    monkeypatch.undo()
+    assert m["time/onpolicy_check"] >= 1000.0 and m["time/train"] < 1000.0
     assert tr.history.versions() == [0]
 
 
