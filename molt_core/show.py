@@ -28,7 +28,7 @@ def load_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     """
     path = Path(run_dir) / "trajectories.jsonl"
     if not path.is_file():
-        raise ValueError(f"{path}: no such file; `molt run` writes it at step 1 and every 10th step "
+        raise ValueError(f"{path}: no such file; `molt run` writes it at step 1, every 10th step and the last "
                          f"(is {run_dir} a run directory?)")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):

@@ -339,6 +339,8 @@ def test_run_steps_and_sft_steps_flags(tmp_path):
     assert "steps = 2\n" in cfg and "steps = 0\n" in cfg and "steps = 50" not in cfg
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+    # trajectories are sampled at step 1, every 10th and the last step (molt show's latest is 2)
+    assert {json.loads(x)["step"] for x in (out / "trajectories.jsonl").read_text().splitlines()} == {1, 2}
     res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "0"])
     assert res.exit_code == 2 and "--steps" in res.output
 

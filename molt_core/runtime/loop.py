@@ -490,7 +490,7 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
                 last_eval = evaluate()
                 metrics.update(last_eval)
             log.log(s1, metrics)
-            if s1 == 1 or s1 % 10 == 0:
+            if s1 == 1 or s1 % 10 == 0 or s1 == cfg.run.steps:  # a sample of the first, every 10th and the last step
                 log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories], tokenizer.result())
             if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
                 # groups in flight now are relaunched first after a resume (each task trained once)
