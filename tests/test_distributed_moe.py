@@ -16,40 +16,28 @@ import torch
 
 from molt_core.train import Trainer
 from test_distributed import RTOL, W_ATOL, _assert_parity, _run_ranks
-from test_routing_replay import _rollouts
+from test_routing_replay import bf16_rollouts  # noqa: F401 -- a fixture: 16 rollouts of a bf16 engine
 from trainer_utils import tiny_cfg
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def moe_rollouts():
-    """16 rollouts (4 groups of 4) of up to 16 tokens, sampled by a bf16 engine."""
-    from molt_core.engines.transformers_engine import TransformersEngine
-
-    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=16, seed=0, dtype="bfloat16")
-    try:
-        return _rollouts(eng)
-    finally:
-        eng.close()
-
-
 @pytest.mark.slow  # two 2-rank launches (~1-2 min on 2 busy cores)
-def test_two_ranks_replay_moe_routing_like_one_rank(tmp_path, moe_rollouts):
+def test_two_ranks_replay_moe_routing_like_one_rank(tmp_path, bf16_rollouts):
     # run.seed 0: the engine's weights; micro-batches of 4: two per rank
     cfg = tiny_cfg(model={"path": "builtin:tiny-qwen3-moe", "routing_replay": True}, run={"seed": 0},
                    trainer={"lr": 1e-3, "micro_batch_size": 4})
     single = Trainer(cfg)
-    one = [single.train_step(moe_rollouts)]
+    one = [single.train_step(bf16_rollouts)]
     m = one[0]
     assert m["invariants/routing_replay"] == 1.0 and m["routing/positions"] > 0
     assert m["invariants/routing_replay_mismatch"] == 0.0 and 0 < m["invariants/routing_flip_rate"] < 0.01  # bf16 vs fp32
-    two = _run_ranks(tmp_path / "good", cfg, [moe_rollouts], 2)
+    two = _run_ranks(tmp_path / "good", cfg, [bf16_rollouts], 2)
     _assert_parity(one, two["metrics"])  # flip rate, mismatch, positions, no-replay diffs included
     for k, v in single.model.state_dict().items():
         torch.testing.assert_close(two["weights"][k], v, rtol=RTOL, atol=W_ATOL, msg=lambda msg, k=k: f"{k}: {msg}")
 
-    bad = _run_ranks(tmp_path / "bad", cfg, [moe_rollouts], 2, replay_backend="test_routing_replay:WrongExpertsReplay")
+    bad = _run_ranks(tmp_path / "bad", cfg, [bf16_rollouts], 2, replay_backend="test_routing_replay:WrongExpertsReplay")
     b = bad["metrics"][0]
     assert b["invariants/routing_replay_mismatch"] == 1.0  # every recorded pair of both ranks' rows
     assert b["routing/positions"] == m["routing/positions"]
