@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 __all__ = ["ONPOLICY_ABSDIFF_TOL", "VersionHistory", "onpolicy_metrics", "sample_rows", "select_rows",
-           "stale_absdiff"]
+           "stale_absdiff", "storage_key"]
 
 #: Documented bound (nats) of ``invariants/logprob_absdiff_max_onpolicy`` per compute dtype
 #: (``model.dtype`` of the trainer = ``engine.dtype``) when engine and trainer run the same weights:
@@ -58,6 +58,12 @@ __all__ = ["ONPOLICY_ABSDIFF_TOL", "VersionHistory", "onpolicy_metrics", "sample
 #: lr 1e-5 and 0.023 at lr 1e-6 (recipes/examples/gpu_qwen3.toml's lr) -- under 0.1, where the
 #: float32 bound flags the same fault (0.042 / 0.0042 > 1e-4; review 14, tiny Qwen3 on CPU).
 ONPOLICY_ABSDIFF_TOL = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """What makes two state-dict entries one tensor (tied weights: same device, storage
+    address, dtype, shape, stride and offset) -- so a copy of a state dict holds it once."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
 class VersionHistory:
@@ -106,7 +112,7 @@ class VersionHistory:
         state: dict[str, torch.Tensor] = {}
         for k, v in model.state_dict().items():
             v = v.detach()
-            key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+            key = storage_key(v)
             if key not in copies:
                 copies[key] = v.to("cpu", copy=True)
             state[k] = copies[key]

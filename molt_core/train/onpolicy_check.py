@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from molt_core.version_history import stale_absdiff
+from molt_core.version_history import stale_absdiff, storage_key
 
 __all__ = ["CheckProcess"]
 
@@ -55,13 +55,14 @@ def ring_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, torch.dtyp
 
     Returns:
         ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage
-        (tied input/output embeddings) get the same offset, so they stay tied.
+        (tied input/output embeddings) get the same offset, so they stay tied; each entry
+        starts on a 64-byte boundary. Raises nothing.
     """
     layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     at: dict[tuple, int] = {}
     end = 0
     for k, v in model.state_dict().items():
-        key = (v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), v.storage_offset())
+        key = storage_key(v)
         if key not in at:
             at[key] = end
             end += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
@@ -72,11 +73,18 @@ def ring_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, torch.dtyp
 def map_slot(path: str, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]],
              nbytes: int) -> dict[str, torch.Tensor]:
     """The state dict of one ring slot: views into ``path`` mapped shared (created with
-    ``nbytes`` bytes when missing), per :func:`ring_layout`."""
+    ``nbytes`` bytes when missing), per :func:`ring_layout`.
+
+    Returns:
+        name -> CPU tensor (the layout's dtype and shape) whose storage is the mapping.
+
+    Raises:
+        RuntimeError: ``path`` cannot be opened or mapped (``torch.from_file``).
+    """
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     out: dict[str, torch.Tensor] = {}
     for k, (off, dtype, shape) in layout.items():
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
         out[k] = buf[off:off + n].view(dtype).view(shape)
     return out
 

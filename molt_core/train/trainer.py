@@ -447,8 +447,9 @@ class Trainer:
 
     def _check_process_ok(self, batch: Batch) -> bool:
         """Whether the on-policy check of ``batch`` may run in the check process."""
-        return (self.overlap_onpolicy_check and self.device.type == "cpu" and self.history.keep > 0
-                and batch.images is None and (self.replay_backend is None or batch.routed_experts is None))
+        # (the process exists only for a trainer that may use it: see _start_check_process)
+        return (self.overlap_onpolicy_check and self.device.type == "cpu" and batch.images is None
+                and (self.replay_backend is None or batch.routed_experts is None))
 
     def _start_check_process(self) -> None:
         """Start the on-policy check's process once, when this trainer may use it (a one-process
