@@ -275,7 +275,10 @@ class TrainerSection(_Section):
     (:mod:`molt_core.train.distributed`); ``lora`` -- a LoRA adapter instead of full
     fine-tuning (:class:`LoraSection`; None: off); ``gradient_checkpointing`` -- recompute each
     decoder layer's activations in the backward instead of keeping them (less memory, one more
-    forward per layer; same loss and gradients)."""
+    forward per layer; same loss and gradients); ``shared_prefix`` -- run the prompt prefix a
+    micro-batch's rows share (a GRPO group's prompt) once per distinct prefix in each forward
+    (:func:`molt_core.train.forward.shared_prefix`: same logprobs up to float rounding; not with
+    gradient checkpointing, images, routing replay or ``world_size > 1``)."""
 
     lr: float = Field(3e-4, gt=0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.98])
@@ -293,6 +296,7 @@ class TrainerSection(_Section):
     world_size: int = Field(1, ge=1)
     lora: LoraSection | None = None
     gradient_checkpointing: bool = False
+    shared_prefix: bool = True
 
 
 class CheckpointSection(_Section):

@@ -711,25 +711,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("rows", [-1, 5])
-def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches(rows):
+@pytest.mark.parametrize("rows,shared", [(-1, False), (5, False), (-1, True)])
+def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches(rows, shared):
     """The check process's ``[N]`` differences equal the in-line check's exactly, token for
     token, when the batch is split into micro-batches (12 rows at ``micro_batch_size = 5``:
     5 + 5 + 2, each padded to its own longest row -- the other tests' 12 rows fit the default
     64 in one micro-batch) and with ``async.onpolicy_rows = 5`` (the same 5 rows sampled). The
     behaviour logprobs are the placeholder -1.0, so each difference is ``|-1 - logprob under
-    version 0|``: every token's recompute is compared, not a zero."""
+    version 0|``: every token's recompute is compared, not a zero. With ``shared`` a group's
+    rollouts share their prompt, and both checks run its forward once per micro-batch
+    (``trainer.shared_prefix``, the default)."""
     from molt_core.train import build_batch
     from trainer_utils import set_behaviour, synthetic_rollouts
 
     tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1, "onpolicy_rows": rows}},
                           trainer={"lr": 1e-2, "micro_batch_size": 5}))
-    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1)  # ts1: version 0, behaviour -1.0
+    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1, shared_prompt=shared)  # ts1: version 0, behaviour -1.0
     set_behaviour(tr, ts0)
     tr.train_step(ts0)
     assert tr._check_proc.ready(timeout=120)
     batch = build_batch(ts1, tr.pad_id, tr.vocab_size)
     assert batch.size == 12 and len(tr._micro_batches(batch)) == 3
+    from molt_core.train.forward import shared_prefix
+
+    T = int(batch.lengths[:5].max())
+    assert (shared_prefix(batch.input_ids[:5, :T], batch.param_ids[:5, :T]) is not None) == shared
     d_proc = tr._onpolicy_stale(batch)()
     assert tr._check_proc.checks == 1
     tr.overlap_onpolicy_check = False
@@ -809,3 +815,28 @@ def test_trainer_close_stops_the_check_process_and_the_check_goes_on_in_line():
     m = tr.train_step(ts)
     assert tr._check_proc is None and m["invariants/onpolicy_stale_tokens"] > 0
     assert m["invariants/logprob_absdiff_max_onpolicy"] > 0.5 - 1e-4
+
+
+def test_the_check_process_can_start_before_the_first_step():
+    """``Trainer.start_check_process()`` (the run loop calls it after the warm start) starts the
+    child before any update, so the first stale check already runs there; a trainer keeping no
+    versions starts none. Its first step's check then goes to the process and reads a 0.5-nat
+    fault as 0.5."""
+    from trainer_utils import set_behaviour, synthetic_rollouts
+
+    assert Trainer(tiny_cfg()).start_check_process() is False  # sync: no versions held
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 1e-2}))
+    assert tr.start_check_process() is True and tr._check_proc.ready(timeout=120)
+    proc = tr._check_proc
+    assert tr.start_check_process() is True and tr._check_proc is proc  # once
+    ts0, ts1 = synthetic_rollouts(0), synthetic_rollouts(1)
+    set_behaviour(tr, ts0)
+    set_behaviour(tr, ts1)  # sampled by version 0, trained at version 1
+    seg = ts1[0].segments[0]
+    seg.logprobs[seg.loss_mask.index(True)] += 0.5
+    tr.train_step(ts0)  # version 0 goes to the ring
+    m = tr.train_step(ts1)
+    assert tr._check_proc.checks == 1
+    assert m["invariants/onpolicy_stale_tokens"] > 0
+    assert abs(m["invariants/logprob_absdiff_max_onpolicy"] - 0.5) < 1e-4
+    tr.close()

@@ -23,16 +23,20 @@ def tiny_cfg(**sections) -> RunConfig:
 
 def synthetic_rollouts(seed: int, n_groups: int = 3, n_per_group: int = 4, vocab: int = 500,
                        version: int = 0, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                       two_segments_every: int = 0) -> list[Trajectory]:
+                       two_segments_every: int = 0, shared_prompt: bool = False) -> list[Trajectory]:
     """Deterministic rollouts with varied prompt/completion lengths and 0/1 rewards.
 
     Behaviour logprobs are placeholders (-1.0); use :func:`set_behaviour` to make them the
     trainer's own (on-policy). With ``two_segments_every = k`` every k-th rollout has two
-    segments (a rewritten context).
+    segments (a rewritten context). With ``shared_prompt`` the rollouts of a group share one
+    prompt (as a GRPO group's samples do; prompt lengths still vary across groups), else every
+    rollout draws its own.
     """
     rng = random.Random(seed)
     out = []
     for g in range(n_groups):
+        # (drawn only when shared, so the other rollouts' draws stay those of earlier releases)
+        group_prompt = [1] + [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9) - 1)] if shared_prompt else []
         for k in range(n_per_group):
             segs = []
             n_segs = 2 if two_segments_every and (g * n_per_group + k) % two_segments_every == 0 else 1
@@ -40,6 +44,9 @@ def synthetic_rollouts(seed: int, n_groups: int = 3, n_per_group: int = 4, vocab
                 p = rng.randint(3, 9)
                 c = rng.randint(2, 8)
                 ids = [1] + [rng.randrange(3, vocab) for _ in range(p - 1 + c)]
+                if shared_prompt:
+                    p = len(group_prompt)
+                    ids = group_prompt + ids[len(ids) - c:]
                 n = len(ids)
                 segs.append(Segment(
                     token_ids=ids,

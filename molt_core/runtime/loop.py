@@ -319,6 +319,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
     if not resume and cfg.sft.steps > 0:
         _warm_start(ray, trainer, run_dir, console)
+    if cfg.async_.max_staleness > 0 and cfg.trainer.world_size == 1:
+        trainer.start_check_process.remote()  # its start-up overlaps the first rollouts (not awaited)
 
     if sync_mode == "collective":
         backend = connect_collective(ray, trainer, workers)

@@ -461,6 +461,11 @@ class TrainerWorker:
         :func:`where`, ``backend`` "none" (no process group)."""
         return {"rank": "0", **where(), "backend": "none"}
 
+    def start_check_process(self) -> bool:
+        """:meth:`molt_core.train.Trainer.start_check_process` (False on a sharded rank, whose
+        checks stay in line)."""
+        return self.trainer.start_check_process()
+
     def sft(self) -> dict[str, float]:
         """Warm start, all steps in one call: :meth:`sft_begin` then :meth:`sft_next` until done.
         Returns the first/last loss (``sft/loss_first``, ``sft/loss_last``; NaN with no step)."""

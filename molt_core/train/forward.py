@@ -3,7 +3,8 @@
 :func:`token_logprobs` turns logits into those logprobs (:func:`molt_core.sampling.processed_logprobs`,
 the transform the engine sampled with, so identical weights give a ratio of exactly 1);
 :func:`forward_rows` runs one micro-batch of a :class:`~molt_core.train.ingress.Batch` through a
-model; :func:`recompute_logprobs` a whole batch, no grad.
+model -- sharing the forward of a prompt prefix its rows have in common
+(:func:`shared_prefix`) -- and :func:`recompute_logprobs` a whole batch, no grad.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from molt_core.sampling import processed_logprobs
 from molt_core.train.ingress import Batch
 
-__all__ = ["forward_rows", "model_vocab", "recompute_logprobs", "token_logprobs"]
+__all__ = ["forward_rows", "model_vocab", "recompute_logprobs", "shared_prefix", "token_logprobs"]
 
 
 def token_logprobs(
@@ -89,12 +90,85 @@ def model_vocab(model: torch.nn.Module) -> int | None:
     return getattr(cfg, "vocab_size", None)
 
 
+def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
+                  ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """The prompt prefix a micro-batch's rows share, to run once per distinct prefix.
+
+    A GRPO group samples ``n`` responses to one prompt, so its ``n`` rows start with the same
+    token ids; the forward of those ids is the same computation ``n`` times (Prefix Grouper:
+    Liu et al. 2025, "Efficient GRPO Training through Shared-Prefix Forward", arXiv:2506.05433).
+    The prefix is the first ``L`` columns, with ``L`` one less than the earliest sampled
+    position of any row (so the logits of every sampled token come from the rest of its row,
+    and the prefix holds prompt tokens only) -- the same ``L`` for every row, so the rest runs
+    as one right-padded batch over the prefix's keys/values with no attention mask.
+
+    Args:
+        ids: ``[R, T]`` int64 token ids (right-padded rows).
+        pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``); a row with no
+            sampled token bounds ``L`` by ``T`` only.
+        min_saving: the fraction of the ``R * T`` token positions the sharing must save
+            (``(R - G) * L``, ``G`` distinct prefixes) to be worth a second forward call.
+
+    Returns:
+        ``(L, prefixes [G, L] int64, row_prefix [R] int64)`` (row ``r``'s prefix is
+        ``prefixes[row_prefix[r]]``), or None when no prefix of >= 1 token is shared enough.
+    """
+    R, T = ids.shape
+    sampled = pids >= 0
+    first = torch.where(sampled.any(1), sampled.int().argmax(1), torch.full((R,), T + 1))
+    L = int(first.min()) - 1
+    if L < 1 or R < 2:
+        return None
+    prefixes, row_prefix = torch.unique(ids[:, :L], dim=0, return_inverse=True)
+    if (R - prefixes.shape[0]) * L < min_saving * R * T:
+        return None
+    return L, prefixes, row_prefix
+
+
+def _cache_kw(model: torch.nn.Module) -> str | None:
+    """The keyword of ``model.forward``'s KV cache (transformers >= 5.x: ``cache``, before:
+    ``past_key_values``), or None when it takes neither."""
+    return next((k for k in ("cache", "past_key_values") if accepts(model, k)), None)
+
+
+def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, torch.Tensor, torch.Tensor],
+                   kw: dict[str, Any], cache_kw: str) -> torch.Tensor:
+    """Logits of ``ids[:, L:]`` (``[R, T - L]`` ids; ``kw``'s ``logits_to_keep`` in those
+    columns) after one forward of each distinct prefix, whose keys/values each row then reads
+    (:func:`shared_prefix`). Differentiable through both forwards: the backward sums a shared
+    prefix's gradient over its rows, as the full forward of each row would.
+
+    Raises:
+        RuntimeError: the model did not extend the given cache by the suffix (a model that
+            ignores it, e.g. a checkpointed layer dropping it, would compute every row
+            without its prompt).
+    """
+    L, prefixes, row_prefix = plan
+    out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1)
+    cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+    if cache is None or not hasattr(cache, "batch_select_indices") or cache.get_seq_length() != L:
+        raise RuntimeError(f"internal: the prefix forward returned no usable KV cache ({type(cache).__name__}); "
+                           f"set trainer.shared_prefix = false and report this model")
+    cache.batch_select_indices(row_prefix.to(ids.device))  # [G, ...] -> [R, ...], by index: grads sum back
+    logits = model(input_ids=ids[:, L:], use_cache=True, **kw, **{cache_kw: cache}).logits
+    if cache.get_seq_length() != ids.shape[1]:
+        raise RuntimeError("internal: the model did not read the shared prefix's KV cache; "
+                           "set trainer.shared_prefix = false and report this model")
+    return logits
+
+
 def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) ``[b, T_rows]`` float32 of the sampled tokens of ``rows`` under
     ``model``, on ``trainer.device``; right padding needs no attention mask (a causal model
     never attends to later positions). Logits are only computed at the positions that
     predict a sampled token (``logits_to_keep`` as column indices, when the model accepts it).
+
+    With ``trainer.shared_prefix`` (``trainer.shared_prefix`` in the recipe; off for images,
+    routing replay and ``trainer.lockstep``) a prompt prefix the rows share runs once per
+    distinct prefix (:func:`shared_prefix`): the same function, up to float rounding (~1e-5
+    nats in float32 on the quickstart's model; ``invariants/logprob_absdiff_max_onpolicy``
+    measures it against the engine on every step).
 
     ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing
     replay context (``trainer._routing``), the mixed-precision context (``trainer.autocast``) and
@@ -105,11 +179,17 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     pids = batch.param_ids[rows, :T]
     kw: dict[str, Any] = {}
     offset = 0
+    plan = cache_kw = None
+    if (getattr(trainer, "shared_prefix", False) and not trainer.lockstep and batch.images is None
+            and batch.routed_experts is None and accepts(model, "logits_to_keep")):
+        cache_kw = _cache_kw(model)
+        plan = shared_prefix(batch.input_ids[rows, :T], pids) if cache_kw else None
     if accepts(model, "logits_to_keep"):
         cols = (pids >= 0).any(0).nonzero().flatten()
         if cols.numel():
             offset = int(cols[0]) - 1
-            kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=trainer.device)
+            shift = plan[0] if plan else 0  # the logits of a shared-prefix forward start at column L
+            kw["logits_to_keep"] = torch.arange(offset - shift, int(cols[-1]) - shift, device=trainer.device)
     if batch.images is not None:  # a vision-language model: pixels, grids and 3D positions of the rows' images
         from molt_core.vision import padded_inputs
 
@@ -118,7 +198,10 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
                                 [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
                                 trainer.device))
     with trainer._routing(model, batch, rows, T), trainer.autocast():
-        logits = model(input_ids=ids, use_cache=False, **kw).logits
+        if plan:
+            logits = _prefix_logits(model, ids, plan, kw, cache_kw)
+        else:
+            logits = model(input_ids=ids, use_cache=False, **kw).logits
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
         lp = lp + 0.0 * logits[..., :1].sum()

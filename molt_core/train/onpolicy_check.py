@@ -133,6 +133,7 @@ class CheckProcess:
         compute_dtype: the forwards' autocast dtype (``torch.float32``: none).
         threads: torch threads of the child (the trainer's ``torch.get_num_threads()``, so its
             kernels reduce in the same order as an in-line check's).
+        shared_prefix: the trainer's ``shared_prefix`` (the same forwards as an in-line check's).
 
     Attributes:
         ring: ``slots`` state dicts (name -> CPU tensor in shared memory) for
@@ -147,7 +148,7 @@ class CheckProcess:
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, micro_batch_size: int, compute_dtype: torch.dtype,
-                 threads: int) -> None:
+                 threads: int, shared_prefix: bool = False) -> None:
         layout, nbytes = ring_layout(model)
         free = _shm_free()
         if free is not None and slots * nbytes > free // 2:
@@ -185,7 +186,8 @@ class CheckProcess:
         # the model (more than a pipe holds) goes on a thread: the write ends only once the
         # child, after seconds of imports, has read it, and the step that starts it goes on
         self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,
-                                        args=((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads),))
+                                        args=((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads,
+                                               shared_prefix),))
         self._finalizer.detach()
         self._sent = threading.Event()
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._tmp, self._sender, self._sent)
@@ -308,15 +310,16 @@ def _stop(proc: subprocess.Popen, tmp: str, sender: threading.Thread, sent: thre
 
 class _Forwarder:
     """What :func:`molt_core.train.forward.recompute_logprobs` reads of a one-process CPU
-    trainer with no images and no routing replay: its micro-batches and autocast."""
+    trainer with no images and no routing replay: its micro-batches, autocast and ``shared_prefix``."""
 
     device = torch.device("cpu")
     lockstep = False
     vision_processor = None
 
-    def __init__(self, micro_batch_size: int, compute_dtype: torch.dtype) -> None:
+    def __init__(self, micro_batch_size: int, compute_dtype: torch.dtype, shared_prefix: bool = False) -> None:
         self.micro_batch_size = micro_batch_size
         self.compute_dtype = compute_dtype
+        self.shared_prefix = shared_prefix
 
     def _work(self, batch: Any, model: Any = None) -> list[tuple[slice, bool]]:
         mb = self.micro_batch_size
@@ -369,7 +372,7 @@ def _serve(tmp: str) -> None:
 
     try:
         try:
-            blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads = pickle.load(inp)
+            blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads, shared_prefix = pickle.load(inp)
             states = [map_slot(p, layout, nbytes) for p in paths]
         finally:  # both sides have mapped the slots (or this one never will): nothing left behind
             shutil.rmtree(tmp, ignore_errors=True)
@@ -389,7 +392,7 @@ def _serve(tmp: str) -> None:
         reply((False, repr(e)))
         return
     reply((True, None))
-    fwd = _Forwarder(micro_batch_size, compute_dtype)
+    fwd = _Forwarder(micro_batch_size, compute_dtype, shared_prefix)
     while True:
         try:
             batch, version, slots, max_rows, seed = pickle.load(inp)

@@ -189,6 +189,9 @@ class Trainer:
         init_routing(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
+        #: forwards run a prompt prefix the rows share once (:func:`molt_core.train.forward.shared_prefix`);
+        #: a checkpointed layer drops the KV cache the rest of the rows would read
+        self.shared_prefix = cfg.trainer.shared_prefix and not cfg.trainer.gradient_checkpointing
 
     # -- data-parallel seams, overridden by molt_core.train.distributed.ShardedTrainer ---------
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
@@ -465,11 +468,20 @@ class Trainer:
 
         try:
             proc = CheckProcess(self.model, self.history.keep + 1, self.cfg.trainer.micro_batch_size,
-                                self.compute_dtype, torch.get_num_threads())
+                                self.compute_dtype, torch.get_num_threads(), self.shared_prefix)
             self.history.share(proc.ring)  # the held versions move to shared memory
             self._check_proc = proc
         except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
             self._check_failed(e)
+
+    def start_check_process(self) -> bool:
+        """Start the on-policy check's process now rather than after the first update (the run
+        loop calls it once the warm start is done, so the child's start-up -- seconds of
+        imports -- overlaps the first rollouts instead of the first steps' checks, which run
+        in line until it is ready). Returns whether a check process runs (False for a trainer
+        that keeps no versions or may not use one: see :meth:`_start_check_process`)."""
+        self._start_check_process()
+        return self._check_proc is not None
 
     def close(self) -> None:
         """Stop the on-policy check's process, if one runs (it also stops when the trainer is

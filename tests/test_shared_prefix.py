@@ -1,0 +1,191 @@
+"""The shared-prefix forward (issue 16): a prompt prefix the rows of a micro-batch share runs
+once per distinct prefix (molt_core.train.forward.shared_prefix), and the rows read its keys
+and values. Same function as the full forward up to float rounding; the on-policy metric
+flags a wrong prefix; a model that drops the cache is refused, never silently trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import molt_core.train.forward as fwd
+from molt_core.train import Trainer, build_batch
+from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+from trainer_utils import record_engine_ids, set_behaviour, synthetic_rollouts, tiny_cfg
+
+torch.set_num_threads(1)
+
+
+def test_plan_exact_values():
+    """L = (earliest sampled column) - 1; distinct prefixes in sorted order; the saving rule."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0],
+                        [1, 2, 3, 6, 7, 8],
+                        [9, 2, 3, 4, 0, 0],
+                        [1, 2, 3, 5, 0, 0]])
+    pids = torch.full(ids.shape, -1)
+    pids[0, 3:5] = 0
+    pids[1, 4:6] = 0
+    pids[2, 3] = 0  # row 3 samples nothing: it bounds L by T only
+    L, pre, inv = fwd.shared_prefix(ids, pids)
+    assert L == 2  # earliest sampled column 3
+    assert pre.tolist() == [[1, 2], [9, 2]] and inv.tolist() == [0, 0, 1, 0]
+    # saving (4 - 2) * 2 = 4 token positions of 24: above 10 %, not above 20 %
+    assert fwd.shared_prefix(ids, pids, min_saving=0.16) is not None
+    assert fwd.shared_prefix(ids, pids, min_saving=0.17) is None
+    pids[2, 1] = 0  # a token sampled at column 1: no prompt column left to share
+    assert fwd.shared_prefix(ids, pids) is None
+    assert fwd.shared_prefix(ids[:1], pids[:1]) is None  # one row shares with nobody
+    distinct = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert fwd.shared_prefix(distinct, torch.tensor([[-1, -1, 0, 0], [-1, -1, 0, 0]])) is None
+
+
+def _trainers(**trainer):
+    """Two trainers on the same tiny Qwen3 weights, shared prefix on and off."""
+    a = Trainer(tiny_cfg(trainer={"lr": 1e-2, **trainer}))
+    b = Trainer(tiny_cfg(trainer={"lr": 1e-2, "shared_prefix": False, **trainer}), model=_copy(a.model))
+    assert a.shared_prefix and not b.shared_prefix
+    return a, b
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _count_forwards(model):
+    calls = []
+    model.register_forward_hook(lambda m, i, o: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, 250)])
+def test_forward_equals_the_full_forward_and_so_do_the_gradients(temperature, top_k):
+    """3 groups x 4 rollouts, one prompt per group (lengths differ across groups, so ``L`` is
+    the shortest group's), one micro-batch: logprobs and entropies within 2e-5 of the full
+    forward's (float32 rounding: other matmul shapes), the gradient of their sum within 1e-4
+    relative -- and the shared path really ran (two forward calls, not one)."""
+    a, b = _trainers()
+    ts = synthetic_rollouts(3, shared_prompt=True, temperature=temperature, top_k=top_k)
+    batch = build_batch(ts, a.pad_id, a.vocab_size)
+    T = int(batch.lengths.max())
+    plan = fwd.shared_prefix(batch.input_ids[:, :T], batch.param_ids[:, :T])
+    assert plan is not None and plan[1].shape[0] == 3  # three distinct prompts for 12 rows
+    calls_a, calls_b = _count_forwards(a.model), _count_forwards(b.model)
+    lp_a, ent_a = fwd.forward_rows(a, a.model, batch, slice(None), with_entropy=True)
+    lp_b, ent_b = fwd.forward_rows(b, b.model, batch, slice(None), with_entropy=True)
+    assert len(calls_a) == 2 and len(calls_b) == 1
+    m = batch.mask[:, :T]
+    # (top-k 250: a random synthetic token is often outside the support, -inf in both)
+    torch.testing.assert_close(lp_a[m], lp_b[m], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent_a[m], ent_b[m], atol=2e-5, rtol=0)
+    assert bool((lp_b[m] < -1e-3).all()) and int(torch.isfinite(lp_b[m]).sum()) >= 10  # real logprobs, not zeros
+    assert float(lp_a[~m].detach().abs().max()) == 0.0
+    fin = torch.isfinite(lp_b.detach())
+    (lp_a[fin].sum()).backward()
+    (lp_b[fin].sum()).backward()
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        scale = float(pb.grad.abs().max())
+        assert scale > 0, name
+        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+
+
+def test_train_step_matches_and_micro_batches_share_within_themselves():
+    """A GRPO step with the shared prefix on equals the step with it off (loss, grad norm,
+    updated weights) up to rounding, at ``micro_batch_size = 5`` too (groups split across
+    micro-batches: each shares what it holds)."""
+    for mb in (64, 5):
+        a, b = _trainers(micro_batch_size=mb)
+        w0 = torch.cat([p.detach().flatten().clone() for p in a.model.parameters()])
+        ts = synthetic_rollouts(4, shared_prompt=True)
+        record_engine_ids(ts)
+        set_behaviour(b, ts)
+        ma, mb_ = a.train_step(ts), b.train_step(ts)
+        assert ma["grad_norm"] > 0
+        assert abs(ma["grad_norm"] - mb_["grad_norm"]) <= 1e-4 * mb_["grad_norm"]
+        assert abs(ma["loss/total"] - mb_["loss/total"]) <= 1e-5
+        assert ma["invariants/logprob_absdiff_max_onpolicy"] < 2e-5
+        # AdamW's first step is ~lr * sign(grad): a weight whose gradient is ~0 moves by
+        # rounding either way, so compare the updates as vectors, not weight for weight
+        da = torch.cat([p.detach().flatten() for p in a.model.parameters()]) - w0
+        db = torch.cat([p.detach().flatten() for p in b.model.parameters()]) - w0
+        assert float(db.abs().max()) > 0.5 * 1e-2  # the weights moved (lr 1e-2)
+        assert float((da - db).abs().max()) < 0.02 * 1e-2  # measured: 1.5e-4 at mb 5 (a few weights)
+        assert float((da - db).abs().mean()) < 1e-7  # measured: 4e-9
+
+
+def test_a_wrong_shared_prefix_is_flagged_by_the_onpolicy_metric(monkeypatch):
+    """Fault: every row reads the keys/values of another group's prompt (the row -> prefix map
+    rolled by one). The engine's behaviour logprobs are the full forward's, so the step's
+    ``invariants/logprob_absdiff_max_onpolicy`` reads far above the float32 bound; clean, it
+    stays under it."""
+    a, b = _trainers()
+    ts = synthetic_rollouts(5, shared_prompt=True)
+    record_engine_ids(ts)
+    set_behaviour(b, ts)
+    clean = Trainer(tiny_cfg(trainer={"lr": 1e-2}), model=_copy(a.model)).train_step(ts)
+    assert clean["invariants/logprob_absdiff_max_onpolicy"] < ONPOLICY_ABSDIFF_TOL["float32"]
+    real = fwd.shared_prefix
+
+    def rolled(ids, pids, min_saving=0.1):
+        plan = real(ids, pids, min_saving)
+        return plan if plan is None else (plan[0], plan[1], (plan[2] + 1) % plan[1].shape[0])
+
+    monkeypatch.setattr(fwd, "shared_prefix", rolled)
+    m = a.train_step(ts)
+    assert m["invariants/logprob_absdiff_max_onpolicy"] > 0.1
+
+
+def test_a_model_that_drops_the_cache_is_refused_not_trained():
+    """Gradient checkpointing drops the KV cache inside a checkpointed layer: the trainer turns
+    the shared prefix off with it; forced on, the forward raises instead of computing every
+    row without its prompt."""
+    tr = Trainer(tiny_cfg(trainer={"gradient_checkpointing": True}))
+    assert not tr.shared_prefix
+    ts = synthetic_rollouts(6, shared_prompt=True)
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    tr.shared_prefix = True
+    with torch.no_grad():  # no backward to replay: the layers keep the cache
+        fwd.forward_rows(tr, tr.model, batch, slice(None))
+    with pytest.raises(RuntimeError, match="trainer.shared_prefix = false"):
+        fwd.forward_rows(tr, tr.model, batch, slice(None))
+
+
+def test_off_where_it_cannot_apply():
+    """No sharing for a sharded trainer (its ranks must run the same forward calls), a batch
+    with routing or images, or a model whose forward takes no KV cache."""
+    tr = Trainer(tiny_cfg())
+    ts = synthetic_rollouts(7, shared_prompt=True)
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        fwd.forward_rows(tr, tr.model, batch, slice(None))
+        assert len(calls) == 2
+        tr.lockstep = True
+        fwd.forward_rows(tr, tr.model, batch, slice(None))
+        assert len(calls) == 3
+        tr.lockstep = False
+        batch.routed_experts = torch.full((*batch.input_ids.shape, 1, 1), -1)
+        fwd.forward_rows(tr, tr.model, batch, slice(None))
+        assert len(calls) == 4
+
+
+def test_a_lora_policy_shares_its_prefix_too():
+    """Through peft (the adapter's layers see the prefix and the rest of the rows alike): the
+    same logprobs as the full forward, after an update has moved the adapter off zero."""
+    pytest.importorskip("peft")
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    tr = Trainer(tiny_cfg(trainer={"lr": 1e-2, "lora": lora}))
+    ts = synthetic_rollouts(8, shared_prompt=True)
+    record_engine_ids(ts)
+    set_behaviour(tr, ts)
+    assert tr.train_step(ts)["grad_norm"] > 0
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp_shared, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    assert len(calls) == 3
+    m = batch.mask[:, :lp_full.shape[1]]
+    torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
