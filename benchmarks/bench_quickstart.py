@@ -568,7 +568,8 @@ def main() -> None:
         description="Time to a target reward on the CPU quickstart: molt run (sync and async) vs TRL GRPOTrainer vs a "
                     "plain PyTorch loop, every arm from one warm start on the same prompts, ratios from one run. The "
                     "defaults (3 seeds x 300 steps x 4 arms, after a 1,200-step warm start written once) take about "
-                    "25 minutes on 2 CPU cores; --quick is a 2-4 minute smoke run. See the module docstring.",
+                    "16 minutes on 2 CPU cores once the warm start is cached; --quick is a 2-4 minute smoke run. "
+                    "See the module docstring.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="RL steps per arm")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (each runs every arm)")
