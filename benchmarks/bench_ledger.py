@@ -103,10 +103,11 @@ def session(tok: Any, turns: int, gc_freeze: bool = False) -> dict[str, list[tup
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--turns", type=int, default=500)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--turns", type=int, default=500, help="turns of the session")
     ap.add_argument("--window", type=int, default=20, help="turns per median")
-    ap.add_argument("--model", default="builtin:tiny-qwen3")
+    ap.add_argument("--model", default="builtin:tiny-qwen3", help="model whose tokenizer and chat template render")
     ap.add_argument("--plot", default="runs/bench_ledger.png", help="where to save the plot ('' for none)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() before each turn: the interpreter's cyclic GC then skips the objects of earlier "

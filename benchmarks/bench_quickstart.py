@@ -582,10 +582,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke configuration: 30 steps, 1 seed, window 10, target 0.5, 64 eval problems; the recipe's "
                          "warm start when it is cached, else a 200-step one (which barely earns reward)")
-    ap.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default: the recipe's)")
+    ap.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (None: the recipe's)")
     ap.add_argument("--sft-dir", default=None, help="warm-start output dir to reuse or create (holds model/)")
     ap.add_argument("--eval-problems", type=int, default=256, help="held-out problems for the start and final evals")
-    ap.add_argument("--out", default=None, help="output dir (default runs/bench_quickstart/<time>)")
+    ap.add_argument("--out", default=None, help="output dir (None: runs/bench_quickstart/<time>)")
     ap.add_argument("--cache", default=str(ROOT / "runs" / "bench_quickstart"), help="where warm starts are cached")
     ap.add_argument("--arm-timeout", type=float, default=3600.0, help="running seconds before an arm is killed")
     ap.add_argument("--interleave", type=float, default=5.0,
@@ -693,9 +693,10 @@ def main() -> None:
     print(f"results: {out / 'bench_quickstart.json'}  ({results['total_wall_s']:.0f} s in all)")
 
 
-RATIOS = {  # name -> (numerator arm, denominator arm)
+RATIOS = {  # name -> (numerator arm, denominator arm); "molt" is the sync arm, "molt_async" max_staleness = 1
     "molt/trl": ("molt", "trl"), "molt/plain": ("molt", "plain"), "trl/plain": ("trl", "plain"),
     "molt_async/molt": ("molt_async", "molt"), "molt_async/trl": ("molt_async", "trl"),
+    "molt_async/plain": ("molt_async", "plain"),
 }
 
 

@@ -22,7 +22,7 @@
    Reported per configuration: requests/s (median over rounds), sampled tokens/s, p50/p95
    latency (all rounds pooled); and the ratios one engine / two engines and server / direct.
 
-Prints tables and writes every figure to ``--json`` (default ``bench_server.json``).
+Prints tables and writes every figure to ``--json`` (default ``runs/bench_server.json``).
 
 Usage: ``python benchmarks/bench_server.py [--only overhead,load,ledger] [--requests 30] [--max-tokens 16]
 [--turns 200] [--sessions 1,8,50] [--wires openai,anthropic,responses] [--repeats 2]``
@@ -293,20 +293,21 @@ def ledger_turns(tok, turns: int) -> list[tuple[float, float, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="overhead,load,ledger", help="sections to run, comma-separated")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--only", default="overhead,load,ledger", help="sections to run, comma-separated, of: overhead, load, ledger")
     ap.add_argument("--requests", type=int, default=30, help="sequential requests of the overhead section")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per request")
     ap.add_argument("--turns", type=int, default=200, help="turns of the ledger section's session")
     ap.add_argument("--sessions", default="1,8,50", help="sessions in flight, per load run")
-    ap.add_argument("--wires", default="openai,anthropic,responses")
+    ap.add_argument("--wires", default="openai,anthropic,responses", help="wires of the load runs, comma-separated")
     ap.add_argument("--load-turns", type=int, default=4, help="turns of each load session")
     ap.add_argument("--load-requests", type=int, default=120, help="about this many requests per load run")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the load runs")
     ap.add_argument("--max-batch-size", type=int, default=64, help="the load engines' max_batch_size")
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="the load engines' prefix cache (0: off)")
-    ap.add_argument("--model", default="builtin:tiny-qwen3")
-    ap.add_argument("--json", default="bench_server.json", help="where to write every figure")
+    ap.add_argument("--model", default="builtin:tiny-qwen3", help="the engines' model")
+    ap.add_argument("--json", default="runs/bench_server.json", help="where to write every figure")
     args = ap.parse_args()
     only = set(args.only.split(","))
     torch.set_num_threads(1)
@@ -354,6 +355,7 @@ def main() -> None:
             print(f"  {name:<26} {f:8.3f} vs {last:8.3f}  ratio {last / f:6.2f}x")
             report["ledger"][name] = {"first_ms": f, "last_ms": last}
 
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")
 

@@ -197,6 +197,10 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
                                 [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
                                 trainer.device))
+    stats = getattr(trainer, "prefix_stats", None)  # the loss forwards' positions: [saved, total]
+    if stats is not None and torch.is_grad_enabled():
+        stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if plan else 0
+        stats[1] += ids.numel()
     with trainer._routing(model, batch, rows, T), trainer.autocast():
         if plan:
             logits = _prefix_logits(model, ids, plan, kw, cache_kw)

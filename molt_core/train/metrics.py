@@ -35,7 +35,9 @@ k1 estimator, Schulman 2020 -- before the update),
 ``entropy`` (mean over sampled tokens, nats, of the processed distribution),
 ``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
 (``train/fused_recompute`` 1 when the proximal logprobs came from the loss
-forward), ``time/recompute`` (reference pass + separate recompute pass, if any),
+forward; ``train/shared_prefix_frac`` the fraction of the loss forwards' token positions
+(rows x columns) a shared prompt prefix saved, :func:`molt_core.train.forward.shared_prefix`
+-- 0 when no micro-batch shared one), ``time/recompute`` (reference pass + separate recompute pass, if any),
 ``time/onpolicy_check`` (the copy of this version's weights kept for later steps'
 check, plus the recompute under older versions -- or, when that overlaps the update
 in a process of its own, the wait for it),

@@ -192,6 +192,8 @@ class Trainer:
         #: forwards run a prompt prefix the rows share once (:func:`molt_core.train.forward.shared_prefix`);
         #: a checkpointed layer drops the KV cache the rest of the rows would read
         self.shared_prefix = cfg.trainer.shared_prefix and not cfg.trainer.gradient_checkpointing
+        #: ``[saved, total]`` token positions of the loss forwards while an update runs, else None
+        self.prefix_stats: list[int] | None = None
 
     # -- data-parallel seams, overridden by molt_core.train.distributed.ShardedTrainer ---------
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
@@ -376,10 +378,14 @@ class Trainer:
                 prox, ent = self.recompute_logprobs(batch, with_entropy=True)
         else:
             metrics["train/skipped"] = 0.0
+            self.prefix_stats = [0, 0]  # counted by forward_rows over the loss forwards
             upd, fused_prox, fused_ent = policy_update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
                                                           correct if fused else None,
                                                           None if fused else corr.out_of_support, kl_keep)
             metrics.update(upd)
+            saved, total = self.prefix_stats
+            self.prefix_stats = None
+            metrics["train/shared_prefix_frac"] = saved / total if total else 0.0
             if fused:
                 prox, ent = fused_prox, fused_ent
             if self.critic is not None:
