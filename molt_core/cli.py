@@ -142,9 +142,14 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     try:
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
-    except KeyboardInterrupt:  # a Ctrl-C: say how to go on (click alone prints "Aborted!")
-        _fail("interrupted; continue from the last checkpoint with: molt run --resume <the run directory "
-              "printed above>", code=130)
+    except KeyboardInterrupt as e:  # a Ctrl-C: say how to go on (click alone prints "Aborted!")
+        from molt_core.train.checkpoint import latest_checkpoint
+
+        where = getattr(e, "run_dir", None)
+        if where is not None and latest_checkpoint(where) is not None:
+            _fail(f"interrupted; continue from its last checkpoint with: molt run --resume {where}", code=130)
+        _fail("interrupted before the run's first checkpoint (written after the SFT warm start): nothing to "
+              "resume; run the command again", code=130)
     except Exception as e:
         if _is_ray_error(e):  # a Ray task or actor raised (a RayTaskError may also be a ValueError): exit 1,
             # its remote traceback without Ray's colour codes

@@ -429,18 +429,29 @@ def test_draw_reward_plot_writes_a_png(tmp_path):
     assert struct.unpack(">II", data[16:24]) == (700, 400)  # IHDR width, height
 
 
-def test_ctrl_c_during_molt_run_says_how_to_resume(monkeypatch):
-    """A Ctrl-C in ``molt run`` ends with exit code 130 and the resume command (click alone
-    printed only "Aborted!", which a new user read as the run being lost)."""
+def test_ctrl_c_during_molt_run_says_how_to_resume(monkeypatch, tmp_path):
+    """A Ctrl-C in ``molt run`` ends with exit code 130 and the resume command naming the run
+    directory once it holds a checkpoint (click alone printed only "Aborted!", which a new user
+    read as the run being lost); before the first checkpoint, that there is nothing to resume."""
     from click.testing import CliRunner
 
     from molt_core import runtime
     from molt_core.cli import main
+    from molt_core.runtime import loop
 
-    def interrupted(*a, **k):
+    def interrupted(cfg, host, run_dir, *a):  # main_job's body, interrupted (the run directory exists)
+        run_dir.mkdir(parents=True, exist_ok=True)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runtime, "main_job", interrupted)
-    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1"])
+    monkeypatch.setattr(loop, "_main_job", interrupted)
+    run_dir = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(run_dir)])
     assert res.exit_code == 130
-    assert "interrupted; continue from the last checkpoint with: molt run --resume <the run directory" in res.output
+    assert "interrupted before the run's first checkpoint" in res.output and "nothing to resume" in res.output
+    ck = run_dir / "checkpoints" / "step_00000000"
+    ck.mkdir(parents=True)
+    (ck / "state.json").write_text("{}")
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(run_dir)])
+    assert res.exit_code == 130
+    assert f"interrupted; continue from its last checkpoint with: molt run --resume {run_dir}" in res.output
+    assert runtime.main_job is loop.main_job

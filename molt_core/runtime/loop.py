@@ -258,15 +258,25 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         ClusterAuthError: joining a cluster without its token
             (:func:`molt_core.runtime.raycluster.prepare_auth`).
     """
+    cfg = _absolute(cfg)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
+    try:
+        return _main_job(cfg, host, run_dir, ray_address, resume, local)
+    except KeyboardInterrupt as e:
+        e.run_dir = run_dir  # type: ignore[attr-defined]  # the CLI's resume hint names it
+        raise
+
+
+def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str | None, resume: bool,
+              local: bool) -> Path:
+    """:func:`main_job` in ``run_dir`` (absolute); ``cfg`` with absolute paths."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from molt_core.train.checkpoint import latest_intact_checkpoint
 
     console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
-    cfg = _absolute(cfg)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(out_dir or cfg.run.out_dir or f"runs/{recipe_name}-{stamp}").resolve()
     # validate everything a worker will build before any compute starts (and before the run
     # directory exists, so a typo leaves no empty run behind)
     agent = load_agent(cfg, host)
