@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "hub_kwargs", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "check_model_source", "hub_kwargs", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
@@ -268,6 +268,32 @@ def _hub_error(path: str, kw: dict[str, Any], e: Exception) -> FileNotFoundError
         f"model.path {path!r}: could not load it from the Hugging Face Hub ({type(e).__name__}: {e}); check the id "
         f"and your network, or set HF_HUB_OFFLINE=1 to use a cached copy"
     )
+
+
+def check_model_source(path: str) -> None:
+    """Fail early, in the process that asks, when ``model.path`` cannot be loaded from where it
+    points: a Hub id is resolved by fetching its ``config.json`` (from the cache when
+    ``HF_HUB_OFFLINE=1``; one small download otherwise, which the workers would make anyway).
+    A ``builtin:`` model, a ``pkg:`` package that is installed and a local directory pass.
+    Without it an uncached Hub model on a machine without network failed inside a Ray worker,
+    its cause under the worker's traceback.
+
+    Raises:
+        FileNotFoundError: as :func:`hub_kwargs` and :func:`local_model_dir` (the message
+            names the path and the fix).
+    """
+    if is_builtin(path):
+        return
+    path = resolve_path(path)
+    name, kw = hub_kwargs(path)
+    if Path(path).is_dir():
+        return
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(name, "config.json", revision=kw.get("revision"), local_files_only=kw["local_files_only"])
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HTTP / connection errors
+        raise _hub_error(path, kw, e) from e
 
 
 def local_model_dir(path: str) -> str:

@@ -255,3 +255,56 @@ def test_local_paths_never_download(tmp_path, monkeypatch):
         with pytest.raises(FileNotFoundError, match="not a local directory nor a Hugging Face Hub id"):
             load_tokenizer(bad)
     assert len(seen) == 1
+
+
+def test_check_model_source_fails_early_for_an_uncached_hub_id_and_passes_the_rest(tmp_path, monkeypatch):
+    """The driver's pre-flight (``molt run`` calls it before Ray starts): a cached Hub id, a
+    builtin and a directory pass; an uncached one while offline is the clear FileNotFoundError
+    (not a cause deep in a Ray worker's traceback), and so is a download that fails online
+    (recorded, no network); a bad path names itself."""
+    import huggingface_hub
+    import huggingface_hub.constants as hc
+
+    from molt_core.models import check_model_source
+
+    _fake_hub_cache(tmp_path, "molt-test/tiny")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    check_model_source("molt-test/tiny")
+    check_model_source("builtin:tiny-qwen3")
+    check_model_source(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"'molt-test/absent': not in the Hugging Face cache and HF_HUB_OFFLINE=1"):
+        check_model_source("molt-test/absent")
+    with pytest.raises(FileNotFoundError, match="not a local directory nor a Hugging Face Hub id"):
+        check_model_source("./no-such-model")
+    seen = []
+
+    def unreachable(repo, filename, **kw):
+        seen.append((repo, filename, kw))
+        raise OSError("connection refused")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(FileNotFoundError, match=r"could not load it from the Hugging Face Hub \(OSError: connection refused\)"):
+        check_model_source("org/model@v1")
+    assert seen == [("org/model", "config.json", {"revision": "v1", "local_files_only": False})]
+
+
+def test_molt_run_with_an_uncached_hub_model_fails_before_ray_and_leaves_no_run_dir(tmp_path, monkeypatch):
+    """``molt run`` with an uncached Hub model while offline: exit 2 with the fix, before Ray
+    starts (no Ray needed here) and before the run directory exists."""
+    from click.testing import CliRunner
+
+    import huggingface_hub.constants as hc
+    from molt_core.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(out),
+                                    "--set", 'model.path="molt-test/absent"'])
+    assert res.exit_code == 2, res.output
+    assert "HF_HUB_OFFLINE=1 forbids a download" in res.output and "hf download molt-test/absent" in res.output
+    assert not out.exists()

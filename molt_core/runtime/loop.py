@@ -283,6 +283,10 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_rewards(cfg, host)
     check_loggers(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local)
+    if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
+        from molt_core.models import check_model_source
+
+        check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path
