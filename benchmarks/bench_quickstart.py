@@ -677,7 +677,7 @@ def main() -> None:
             s = res["summary"]
             print(f"seed {seed} {arm:10s} median step {1e3 * s['median_step_s']:7.1f} ms "
                   f"({s['steps_in_medians']} steps)  to {args.target}: {s['steps_to_target'] or '-'} steps / "
-                  f"{s['seconds_to_target'] or float('nan'):.1f} s  reward {s['reward_first_window']:.2f} -> "
+                  f"{format(s['seconds_to_target'], '.1f') if s['seconds_to_target'] else '-'} s  reward {s['reward_first_window']:.2f} -> "
                   f"{s['reward_last_window']:.2f}  final greedy {res['final_eval']['greedy']:.3f} "
                   f"sampled {res['final_eval']['sampled']:.3f}  ({res['arm_wall_s']:.0f} s running)", flush=True)
             per[arm] = res
