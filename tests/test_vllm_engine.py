@@ -559,3 +559,22 @@ def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
     obj.config.vision_config.patch_size = 14
     with pytest.raises(ValueError, match="give the vllm engine the model's directory"):
         VLLMEngine(obj, load_tokenizer(VL), max_batch_size=2, kv_cache_memory_bytes=32 << 20)
+
+
+@vllm_test
+def test_a_builtin_models_temporary_directory_goes_when_the_process_ends_without_close(tmp_path):
+    """A builtin model is written to a temporary directory for vLLM to read; ``close()``
+    removes it, and so does the end of a process that never called it (tests and scripts
+    left one ``/tmp/molt-vllm-*`` of 3.4 MB per engine behind)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from molt_core.engines.vllm_engine import VLLMEngine\n"
+            "e = VLLMEngine('builtin:tiny-qwen3', max_batch_size=2, seed=0, kv_cache_memory_bytes=32 << 20)\n"
+            "import os; assert os.path.isdir(e._tmpdir); print(e._tmpdir, flush=True)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    made = r.stdout.strip().splitlines()[-1]
+    assert made.startswith(str(tmp_path / "molt-vllm-")) and not os.path.exists(made)

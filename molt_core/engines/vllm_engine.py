@@ -55,6 +55,7 @@ import random
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,8 @@ class VLLMEngine(WorkerThreadEngine):
                                  "processor; give the vllm engine the model's directory (with its "
                                  "preprocessor_config.json) instead of the object")
         self._tmpdir = tempfile.mkdtemp(prefix="molt-vllm-")
+        # removed by close(); else when the engine is collected or the interpreter exits
+        weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
         model.save_pretrained(self._tmpdir, safe_serialization=True)
         tokenizer.save_pretrained(self._tmpdir)
         if is_vision_model(model):  # the builtin VL model's image processor (preprocessor_config.json)
