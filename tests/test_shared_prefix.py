@@ -201,3 +201,57 @@ def test_a_lora_policy_shares_its_prefix_too():
     assert len(calls) == 3
     m = batch.mask[:, :lp_full.shape[1]]
     torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
+
+
+def _tiny_lfm2():
+    """A 2-layer LFM2 (one short-convolution layer, one attention layer; vocab 512): its cache
+    holds a convolution state (a transformers ``LinearAttentionLayer``) beside keys/values."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    return Lfm2ForCausalLM(Lfm2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"]))
+
+
+def test_a_model_whose_cache_is_not_keys_and_values_runs_in_full():
+    """A hybrid model (LFM2's convolution layer; likewise Mamba, Qwen3-Next's linear attention)
+    keeps a per-row state that ``batch_select_indices`` does not select (the old code raised
+    AttributeError from the cache on the first forward): the forward falls back to the full
+    one -- bit for bit the logprobs of ``shared_prefix`` off -- once per model, and that model
+    never tries the prefix again (one forward call, not two)."""
+    tr = Trainer(tiny_cfg(), model=_tiny_lfm2())
+    ts = synthetic_rollouts(3, shared_prompt=True)
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    T = int(batch.lengths.max())
+    assert fwd.shared_prefix(batch.input_ids[:, :T], batch.param_ids[:, :T]) is not None
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp1, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))  # tries the prefix: 2 calls
+        lp2, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))  # remembered: 1 call
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    assert len(calls) == 4
+    m = batch.mask[:, :T]
+    assert bool((lp_full[m] < -1e-3).all())
+    assert torch.equal(lp1, lp_full) and torch.equal(lp2, lp_full)
+    # a fresh Qwen3 still shares (the memory is per model object, not per process)
+    a, _ = _trainers()
+    c = _count_forwards(a.model)
+    with torch.no_grad():
+        fwd.forward_rows(a, a.model, batch, slice(None))
+    assert len(c) == 2
+
+
+def test_a_micro_batch_that_samples_nothing_plans_no_prefix():
+    """Rows with no sampled token (a segment of a multi-segment rollout can have none): a
+    micro-batch of only such rows computes no logits, so no prefix is planned (the old plan
+    took ``L = T`` and ran an empty suffix)."""
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 0]])
+    assert fwd.shared_prefix(ids, torch.full(ids.shape, -1)) is None
+    tr = Trainer(tiny_cfg())
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
+    batch.param_ids[:4] = -1  # the first group's 4 rows sample nothing
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp, _ = fwd.forward_rows(tr, tr.model, batch, slice(0, 4))
+    assert len(calls) == 1 and float(lp.abs().max()) == 0.0
