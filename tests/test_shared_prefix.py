@@ -255,3 +255,29 @@ def test_a_micro_batch_that_samples_nothing_plans_no_prefix():
     with torch.no_grad():
         lp, _ = fwd.forward_rows(tr, tr.model, batch, slice(0, 4))
     assert len(calls) == 1 and float(lp.abs().max()) == 0.0
+
+
+def test_a_lora_runs_kl_reference_shares_its_prefix():
+    """A LoRA run's KL reference is the policy under ``disable_adapter()``
+    (:class:`molt_core.train.lora.AdapterDisabled`): it shares the prefix too (two forward
+    calls; the old code saw no cache keyword on the wrapper and ran it in full), with the
+    logprobs of its full forward -- the base weights', not the adapter's (after an update
+    has moved the adapter, they differ from the policy's)."""
+    pytest.importorskip("peft")
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    tr = Trainer(tiny_cfg(trainer={"lr": 1e-2, "lora": lora}, algo={"kl_coef": 0.1}))
+    ts = synthetic_rollouts(9, shared_prompt=True)
+    record_engine_ids(ts)
+    set_behaviour(tr, ts)
+    assert tr.train_step(ts)["grad_norm"] > 0
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    calls = _count_forwards(tr.model)  # the reference's forwards are the policy's, adapter off
+    with torch.no_grad():
+        ref_shared, _ = fwd.forward_rows(tr, tr.ref_model, batch, slice(None))
+        assert len(calls) == 2
+        tr.shared_prefix = False
+        ref_full, _ = fwd.forward_rows(tr, tr.ref_model, batch, slice(None))
+        policy, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    m = batch.mask[:, :ref_full.shape[1]]
+    torch.testing.assert_close(ref_shared[m], ref_full[m], atol=2e-5, rtol=0)
+    assert float((policy[m] - ref_full[m]).abs().max()) > 1e-3
