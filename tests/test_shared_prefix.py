@@ -59,6 +59,14 @@ def _count_forwards(model):
     return calls
 
 
+def _assert_grads_close(a, b):
+    """Every parameter of ``b`` got a gradient, and ``a``'s is within 1e-4 of its largest entry."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = float(pb.grad.abs().max())
+        assert scale > 0, name
+        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, 250)])
 def test_forward_equals_the_full_forward_and_so_do_the_gradients(temperature, top_k):
     """3 groups x 4 rollouts, one prompt per group (lengths differ across groups, so ``L`` is
@@ -84,10 +92,7 @@ def test_forward_equals_the_full_forward_and_so_do_the_gradients(temperature, to
     fin = torch.isfinite(lp_b.detach())
     (lp_a[fin].sum()).backward()
     (lp_b[fin].sum()).backward()
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
-        scale = float(pb.grad.abs().max())
-        assert scale > 0, name
-        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+    _assert_grads_close(a.model, b.model)
 
 
 def test_train_step_matches_and_micro_batches_share_within_themselves():
@@ -321,10 +326,7 @@ def test_a_sliding_window_model_shares_with_the_same_logprobs_and_gradients():
     torch.testing.assert_close(lp_a[m], lp_b[m], atol=2e-5, rtol=0)
     lp_a[m].sum().backward()
     lp_b[m].sum().backward()
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
-        scale = float(pb.grad.abs().max())
-        assert scale > 0, name
-        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+    _assert_grads_close(a.model, b.model)
 
 
 def test_bfloat16_autocast_shares_within_the_bf16_bound():
