@@ -252,6 +252,13 @@ def test_a_model_whose_cache_is_not_keys_and_values_runs_in_full():
     m = batch.mask[:, :T]
     assert bool((lp_full[m] < -1e-3).all())
     assert torch.equal(lp1, lp_full) and torch.equal(lp2, lp_full)
+    # an update on it counts no saved position (train/shared_prefix_frac: the prefix never ran)
+    # (its first forward is the update's: the behaviour logprobs come from a copy)
+    tr2 = Trainer(tiny_cfg(trainer={"lr": 1e-2}), model=_tiny_lfm2())
+    record_engine_ids(ts)
+    set_behaviour(Trainer(tiny_cfg(trainer={"shared_prefix": False}), model=_copy(tr2.model)), ts)
+    m2 = tr2.train_step(ts)
+    assert m2["grad_norm"] > 0 and m2["train/shared_prefix_frac"] == 0.0
     # a fresh Qwen3 still shares (the memory is per model object, not per process)
     a, _ = _trainers()
     c = _count_forwards(a.model)

@@ -232,17 +232,18 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
                                 [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
                                 trainer.device))
-    stats = getattr(trainer, "prefix_stats", None)  # the loss forwards' positions: [saved, total]
-    if stats is not None and torch.is_grad_enabled():
-        stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if plan else 0
-        stats[1] += ids.numel()
     with trainer._routing(model, batch, rows, T), trainer.autocast():
         logits = None
         if plan:  # the logits of a shared-prefix forward start at column L
             shifted = {**kw, "logits_to_keep": kw["logits_to_keep"] - plan[0]}
             logits = _prefix_logits(model, ids, plan, shifted, cache_kw)
+        shared = logits is not None  # (None: the model's cache cannot be shared, run in full)
         if logits is None:
             logits = model(input_ids=ids, use_cache=False, **kw).logits
+    stats = getattr(trainer, "prefix_stats", None)  # the loss forwards' positions: [saved, total]
+    if stats is not None and torch.is_grad_enabled():
+        stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if shared else 0
+        stats[1] += ids.numel()
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
         lp = lp + 0.0 * logits[..., :1].sum()
