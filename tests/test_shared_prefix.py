@@ -227,8 +227,9 @@ def _tiny_lfm2():
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(0)
-    return Lfm2ForCausalLM(Lfm2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"]))
+    cfg = Lfm2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"])
+    return Lfm2ForCausalLM(cfg)
 
 
 def test_a_model_whose_cache_is_not_keys_and_values_runs_in_full():

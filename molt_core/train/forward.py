@@ -152,7 +152,7 @@ def _kv_cache(cache: Any) -> bool:
     cache, or none."""
     from transformers import cache_utils
 
-    kinds = tuple(getattr(cache_utils, n) for n in ("DynamicLayer", "DynamicSlidingWindowLayer") if hasattr(cache_utils, n))
+    kinds = tuple(getattr(cache_utils, n, None) for n in ("DynamicLayer", "DynamicSlidingWindowLayer"))
     layers = getattr(cache, "layers", None)
     return bool(layers) and hasattr(cache, "batch_select_indices") and all(type(x) in kinds for x in layers)
 
