@@ -59,6 +59,14 @@ def _count_forwards(model):
     return calls
 
 
+def _assert_grads_close(a, b):
+    """Every parameter of ``b`` got a gradient, and ``a``'s is within 1e-4 of its largest entry."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = float(pb.grad.abs().max())
+        assert scale > 0, name
+        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, 250)])
 def test_forward_equals_the_full_forward_and_so_do_the_gradients(temperature, top_k):
     """3 groups x 4 rollouts, one prompt per group (lengths differ across groups, so ``L`` is
@@ -84,10 +92,7 @@ def test_forward_equals_the_full_forward_and_so_do_the_gradients(temperature, to
     fin = torch.isfinite(lp_b.detach())
     (lp_a[fin].sum()).backward()
     (lp_b[fin].sum()).backward()
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
-        scale = float(pb.grad.abs().max())
-        assert scale > 0, name
-        assert float((pa.grad - pb.grad).abs().max()) <= 1e-4 * scale, name
+    _assert_grads_close(a.model, b.model)
 
 
 def test_train_step_matches_and_micro_batches_share_within_themselves():
@@ -165,7 +170,8 @@ def test_a_model_that_drops_the_cache_is_refused_not_trained():
 
 def test_off_where_it_cannot_apply():
     """No sharing for a sharded trainer (its ranks must run the same forward calls), a batch
-    with routing or images, or a model whose forward takes no KV cache."""
+    with routing, or a model whose forward takes no KV cache (one forward call each; the
+    plain model shares: two)."""
     tr = Trainer(tiny_cfg())
     ts = synthetic_rollouts(7, shared_prompt=True)
     batch = build_batch(ts, tr.pad_id, tr.vocab_size)
@@ -180,6 +186,18 @@ def test_off_where_it_cannot_apply():
         batch.routed_experts = torch.full((*batch.input_ids.shape, 1, 1), -1)
         fwd.forward_rows(tr, tr.model, batch, slice(None))
         assert len(calls) == 4
+        batch.routed_experts = None
+
+        class NoCache(torch.nn.Module):  # a forward with logits_to_keep but no cache keyword
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids, use_cache=False, logits_to_keep=0):
+                return self.inner(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+        fwd.forward_rows(tr, NoCache(tr.model), batch, slice(None))
+        assert len(calls) == 5
 
 
 def test_a_lora_policy_shares_its_prefix_too():
@@ -201,3 +219,139 @@ def test_a_lora_policy_shares_its_prefix_too():
     assert len(calls) == 3
     m = batch.mask[:, :lp_full.shape[1]]
     torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
+
+
+def _tiny_lfm2():
+    """A 2-layer LFM2 (one short-convolution layer, one attention layer; vocab 512): its cache
+    holds a convolution state (a transformers ``LinearAttentionLayer``) beside keys/values."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Lfm2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"])
+    return Lfm2ForCausalLM(cfg)
+
+
+def test_a_model_whose_cache_is_not_keys_and_values_runs_in_full():
+    """A hybrid model (LFM2's convolution layer; likewise Mamba, Qwen3-Next's linear attention)
+    keeps a per-row state that ``batch_select_indices`` does not select (the old code raised
+    AttributeError from the cache on the first forward): the forward falls back to the full
+    one -- bit for bit the logprobs of ``shared_prefix`` off -- once per model, and that model
+    never tries the prefix again (one forward call, not two)."""
+    tr = Trainer(tiny_cfg(), model=_tiny_lfm2())
+    ts = synthetic_rollouts(3, shared_prompt=True)
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    T = int(batch.lengths.max())
+    assert fwd.shared_prefix(batch.input_ids[:, :T], batch.param_ids[:, :T]) is not None
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp1, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))  # tries the prefix: 2 calls
+        lp2, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))  # remembered: 1 call
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    assert len(calls) == 4
+    m = batch.mask[:, :T]
+    assert bool((lp_full[m] < -1e-3).all())
+    assert torch.equal(lp1, lp_full) and torch.equal(lp2, lp_full)
+    # an update on it counts no saved position (train/shared_prefix_frac: the prefix never ran)
+    # (its first forward is the update's: the behaviour logprobs come from a copy)
+    tr2 = Trainer(tiny_cfg(trainer={"lr": 1e-2}), model=_tiny_lfm2())
+    record_engine_ids(ts)
+    set_behaviour(Trainer(tiny_cfg(trainer={"shared_prefix": False}), model=_copy(tr2.model)), ts)
+    m2 = tr2.train_step(ts)
+    assert m2["grad_norm"] > 0 and m2["train/shared_prefix_frac"] == 0.0
+    # a fresh Qwen3 still shares (the memory is per model object, not per process)
+    a, _ = _trainers()
+    c = _count_forwards(a.model)
+    with torch.no_grad():
+        fwd.forward_rows(a, a.model, batch, slice(None))
+    assert len(c) == 2
+
+
+def test_a_micro_batch_that_samples_nothing_plans_no_prefix():
+    """Rows with no sampled token (a segment of a multi-segment rollout can have none): a
+    micro-batch of only such rows computes no logits, so no prefix is planned (the old plan
+    took ``L = T`` and ran an empty suffix)."""
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 0]])
+    assert fwd.shared_prefix(ids, torch.full(ids.shape, -1)) is None
+    tr = Trainer(tiny_cfg())
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
+    batch.param_ids[:4] = -1  # the first group's 4 rows sample nothing
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp, _ = fwd.forward_rows(tr, tr.model, batch, slice(0, 4))
+    assert len(calls) == 1 and float(lp.abs().max()) == 0.0
+
+
+def test_a_lora_runs_kl_reference_shares_its_prefix():
+    """A LoRA run's KL reference is the policy under ``disable_adapter()``
+    (:class:`molt_core.train.lora.AdapterDisabled`): it shares the prefix too (two forward
+    calls; the old code saw no cache keyword on the wrapper and ran it in full), with the
+    logprobs of its full forward -- the base weights', not the adapter's (after an update
+    has moved the adapter, they differ from the policy's)."""
+    pytest.importorskip("peft")
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    tr = Trainer(tiny_cfg(trainer={"lr": 1e-2, "lora": lora}, algo={"kl_coef": 0.1}))
+    ts = synthetic_rollouts(9, shared_prompt=True)
+    record_engine_ids(ts)
+    set_behaviour(tr, ts)
+    assert tr.train_step(ts)["grad_norm"] > 0
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    calls = _count_forwards(tr.model)  # the reference's forwards are the policy's, adapter off
+    with torch.no_grad():
+        ref_shared, _ = fwd.forward_rows(tr, tr.ref_model, batch, slice(None))
+        assert len(calls) == 2
+        tr.shared_prefix = False
+        ref_full, _ = fwd.forward_rows(tr, tr.ref_model, batch, slice(None))
+        policy, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    m = batch.mask[:, :ref_full.shape[1]]
+    torch.testing.assert_close(ref_shared[m], ref_full[m], atol=2e-5, rtol=0)
+    assert float((policy[m] - ref_full[m]).abs().max()) > 1e-3
+
+
+def test_a_sliding_window_model_shares_with_the_same_logprobs_and_gradients():
+    """Mistral with a 2-token sliding window, shorter than the shared prefix (its cache keeps
+    only the window's last keys, ``DynamicSlidingWindowLayer``): the suffix still reads the
+    right ones -- logprobs within 2e-5 of the full forward's (measured 5e-7) and gradients
+    within 1e-4 relative -- and it really shared (two forward calls)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, intermediate_size=128, sliding_window=2)
+    a = Trainer(tiny_cfg(), model=MistralForCausalLM(cfg))
+    b = Trainer(tiny_cfg(trainer={"shared_prefix": False}), model=_copy(a.model))
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), a.pad_id, a.vocab_size)
+    T = int(batch.lengths.max())
+    L = fwd.shared_prefix(batch.input_ids[:, :T], batch.param_ids[:, :T])[0]
+    assert L > cfg.sliding_window
+    calls = _count_forwards(a.model)
+    lp_a, _ = fwd.forward_rows(a, a.model, batch, slice(None))
+    lp_b, _ = fwd.forward_rows(b, b.model, batch, slice(None))
+    assert len(calls) == 2
+    m = batch.mask[:, :T]
+    assert bool((lp_b[m] < -1e-3).all())
+    torch.testing.assert_close(lp_a[m], lp_b[m], atol=2e-5, rtol=0)
+    lp_a[m].sum().backward()
+    lp_b[m].sum().backward()
+    _assert_grads_close(a.model, b.model)
+
+
+def test_bfloat16_autocast_shares_within_the_bf16_bound():
+    """bf16 autocast on CPU (float32 parameters): the prefix's cached keys/values and the
+    suffix's meet in one attention without a dtype clash, and the logprobs stay within 0.02
+    nats of the full forward's (measured 3.9e-3: other matmul shapes round differently in
+    bf16), far inside the on-policy bound (ONPOLICY_ABSDIFF_TOL["bfloat16"] = 0.1)."""
+    tr = Trainer(tiny_cfg(model={"dtype": "bfloat16"}))
+    assert tr.compute_dtype == torch.bfloat16
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp_shared, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    assert len(calls) == 3
+    m = batch.mask[:, :lp_full.shape[1]]
+    assert bool((lp_full[m] < -1e-3).all())
+    d = float((lp_shared[m] - lp_full[m]).abs().max())
+    assert d < 0.02 < ONPOLICY_ABSDIFF_TOL["bfloat16"]

@@ -534,14 +534,19 @@ def test_engine_and_trainer_logprobs_agree_and_publish(base):
         eng.close()
 
 
-@pytest.mark.parametrize("sections", [
-    {},
-    {"algo": {"kl_coef": 0.1}, "trainer": {"micro_batch_size": 4}},
-    {"async": {"max_staleness": 1}, "correction": {"is_level": "geo", "is_mode": "clip", "low": 0.5, "high": 1.5}},
+@pytest.mark.parametrize("sections,shared", [
+    ({}, False),
+    ({"algo": {"kl_coef": 0.1}, "trainer": {"micro_batch_size": 4}}, False),
+    ({"async": {"max_staleness": 1}, "correction": {"is_level": "geo", "is_mode": "clip", "low": 0.5, "high": 1.5}},
+     False),
+    ({"algo": {"kl_coef": 0.1}, "trainer": {"micro_batch_size": 5}}, True),
 ])
-def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections):
+def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections, shared):
     """With one PPO epoch the proximal logprobs taken from the loss forward equal a separate
-    no-grad recompute bit for bit: same weights, metrics and correction after two steps."""
+    no-grad recompute bit for bit: same weights, metrics and correction after two steps. With
+    ``shared`` a group's rollouts share their prompt, so the loss forward, the recompute and the
+    KL reference all run the shared-prefix forward (``trainer.shared_prefix``), micro-batches
+    of 5 splitting groups of 4."""
     runs = []
     # seq/geo weights of a multi-segment rollout need all its rows: not fused (next test)
     two = 0 if sections.get("correction", {}).get("is_level") in ("seq", "geo") else 4
@@ -551,7 +556,13 @@ def test_fused_recompute_is_bit_identical_to_separate_pass(base, sections):
         tr.fuse_recompute = fuse
         ms = []
         for i in range(2):
-            trajs = synthetic_rollouts(40 + i, two_segments_every=two)
+            trajs = synthetic_rollouts(40 + i, two_segments_every=two, shared_prompt=shared)
+            if shared:  # the first micro-batch really shares a prefix
+                from molt_core.train.forward import shared_prefix
+
+                b = build_batch(trajs, tr.pad_id, tr.vocab_size)
+                T5 = int(b.lengths[:5].max())
+                assert shared_prefix(b.input_ids[:5, :T5], b.param_ids[:5, :T5]) is not None
             set_behaviour(tr, trajs, version=max(0, tr.version - i))  # step 2: one version stale
             for seg in trajs[0].segments:
                 seg.logprobs = [None if x is None else x - 0.3 for x in seg.logprobs]

@@ -10,6 +10,8 @@ model -- sharing the forward of a prompt prefix its rows have in common
 from __future__ import annotations
 
 import inspect
+import logging
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -18,6 +20,8 @@ from molt_core.sampling import processed_logprobs
 from molt_core.train.ingress import Batch
 
 __all__ = ["forward_rows", "model_vocab", "recompute_logprobs", "shared_prefix", "token_logprobs"]
+
+_log = logging.getLogger("molt.forward")
 
 
 def token_logprobs(
@@ -111,10 +115,13 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
 
     Returns:
         ``(L, prefixes [G, L] int64, row_prefix [R] int64)`` (row ``r``'s prefix is
-        ``prefixes[row_prefix[r]]``), or None when no prefix of >= 1 token is shared enough.
+        ``prefixes[row_prefix[r]]``), or None when no prefix of >= 1 token is shared enough
+        or no row samples a token.
     """
     R, T = ids.shape
     sampled = pids >= 0
+    if not bool(sampled.any()):  # no logits to compute: nothing after a prefix to run
+        return None
     first = torch.where(sampled.any(1), sampled.int().argmax(1), torch.full((R,), T + 1))
     L = int(first.min()) - 1
     if L < 1 or R < 2:
@@ -131,24 +138,52 @@ def _cache_kw(model: torch.nn.Module) -> str | None:
     return next((k for k in ("cache", "past_key_values") if accepts(model, k)), None)
 
 
+#: models whose prefix forward returned a cache that is not keys/values alone (see :func:`_kv_cache`)
+_NO_SHARE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _kv_cache(cache: Any) -> bool:
+    """Whether ``cache`` holds per-position keys/values alone (every layer a transformers
+    ``DynamicLayer`` or ``DynamicSlidingWindowLayer``), so selecting rows of it
+    (``batch_select_indices``) gives each row its prefix's state. Not so for a recurrent or
+    convolutional state (Mamba, the linear-attention layers of Qwen3-Next / Qwen3.5: a
+    ``LinearAttentionLayer`` has no ``batch_select_indices``, a hybrid layer's would select
+    the keys/values and leave the recurrent state at the prefixes' batch size), a legacy tuple
+    cache, or none."""
+    from transformers import cache_utils
+
+    kinds = tuple(getattr(cache_utils, n, None) for n in ("DynamicLayer", "DynamicSlidingWindowLayer"))
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and hasattr(cache, "batch_select_indices") and all(type(x) in kinds for x in layers)
+
+
 def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, torch.Tensor, torch.Tensor],
-                   kw: dict[str, Any], cache_kw: str) -> torch.Tensor:
+                   kw: dict[str, Any], cache_kw: str) -> torch.Tensor | None:
     """Logits of ``ids[:, L:]`` (``[R, T - L]`` ids; ``kw``'s ``logits_to_keep`` in those
     columns) after one forward of each distinct prefix, whose keys/values each row then reads
     (:func:`shared_prefix`). Differentiable through both forwards: the backward sums a shared
     prefix's gradient over its rows, as the full forward of each row would.
 
+    Returns None -- the caller runs the full forward, and this model never shares again -- when
+    the prefix forward's cache is not keys/values alone (:func:`_kv_cache`: a recurrent or
+    hybrid model, a legacy cache).
+
     Raises:
-        RuntimeError: the model did not extend the given cache by the suffix (a model that
-            ignores it, e.g. a checkpointed layer dropping it, would compute every row
-            without its prompt).
+        RuntimeError: the key/value cache does not hold the prefix, or the model did not
+            extend it by the suffix (a model that ignores it, e.g. a checkpointed layer
+            dropping it, would compute every row without its prompt).
     """
     L, prefixes, row_prefix = plan
     out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1)
     cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-    if cache is None or not hasattr(cache, "batch_select_indices") or cache.get_seq_length() != L:
-        raise RuntimeError(f"internal: the prefix forward returned no usable KV cache ({type(cache).__name__}); "
-                           f"set trainer.shared_prefix = false and report this model")
+    if not _kv_cache(cache):
+        _NO_SHARE.add(model)
+        _log.warning("trainer.shared_prefix: %s's cache (%s) is not keys/values alone; its forwards run in full",
+                     type(model).__name__, type(cache).__name__)
+        return None
+    if cache.get_seq_length() != L:
+        raise RuntimeError(f"internal: the prefix forward's KV cache holds {cache.get_seq_length()} positions, "
+                           f"not the prefix's {L}; set trainer.shared_prefix = false and report this model")
     cache.batch_select_indices(row_prefix.to(ids.device))  # [G, ...] -> [R, ...], by index: grads sum back
     logits = model(input_ids=ids[:, L:], use_cache=True, **kw, **{cache_kw: cache}).logits
     if cache.get_seq_length() != ids.shape[1]:
@@ -165,7 +200,8 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     predict a sampled token (``logits_to_keep`` as column indices, when the model accepts it).
 
     With ``trainer.shared_prefix`` (``trainer.shared_prefix`` in the recipe; off for images,
-    routing replay and ``trainer.lockstep``) a prompt prefix the rows share runs once per
+    routing records and ``trainer.lockstep``; a model whose cache is not keys/values alone
+    runs in full, see :func:`_prefix_logits`) a prompt prefix the rows share runs once per
     distinct prefix (:func:`shared_prefix`): the same function, up to float rounding (~1e-5
     nats in float32 on the quickstart's model; ``invariants/logprob_absdiff_max_onpolicy``
     measures it against the engine on every step).
@@ -181,15 +217,14 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     offset = 0
     plan = cache_kw = None
     if (getattr(trainer, "shared_prefix", False) and not trainer.lockstep and batch.images is None
-            and batch.routed_experts is None and accepts(model, "logits_to_keep")):
+            and batch.routed_experts is None and accepts(model, "logits_to_keep") and model not in _NO_SHARE):
         cache_kw = _cache_kw(model)
         plan = shared_prefix(batch.input_ids[rows, :T], pids) if cache_kw else None
     if accepts(model, "logits_to_keep"):
         cols = (pids >= 0).any(0).nonzero().flatten()
         if cols.numel():
             offset = int(cols[0]) - 1
-            shift = plan[0] if plan else 0  # the logits of a shared-prefix forward start at column L
-            kw["logits_to_keep"] = torch.arange(offset - shift, int(cols[-1]) - shift, device=trainer.device)
+            kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=trainer.device)
     if batch.images is not None:  # a vision-language model: pixels, grids and 3D positions of the rows' images
         from molt_core.vision import padded_inputs
 
@@ -197,15 +232,18 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
                                 [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
                                 trainer.device))
+    with trainer._routing(model, batch, rows, T), trainer.autocast():
+        logits = None
+        if plan:  # the logits of a shared-prefix forward start at column L
+            shifted = {**kw, "logits_to_keep": kw["logits_to_keep"] - plan[0]}
+            logits = _prefix_logits(model, ids, plan, shifted, cache_kw)
+        shared = logits is not None  # (None: the model's cache cannot be shared, run in full)
+        if logits is None:
+            logits = model(input_ids=ids, use_cache=False, **kw).logits
     stats = getattr(trainer, "prefix_stats", None)  # the loss forwards' positions: [saved, total]
     if stats is not None and torch.is_grad_enabled():
-        stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if plan else 0
+        stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if shared else 0
         stats[1] += ids.numel()
-    with trainer._routing(model, batch, rows, T), trainer.autocast():
-        if plan:
-            logits = _prefix_logits(model, ids, plan, kw, cache_kw)
-        else:
-            logits = model(input_ids=ids, use_cache=False, **kw).logits
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
         lp = lp + 0.0 * logits[..., :1].sum()

@@ -178,6 +178,12 @@ class AdapterDisabled(torch.nn.Module):
         with policy.disable_adapter():
             return policy(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kw)
 
+    def get_base_model(self) -> torch.nn.Module:
+        """The policy's base model (a transformers model): what ``forward``'s keywords reach, so
+        :func:`molt_core.train.forward.accepts` reads its signature (``logits_to_keep``, the KV
+        cache of the shared-prefix forward) as it does for the peft policy itself."""
+        return self._policy[0].get_base_model()
+
     @property
     def dtype(self) -> torch.dtype:
         """The policy's parameter dtype (this module holds none of its own)."""

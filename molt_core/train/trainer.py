@@ -463,7 +463,8 @@ class Trainer:
     def _start_check_process(self) -> None:
         """Start the on-policy check's process once, when this trainer may use it (a one-process
         CPU trainer keeping versions, no VL model, no routing replay) -- after the first update,
-        so a trainer that never steps starts none. The version history moves to its shared
+        so a trainer that never steps starts none (the run loop starts it earlier, after the
+        warm start: :meth:`start_check_process`). The version history moves to its shared
         ring now; the checks run in line until the child is ready. A failure to start is logged
         once and the check stays in line (it measures the same thing)."""
         if (self._check_proc is not None or self._check_proc_failed or not self.overlap_onpolicy_check
