@@ -58,6 +58,18 @@ def _count_forwards(model):
     model.register_forward_hook(lambda m, i, o: calls.append(1))
     return calls
 
+def _shared_then_full(tr, batch):
+    """No-grad logprobs ``[B, T]`` of ``batch`` with ``tr``'s shared prefix on (two forward
+    calls: asserted), then off (one), and the sampled-token mask ``[B, T]``."""
+    calls = _count_forwards(tr.model)
+    with torch.no_grad():
+        lp_shared, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+    assert len(calls) == 3
+    return lp_shared, lp_full, batch.mask[:, :lp_full.shape[1]]
+
+
 
 def _assert_grads_close(a, b):
     """Every parameter of ``b`` got a gradient, and ``a``'s is within 1e-4 of its largest entry."""
@@ -211,13 +223,7 @@ def test_a_lora_policy_shares_its_prefix_too():
     set_behaviour(tr, ts)
     assert tr.train_step(ts)["grad_norm"] > 0
     batch = build_batch(ts, tr.pad_id, tr.vocab_size)
-    calls = _count_forwards(tr.model)
-    with torch.no_grad():
-        lp_shared, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
-        tr.shared_prefix = False
-        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
-    assert len(calls) == 3
-    m = batch.mask[:, :lp_full.shape[1]]
+    lp_shared, lp_full, m = _shared_then_full(tr, batch)
     torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
 
 
@@ -345,13 +351,7 @@ def test_bfloat16_autocast_shares_within_the_bf16_bound():
     tr = Trainer(tiny_cfg(model={"dtype": "bfloat16"}))
     assert tr.compute_dtype == torch.bfloat16
     batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
-    calls = _count_forwards(tr.model)
-    with torch.no_grad():
-        lp_shared, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
-        tr.shared_prefix = False
-        lp_full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
-    assert len(calls) == 3
-    m = batch.mask[:, :lp_full.shape[1]]
+    lp_shared, lp_full, m = _shared_then_full(tr, batch)
     assert bool((lp_full[m] < -1e-3).all())
     d = float((lp_shared[m] - lp_full[m]).abs().max())
     assert d < 0.02 < ONPOLICY_ABSDIFF_TOL["bfloat16"]
