@@ -32,8 +32,8 @@ Arms:
   engine, ledger, gate, trainer actor, weight sync). In-run eval and intermediate checkpoints
   are off (``eval.n_problems=0``, ``checkpoint.every=0``) so they do not enter the wall time.
   From its ``metrics.jsonl``: the step time is the wall between consecutive step ends
-  (``time/step_end_unix``; it includes the run's per-step logging and its ``reward.png`` redraw every
-  10 steps), the phases are ``time/rollout``, ``time/train_step`` (of which the trainer's
+  (``time/step_end_unix``; it includes the run's per-step logging and the share of the machine its
+  ``reward.png`` redraw takes -- on a background thread, at most every 30 s), the phases are ``time/rollout``, ``time/train_step`` (of which the trainer's
   ``time/train``), ``time/sync`` and their sum ``time/step``. The final checkpoint is evaluated
   like the other arms; ``process wall`` adds Ray start-up and shutdown.
 * ``molt_async`` -- the same with ``async.max_staleness=1`` (rollout one step ahead).
@@ -219,8 +219,8 @@ def collect_molt(out: Path) -> dict[str, Any]:
 
     A step's bounds are the wall clock (``time/step_end_unix``, seconds since the epoch) at
     the previous step's end and at its own end (the first step starts ``time/step`` before
-    its end), so the run's per-step extras (metrics line, trajectory sample, ``reward.png``
-    every 10 steps) count too. Raises ``RuntimeError`` when the run left no checkpoint.
+    its end), so the run's per-step extras (metrics line, trajectory sample, the background
+    ``reward.png`` redraw's share of the machine) count too. Raises ``RuntimeError`` when the run left no checkpoint.
     """
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if r.get("step", 0) >= 1]
