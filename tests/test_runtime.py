@@ -455,3 +455,28 @@ def test_ctrl_c_during_molt_run_says_how_to_resume(monkeypatch, tmp_path):
     assert res.exit_code == 130
     assert f"interrupted; continue from its last checkpoint with: molt run --resume {run_dir}" in res.output
     assert runtime.main_job is loop.main_job
+
+
+def test_local_runs_load_the_driver_tokenizer_in_line_not_on_a_racing_thread(monkeypatch):
+    """``--local`` builds the trainer and engine in the driver's process; a tokenizer thread
+    importing transformers' ``AutoTokenizer`` while the main thread imported
+    ``AutoModelForCausalLM`` raced in transformers' (not thread-safe) lazy imports and failed
+    whole runs ("cannot import name 'AutoModelForCausalLM'"). Locally the tokenizer is loaded
+    before the future is returned, on the calling thread; through Ray (the model lives in other
+    processes) it still loads on a thread of its own."""
+    import threading
+
+    from molt_core.runtime import loop
+    from trainer_utils import tiny_cfg
+
+    seen = []
+
+    def fake(cfg):
+        seen.append(threading.current_thread().name)
+        return "tok"
+
+    monkeypatch.setattr(loop, "_driver_tokenizer", fake)
+    fut = loop._driver_tokenizer_future(tiny_cfg(), local=True)
+    assert fut.done() and fut.result() == "tok" and seen == [threading.current_thread().name]
+    fut = loop._driver_tokenizer_future(tiny_cfg(), local=False)
+    assert fut.result(timeout=30) == "tok" and seen[1].startswith("molt-tokenizer")

@@ -225,6 +225,23 @@ def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
     ray.get(trainer.save.remote(str(run_dir), {"step": 0, "tasks": 0, "untrained": []}))
 
 
+def _driver_tokenizer_future(cfg: RunConfig, local: bool) -> concurrent.futures.Future:
+    """:func:`_driver_tokenizer` as a future: loaded on a thread of its own while Ray starts
+    (the ~1-2 s stay out of step 1); with ``local`` loaded now, in this thread, because the
+    trainer and engine are then built in this process, and transformers' lazy imports are not
+    thread-safe: a tokenizer thread importing ``AutoTokenizer`` while this thread imported
+    ``AutoModelForCausalLM`` made the run fail with "cannot import name 'AutoModelForCausalLM'
+    from 'transformers'" (2 runs of 6 of a two-thread import script on this machine)."""
+    if local:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(_driver_tokenizer(cfg))
+        return done
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-tokenizer")
+    future = pool.submit(_driver_tokenizer, cfg)
+    pool.shutdown(wait=False)  # its thread ends once the tokenizer is loaded
+    return future
+
+
 def _driver_tokenizer(cfg: RunConfig) -> Any:
     """The model's tokenizer in the driver (to decode sampled trajectories for display), or
     None when it cannot be loaded (the rows then keep token ids only)."""
@@ -299,9 +316,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         raise FileNotFoundError(_no_checkpoint_message(run_dir, cfg, bool(skipped)))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
     # the tokenizer (to decode sampled trajectories for display) loads while Ray starts, not in step 1
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="molt-tokenizer")
-    tokenizer = pool.submit(_driver_tokenizer, cfg)
-    pool.shutdown(wait=False)  # its thread ends once the tokenizer is loaded
+    tokenizer = _driver_tokenizer_future(cfg, local)
     if not local:  # start-up takes seconds: say what the wait is
         console.print("starting Ray" + (f" (joining {ray_address})" if ray_address else "") + " and the workers ...",
                       highlight=False)
