@@ -825,6 +825,9 @@ def test_the_check_process_can_start_before_the_first_step():
     from trainer_utils import set_behaviour, synthetic_rollouts
 
     assert Trainer(tiny_cfg()).start_check_process() is False  # sync: no versions held
+    sharded_like = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}))
+    sharded_like.overlap_onpolicy_check = False  # as ShardedTrainer (the run loop calls it on every rank)
+    assert sharded_like.start_check_process() is False
     tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 1e-2}))
     assert tr.start_check_process() is True and tr._check_proc.ready(timeout=120)
     proc = tr._check_proc

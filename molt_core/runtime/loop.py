@@ -348,8 +348,9 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
     if not resume and cfg.sft.steps > 0:
         _warm_start(ray, trainer, run_dir, console)
-    if cfg.async_.max_staleness > 0 and cfg.trainer.world_size == 1:
-        trainer.start_check_process.remote()  # its start-up overlaps the first rollouts (not awaited)
+    # the on-policy check's process, if the trainer uses one (it decides: versions kept, one CPU
+    # process); its start-up overlaps the first rollouts (not awaited)
+    trainer.start_check_process.remote()
 
     if sync_mode == "collective":
         backend = connect_collective(ray, trainer, workers)
