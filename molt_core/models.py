@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "check_model_source", "hub_kwargs", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_source", "hub_kwargs", "returned_cache", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
@@ -268,6 +268,26 @@ def _hub_error(path: str, kw: dict[str, Any], e: Exception) -> FileNotFoundError
         f"model.path {path!r}: could not load it from the Hugging Face Hub ({type(e).__name__}: {e}); check the id "
         f"and your network, or set HF_HUB_OFFLINE=1 to use a cached copy"
     )
+
+
+def cache_keyword(model: torch.nn.Module) -> str | None:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` (transformers >= 5.x),
+    ``past_key_values`` (earlier), or None for neither; a peft model's base model is read.
+    Used by the transformers engine and the trainer's shared-prefix forward."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a transformers forward with ``use_cache=True`` returned (``out.cache``, or
+    ``out.past_key_values`` before transformers 5.x), or None."""
+    return out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
 
 
 def check_model_source(path: str) -> None:

@@ -50,7 +50,6 @@ through the model, so its row is ``-1`` (the next turn's prefill supplies it).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +60,7 @@ import torch.nn.functional as F
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
+from molt_core.models import cache_keyword, returned_cache
 from molt_core.sampling import draw_tokens, processed_logprobs
 from molt_core.types import SamplingParams
 
@@ -237,9 +237,7 @@ class TransformersEngine(WorkerThreadEngine):
         self._stale_cache = False  # weights changed under the running rows' KV cache
         # every state_dict name (tied aliases such as lm_head.weight included) -> live tensor
         self._params = dict(model.state_dict(keep_vars=True))
-        # transformers >= 5.x names the KV cache argument ``cache``; earlier ``past_key_values``
-        fwd = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        self._cache_kw = cache_keyword(model) or "past_key_values"
         from molt_core.routing import RoutingRecorder, is_moe
 
         self._routing = RoutingRecorder(model).attach() if is_moe(model) else None
@@ -462,7 +460,7 @@ class TransformersEngine(WorkerThreadEngine):
         )
         self.num_steps += 1
         self._last_route = self._routing.take() if self._routing is not None else None
-        new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        new_cache = returned_cache(out)
         return out.logits[:, -1, :], new_cache
 
     def _prefill(self, reqs: list[_Request]) -> None:

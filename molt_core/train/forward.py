@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from molt_core.models import cache_keyword, returned_cache
 from molt_core.sampling import processed_logprobs
 from molt_core.train.ingress import Batch
 
@@ -132,12 +133,6 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
     return L, prefixes, row_prefix
 
 
-def _cache_kw(model: torch.nn.Module) -> str | None:
-    """The keyword of ``model.forward``'s KV cache (transformers >= 5.x: ``cache``, before:
-    ``past_key_values``), or None when it takes neither."""
-    return next((k for k in ("cache", "past_key_values") if accepts(model, k)), None)
-
-
 #: models whose prefix forward returned a cache that is not keys/values alone (see :func:`_kv_cache`)
 _NO_SHARE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
@@ -175,7 +170,7 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
     """
     L, prefixes, row_prefix = plan
     out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1)
-    cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+    cache = returned_cache(out)
     if not _kv_cache(cache):
         _NO_SHARE.add(model)
         _log.warning("trainer.shared_prefix: %s's cache (%s) is not keys/values alone; its forwards run in full",
@@ -218,7 +213,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     plan = cache_kw = None
     if (getattr(trainer, "shared_prefix", False) and not trainer.lockstep and batch.images is None
             and batch.routed_experts is None and accepts(model, "logits_to_keep") and model not in _NO_SHARE):
-        cache_kw = _cache_kw(model)
+        cache_kw = cache_keyword(model)
         plan = shared_prefix(batch.input_ids[rows, :T], pids) if cache_kw else None
     if accepts(model, "logits_to_keep"):
         cols = (pids >= 0).any(0).nonzero().flatten()
