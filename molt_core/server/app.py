@@ -58,6 +58,7 @@ from molt_core.server.guard import (
     until_disconnect,
     wire_error_response,
 )
+from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.wire_images import Pending, check_images
 from molt_core.server.wires import (
@@ -99,6 +100,7 @@ class _Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     seed: int | None = None  # seeds turn t of a request without its own seed with seed + t (a seeded eval episode)
     turns: int = 0
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses wire's stored responses
 
 
 class SessionStore:
@@ -393,13 +395,16 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             s, req, size = await session_request(request, sid, ResponsesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
             pending: list[Pending] = []
-            msgs = req.openai_messages(pending)
+            msgs = s.responses.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
             await checked(pending, size)
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
+            # no await since run_turn committed: the ledger's history is this turn's (the session's lock is released)
+            rid = s.responses.record(req, s.ledger.history)
             if req.stream:
-                return StreamingResponse(responses_stream(turn, tokenizer, model_name, req), media_type="text/event-stream")
-            return responses_response(turn, tokenizer, model_name, req)
+                return StreamingResponse(responses_stream(turn, tokenizer, model_name, req, rid),
+                                         media_type="text/event-stream")
+            return responses_response(turn, tokenizer, model_name, req, rid)
 
         return await guarded("openai", handle)
 

@@ -7,9 +7,10 @@ Input items: a string (one user message); messages ``{"role", "content"}`` with
 ``input_text`` / ``output_text`` parts (and ``input_image`` in a user message or a
 ``function_call_output``, :mod:`molt_core.server.wire_images`); ``function_call`` (an assistant tool call; consecutive
 calls and the assistant message before them form one assistant turn); ``function_call_output``
-(a tool message); ``reasoning`` (the next assistant turn's reasoning). The server is
-stateless per request: ``previous_response_id`` and ``conversation`` are refused (send the
-whole input; the session's ledger extends it token-exactly).
+(a tool message); ``reasoning`` (the next assistant turn's reasoning). ``previous_response_id``
+continues a response stored in the same session (``store``, default true;
+:mod:`molt_core.server.response_store`); ``conversation`` is refused (chain turns by
+``previous_response_id`` or send the whole input: the session's ledger extends it token-exactly).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
 
 #: Responses fields accepted and ignored (they cannot change what is sampled)
-IGNORED_RESPONSES = frozenset({"metadata", "store", "user", "service_tier", "safety_identifier", "prompt_cache_key",
+IGNORED_RESPONSES = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
                                "prompt_cache_retention", "include", "stream_options"})
-_STATEFUL = "this server is stateless per request: send the whole conversation as input (the session's ledger extends it)"
+_STATEFUL = ("conversation objects are not supported: chain turns with previous_response_id or send the whole "
+             "conversation as input (the session's ledger extends it)")
 #: Responses fields refused unless neutral: name -> (neutral values, why); None is always neutral
 REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "previous_response_id": ((), _STATEFUL),
     "conversation": ((), _STATEFUL),
     "prompt": ((), "stored prompts are not supported; send instructions and input"),
     "reasoning": ((), "reasoning is set per session: POST /sessions with chat_template_kwargs "
@@ -61,6 +62,8 @@ class ResponsesRequest(_Req):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     seed: int | None = _SEED
+    previous_response_id: str | None = None
+    store: bool | None = None  # None: true (OpenAI's default)
 
     def check(self) -> None:
         """Raises: WireError (400 naming the field) for a refused or unknown field, a forced tool
@@ -198,31 +201,35 @@ def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:
     return items
 
 
-def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest) -> dict[str, Any]:
+def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest,
+                       response_id: str | None = None) -> dict[str, Any]:
     """A ``response`` object for ``turn`` (``status`` ``incomplete`` with reason
-    ``max_output_tokens`` when the generation was cut) with a top-level ``token_ids``."""
+    ``max_output_tokens`` when the generation was cut) with a top-level ``token_ids``; its ``id``
+    is ``response_id`` (default: a fresh ``resp_<hex>``)."""
     cut = turn.finish_reason == "length"
     n = len(turn.token_ids)
     return {
-        "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": model,
+        "id": response_id or "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": model,
         "status": "incomplete" if cut else "completed", "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "instructions": req.instructions, "output": _items(turn, tokenizer), "parallel_tool_calls": True,
         "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto", "tools": req.tools or [],
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+        "previous_response_id": req.previous_response_id, "store": req.store is not False,
         "usage": {"input_tokens": turn.prompt_len, "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": turn.prompt_len + n},
         "token_ids": list(turn.token_ids),
     }
 
 
-def responses_stream(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest) -> Iterator[str]:
+def responses_stream(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest,
+                     response_id: str | None = None) -> Iterator[str]:
     """Server-sent events for ``turn`` (generated in full first): ``response.created``,
     ``response.in_progress``, per output item ``output_item.added`` / its deltas /
     ``output_item.done``, then ``response.completed`` (or ``response.incomplete``) carrying the
-    whole response with ``token_ids``."""
-    full = responses_response(turn, tokenizer, model, req)
+    whole response with ``token_ids`` (``response_id``: as :func:`responses_response`)."""
+    full = responses_response(turn, tokenizer, model, req, response_id)
     seq = iter(range(1 << 30))
 
     def ev(kind: str, **data: Any) -> str:
