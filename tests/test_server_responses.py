@@ -119,10 +119,11 @@ def test_responses_errors_and_fields(tok, served):
         assert r.status_code == 400, r.text
         return r.json()["error"]
 
-    e = err({"model": "m", "input": "hi", "previous_response_id": "resp_1"})
-    assert (e["param"], e["code"]) == ("previous_response_id", "unsupported_parameter")
-    assert e["message"] == ('previous_response_id="resp_1" is not supported here: this server is stateless per request: '
-                            "send the whole conversation as input (the session's ledger extends it); omit it")
+    e = err({"model": "m", "input": "hi", "conversation": "conv_1"})
+    assert (e["param"], e["code"]) == ("conversation", "unsupported_parameter")
+    assert e["message"] == ('conversation="conv_1" is not supported here: conversation objects are not supported: chain '
+                            "turns with previous_response_id or send the whole conversation as input (the session's "
+                            "ledger extends it); omit it")
     e = err({"model": "m", "input": "hi", "frequency_penalty": 0.5})
     assert (e["param"], e["code"]) == ("frequency_penalty", "unknown_parameter")
     e = err({"model": "m", "input": [{"type": "image_generation_call"}]})
