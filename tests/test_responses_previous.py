@@ -11,13 +11,17 @@ from __future__ import annotations
 import gc
 import weakref
 
+import io
+
 import httpx
 import openai
 import pytest
 import torch
+from PIL import Image
 
 from fake_engine import FailingEngine, ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
+from molt_core.images import data_url
 from molt_core.models import load_tokenizer
 from molt_core.server import start_server
 from molt_core.server.response_store import ResponseStore
@@ -119,6 +123,46 @@ def test_chained_prompts_equal_the_whole_input_path(tok, served):
              {"type": "function_call_output", "call_id": b1.output[1].call_id, "output": "5"}]
     cb.responses.create(model="m", instructions="You add.", input=whole, tools=TOOLS, store=False)
     assert eng_a.prompts == eng_b.prompts and len(eng_a.prompts[1]) > len(eng_a.prompts[0])
+
+
+def test_images_in_a_stored_response_replay_id_for_id(vl):
+    """A stored turn's image is held as its SHA-256 (the rollout's pool): continuing it with a
+    new image item extends the one segment; ids, image runs and the engine's images equal the
+    whole-input path's (whose ids tests/test_server_images.py checks by hand)."""
+    tok, vp = vl
+
+    def png(w, color):
+        buf = io.BytesIO()
+        Image.new("RGB", (w, w), color).save(buf, "PNG")
+        return buf.getvalue()
+
+    a, b = png(42, (10, 10, 10)), png(28, (0, 200, 0))
+    first = {"role": "user", "content": [{"type": "input_text", "text": "shade?"},
+                                         {"type": "input_image", "image_url": data_url(a, "image/png")}]}
+    then = {"role": "user", "content": [{"type": "input_text", "text": "and this?"},
+                                        {"type": "input_image", "image_url": data_url(b, "image/png")}]}
+    trajs, engines = [], []
+    for chained in (True, False):
+        eng = ScriptedEngine(tok, ["Dark.", "Green."])
+        h = start_server(eng, tok, vision=vp)
+        try:
+            info = h.create_session()
+            c = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+            r1 = c.responses.create(model="m", input=[first])
+            if chained:
+                list(c.responses.create(model="m", previous_response_id=r1.id, input=[then], stream=True))
+            else:
+                c.responses.create(model="m", input=[first, *[o.model_dump(exclude_none=True) for o in r1.output], then])
+            trajs.append(h.close_session(info.session_id))
+            engines.append(eng)
+        finally:
+            h.stop()
+    chain, whole = trajs
+    assert chain.info["requests"] == whole.info["requests"] == {"start": 1, "extend": 1, "rewrite": 0, "retry": 0}
+    assert len(chain.segments) == 1 and chain.segments[0].token_ids == whole.segments[0].token_ids
+    assert chain.segments[0].images == whole.segments[0].images and len(chain.segments[0].images) == 2
+    assert engines[0].prompts == engines[1].prompts and engines[0].images == engines[1].images == [[a], [a, b]]
+    assert chain.images == whole.images and check_tokens(chain) == TokenCheck(0, 0)
 
 
 def test_unknown_unstored_and_foreign_ids_are_404_and_sample_nothing(tok, served):
