@@ -11,63 +11,30 @@ from __future__ import annotations
 import gc
 import weakref
 
-import io
-
 import httpx
 import openai
 import pytest
 import torch
-from PIL import Image
 
 from fake_engine import FailingEngine, ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
 from molt_core.images import data_url
-from molt_core.models import load_tokenizer
 from molt_core.server import start_server
 from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest
-from molt_core.server.router import start_router
 from molt_core.server.wires import WireError
+from test_server_images import png
+from test_server_responses import CALL, CHAT_TOOLS, TOOLS, enc, served, tok  # noqa: F401 -- fixtures
 
 torch.set_num_threads(1)
 
-TOOLS = [{"type": "function", "name": "add", "description": "add a and b",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                         "required": ["a", "b"]}}]
-CHAT_TOOLS = [{"type": "function", "function": {"name": "add", "description": "add a and b",
-                                                "parameters": TOOLS[0]["parameters"]}}]
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 # Qwen3's template after the sampled <|im_end|>: the turn's "\n", a tool message as a user turn, the generation prompt
 TOOL_TAIL = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 USER_TAIL = "\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("builtin:tiny-qwen3")
-
-
-def enc(tok, text):
-    return tok.encode(text, add_special_tokens=False)
-
-
-@pytest.fixture()
-def served(tok):
-    handles = []
-
-    def make(engine, routed=False):
-        h = start_server(engine, tok, admin_key="adm")
-        handles.append(h)
-        front = h
-        if routed:
-            front = start_router([h], admin_key="adm")
-            handles.insert(0, front)
-        info = front.create_session()
-        return h, info, openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
-
-    yield make
-    for h in handles:
-        h.stop()
+def client(info):
+    return openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
 
 
 def final(c, stream, **kw):
@@ -83,7 +50,8 @@ def final(c, stream, **kw):
 @pytest.mark.parametrize("routed,stream", [(False, False), (False, True), (True, False), (True, True)])
 def test_previous_response_id_extends_the_segment_token_exactly(tok, served, routed, stream):
     eng = ScriptedEngine(tok, [f"Let me add.\n{CALL}", "It is 5.", "You are welcome."])
-    h, info, c = served(eng, routed)
+    h, info = served(eng, routed)
+    c = client(info)
     r1 = final(c, stream, instructions="You add.", input="add 2 and 3", tools=TOOLS)
     assert (r1.store, r1.previous_response_id) == (True, None) and [o.type for o in r1.output] == ["message", "function_call"]
     ids1 = r1.model_extra["token_ids"]
@@ -112,8 +80,7 @@ def test_chained_prompts_equal_the_whole_input_path(tok, served):
     """The same conversation sent whole each turn (the stateless path) gives the same engine prompts."""
     replies = [f"Let me add.\n{CALL}", "It is 5."]
     eng_a, eng_b = ScriptedEngine(tok, replies), ScriptedEngine(tok, replies)
-    _, _, ca = served(eng_a)
-    _, _, cb = served(eng_b)
+    ca, cb = client(served(eng_a)[1]), client(served(eng_b)[1])
     a1 = ca.responses.create(model="m", instructions="You add.", input="add 2 and 3", tools=TOOLS)
     ca.responses.create(model="m", instructions="You add.", previous_response_id=a1.id, tools=TOOLS,
                         input=[{"type": "function_call_output", "call_id": a1.output[1].call_id, "output": "5"}])
@@ -131,12 +98,7 @@ def test_images_in_a_stored_response_replay_id_for_id(vl):
     whole-input path's (whose ids tests/test_server_images.py checks by hand)."""
     tok, vp = vl
 
-    def png(w, color):
-        buf = io.BytesIO()
-        Image.new("RGB", (w, w), color).save(buf, "PNG")
-        return buf.getvalue()
-
-    a, b = png(42, (10, 10, 10)), png(28, (0, 200, 0))
+    a, b = png(42, 42, (10, 10, 10)), png(28, 28, (0, 200, 0))
     first = {"role": "user", "content": [{"type": "input_text", "text": "shade?"},
                                          {"type": "input_image", "image_url": data_url(a, "image/png")}]}
     then = {"role": "user", "content": [{"type": "input_text", "text": "and this?"},
@@ -147,7 +109,7 @@ def test_images_in_a_stored_response_replay_id_for_id(vl):
         h = start_server(eng, tok, vision=vp)
         try:
             info = h.create_session()
-            c = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+            c = client(info)
             r1 = c.responses.create(model="m", input=[first])
             if chained:
                 list(c.responses.create(model="m", previous_response_id=r1.id, input=[then], stream=True))
@@ -167,11 +129,12 @@ def test_images_in_a_stored_response_replay_id_for_id(vl):
 
 def test_unknown_unstored_and_foreign_ids_are_404_and_sample_nothing(tok, served):
     eng = ScriptedEngine(tok, ["Hello.", "Hi."])
-    h, info, c = served(eng)
+    h, info = served(eng)
+    c = client(info)
     r = c.responses.create(model="m", input="hi", store=False)
     assert r.store is False
     other = h.create_session()
-    foreign = openai.OpenAI(base_url=other.openai_base_url, api_key=other.api_key, max_retries=0)
+    foreign = client(other)
     kept = foreign.responses.create(model="m", input="hi")  # stored, but in the other session
     for rid in ("resp_nope", r.id, kept.id):
         resp = httpx.post(info.openai_base_url + "/responses", json={"model": "m", "input": "more", "previous_response_id": rid},
@@ -195,7 +158,8 @@ def test_instructions_are_not_carried_over_and_an_older_response_branches(tok, s
     prompt differs from the held one at its first message: a rewrite (a new segment) rendering
     the stored items; continuing an older response than the latest is a rewrite too."""
     eng = ScriptedEngine(tok, ["Hello.", "Again.", "Other."])
-    h, info, c = served(eng)
+    h, info = served(eng)
+    c = client(info)
     r1 = c.responses.create(model="m", instructions="Be brief.", input="hi")
     c.responses.create(model="m", previous_response_id=r1.id, input="more")
     expect = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "more"}]
@@ -211,7 +175,8 @@ def test_retry_failure_and_session_delete(tok, served):
     """A repeated continuation is answered from the cached turn under a new id that can be
     continued too; a failed generation stores nothing; deleting the session frees its store."""
     eng = ScriptedEngine(tok, ["Hello.", "Again.", "Third."])
-    h, info, c = served(eng)
+    h, info = served(eng)
+    c = client(info)
     r1 = c.responses.create(model="m", input="hi")
     a = c.responses.create(model="m", previous_response_id=r1.id, input="more")
     b = c.responses.create(model="m", previous_response_id=r1.id, input="more")
@@ -227,7 +192,8 @@ def test_retry_failure_and_session_delete(tok, served):
     gc.collect()
     assert ref() is None
 
-    bad, info2, c2 = served(FailingEngine(tok))
+    bad, info2 = served(FailingEngine(tok))
+    c2 = client(info2)
     with pytest.raises(openai.APIStatusError) as e:
         c2.responses.create(model="m", input="hi")
     assert e.value.status_code == 503 and len(bad.sessions._get(info2.session_id).responses) == 0

@@ -205,7 +205,8 @@ def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: Res
                        response_id: str | None = None) -> dict[str, Any]:
     """A ``response`` object for ``turn`` (``status`` ``incomplete`` with reason
     ``max_output_tokens`` when the generation was cut) with a top-level ``token_ids``; its ``id``
-    is ``response_id`` (default: a fresh ``resp_<hex>``)."""
+    is ``response_id`` (default: a fresh ``resp_<hex>``), ``previous_response_id`` and ``store``
+    as requested (``store`` null: true)."""
     cut = turn.finish_reason == "length"
     n = len(turn.token_ids)
     return {
