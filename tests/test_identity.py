@@ -60,6 +60,23 @@ def test_ledger_carries_the_engine_record_and_a_clean_rollout_reads_zero(tok):
     assert kept == [traj] and m["invariants/tokens_retokenized"] == 0.0 and m["ingress/refused_rollouts"] == 0.0
 
 
+def test_ledger_keeps_the_engines_digest_not_one_of_its_own(tok):
+    """An engine whose record disagrees with the ids it returned (its sampler emitted 11, 12;
+    11, 13 came back): the ledger stores the engine's digest verbatim -- one recomputed from
+    the returned ids would hide the fault -- so ingress counts the whole span."""
+    led = Ledger(tok)
+    p = led.prepare([{"role": "user", "content": "hi"}])
+    sampled = hashlib.blake2b(b"".join(i.to_bytes(8, "little") for i in (11, 12)), digest_size=16).hexdigest()
+    led.commit(p, GenerationOutput(token_ids=[11, 13], logprobs=[-1.0] * 2, versions=[0] * 2, finish_reason="length",
+                                   sampled_digest=sampled))
+    traj = led.trajectory(reward=0.0)
+    n = len(p.prompt_ids)
+    assert traj.segments[0].spans[0].digest == sampled
+    assert check_tokens(traj) == TokenCheck(2, 0, f"segment 0, span 0 (tokens {n}..{n + 2})")
+    kept, m = screen([traj])
+    assert kept == [] and m["invariants/tokens_retokenized"] == 2.0
+
+
 def test_altered_ids_are_counted_per_token(tok):
     traj, o1, o2 = _session(tok)
     sp0, sp1 = traj.segments[0].spans
