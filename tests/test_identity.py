@@ -60,6 +60,23 @@ def test_ledger_carries_the_engine_record_and_a_clean_rollout_reads_zero(tok):
     assert kept == [traj] and m["invariants/tokens_retokenized"] == 0.0 and m["ingress/refused_rollouts"] == 0.0
 
 
+def test_ledger_keeps_the_engines_digest_not_one_of_its_own(tok):
+    """An engine whose record disagrees with the ids it returned (its sampler emitted 11, 12;
+    11, 13 came back): the ledger stores the engine's digest verbatim -- one recomputed from
+    the returned ids would hide the fault -- so ingress counts the whole span."""
+    led = Ledger(tok)
+    p = led.prepare([{"role": "user", "content": "hi"}])
+    sampled = hashlib.blake2b(b"".join(i.to_bytes(8, "little") for i in (11, 12)), digest_size=16).hexdigest()
+    led.commit(p, GenerationOutput(token_ids=[11, 13], logprobs=[-1.0] * 2, versions=[0] * 2, finish_reason="length",
+                                   sampled_digest=sampled))
+    traj = led.trajectory(reward=0.0)
+    n = len(p.prompt_ids)
+    assert traj.segments[0].spans[0].digest == sampled
+    assert check_tokens(traj) == TokenCheck(2, 0, f"segment 0, span 0 (tokens {n}..{n + 2})")
+    kept, m = screen([traj])
+    assert kept == [] and m["invariants/tokens_retokenized"] == 2.0
+
+
 def test_altered_ids_are_counted_per_token(tok):
     traj, o1, o2 = _session(tok)
     sp0, sp1 = traj.segments[0].spans
@@ -132,12 +149,32 @@ def test_span_record_length_is_validated():
     assert check_tokens(Trajectory(segments=[seg], reward=0.0)) == TokenCheck(0, 0)
 
 
-def test_transformers_engine_digest_is_of_the_ids_it_sampled():
+def test_transformers_engine_digest_is_of_the_ids_it_sampled(tok):
+    """The engine's record against an expectation built without the engine: greedy ids from a
+    plain full forward of the same weights (argmax, no KV cache), hashed by the module-doc
+    formula with hashlib; then through a ledger, one tampered id is flagged against that record."""
     from molt_core.engines.transformers_engine import TransformersEngine
 
+    led = Ledger(tok)
+    p = led.prepare([{"role": "user", "content": "hi"}])
     eng = TransformersEngine("builtin:tiny-qwen3", max_batch_size=2, seed=0)
-    try:
-        o = asyncio.run(eng.generate([1, 20, 30], SamplingParams(max_tokens=5, seed=3)))
+    try:  # the builtin init repeats one id greedily; noise on the weights makes the ids vary
+        g = torch.Generator().manual_seed(0)
+        eng.load_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in eng.model.state_dict().items()}, 1)
+        o = asyncio.run(eng.generate(p.prompt_ids, SamplingParams(max_tokens=6, temperature=0.0)))
+        ids = list(p.prompt_ids)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(eng.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     finally:
         eng.close()
-    assert len(o.token_ids) >= 1 and o.sampled_digest == digest_ids(o.token_ids)
+    want = ids[len(p.prompt_ids):]
+    assert o.finish_reason == "length" and o.token_ids == want and len(set(want)) > 1
+    raw = b"".join(i.to_bytes(8, "little", signed=True) for i in want)
+    assert o.sampled_digest == hashlib.blake2b(raw, digest_size=16).hexdigest()
+    led.commit(p, o)
+    traj = led.trajectory(reward=0.0)
+    assert check_tokens(traj) == TokenCheck(0, 0)
+    sp = traj.segments[0].spans[0]
+    traj.segments[0].token_ids[sp.start + 2] += 1  # the fault: one action id altered after sampling
+    assert check_tokens(traj) == TokenCheck(1, 0, f"segment 0, span 0 (tokens {sp.start}..{sp.end})")

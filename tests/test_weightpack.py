@@ -3,9 +3,11 @@ dtype (:mod:`molt_core.runtime.weightpack`), unpacked into views by the rollout 
 
 * exact round trip of a hand-built state (dtypes, a scalar, an empty tensor, a tied alias
   stored once, byte count by hand); the pack is a copy, never a view of the live weights;
-* through the real workers: every engine tensor equals the trainer's after a publish, and a
-  publish that skips one tensor is caught -- by the comparison, naming that tensor, and by the
-  run's own forward-consistency invariant ``invariants/logprob_absdiff_max_onpolicy``.
+* through the real workers, the trainer one real optimizer step (AdamW, lr 1e-5) ahead of the
+  engine: every engine tensor equals the trainer's bit for bit after a publish (and none still
+  equals the old), and a publish that skips one tensor is caught -- the engine keeps that
+  tensor's old value bit for bit, and the run's own forward-consistency invariant
+  ``invariants/logprob_absdiff_max_onpolicy`` exceeds its float32 bound.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from molt_core.config import RunConfig
 from molt_core.runtime import weightpack
 from molt_core.runtime.weightpack import PackedState, as_state_dict, pack_state, unpack_state
+from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
 
 torch.set_num_threads(1)
 
@@ -85,31 +88,27 @@ class Echo(Env):
 
 def make_workers(tmp_path, **sections):
     """A trainer and a rollout worker on the Echo agent (``sections``: more config tables), the
-    trainer's weights moved away from the engine's (same init seed)."""
+    trainer's weights equal to the engine's (same init seed); :func:`step_ahead` moves them apart."""
     from molt_core.runtime.workers import RolloutWorker, TrainerWorker
 
     f = tmp_path / "agent.py"
     f.write_text(textwrap.dedent(AGENT))
     cfg = RunConfig.model_validate({"agent": {"path": str(f)}, "rollout": {"max_tokens": 6},
                                     "sft": {"steps": 0}, **sections})
-    tw, rw = TrainerWorker(cfg), RolloutWorker(cfg)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for p in tw.trainer.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return tw, rw
+    return TrainerWorker(cfg), RolloutWorker(cfg)
 
 
 @pytest.fixture
 def workers(tmp_path):
-    tw, rw = make_workers(tmp_path)
+    tw, rw = make_workers(tmp_path, trainer={"lr": 1e-5})
     yield tw, rw
     rw.engine.close()
 
 
 def _publish_and_measure(tw, rw):
     """Publish (as ``molt run`` does, minus Ray), sample with the engine, train on it: the
-    names whose engine tensor differs from the trainer's, and the step's metrics."""
+    names whose engine tensor differs from the trainer's (rounded to the engine's dtype), and
+    the step's metrics. The trainer is then one optimizer step ahead of the engine."""
     state, version = tw.weights()
     for buf in state.buffers.values():
         buf.setflags(write=False)
@@ -120,23 +119,36 @@ def _publish_and_measure(tw, rw):
     finally:
         loop.close()
     engine = dict(rw.engine.model.state_dict())
-    differ = sorted(k for k, v in tw.trainer.model.state_dict().items() if not torch.equal(engine[k], v))
+    differ = sorted(k for k, v in tw.trainer.model.state_dict().items() if not torch.equal(engine[k], v.to(engine[k].dtype)))
     trajs = [t for g in groups for t in g.trajectories if t.status == "ok"]
-    assert trajs and rw.engine.version == version == 0
+    assert trajs and rw.engine.version == version == tw.trainer.version
     m = tw.train_step(trajs)
     return differ, m
 
 
+def step_ahead(tw, rw):
+    """One real step (publish, sample, train): the trainer's weights are then one optimizer
+    step ahead of the engine's; returns a copy of the engine's (now old) state and the step's metrics."""
+    differ, m = _publish_and_measure(tw, rw)
+    assert differ == [] and tw.trainer.version == 1
+    return {k: v.clone() for k, v in rw.engine.model.state_dict().items()}, m
+
+
 def test_publish_reaches_the_engine_exactly(workers):
     tw, rw = workers
+    old, _ = step_ahead(tw, rw)
     differ, m = _publish_and_measure(tw, rw)
     assert differ == []
+    engine = dict(rw.engine.model.state_dict())
+    # a publish that never arrived leaves the old tensors bit for bit: one AdamW step moves every one
+    assert [k for k, v in engine.items() if torch.equal(v, old[k])] == []
     assert m["invariants/logprob_absdiff_max_onpolicy"] < 1e-4  # fp32, same function: rounding only
     assert m["sync/bytes"] == 853_376 * 4  # tiny-qwen3's parameters, the tied embedding once
 
 
 def test_a_publish_that_skips_one_tensor_is_caught(workers, monkeypatch):
     tw, rw = workers
+    old, _ = step_ahead(tw, rw)
     skip = "model.layers.0.mlp.down_proj.weight"
     real = weightpack.pack_state
 
@@ -146,4 +158,6 @@ def test_a_publish_that_skips_one_tensor_is_caught(workers, monkeypatch):
     monkeypatch.setattr(weightpack, "pack_state", faulty)
     differ, m = _publish_and_measure(tw, rw)
     assert differ == [skip]
-    assert m["invariants/logprob_absdiff_max_onpolicy"] > 1e-3  # the run's own invariant flags it
+    assert torch.equal(rw.engine.model.state_dict()[skip], old[skip])  # the old weights, bit for bit
+    # the run's own invariant flags it: one tensor one step (lr 1e-5) behind reads ~7e-4 (rounding: < 1e-6)
+    assert m["invariants/logprob_absdiff_max_onpolicy"] > ONPOLICY_ABSDIFF_TOL["float32"]
