@@ -14,7 +14,7 @@ from fake_engine import ScriptedEngine
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.engines.base import GenerationOutput
 from molt_core.identity import TokenCheck, check_tokens, digest_ids
-from molt_core.ledger import Ledger, LedgerConflict
+from molt_core.ledger import REWRITE_CAUSES, Ledger, LedgerConflict
 from molt_core.models import load_tokenizer
 from molt_core.types import SamplingParams
 
@@ -334,11 +334,12 @@ def test_length_cut_turn_marks_truncated_and_ledger_info_wins(tok):
     assert t1.finish_reason == "length" and len(t1.token_ids) == 2
     p2, t2 = turn(led, eng, led.history + [{"role": "user", "content": "more"}])
     assert p2.mode == "extend" and t2.finish_reason == "stop"
-    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "mine": 7}
+    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "rewrite_causes": {}, "mine": 7}
     traj = led.trajectory(reward=1.0, info=lie)
     assert traj.truncated is True
     assert traj.info == {"mine": 7, "requests": {"start": 1, "extend": 1, "rewrite": 0, "retry": 0},
-                         "context_reencoded_tokens": 0, "length_cut_turns": 1}
+                         "context_reencoded_tokens": 0, "length_cut_turns": 1,
+                         "rewrite_causes": dict.fromkeys(REWRITE_CAUSES, 0)}
     clean = Ledger(tok)
     turn(clean, ScriptedEngine(tok, ["ok"]), [{"role": "user", "content": "q"}])
     t = clean.trajectory(reward=1.0)
