@@ -158,23 +158,17 @@ def _same_message(a: dict[str, Any], b: dict[str, Any], think: tuple[str, str]) 
     return a["content"] == b["content"]
 
 
-#: a committed turn's reply as the wires sent it: its content and ``(name, arguments JSON)`` per call
-_Reply = tuple[str, list[tuple[str, str]]]
-
-
-def _calls_json(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """``(name, arguments as JSON text)`` per call (the wires' ``json.dumps``: text, so a NaN
-    argument compares equal to itself and key order counts)."""
-    return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+#: a committed turn's reply as the wires sent it: its content and ``(name, arguments)`` per call
+_Reply = tuple[str, list[tuple[str, Any]]]
 
 
 def _echoes_reply(reply: _Reply, m: dict[str, Any]) -> bool:
     """``m`` (a normalized request message) is the assistant reply ``reply`` the wire sent,
     returned as received: its content (outer whitespace ignored) and its tool calls' names and
-    arguments (ids ignored) -- compared with the stored reply, never re-derived from the
+    parsed arguments (ids ignored) -- compared with the stored reply, never re-derived from the
     committed text (an unclosed ``<think>`` leaves the reply's content empty; issue 24 item 9)."""
     return (m["role"] == "assistant" and isinstance(m["content"], str) and m["content"].strip() == reply[0]
-            and _calls_json([c["function"] for c in m.get("tool_calls", [])]) == reply[1])
+            and [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])] == reply[1])
 
 
 # --------------------------------------------------------------------------- results
@@ -712,7 +706,7 @@ class Ledger:
             # everything that can fail happens before the first mutation (atomic commit)
             turn = self.parse(prepared, output)
             replies = dict(self._replies) if prepared.mode == "extend" else {}
-            replies[len(prepared.messages)] = (turn.content, _calls_json(turn.tool_calls))
+            replies[len(prepared.messages)] = (turn.content, [(c["name"], c["arguments"]) for c in turn.tool_calls])
             sealed = self._open.segment() if prepared.mode == "rewrite" else None
             o = _Open() if sealed is not None else self._open
             n0 = len(o.token_ids)
