@@ -85,7 +85,8 @@ LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns", 
 #: the history (compaction, an edit, a new sample of an earlier prompt); ``tools_changed``;
 #: ``template_rewrites_history`` -- the request echoes the history but the chat template
 #: renders it differently once the new messages follow (Qwen3 dropping earlier ``<think>``
-#: blocks, B03); ``template_unprobed`` -- the template's assistant turn could not be probed
+#: blocks, B03) or renders the last turn other than as the previous prompt + reply + turn
+#: close; ``template_unprobed`` -- the template's assistant turn could not be probed
 REWRITE_CAUSES = ("reply_edited", "history_edited", "tools_changed", "template_rewrites_history", "template_unprobed")
 
 _PROBE_USER = "molt-ledger-probe-user"
