@@ -20,7 +20,9 @@
    GIL. Every configuration samples the same tokens (fixed seeds, same prompts), and the
    configurations are interleaved, ``--repeats`` rounds, so machine load hits all alike.
    Reported per configuration: requests/s (median over rounds), sampled tokens/s, p50/p95
-   latency (all rounds pooled); and the ratios one engine / two engines and server / direct.
+   latency (all rounds pooled), sessions that recorded a rewrite and the rewrites per cause
+   (read from each session's trajectory after the timed run); and the ratios one engine / two
+   engines and server / direct.
 
 Prints tables and writes every figure to ``--json`` (default ``runs/bench_server.json``).
 
@@ -191,6 +193,23 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
             return {"wire": wire, "turns": turns, "max_tokens": max_tokens,
                     "workers": [[session(front) for _ in range(convs)] for _ in range(n)]}
 
+        def run_load(front, wire: str, n: int, convs: int) -> dict:
+            """One timed load run, then (untimed) each session's rewrites per cause from its trajectory."""
+            j = job(front, wire, n, convs)
+            out = timed(client.run, j)
+            causes: dict[str, int] = {}
+            out["rewrite_sessions"] = 0
+            for s in (s for w in j["workers"] for s in w):
+                r = admin.get(f"{front.base_url}/sessions/{s['session_id']}/trajectory",
+                              headers={"x-api-key": front.admin_key})
+                r.raise_for_status()
+                info = r.json()["info"]
+                out["rewrite_sessions"] += info["requests"]["rewrite"] > 0
+                for c, k in info["rewrite_causes"].items():
+                    causes[c] = causes.get(c, 0) + k
+            out["rewrite_causes"] = causes
+            return out
+
         for front in fronts.values():  # warm-up: every engine, both paths
             client.run(job(front, "openai", 2, 1))
         direct_load(engines[0], tok, 2, 1, 2, 4)
@@ -206,7 +225,7 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
                     timed(direct_load, engines[0], tok, n, convs, turns, max_tokens))
                 for wire in wires:
                     for k, front in fronts.items():
-                        runs.setdefault((n, k, wire), []).append(timed(client.run, job(front, wire, n, convs)))
+                        runs.setdefault((n, k, wire), []).append(run_load(front, wire, n, convs))
                 print(f"  round {r + 1}/{repeats}: {n} sessions done", flush=True)
     finally:
         client.close()
@@ -223,7 +242,11 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
                      "tokens_per_s": statistics.median(res["tokens"] / res["wall_s"] for res in rs),
                      "p50_ms": statistics.median(lat) * 1e3, "p95_ms": _pct(lat, 0.95) * 1e3,
                      "server_cpu_ms_per_req": sum(res["server_cpu_s"] for res in rs) / len(lat) * 1e3,
-                     "client_cpu_ms_per_req": sum(res.get("cpu_s", 0.0) for res in rs) / len(lat) * 1e3})
+                     "client_cpu_ms_per_req": sum(res.get("cpu_s", 0.0) for res in rs) / len(lat) * 1e3,
+                     "rewrite_sessions": sum(res.get("rewrite_sessions", 0) for res in rs),
+                     "sessions_run": sum(len(res["latencies_s"]) for res in rs) // turns,
+                     "rewrite_causes": {c: sum(res.get("rewrite_causes", {}).get(c, 0) for res in rs)
+                                        for c in sorted({c for res in rs for c in res.get("rewrite_causes", {})})}})
     return rows
 
 
@@ -237,6 +260,10 @@ def print_load(rows: list[dict]) -> list[dict]:
         k = "direct" if r["engines"] == 0 else str(r["engines"])
         print(f"{r['sessions']:>8} {k:>8} {r['wire']:>10} {r['req_per_s']:8.1f} {r['tokens_per_s']:8.0f} "
               f"{r['p50_ms']:8.0f} {r['p95_ms']:8.0f} {r['server_cpu_ms_per_req']:10.2f} {r['client_cpu_ms_per_req']:10.2f}")
+    for r in rows:
+        if r["engines"] and r["rewrite_sessions"]:
+            print(f"  rewrites, {r['sessions']} sessions, {r['engines']} engine(s), {r['wire']}: {r['rewrite_sessions']} of "
+                  f"{r['sessions_run']} sessions; causes {({c: k for c, k in r['rewrite_causes'].items() if k})}")
     ratios = []
     for (n, k, wire), r in sorted(by.items()):
         if k != 1:

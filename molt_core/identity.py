@@ -32,7 +32,8 @@ framework does not claim it).
 
 Context tokens the ledger re-encoded from text when a chat template rewrote the history are
 legitimate (they are never trained on) and are reported separately, summed from the
-ledger-owned ``info["context_reencoded_tokens"]`` as ``ledger/context_reencoded_tokens``.
+ledger-owned ``info["context_reencoded_tokens"]`` as ``ledger/context_reencoded_tokens``, and
+each rewrite's cause (``info["rewrite_causes"]``) as ``ledger/rewrite_cause/<cause>``.
 """
 
 from __future__ import annotations
@@ -165,10 +166,13 @@ def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
         ``ingress/refused_retokenized`` and ``ingress/refused_unverified`` (rollouts dropped
         for each cause; a rollout with both counts as retokenized), ``ingress/refused_rollouts``
         (their sum), ``ledger/context_reencoded_tokens`` (sum of
-        ``info["context_reencoded_tokens"]`` over ok rollouts).
+        ``info["context_reencoded_tokens"]`` over ok rollouts) and ``ledger/rewrite_cause/<cause>``
+        (rewrites per cause, summed from the ledger-owned ``info["rewrite_causes"]``, which lists
+        every cause of :data:`molt_core.ledger.REWRITE_CAUSES`, 0 included).
     """
     kept: list[Trajectory] = []
     retok = unver = ref_retok = ref_unver = reenc = 0
+    causes: dict[str, float] = {}
     for t in trajectories:
         if t.status != "ok":
             kept.append(t)
@@ -177,6 +181,9 @@ def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
         retok += c.retokenized
         unver += c.unverified
         reenc += int(t.info.get("context_reencoded_tokens", 0) or 0)
+        for cause, n in (t.info.get("rewrite_causes") or {}).items():
+            key = f"ledger/rewrite_cause/{cause}"
+            causes[key] = causes.get(key, 0.0) + float(n)
         if c.retokenized:
             ref_retok += 1
         elif c.unverified and refuse_unverified:
@@ -186,4 +193,4 @@ def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
     return kept, {"invariants/tokens_retokenized": float(retok), "invariants/tokens_unverified": float(unver),
                   "ingress/refused_retokenized": float(ref_retok), "ingress/refused_unverified": float(ref_unver),
                   "ingress/refused_rollouts": float(ref_retok + ref_unver),
-                  "ledger/context_reencoded_tokens": float(reenc)}
+                  "ledger/context_reencoded_tokens": float(reenc), **causes}

@@ -6,7 +6,9 @@ token context the engine actually saw and produced. Each request of the session 
 by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
 
 * **extend** -- the request repeats, message for message, the history the ledger committed
-  (the earlier requests plus the assistant messages it returned), and the chat template does
+  (the earlier requests plus the assistant messages it returned: as committed, or exactly as
+  the wire sent them -- matched against the stored reply of that turn, never re-tokenized),
+  and the chat template does
   not rewrite that history once the new messages follow. The engine prompt is then the exact
   ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
   *tail*: the template's close of the last assistant turn after the sampled stop token (the
@@ -21,7 +23,8 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
   (:class:`~molt_core.ledger_messages.NormalizeCache`).
 * **rewrite** -- anything else (context compaction, an edited history, a template that
   re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
-  follows, B03): the open segment is sealed and a new one starts from the full render.
+  follows, B03): the open segment is sealed and a new one starts from the full render; the
+  cause is counted (:data:`REWRITE_CAUSES`, ``info["rewrite_causes"]``).
 * **start** -- the first request of the session.
 * **retry** -- the same messages, tools and sampling settings as the last committed request:
   answered from the cached turn, nothing recorded twice.
@@ -69,11 +72,22 @@ from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, w
 from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.types import ImageRef, SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
-__all__ = ["LEDGER_INFO_KEYS", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "PromptTooLong",
+__all__ = ["LEDGER_INFO_KEYS", "REWRITE_CAUSES", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "PromptTooLong",
            "normalize_messages", "max_token_bytes"]
 
 #: ``Trajectory.info`` keys the ledger owns: an agent's ``info`` never overwrites them
-LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns")
+LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns", "rewrite_causes")
+
+#: why a request could not extend the open segment (``Prepared.cause``, counted per rollout in
+#: ``info["rewrite_causes"]``): ``reply_edited`` -- an assistant message the ledger returned
+#: comes back neither as committed nor as the reply the wire sent (content, tool calls);
+#: ``history_edited`` -- another message differs, or the request holds fewer messages than
+#: the history (compaction, an edit, a new sample of an earlier prompt); ``tools_changed``;
+#: ``template_rewrites_history`` -- the request echoes the history but the chat template
+#: renders it differently once the new messages follow (Qwen3 dropping earlier ``<think>``
+#: blocks, B03) or renders the last turn other than as the previous prompt + reply + turn
+#: close; ``template_unprobed`` -- the template's assistant turn could not be probed
+REWRITE_CAUSES = ("reply_edited", "history_edited", "tools_changed", "template_rewrites_history", "template_unprobed")
 
 _PROBE_USER = "molt-ledger-probe-user"
 _PROBE_ASSISTANT = "molt-ledger-probe-assistant"
@@ -145,6 +159,19 @@ def _same_message(a: dict[str, Any], b: dict[str, Any], think: tuple[str, str]) 
     return a["content"] == b["content"]
 
 
+#: a committed turn's reply as the wires sent it: its content and ``(name, arguments)`` per call
+_Reply = tuple[str, list[tuple[str, Any]]]
+
+
+def _echoes_reply(reply: _Reply, m: dict[str, Any]) -> bool:
+    """``m`` (a normalized request message) is the assistant reply ``reply`` the wire sent,
+    returned as received: its content (outer whitespace ignored) and its tool calls' names and
+    parsed arguments (ids ignored) -- compared with the stored reply, never re-derived from the
+    committed text (an unclosed ``<think>`` leaves the reply's content empty; issue 24 item 9)."""
+    return (m["role"] == "assistant" and isinstance(m["content"], str) and m["content"].strip() == reply[0]
+            and [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])] == reply[1])
+
+
 # --------------------------------------------------------------------------- results
 
 
@@ -194,7 +221,8 @@ class Prepared:
     is not parsed for calls; the tools stay in the prompt). ``images``: the encoded bytes of
     every image in ``prompt_ids``, in token order (pass them to ``engine.generate(...,
     images=...)``); ``image_refs``: the placeholder runs ``tail_ids`` adds, positioned in the
-    segment.
+    segment. ``cause``: on a rewrite, why the open segment could not be extended (one of
+    :data:`REWRITE_CAUSES`), else None.
     """
 
     mode: Literal["start", "extend", "rewrite", "retry"]
@@ -210,6 +238,7 @@ class Prepared:
     allow_tool_calls: bool = True
     images: list[bytes] = field(default_factory=list)
     image_refs: list[ImageRef] = field(default_factory=list)
+    cause: str | None = None
 
 
 @dataclass
@@ -286,6 +315,10 @@ class Ledger:
         self.think = think_tags
         self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else get_tool_parser(tool_parser, tokenizer)
         self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
+        #: rewrites per cause (:data:`REWRITE_CAUSES`)
+        self.rewrite_causes = dict.fromkeys(REWRITE_CAUSES, 0)
+        # history index of each assistant message the ledger returned -> the reply the wire sent
+        self._replies: dict[int, _Reply] = {}
         #: context tokens re-encoded from text on rewrites (see :meth:`prepare`)
         self.context_reencoded_tokens = 0
         #: committed generations that ended with finish reason ``length`` (cut by max_tokens)
@@ -463,7 +496,7 @@ class Ledger:
             if self._last_turn is not None and key == self._last_req and not fresh:
                 return Prepared("retry", [], [], msgs, tools, self._last_prompt_text, key, epoch, cached=self._last_turn)
             ext = self._try_extend(msgs, tools, max_prompt_tokens)
-            if ext is not None:
+            if not isinstance(ext, str):
                 text, tail = ext
                 o = self._open
                 new = msgs[len(self._history):]
@@ -482,7 +515,7 @@ class Ledger:
                                 images=images, image_refs=refs)
             return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch,
                             reencoded=self._reencoded(msgs, tools, len(ids)), allow_tool_calls=allow_tool_calls,
-                            images=images, image_refs=refs)
+                            images=images, image_refs=refs, cause=ext)
 
     def _check_fits_text(self, held: int, text: str, limit: int | None) -> None:
         """Cheap pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
@@ -514,7 +547,7 @@ class Ledger:
         j = 0
         for i, m in enumerate(msgs):
             for jj in range(j, len(hist)):
-                if _same_message(hist[jj], m, self.think):
+                if self._echoes(jj, m):
                     matched.append(i)
                     j = jj + 1
                     break
@@ -533,20 +566,32 @@ class Ledger:
         except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
             return prompt_len
 
+    def _echoes(self, i: int, m: dict[str, Any]) -> bool:
+        """Request message ``m`` repeats committed history message ``i``: equal as the extend
+        check compares (:func:`_same_message`), or the reply the wire sent for that turn
+        (:func:`_echoes_reply`)."""
+        reply = self._replies.get(i)
+        return _same_message(self._history[i], m, self.think) or (reply is not None and _echoes_reply(reply, m))
+
     def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
-                    max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | None:
+                    max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | str:
+        """``(new prompt text, tail ids)`` when ``msgs`` extends the committed history, else
+        the cause (one of :data:`REWRITE_CAUSES`; the first request: ``history_edited``)."""
         hist = self._history
         k = len(hist)
-        if not k or len(msgs) < k or self.turn_close is None or tools != self._tools:
-            return None
+        if self.turn_close is None:
+            return "template_unprobed"
+        if not k or len(msgs) < k:
+            return "history_edited"
+        if tools != self._tools:
+            return "tools_changed"
         # fast path: the client echoed its previous request verbatim; then only the assistant
         # message we returned needs the lenient comparison
         prev = self._last_req[0] if self._last_req is not None else None
-        if prev is not None and len(prev) == k - 1 and msgs[: k - 1] == prev:
-            if not _same_message(hist[-1], msgs[k - 1], self.think):
-                return None
-        elif not all(_same_message(a, b, self.think) for a, b in zip(hist, msgs)):
-            return None
+        fast = prev is not None and len(prev) == k - 1 and msgs[: k - 1] == prev
+        for i in range(k - 1 if fast else 0, k):
+            if not self._echoes(i, msgs[i]):
+                return "reply_edited" if hist[i]["role"] == "assistant" else "history_edited"
         # render with the committed history (it holds what the model really produced, e.g. a
         # think block a client did not echo), then require the template to keep it verbatim
         win = self._window_check(hist, msgs[k:], tools) if self.window_proof is not None else None
@@ -560,7 +605,7 @@ class Ledger:
             held = self.render(hist, tools, add_generation_prompt=False)
             self.render_stats["full"] += 1
             if not (full.startswith(held) and held.startswith(self._last_prompt_text) and held.endswith(self.turn_close)):
-                return None
+                return "template_rewrites_history"
         close = self.turn_close
         o = self._open
         if o.finish_reason == "stop" and o.token_ids and o.loss_mask[-1] and self._last_stop_token:
@@ -661,6 +706,8 @@ class Ledger:
                 raise LedgerConflict("the session changed between prepare() and commit(); serialize its requests")
             # everything that can fail happens before the first mutation (atomic commit)
             turn = self.parse(prepared, output)
+            replies = dict(self._replies) if prepared.mode == "extend" else {}
+            replies[len(prepared.messages)] = (turn.content, [(c["name"], c["arguments"]) for c in turn.tool_calls])
             sealed = self._open.segment() if prepared.mode == "rewrite" else None
             o = _Open() if sealed is not None else self._open
             n0 = len(o.token_ids)
@@ -689,12 +736,15 @@ class Ledger:
             self._routed(o, n0, output)
             self._last_stop_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
             self._history = prepared.messages + [turn.message()]
+            self._replies = replies
             if prepared.mode != "extend":  # the scan cache covers a history this one no longer extends
                 self._scan_hits, self._scan_n = [[] for _ in self._scan_hits], 0
             self._tools = prepared.tools
             self._last_prompt_text = prepared.prompt_text
             self._last_req, self._last_turn = prepared.key, turn
             self.counts[prepared.mode] += 1
+            if prepared.mode == "rewrite" and prepared.cause is not None:
+                self.rewrite_causes[prepared.cause] += 1
             self.context_reencoded_tokens += prepared.reencoded
             self.length_cut_turns += output.finish_reason == "length"
             self._epoch += 1
@@ -827,7 +877,8 @@ class Ledger:
 
         ``info`` is the caller's (the agent's) merged under the ledger-owned keys
         (:data:`LEDGER_INFO_KEYS`, which win): ``requests`` (count per mode),
-        ``context_reencoded_tokens`` (see :meth:`prepare`) and ``length_cut_turns``.
+        ``context_reencoded_tokens`` (see :meth:`prepare`), ``length_cut_turns`` and
+        ``rewrite_causes`` (rewrites per :data:`REWRITE_CAUSES` entry, each listed).
         ``truncated`` is True when the caller says so or when any committed generation of
         the session ended with finish reason ``length`` (cut by ``max_tokens``). ``images``
         holds (base64) each distinct image the segments show, once.
@@ -845,4 +896,4 @@ class Ledger:
         """The ledger-owned ``info`` entries (:data:`LEDGER_INFO_KEYS`) of the session so far."""
         with self._lock:
             return {"requests": dict(self.counts), "context_reencoded_tokens": self.context_reencoded_tokens,
-                    "length_cut_turns": self.length_cut_turns}
+                    "length_cut_turns": self.length_cut_turns, "rewrite_causes": dict(self.rewrite_causes)}

@@ -13,8 +13,8 @@ import torch
 from fake_engine import ScriptedEngine
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.engines.base import GenerationOutput
-from molt_core.identity import TokenCheck, check_tokens, digest_ids
-from molt_core.ledger import Ledger, LedgerConflict
+from molt_core.identity import TokenCheck, check_tokens, digest_ids, screen
+from molt_core.ledger import REWRITE_CAUSES, Ledger, LedgerConflict
 from molt_core.models import load_tokenizer
 from molt_core.types import SamplingParams
 
@@ -285,6 +285,7 @@ def test_enable_thinking_false_body_prefix(tok):
     text = tok.apply_chat_template(held, add_generation_prompt=False, tokenize=False, enable_thinking=False)
     assert p3.reencoded == len(enc(tok, text)) == 32
     assert led.trajectory().info["context_reencoded_tokens"] == 32
+    assert p3.cause == "template_rewrites_history" and led.rewrite_causes["template_rewrites_history"] == 1
 
 
 def test_routed_experts_follow_tokens(tok):
@@ -334,11 +335,12 @@ def test_length_cut_turn_marks_truncated_and_ledger_info_wins(tok):
     assert t1.finish_reason == "length" and len(t1.token_ids) == 2
     p2, t2 = turn(led, eng, led.history + [{"role": "user", "content": "more"}])
     assert p2.mode == "extend" and t2.finish_reason == "stop"
-    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "mine": 7}
+    lie = {"requests": {}, "context_reencoded_tokens": 0, "length_cut_turns": 0, "rewrite_causes": {}, "mine": 7}
     traj = led.trajectory(reward=1.0, info=lie)
     assert traj.truncated is True
     assert traj.info == {"mine": 7, "requests": {"start": 1, "extend": 1, "rewrite": 0, "retry": 0},
-                         "context_reencoded_tokens": 0, "length_cut_turns": 1}
+                         "context_reencoded_tokens": 0, "length_cut_turns": 1,
+                         "rewrite_causes": dict.fromkeys(REWRITE_CAUSES, 0)}
     clean = Ledger(tok)
     turn(clean, ScriptedEngine(tok, ["ok"]), [{"role": "user", "content": "q"}])
     t = clean.trajectory(reward=1.0)
@@ -392,3 +394,66 @@ def test_reencoded_counts_held_turns_after_an_edit_or_a_prepended_system_message
     assert want == {"prepend_system": user_frame + reply_frame, "edit_first_user": reply_frame,
                     "edit_reply": user_frame}[variant]
     assert led.trajectory().info["context_reencoded_tokens"] == want
+
+
+#: ids the builtin tiny Qwen3 sampled in the server load benchmark (issue 24 item 9), cut at 16:
+#: "</think>\ufffd\ufffdobject sh\ufffd whC\u0689\ufffd\ufffd*</think>okread" (</think> = id 4)
+CLOSE_IDS = [4, 190, 175, 425, 447, 243, 363, 43, 159, 240, 135, 134, 18, 4, 460, 476]
+
+
+def test_rewrite_causes_counted_and_reported_at_ingress(tok):
+    """Issue 24 item 9: each rewrite counts its cause in ``info["rewrite_causes"]`` and trainer
+    ingress reports ``ledger/rewrite_cause/<cause>``; each cause injected once, and the clean
+    echo (the reply sent back as received) reads 0 for every cause."""
+    q = [{"role": "user", "content": "q"}]
+    nxt = {"role": "user", "content": "next"}
+    tok_unprobed = load_tokenizer("builtin:tiny-qwen3")  # renders no assistant turn: nothing to probe
+    tok_unprobed.chat_template = "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}\n{% endif %}{% endfor %}"
+    cases = {  # cause -> (tokenizer, first reply, second request from the first turn's content, tools of the second)
+        None: (tok, "Hi.", lambda c: q + [{"role": "assistant", "content": c}, nxt], None),
+        "reply_edited": (tok, "Hi.", lambda c: q + [{"role": "assistant", "content": "Hello."}, nxt], None),
+        "history_edited": (tok, "Hi.", lambda c: [{"role": "user", "content": "Q"}, {"role": "assistant", "content": c}, nxt], None),
+        "tools_changed": (tok, "Hi.", lambda c: q + [{"role": "assistant", "content": c}, nxt], TOOLS),
+        # echoed as sent ("okread"), but the template drops the text up to the last </think> of an
+        # earlier turn once a new user turn follows: truly a rewrite
+        "template_rewrites_history": (tok, CLOSE_IDS, lambda c: q + [{"role": "assistant", "content": c}, nxt], None),
+        "template_unprobed": (tok_unprobed, "Hi.", lambda c: q + [{"role": "assistant", "content": c}, nxt], None),
+    }
+    trajs = {}
+    for cause, (tk, first, second, tools2) in cases.items():
+        led = Ledger(tk)
+        eng = ScriptedEngine(tk, [first, "Ok."])
+        _, t1 = turn(led, eng, q, params=SamplingParams(max_tokens=16))
+        p2, _ = turn(led, eng, second(t1.content), tools=tools2)
+        assert (p2.mode, p2.cause) == (("extend", None) if cause is None else ("rewrite", cause)), cause
+        trajs[cause] = led.trajectory(reward=1.0)
+        assert trajs[cause].info["rewrite_causes"] == {c: int(c == cause) for c in REWRITE_CAUSES}
+    assert led.turn_close is None  # the last case's ledger
+    held = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nokread<|im_end|>\n"  # re-encoded as context
+    assert trajs["template_rewrites_history"].info["context_reencoded_tokens"] == len(enc(tok, held)) == 13
+    _, clean = screen([trajs[None]])
+    assert {k: v for k, v in clean.items() if k.startswith("ledger/rewrite_cause/")} == {
+        "ledger/rewrite_cause/" + c: 0.0 for c in REWRITE_CAUSES}
+    _, m = screen([t.model_copy(update={"rollout_id": str(c)}) for c, t in trajs.items()])
+    assert {k: v for k, v in m.items() if k.startswith("ledger/rewrite_cause/")} == {
+        "ledger/rewrite_cause/" + c: 1.0 for c in REWRITE_CAUSES}
+
+
+def test_echoed_reply_extends_when_the_cut_falls_inside_reasoning(tok):
+    """Issue 24 item 9, another member of the class: a turn cut by max_tokens inside the think
+    block a generation prompt opened (the wire's content "", the committed text "<think>\\nplan
+    and"), sent back exactly as the wire sent it, extends the segment."""
+    tok2 = load_tokenizer("builtin:tiny-qwen3")
+    gen = "'<|im_start|>assistant\\n'"
+    i = CHAT_TEMPLATE.rfind(gen)
+    tok2.chat_template = CHAT_TEMPLATE[:i] + "'<|im_start|>assistant\\n<think>\\n'" + CHAT_TEMPLATE[i + len(gen):]
+    led = Ledger(tok2)
+    cut = enc(tok2, "plan and more")[:4]  # "pl" "an" " an" "d"
+    eng = ScriptedEngine(tok2, [cut, "Done."])
+    msgs = [{"role": "user", "content": "a"}]
+    p1, t1 = turn(led, eng, msgs, params=SamplingParams(max_tokens=4))
+    assert (t1.content, t1.reasoning, t1.raw, t1.finish_reason) == ("", "plan and", "<think>\nplan and", "length")
+    p2, _ = turn(led, eng, msgs + [{"role": "assistant", "content": "", "reasoning_content": "plan and"},
+                                   {"role": "user", "content": "b"}])
+    assert p2.mode == "extend" and len(led.segments()) == 1
+    assert p2.tail_ids == enc(tok2, "<|im_end|>\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think>\n")

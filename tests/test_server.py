@@ -418,3 +418,73 @@ def test_session_trajectory_truncated_when_any_turn_was_cut(client):
     assert info["traj"]["truncated"] is True and info["traj"]["info"]["length_cut_turns"] == 1
     assert new["traj"]["truncated"] is False and new["traj"]["info"]["length_cut_turns"] == 0
     assert info["traj"]["info"]["requests"]["extend"] == 1  # the cut turn was extended, not rewritten
+
+
+#: ids the builtin tiny Qwen3 sampled in the server load benchmark (issue 24 item 9), cut at
+#: max_tokens 16: "\ufffd\ufffd\x1d<tool_call> e6ction?\x14s<think>9 anction\ufffd so" -- partial
+#: UTF-8 bytes (U+FFFD), a stray <tool_call> and an unclosed <think> (id 3), so the reply's
+#: content is "" and its reasoning "9 anction\ufffd so"
+LOAD_IDS = [165, 173, 226, 5, 435, 30, 323, 39, 217, 91, 3, 33, 344, 323, 133, 494]
+
+
+def _ask_and_echo(info, wire, msgs, stream):
+    """One 16-token request on ``wire`` through its SDK; returns (the reply's text, its
+    token_ids, ``msgs`` + the reply echoed as received: non-streamed the SDK's own objects
+    (Responses output items, Anthropic content blocks), streamed the text the deltas spelled,
+    as the load client sends it back)."""
+    oc = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0)
+    if wire == "openai":
+        if not stream:
+            r = oc.chat.completions.create(model="policy", messages=msgs, max_tokens=16)
+            text, ids = r.choices[0].message.content, r.choices[0].token_ids
+        else:
+            text, ids = "", []
+            for ch in oc.chat.completions.create(model="policy", messages=msgs, max_tokens=16, stream=True):
+                for ce in ch.choices:
+                    text += ce.delta.content or ""
+                    ids += (ce.model_extra or {}).get("token_ids", [])
+        return text, ids, msgs + [{"role": "assistant", "content": text}]
+    if wire == "responses":
+        if not stream:
+            r = oc.responses.create(model="policy", input=msgs, max_output_tokens=16)
+            return r.output_text, r.model_extra["token_ids"], msgs + [o.model_dump(exclude_none=True) for o in r.output]
+        events = list(oc.responses.create(model="policy", input=msgs, max_output_tokens=16, stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        return text, events[-1].response.model_extra["token_ids"], msgs + [{"role": "assistant", "content": text}]
+    ac = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0)
+    if not stream:
+        r = ac.messages.create(model="policy", max_tokens=16, messages=msgs)
+        text = "".join(b.text for b in r.content if b.type == "text")
+        return text, r.model_extra["token_ids"], msgs + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]}]
+    with ac.messages.stream(model="policy", max_tokens=16, messages=msgs) as st:
+        text = "".join(st.text_stream)
+        final = st.get_final_message()
+    return text, final.model_extra["token_ids"], msgs + [{"role": "assistant", "content": text}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("wire", ["openai", "responses", "anthropic"])
+def test_echoed_reply_with_unclosed_think_extends_on_every_wire(tok, served, wire, stream):
+    """Issue 24 item 9: the load client sends each reply back exactly as received, yet a reply
+    whose sampled ids hold an unclosed ``<think>`` (its content "" on the wire, the committed
+    text not) sealed the segment and re-encoded the context. Matched against the reply the wire
+    sent, it extends: one segment, id for id prompt + sampled + tail + sampled, nothing
+    re-encoded, no rewrite cause counted."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    h = served(ScriptedEngine(tok, [LOAD_IDS, "Fine."]))
+    info = h.create_session()
+    msgs = [{"role": "user", "content": "Step 0: what is 0 + 1?"}]
+    text, ids1, msgs = _ask_and_echo(info, wire, msgs, stream)
+    assert (text, ids1) == ("", LOAD_IDS)
+    text2, ids2, _ = _ask_and_echo(info, wire, msgs + [{"role": "user", "content": "Step 1: what is 0 + 3?"}], stream)
+    assert (text2, ids2) == ("Fine.", enc(tok, "Fine.") + [im_end])
+    traj = h.trajectory(info.session_id)
+    assert traj.info["requests"] == {"start": 1, "extend": 1, "rewrite": 0, "retry": 0}
+    assert traj.info["context_reencoded_tokens"] == 0
+    assert traj.info["rewrite_causes"] == dict.fromkeys(traj.info["rewrite_causes"], 0) and len(traj.info["rewrite_causes"]) == 5
+    (seg,) = traj.segments
+    # the cut turn has no <|im_end|>: the tail closes it whole
+    assert seg.token_ids == (enc(tok, "<|im_start|>user\nStep 0: what is 0 + 1?<|im_end|>\n<|im_start|>assistant\n") + LOAD_IDS
+                             + enc(tok, "<|im_end|>\n<|im_start|>user\nStep 1: what is 0 + 3?<|im_end|>\n<|im_start|>assistant\n")
+                             + enc(tok, "Fine.") + [im_end])
+    assert check_tokens(traj) == TokenCheck(0, 0)

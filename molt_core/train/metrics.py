@@ -3,7 +3,7 @@
 The ingress metrics of :func:`molt_core.identity.screen`
 (``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
 ``ingress/refused_retokenized``, ``ingress/refused_unverified``,
-``ledger/context_reencoded_tokens``), ``ingress/refused_malformed``,
+``ledger/context_reencoded_tokens``, ``ledger/rewrite_cause/<cause>``), ``ingress/refused_malformed``,
 ``ingress/refused_no_span``, ``ingress/refused_rollouts`` (all refusals; only these,
 ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
 left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
