@@ -66,6 +66,7 @@ from molt_core.server.wires import (
     WireError,
     anthropic_response,
     anthropic_stream,
+    check_tool_results,
     openai_response,
     openai_stream,
     validation_message,
@@ -363,6 +364,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.internal_messages(pending)
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params,
                                   req.max_completion_tokens or req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
@@ -380,6 +382,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.openai_messages(pending)
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
@@ -395,6 +398,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.openai_messages(pending)
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
             if req.stream:
