@@ -173,12 +173,10 @@ def check_tool_results(messages: list[Any], fields: list[str]) -> None:
     calls: list[str] = []
     answered: dict[str, str] = {}  # call id -> the field of the result that answered it
     k = 0
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("assistant", "tool"):
-            continue
+    for m in (m for m in messages if isinstance(m, dict) and m.get("role") in ("assistant", "tool")):
         if m["role"] == "assistant":
-            tc = m.get("tool_calls")
-            calls, answered = [str(c.get("id") or "") for c in tc if isinstance(c, dict)] if isinstance(tc, list) else [], {}
+            tc = m["tool_calls"] if isinstance(m.get("tool_calls"), list) else []
+            calls, answered = [str(c.get("id") or "") for c in tc if isinstance(c, dict)], {}
             continue
         tid, k = m.get("tool_call_id"), k + 1
         if k <= stored:  # a stored response's result
@@ -186,18 +184,18 @@ def check_tool_results(messages: list[Any], fields: list[str]) -> None:
             continue
         field, shown = fields[k - stored - 1], ", ".join(repr(c) for c in calls if c) or "none"
         if not isinstance(tid, str) or not tid:
-            raise WireError(400, f"{field} must be the id of the call this result answers, one of the assistant turn "
-                                 f"before it ({shown}); got {tid!r}", field, "invalid_tool_result")
-        if tid not in calls:
-            raise WireError(400, f"{field}={tid!r} names no tool call of the assistant turn before it (its calls: "
-                                 f"{shown}); send the id of the call this result answers", field, "invalid_tool_result")
-        if calls.count(tid) > 1:
-            raise WireError(400, f"{field}={tid!r} names {calls.count(tid)} calls of the assistant turn before it; "
-                                 "give each call its own id", field, "invalid_tool_result")
-        if tid in answered:
-            raise WireError(400, f"{field}={tid!r} answers a call already answered by {answered[tid]}; send one "
-                                 "result per call", field, "invalid_tool_result")
-        answered[tid] = field
+            why = f" must be the id of the call this result answers, one of the assistant turn before it ({shown}); got {tid!r}"
+        elif tid not in calls:
+            why = (f"={tid!r} names no tool call of the assistant turn before it (its calls: {shown}); "
+                   "send the id of the call this result answers")
+        elif calls.count(tid) > 1:
+            why = f"={tid!r} names {calls.count(tid)} calls of the assistant turn before it; give each call its own id"
+        elif tid in answered:
+            why = f"={tid!r} answers a call already answered by {answered[tid]}; send one result per call"
+        else:
+            answered[tid] = field
+            continue
+        raise WireError(400, field + why, field, "invalid_tool_result")
 
 
 def _jsonable(v: Any) -> bool:
