@@ -57,7 +57,8 @@ class ScriptedEngine:
     ready :class:`~molt_core.engines.base.GenerationOutput`. When the script runs out, the
     reply is ``"ok"``. Logprob of the j-th sampled token of call c (0-based):
     ``-(c + 1) / 10 - j / 1000``; version ``self.version`` (set by ``load_weights``). Stop
-    strings cut after the token completing one; ``max_tokens`` cuts with finish ``length``.
+    strings cut after the token completing one; ``max_tokens`` cuts with finish ``length``
+    (a stop id or string past the first ``max_tokens`` ids is never reached, as in a real engine).
     ``prompts`` / ``params`` / ``images`` record every call (``images``: the encoded image
     bytes passed with the prompt, ``[]`` for none). Like a real engine it attaches the digest
     of the ids it returns (``sampled_digest``, token identity).
@@ -86,6 +87,7 @@ class ScriptedEngine:
             ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.stop_id]
         else:
             ids = list(reply)
+        ids = ids[: params.max_tokens]  # a real engine samples at most max_tokens: a stop after them is never reached
         finish: Literal["stop", "length"] = "length"
         reason: int | str | None = None
         stops = set(params.stop_token_ids) | {self.stop_id}
@@ -99,8 +101,6 @@ class ScriptedEngine:
             if hit is not None:
                 ids, finish, reason = ids[: j + 1], "stop", hit
                 break
-        if finish == "length" and len(ids) > params.max_tokens:
-            ids = ids[: params.max_tokens]
         c = self.calls
         return GenerationOutput(token_ids=ids, logprobs=[-(c + 1) / 10 - j / 1000 for j in range(len(ids))],
                                 versions=[self.version] * len(ids), finish_reason=finish, stop_reason=reason,

@@ -404,7 +404,7 @@ def test_session_trajectory_truncated_when_any_turn_was_cut(client):
     tok = app.state.sessions.tokenizer
     adm = {"Authorization": "Bearer adm"}
     new = tc.post("/sessions", headers=adm).json()
-    for sess, first in ((info, enc(tok, " one two three four five")), (new, "Fine.")):
+    for sess, first in ((info, enc(tok, " one two three four five")), (new, ".")):  # "." + the stop id: 2 ids
         eng.replies[:2] = [first, "Done."]
         head = {"Authorization": f"Bearer {sess['api_key']}"}
         url = f"/s/{sess['session_id']}/v1/chat/completions"

@@ -525,7 +525,7 @@ def test_tool_choice_none_keeps_tools_in_the_prompt_and_the_next_turn_extends(to
         j = post(info, wire, {"model": "m", "messages": msgs, "tools": TOOLS}).json()
         assert j["choices"][0]["finish_reason"] == "tool_calls"
     else:
-        j = post(info, wire, {**body_of(wire, "hi"), "tools": A_TOOLS, "tool_choice": {"type": "none"}}).json()
+        j = post(info, wire, {**body_of(wire, "hi"), "max_tokens": 200, "tools": A_TOOLS, "tool_choice": {"type": "none"}}).json()
         assert (j["content"], j["stop_reason"]) == ([{"type": "text", "text": f"No tools now. {call}"}], "end_turn")
         msgs += [{"role": "assistant", "content": j["content"]}, {"role": "user", "content": "now write"}]
         j = post(info, wire, {"model": "m", "max_tokens": 200, "messages": msgs, "tools": A_TOOLS}).json()

@@ -35,7 +35,7 @@ def test_testing_imports_no_plugin():
 def test_scripted_engine_exact_ids_logprobs_versions(tok):
     eng = ScriptedEngine(tok, ["Hi.", [5, 6, 7, 8]])
     p = SamplingParams(max_tokens=3)
-    a = asyncio.run(eng.generate([1, 2], p))
+    a = asyncio.run(eng.generate([1, 2], p.model_copy(update={"max_tokens": 4})))  # "Hi." is 3 ids, then the stop id
     assert a.token_ids == tok.encode("Hi.", add_special_tokens=False) + [tok.eos_token_id]
     assert a.finish_reason == "stop" and a.prompt_len == 2
     assert a.logprobs == [-0.1 - j / 1000 for j in range(len(a.token_ids))]
@@ -44,6 +44,19 @@ def test_scripted_engine_exact_ids_logprobs_versions(tok):
     assert b.token_ids == [5, 6, 7] and b.finish_reason == "length"
     assert b.logprobs == [-0.2, -0.201, -0.202] and b.versions == [3, 3, 3]
     assert eng.prompts == [[1, 2], [1]] and eng.calls == 2
+
+
+def test_scripted_engine_never_samples_past_max_tokens(tok):
+    """Issue 24 item 7: a text reply whose stop id (or stop string) lies past ``max_tokens`` is cut
+    there with finish ``length``, as a real engine's would be (it used to come back whole, ``stop``)."""
+    eng = ScriptedEngine(tok, ["Hi.", "Hi.", "Hi."])
+    cut = asyncio.run(eng.generate([1], SamplingParams(max_tokens=3)))
+    assert (cut.token_ids, cut.finish_reason, cut.stop_reason) == ([48, 81, 22], "length", None)
+    assert cut.logprobs == [-0.1 - j / 1000 for j in range(3)]  # call 0: -(0 + 1) / 10 - j / 1000
+    short = asyncio.run(eng.generate([1], SamplingParams(max_tokens=2, stop=["."])))  # "." is the third id
+    assert (short.token_ids, short.finish_reason) == ([48, 81], "length")
+    whole = asyncio.run(eng.generate([1], SamplingParams(max_tokens=4)))
+    assert (whole.token_ids, whole.finish_reason, whole.stop_reason) == ([48, 81, 22, 2], "stop", 2)
 
 
 def test_tests_fake_engine_reexports_the_public_one():

@@ -67,6 +67,7 @@ from molt_core.server.wires import (
     WireError,
     anthropic_response,
     anthropic_stream,
+    check_tool_results,
     openai_response,
     openai_stream,
     validation_message,
@@ -365,6 +366,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.internal_messages(pending)
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params,
                                   req.max_completion_tokens or req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
@@ -382,6 +384,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.openai_messages(pending)
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
@@ -397,6 +400,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = s.responses.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
             await checked(pending, size)
+            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
             # no await since run_turn committed: the ledger's history is this turn's (the session's lock is released)

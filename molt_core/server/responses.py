@@ -82,6 +82,13 @@ class ResponsesRequest(_Req):
         """False for ``tool_choice: "none"`` (tools kept in the prompt, reply not parsed for calls)."""
         return self.tool_choice != "none"
 
+    def tool_result_fields(self) -> list[str]:
+        """``input[i].call_id`` of each ``function_call_output`` item, in order
+        (:func:`~molt_core.server.wires.check_tool_results`)."""
+        items = self.input if isinstance(self.input, list) else []
+        return [f"input[{i}].call_id" for i, it in enumerate(items) if isinstance(it, dict)
+                and it.get("type") == "function_call_output"]
+
     def tools_openai(self) -> list[dict[str, Any]] | None:
         """Function tools in Chat Completions form, or None."""
         if not self.tools:
