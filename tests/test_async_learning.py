@@ -182,26 +182,6 @@ def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
     assert last["train/skipped"] == 1.0 and last["policy_version"] == 3.0
 
 
-INDEXED_ENV = textwrap.dedent('''
-    from molt_core.agents import Env
-    from molt_core.types import Result
-
-    class Indexed(Env):
-        """Task i asks for number i; reward = fraction of digit characters in the reply."""
-
-        def tasks(self, split, seed):
-            for i in range(10**9 if split == "train" else 4):
-                yield {"question": f"Number {i}?", "i": i}
-
-        def reset(self, task):
-            return task["question"]
-
-        def step(self, action_text, state):
-            text = action_text.strip()
-            return Result(reward=sum(c.isdigit() for c in text) / max(1, len(text)), terminated=True)
-''')
-
-
 class _Crash(Exception):
     pass
 
@@ -210,26 +190,28 @@ def _crash_resume(tmp_path, monkeypatch, newest_first: bool, staleness: int, cra
                   edit_cursor=None) -> list[list[int]]:
     """Run 4 steps (P = 2, checkpoint every 2), crash while assembling step ``crash_at``'s batch
     (1-based; None: no crash), optionally edit the saved cursor, resume; returns the task
-    indices trained per step, in order, over both runs."""
+    indices trained per step, in order, over both runs. With ``newest_first`` the first
+    launch's tasks (0, 1) really finish late (:data:`PACED_ENV`): only once 3 steps are trained,
+    over both runs, so every later launch is done before them."""
     from molt_core.runtime import loop as runtime
 
-    if newest_first:  # groups finish out of launch order: the newest launches are done first
-        monkeypatch.setattr(runtime._Local, "wait",
-                            lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
     trained: list[list[int]] = []
     crash = {"at": crash_at}
     orig = runtime.assemble_batch
+    flag = tmp_path / "release"
 
     def record(groups, *a, **k):
         if crash["at"] is not None and len(trained) + 1 == crash["at"]:
             raise _Crash()
         trained.append(sorted(g.task["i"] for g in groups))
+        if len(trained) == 3:
+            flag.write_text("")
         return orig(groups, *a, **k)
 
     monkeypatch.setattr(runtime, "assemble_batch", record)
     tmp_path.mkdir(parents=True, exist_ok=True)
     agent = tmp_path / "indexed.py"
-    agent.write_text(INDEXED_ENV)
+    agent.write_text(PACED_ENV.format(slow=[0, 1] if newest_first else [], flag=str(flag), wait_s=10.0))
     cfg = RunConfig.model_validate({
         "run": {"steps": 4, "seed": 0, "threads": 1}, "agent": {"path": str(agent)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_tokens": 2},
@@ -255,7 +237,7 @@ def _crash_resume(tmp_path, monkeypatch, newest_first: bool, staleness: int, cra
 
 
 def test_async_resume_trains_each_task_exactly_once_when_groups_finish_out_of_order(tmp_path, monkeypatch):
-    """Finding 1: groups finish newest first, the run crashes at step 3 after the step-2
+    """Finding 1: groups finish newest first (for real), the run crashes at step 3 after the step-2
     checkpoint and resumes. The checkpoint's cursor lists the launched, untrained groups (tasks
     0 and 1, still in flight); the resume relaunches exactly those first, so every task 0..7 is
     trained exactly once (before the fix: 4 and 5 twice, 0 and 1 never)."""
