@@ -14,6 +14,8 @@ import json
 import math
 import textwrap
 
+import pytest
+
 from molt_core.config import RunConfig
 from molt_core.plugins import load_plugins
 from molt_core.runtime import main_job
@@ -81,60 +83,103 @@ def test_async_run_learns_with_staleness_one(tmp_path):
     assert math.isfinite(first) and last > first + 0.3, (first, last)  # measured: 0.094 -> 0.872
 
 
-def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
-    """The driver trains on whichever groups finish first; a group that stays in flight past
-    the bound reaches the trainer with old tokens and the gate drops it, visibly. Simulated
-    in-process: ``wait`` hands back the newest launches first, so the first step's second
-    launch is the slow one and is trained only at the last step, 3 versions late."""
-    from molt_core.runtime import loop as runtime
-
-    monkeypatch.setattr(runtime._Local, "wait",
-                        lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
-    agent = tmp_path / "digits.py"
-    agent.write_text(ENV)
-    cfg = RunConfig.model_validate({
-        "run": {"steps": 4, "seed": 0, "threads": 1},
-        "agent": {"path": str(agent)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_tokens": 4},
-        "async": {"max_staleness": 1},
-        "trainer": {"lr": 3e-3},
-        "eval": {"n_problems": 0, "every": 0},
-        "sft": {"steps": 0},
-        "checkpoint": {"every": 0, "keep": 1},
-    })
-    out = main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=True)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r["step"] > 0]
-    # steps 1-3 train on fresh groups (launched at the current version): nothing stale, nothing gated
-    for r in rows[:3]:
-        assert r["invariants/staleness_max"] == 0.0 and r["correction/gated_frac"] == 0.0
-        assert r["train/skipped"] == 0.0
-    # step 4: the slow groups, launched at version 0, trained at version 3
-    last = rows[3]
-    assert last["async/start_lag_max"] == 3.0
-    assert last["invariants/staleness_max"] == 3.0
-    assert last["correction/gated_frac"] == 1.0 and last["correction/gate_dropped"] == 8.0
-    assert last["train/skipped"] == 1.0 and last["policy_version"] == 3.0
-
-
-INDEXED_ENV = textwrap.dedent('''
+PACED_ENV = textwrap.dedent('''
+    import os
+    import time
     from molt_core.agents import Env
     from molt_core.types import Result
 
-    class Indexed(Env):
-        """Task i asks for number i; reward = fraction of digit characters in the reply."""
+    SLOW, FLAG, WAIT_S = {slow!r}, {flag!r}, {wait_s!r}
+
+    class Paced(Env):
+        """Task i asks for number i. A task in SLOW finishes late, for real: its step returns
+        once FLAG exists (the test writes it once the groups that should finish first are
+        trained) or after WAIT_S seconds; the others return at once. (Each waiting step holds
+        one of the event loop's ~6 executor threads: keep len(SLOW) * n under that.)"""
 
         def tasks(self, split, seed):
             for i in range(10**9 if split == "train" else 4):
-                yield {"question": f"Number {i}?", "i": i}
+                yield {{"question": f"Number {{i}}?", "i": i}}
 
         def reset(self, task):
             return task["question"]
 
         def step(self, action_text, state):
+            if state.task["i"] in SLOW:
+                deadline = time.monotonic() + WAIT_S
+                while not os.path.exists(FLAG) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             text = action_text.strip()
             return Result(reward=sum(c.isdigit() for c in text) / max(1, len(text)), terminated=True)
 ''')
+
+
+def _paced_run(tmp_path, monkeypatch, slow: set[int], release_after: int, local: bool,
+               **cfg_over) -> tuple[list[list[int]], list[dict]]:
+    """Run :data:`PACED_ENV` with tasks ``slow`` finishing late: they end once the step
+    ``release_after`` (1-based) has been assembled. Returns the task indices trained per step
+    (sorted within a step) and the metrics rows of the steps."""
+    from molt_core.runtime import loop as runtime
+
+    flag = tmp_path / "release"
+    trained: list[list[int]] = []
+    orig = runtime.assemble_batch
+
+    def record(groups, *a, **k):
+        trained.append(sorted(g.task["i"] for g in groups))
+        if len(trained) == release_after:
+            flag.write_text("")
+        return orig(groups, *a, **k)
+
+    monkeypatch.setattr(runtime, "assemble_batch", record)
+    agent = tmp_path / "paced.py"
+    agent.write_text(PACED_ENV.format(slow=sorted(slow), flag=str(flag), wait_s=10.0))
+    cfg = RunConfig.model_validate({
+        "run": {"seed": 0, "threads": 1}, "agent": {"path": str(agent)},
+        "eval": {"n_problems": 0, "every": 0}, "sft": {"steps": 0}, "checkpoint": {"every": 0, "keep": 1},
+        **cfg_over})
+    out = main_job(cfg, load_plugins(cfg.plugins), out_dir=str(tmp_path / "run"), local=local)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return trained, [r for r in rows if r["step"] > 0]
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["in-process", "ray"])
+def test_each_step_trains_the_groups_that_finished_first(tmp_path, monkeypatch, local):
+    """Issue 24 item 4. P = 2, max_staleness = 1, one engine: step 1 launches tasks [0, 1] and
+    [2, 3] at version 0; tasks 0 and 3 finish late (after step 1 is trained), 1 and 2 at once.
+    Step 1 trains 1 and 2, the first to finish; step 2 trains 0 and 3 (launched one version
+    earlier). Before the fix one call returned a launch's groups together (ready only when its
+    slowest was): on Ray step 1 trained a whole launch, [0, 1] or [2, 3]; in-process a launch
+    ran to its end when launched, so step 1 trained [0, 1] after waiting for task 0."""
+    trained, rows = _paced_run(tmp_path, monkeypatch, slow={0, 3}, release_after=1, local=local,
+                               rollout={"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_tokens": 2},
+                               **{"run": {"steps": 2, "seed": 0, "threads": 1}, "async": {"max_staleness": 1}})
+    assert trained == [[1, 2], [0, 3]]
+    assert [r["async/start_lag_max"] for r in rows] == [0.0, 1.0]
+    assert [r["policy_version"] for r in rows] == [1.0, 2.0]
+
+
+def test_a_group_that_finishes_late_is_gated_visibly(tmp_path, monkeypatch):
+    """The driver trains on whichever groups finish first; a group that stays in flight past
+    the bound reaches the trainer with old tokens and the gate drops it, visibly. In-process,
+    with real completion times: the first launch's tasks (0, 1) finish only after step 3 is
+    trained, so steps 1-3 train the fresh launches and the slow groups reach step 4, launched
+    at version 0 and trained at version 3 (their tokens, sampled before the slow step, too)."""
+    trained, rows = _paced_run(tmp_path, monkeypatch, slow={0, 1}, release_after=3, local=True,
+                               rollout={"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_tokens": 4},
+                               trainer={"lr": 3e-3},
+                               **{"run": {"steps": 4, "seed": 0, "threads": 1}, "async": {"max_staleness": 1}})
+    assert trained == [[2, 3], [4, 5], [6, 7], [0, 1]]
+    # steps 1-3 train on fresh groups (launched at the current version): nothing stale, nothing gated
+    for r in rows[:3]:
+        assert r["invariants/staleness_max"] == 0.0 and r["correction/gated_frac"] == 0.0
+        assert r["train/skipped"] == 0.0 and r["async/start_lag_max"] == 0.0
+    # step 4: the slow groups, launched at version 0, trained at version 3
+    last = rows[3]
+    assert last["async/start_lag_max"] == 3.0
+    assert last["invariants/staleness_max"] == 3.0
+    assert last["correction/gated_frac"] == 1.0 and last["correction/gate_dropped"] == 4.0  # 2 groups x 2 rows
+    assert last["train/skipped"] == 1.0 and last["policy_version"] == 3.0
 
 
 class _Crash(Exception):
@@ -145,26 +190,28 @@ def _crash_resume(tmp_path, monkeypatch, newest_first: bool, staleness: int, cra
                   edit_cursor=None) -> list[list[int]]:
     """Run 4 steps (P = 2, checkpoint every 2), crash while assembling step ``crash_at``'s batch
     (1-based; None: no crash), optionally edit the saved cursor, resume; returns the task
-    indices trained per step, in order, over both runs."""
+    indices trained per step, in order, over both runs. With ``newest_first`` the first
+    launch's tasks (0, 1) really finish late (:data:`PACED_ENV`): only once 3 steps are trained,
+    over both runs, so every later launch is done before them."""
     from molt_core.runtime import loop as runtime
 
-    if newest_first:  # groups finish out of launch order: the newest launches are done first
-        monkeypatch.setattr(runtime._Local, "wait",
-                            lambda self, refs, num_returns=1: (refs[-num_returns:], refs[:-num_returns]))
     trained: list[list[int]] = []
     crash = {"at": crash_at}
     orig = runtime.assemble_batch
+    flag = tmp_path / "release"
 
     def record(groups, *a, **k):
         if crash["at"] is not None and len(trained) + 1 == crash["at"]:
             raise _Crash()
         trained.append(sorted(g.task["i"] for g in groups))
+        if len(trained) == 3:
+            flag.write_text("")
         return orig(groups, *a, **k)
 
     monkeypatch.setattr(runtime, "assemble_batch", record)
     tmp_path.mkdir(parents=True, exist_ok=True)
     agent = tmp_path / "indexed.py"
-    agent.write_text(INDEXED_ENV)
+    agent.write_text(PACED_ENV.format(slow=[0, 1] if newest_first else [], flag=str(flag), wait_s=10.0))
     cfg = RunConfig.model_validate({
         "run": {"steps": 4, "seed": 0, "threads": 1}, "agent": {"path": str(agent)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_tokens": 2},
@@ -190,7 +237,7 @@ def _crash_resume(tmp_path, monkeypatch, newest_first: bool, staleness: int, cra
 
 
 def test_async_resume_trains_each_task_exactly_once_when_groups_finish_out_of_order(tmp_path, monkeypatch):
-    """Finding 1: groups finish newest first, the run crashes at step 3 after the step-2
+    """Finding 1: groups finish newest first (for real), the run crashes at step 3 after the step-2
     checkpoint and resumes. The checkpoint's cursor lists the launched, untrained groups (tasks
     0 and 1, still in flight); the resume relaunches exactly those first, so every task 0..7 is
     trained exactly once (before the fix: 4 and 5 twice, 0 and 1 never)."""

@@ -9,10 +9,10 @@ every engine as version v+1 -> checkpoint every N steps -> metrics to every logg
 
 Asynchrony: rollout runs up to ``async.max_staleness`` steps ahead of training (0 =
 synchronous). The driver keeps at most ``(1 + max_staleness) * prompts_per_step`` groups in
-flight, each with its own object ref, and each step trains on the first
-``prompts_per_step`` groups to finish: the driver bounds how far ahead groups *start*
-(in launch order, a group is at most ``max_staleness`` versions old when trained;
-``async/start_lag_max``). A weight sync reaches engines between decode steps, so in-flight
+flight, each its own actor call with its own object ref (ready when that group is scored),
+and each step trains on the first ``prompts_per_step`` groups to finish: the driver bounds
+how far ahead groups *start* (in launch order, a group is at most ``max_staleness`` versions
+old when trained; ``async/start_lag_max``). A weight sync reaches engines between decode steps, so in-flight
 generations continue under the new weights (partial rollout) and every token records the
 version that sampled it; a slow group can therefore reach the trainer with tokens older than
 the bound, and the trainer's gate -- which bounds the *oldest token* of each rollout -- drops

@@ -99,14 +99,22 @@ def _absolute(cfg: RunConfig) -> RunConfig:
 class _Local:
     """Stand-in for the slice of the Ray API ``main_job`` uses, running actors in this process:
     ``remote(cls).options(...).remote(*args)`` builds the object, ``actor.method.remote(...)``
-    calls it at once (coroutines run on one private event loop), ``get`` unwraps. Used by
-    ``molt run --local`` (debugging) and fast tests. Rollouts run when launched, so with
-    ``async.max_staleness = k`` the queue still holds k steps of groups sampled ahead: every
-    step after the first k trains on groups exactly k versions old (deterministic staleness)."""
+    calls it -- a plain method at once, a coroutine method as a task on one private event loop
+    (as a Ray async actor runs it) -- and ``get`` / ``wait`` run that loop until the refs they
+    need are done. Used by ``molt run --local`` (debugging) and fast tests. Rollouts launched
+    together run concurrently (the engine batches them) while the driver waits, so, as on
+    Ray, ``wait`` hands back the groups that finished first; the loop does not run while the
+    trainer updates (its engine thread keeps decoding the requests it holds)."""
 
     class _Ref:
-        def __init__(self, value: Any) -> None:
-            self.value = value
+        def __init__(self, value: Any = None, task: "asyncio.Task | None" = None) -> None:
+            self.value, self.task = value, task
+
+        def done(self) -> bool:
+            return self.task is None or self.task.done()
+
+        def result(self) -> Any:
+            return self.value if self.task is None else self.task.result()
 
     class _Method:
         def __init__(self, owner: "_Local", fn: Any, num_returns: int = 1) -> None:
@@ -116,9 +124,11 @@ class _Local:
             return _Local._Method(self.owner, self.fn, num_returns)
 
         def remote(self, *args: Any, **kwargs: Any) -> Any:
-            args = tuple(a.value if isinstance(a, _Local._Ref) else a for a in args)
+            args = tuple(self.owner.get(a) if isinstance(a, _Local._Ref) else a for a in args)
             out = self.fn(*args, **kwargs)
             if asyncio.iscoroutine(out):
+                if self.num_returns == 1:  # runs while the driver waits, concurrently with the others
+                    return _Local._Ref(task=self.owner.loop.create_task(out))
                 out = self.owner.loop.run_until_complete(out)
             if self.num_returns > 1:
                 return tuple(_Local._Ref(x) for x in out)
@@ -148,15 +158,31 @@ class _Local:
         return _Local._Class(self, cls)
 
     def get(self, refs: Any) -> Any:
-        if isinstance(refs, list):
-            return [r.value for r in refs]
-        return refs.value
+        """The values of ``refs`` (one ref or a list), running the loop until they are done;
+        a call that raised raises here, as ``ray.get`` does."""
+        items = refs if isinstance(refs, list) else [refs]
+        pending = [r.task for r in items if not r.done()]
+        if pending:
+            self.loop.run_until_complete(asyncio.wait(pending))
+        values = [r.result() for r in items]
+        return values if isinstance(refs, list) else values[0]
 
     def wait(self, refs: list, num_returns: int = 1) -> tuple[list, list]:
-        """Every ref is already done here: the first ``num_returns`` (launch order)."""
-        return list(refs[:num_returns]), list(refs[num_returns:])
+        """``ray.wait``: runs the loop until ``num_returns`` of ``refs`` are done; returns
+        ``(ready, rest)``, ``ready`` the first ``num_returns`` done refs in ``refs`` order."""
+        want = min(num_returns, len(refs))
+        while sum(r.done() for r in refs) < want:
+            self.loop.run_until_complete(asyncio.wait([r.task for r in refs if not r.done()],
+                                                      return_when=asyncio.FIRST_COMPLETED))
+        ready = [r for r in refs if r.done()][:want]
+        return ready, [r for r in refs if all(r is not x for x in ready)]
 
     def shutdown(self) -> None:
+        pending = asyncio.all_tasks(self.loop)
+        for t in pending:  # calls never waited for (a run that stopped early)
+            t.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
 
@@ -434,8 +460,9 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     launched = int(cursor["tasks"])  # groups drawn from the stream (relaunches not counted)
 
     def launch() -> None:
-        # one step's worth of groups, sharded over the workers (one call per worker keeps the
-        # engine's batch full); each group gets its own ref so a step can take whichever are done.
+        # one step's worth of groups, sharded over the workers, one actor call (so one object ref)
+        # per group: a group's ref is ready the moment that group is scored, not when its slowest
+        # sibling is, so a step takes whichever are done (the worker's engine batches the calls).
         # Groups a resumed checkpoint had in flight untrained go first.
         nonlocal launched
         picked: list[tuple[int, dict, int]] = []
@@ -448,14 +475,10 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         for i in range(len(workers)):
-            sh = picked[i::len(workers)]
-            if sh:
-                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(
-                    [t for _, t, _ in sh], n, version if overlap_publish else None)
-                refs = refs if len(sh) > 1 else (refs,)
-                inflight.extend((version, r) for r in refs)
-                epoch_of.update(zip(refs, [e for _, _, e in sh]))
-                index_of.update(zip(refs, [j for j, _, _ in sh]))
+            for j, task, e in picked[i::len(workers)]:  # one call per group: its ref is ready when it is
+                ref = workers[order[i]].rollout_group.remote(task, n, version if overlap_publish else None)
+                inflight.append((version, ref))
+                epoch_of[ref], index_of[ref] = e, j
 
     def take(k: int) -> tuple[list[tuple[int, Group]], int]:
         # the first k groups to finish (oldest launch first among those done); the rest stay in

@@ -338,11 +338,12 @@ class RolloutWorker:
         finally:
             self.inflight -= len(tasks) * n
 
-    async def rollout_each(self, tasks: list[dict], n: int, min_version: int | None = None) -> Group | tuple[Group, ...]:
-        """:meth:`rollout` for a call with ``num_returns = len(tasks)``: one return value (so one
-        object ref) per group -- the Group itself for a single task, else a tuple."""
-        groups = await self.rollout(tasks, n, min_version)
-        return groups[0] if len(groups) == 1 else tuple(groups)
+    async def rollout_group(self, task: dict, n: int, min_version: int | None = None) -> Group:
+        """:meth:`rollout` of one task: the driver makes one call per group, so each group's
+        object ref is ready when that group is scored (the calls run concurrently on this
+        actor and the engine batches them). Several groups returned by one call would all be
+        ready only when the slowest of them finished."""
+        return (await self.rollout([task], n, min_version))[0]
 
     async def evaluate_tasks(self, tasks: list[dict], n: int, temperature: float,
                              indices: list[int] | None = None) -> list[dict[str, Any]]:
