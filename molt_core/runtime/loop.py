@@ -450,8 +450,8 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         for i in range(len(workers)):
             sh = picked[i::len(workers)]
             if sh:
-                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(
-                    [t for _, t, _ in sh], n, version if overlap_publish else None)
+                refs = workers[order[i]].rollout_each.options(num_returns=len(sh)).remote(  # seeds from the indices
+                    [t for _, t, _ in sh], n, version if overlap_publish else None, [j for j, _, _ in sh])
                 refs = refs if len(sh) > 1 else (refs,)
                 inflight.extend((version, r) for r in refs)
                 epoch_of.update(zip(refs, [e for _, _, e in sh]))
