@@ -462,7 +462,8 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         # flight and may be trained later, with tokens older than async.max_staleness (gated).
         # Also returns the newest epoch (over the train split) among their tasks.
         ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
-        picked = [(v, r) for v, r in inflight if r in ready]
+        # in stream order: the batch does not depend on how the groups were sharded over engines
+        picked = sorted(((v, r) for v, r in inflight if r in ready), key=lambda vr: index_of[vr[1]])
         for item in picked:
             inflight.remove(item)
             index_of.pop(item[1], None)
