@@ -458,7 +458,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
                 index_of.update(zip(refs, [j for j, _, _ in sh]))
 
     def take(k: int) -> tuple[list[tuple[int, Group]], int]:
-        # the first k groups to finish (oldest launch first among those done); the rest stay in
+        # the first k groups to finish (in stream order among those done); the rest stay in
         # flight and may be trained later, with tokens older than async.max_staleness (gated).
         # Also returns the newest epoch (over the train split) among their tasks.
         ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
