@@ -1,5 +1,5 @@
 """Held-out evaluation arithmetic shared by ``molt run`` (its ``eval/*`` metrics) and
-``molt eval`` (its report): per-sample seeds, per-task results, pass@k.
+``molt eval`` (its report): per-sample seeds (training rollouts' too), per-task results, pass@k.
 
 One code path computes both, so ``molt eval`` on a run's checkpoint reports the numbers the
 run logged at that step: each eval sample ``j`` of the task at index ``i`` of the eval split is
@@ -16,7 +16,7 @@ from typing import Any
 
 from molt_core.types import Trajectory
 
-__all__ = ["eval_metrics", "eval_seed", "pass_at_k", "success", "task_result"]
+__all__ = ["eval_metrics", "eval_seed", "pass_at_k", "sample_seed", "success", "task_result"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,12 +29,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_seed(run_seed: int, task_index: int, sample: int) -> int:
-    """The sampling seed of eval sample ``sample`` of the eval task at ``task_index``: the first
-    63 bits of SHA-256 of ``"molt-eval:<run_seed>:<task_index>:<sample>"`` (a multi-turn
-    episode adds the turn number, :class:`~molt_core.runtime.workers.RolloutWorker`)."""
-    h = hashlib.sha256(f"molt-eval:{int(run_seed)}:{int(task_index)}:{int(sample)}".encode()).digest()
+def sample_seed(split: str, run_seed: int, task_index: int, sample: int) -> int:
+    """The sampling seed of sample ``sample`` of the task at ``task_index`` of ``split``: the
+    first 63 bits (big-endian, an int in ``[0, 2**63)``) of SHA-256 of
+    ``"molt-<split>:<run_seed>:<task_index>:<sample>"`` (a multi-turn episode adds the turn
+    number, :class:`~molt_core.runtime.workers.RolloutWorker`). A pure function of its
+    arguments: no engine state, step, worker or world size enters it, so a resumed run
+    samples what the uninterrupted one did.
+
+    Args:
+        split: ``"train"`` (``task_index``: the task's 0-based index in the run's
+            :class:`~molt_core.tasks.TaskStream`, epochs included) or ``"eval"`` (its index in
+            the eval split).
+
+    Raises:
+        ValueError: ``split`` is empty or contains ``":"``.
+    """
+    if not split or ":" in split:
+        raise ValueError(f"split must be a non-empty name without ':' (e.g. 'train' or 'eval'), got {split!r}")
+    h = hashlib.sha256(f"molt-{split}:{int(run_seed)}:{int(task_index)}:{int(sample)}".encode()).digest()
     return int.from_bytes(h[:8], "big") >> 1
+
+
+def eval_seed(run_seed: int, task_index: int, sample: int) -> int:
+    """The sampling seed of eval sample ``sample`` of the eval task at ``task_index``:
+    :func:`sample_seed` ``("eval", run_seed, task_index, sample)``."""
+    return sample_seed("eval", run_seed, task_index, sample)
 
 
 def success(t: Trajectory) -> float:

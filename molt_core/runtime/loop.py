@@ -476,16 +476,18 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         for i in range(len(workers)):
             for j, task, e in picked[i::len(workers)]:  # one call per group: its ref is ready when it is
-                ref = workers[order[i]].rollout_group.remote(task, n, version if overlap_publish else None)
+                ref = workers[order[i]].rollout_group.remote(  # seeds from the stream index j
+                    task, n, version if overlap_publish else None, j)
                 inflight.append((version, ref))
                 epoch_of[ref], index_of[ref] = e, j
 
     def take(k: int) -> tuple[list[tuple[int, Group]], int]:
-        # the first k groups to finish (oldest launch first among those done); the rest stay in
+        # the first k groups to finish (in stream order among those done); the rest stay in
         # flight and may be trained later, with tokens older than async.max_staleness (gated).
         # Also returns the newest epoch (over the train split) among their tasks.
         ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
-        picked = [(v, r) for v, r in inflight if r in ready]
+        # in stream order: the batch does not depend on how the groups were sharded over engines
+        picked = sorted(((v, r) for v, r in inflight if r in ready), key=lambda vr: index_of[vr[1]])
         for item in picked:
             inflight.remove(item)
             index_of.pop(item[1], None)

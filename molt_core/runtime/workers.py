@@ -19,7 +19,7 @@ from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
-from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k, task_result
+from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
@@ -317,33 +317,52 @@ class RolloutWorker:
             out.append(t)
         return out
 
-    async def rollout(self, tasks: list[dict], n: int, min_version: int | None = None) -> list[Group]:
+    async def rollout(self, tasks: list[dict], n: int, min_version: int | None = None,
+                      indices: list[int] | None = None) -> list[Group]:
         """Run ``n`` rollouts of each task concurrently (the engine batches them); each
         group is scored as soon as its ``n`` rollouts finish. With ``min_version``, no
         rollout samples before the engine holds that policy version (:meth:`load_weights`
         may still be running: episodes prepare their first prompt meanwhile).
 
+        Args:
+            indices: each task's index in the run's task stream (``molt run`` passes them):
+                rollout ``j`` of task ``indices[i]`` samples with seed
+                :func:`~molt_core.evalstats.sample_seed` ``("train", run.seed, indices[i], j)``
+                (turn ``t`` with that + ``t``), so its tokens depend on the weights, the task
+                and those numbers only -- not on the engine's earlier requests, the worker, the
+                number of engines or a resume in between. None: the engine's own seed stream
+                (which restarts with the engine, so a resumed run would sample differently).
+
         Returns:
             One :class:`Group` per task, trajectories in completion-independent order.
+
+        Raises:
+            ValueError: ``indices`` does not have one entry per task.
         """
+        if indices is not None and len(indices) != len(tasks):
+            raise ValueError(f"indices has {len(indices)} entries for {len(tasks)} tasks; give one stream index per task")
         self.inflight += len(tasks) * n
         _MIN_VERSION.set(min_version)  # the episodes' tasks below inherit it
         try:
             params = _sampling(self.cfg, self._stop_ids)
             groups = [Group(task=t) for t in tasks]
-            scored = await asyncio.gather(*(self._group(g.task, g.group_id, params, n) for g in groups))
+            seeds = ([None] * len(tasks) if indices is None else
+                     [[sample_seed("train", self.cfg.run.seed, i, j) for j in range(n)] for i in indices])
+            scored = await asyncio.gather(*(self._group(g.task, g.group_id, params, n, s) for g, s in zip(groups, seeds)))
             for g, trajs in zip(groups, scored):
                 g.trajectories = list(trajs)
             return groups
         finally:
             self.inflight -= len(tasks) * n
 
-    async def rollout_group(self, task: dict, n: int, min_version: int | None = None) -> Group:
+    async def rollout_group(self, task: dict, n: int, min_version: int | None = None,
+                            index: int | None = None) -> Group:
         """:meth:`rollout` of one task: the driver makes one call per group, so each group's
         object ref is ready when that group is scored (the calls run concurrently on this
         actor and the engine batches them). Several groups returned by one call would all be
-        ready only when the slowest of them finished."""
-        return (await self.rollout([task], n, min_version))[0]
+        ready only when the slowest of them finished. ``index`` is the task's position in the
+        task stream (seeds its samples, see :meth:`rollout`)."""
+        return (await self.rollout([task], n, min_version, None if index is None else [index]))[0]
 
     async def evaluate_tasks(self, tasks: list[dict], n: int, temperature: float,
                              indices: list[int] | None = None) -> list[dict[str, Any]]:
