@@ -500,7 +500,8 @@ def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
         tr.device = torch.device(device)  # only the decision reads it; in line the recompute is faked
         tr.recompute_logprobs = fake_recompute
         calls.clear()
-        d = tr._onpolicy_stale(batch)()
+        d, rows = tr._onpolicy_stale(batch)()
+        assert rows.tolist() == [0, 0]  # both tokens are row 0's
         assert bool(calls) == want_inline and tr._check_proc.checks == (0 if want_inline else 1), device
         want = [abs(x) for x in lps] if want_inline else [abs(x - _lp(B0, i)) for i, x in enumerate(lps)]
         assert d.tolist() == pytest.approx(want, abs=1e-6)  # in line |behaviour - 0|; process: the real 0
@@ -736,11 +737,12 @@ def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches
 
     T = int(batch.lengths[:5].max())
     assert (shared_prefix(batch.input_ids[:5, :T], batch.param_ids[:5, :T]) is not None) == shared
-    d_proc = tr._onpolicy_stale(batch)()
+    d_proc, rows_proc = tr._onpolicy_stale(batch)()
     assert tr._check_proc.checks == 1
     tr.overlap_onpolicy_check = False
-    d_line = tr._onpolicy_stale(batch)()
+    d_line, rows_line = tr._onpolicy_stale(batch)()
     assert tr._check_proc.checks == 1
+    assert torch.equal(rows_proc, rows_line)
     n_all = int(batch.mask.sum())
     assert (d_line.numel() == n_all) if rows < 0 else (0 < d_line.numel() < n_all)  # all, or 5 rows' tokens
     assert torch.equal(d_proc, d_line) and bool((d_line > 0).all())
