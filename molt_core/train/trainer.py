@@ -396,13 +396,10 @@ class Trainer:
             token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
-        # 3. update; first keep these weights as this version (for the on-policy measure of
-        # later steps) and measure this step's tokens sampled by older versions under theirs
+        # 3. update; measure this step's tokens sampled by older versions under theirs, and
+        # before the optimizer step keep these weights as this version (for later steps' measure)
         t_check = time.perf_counter()
         onpol_result = self._onpolicy_stale(batch)
-        if num_tokens > 0:
-            self.history.record(self.version, self.model)
-            self._start_check_process()
         t_check = time.perf_counter() - t_check
         t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -412,7 +409,8 @@ class Trainer:
 
         def settle(fused_prox: torch.Tensor | None) -> None:
             """Before the optimizer step: the fused proximal logprobs and the stale check's
-            result must be finite (else NonFiniteLogprobs); a failed check is raised later."""
+            result must be finite (else NonFiniteLogprobs; a failed check is raised after the
+            step); then these weights are kept as this version."""
             nonlocal check_error, onpol, t_wait
             t = time.perf_counter()
             try:
@@ -423,6 +421,10 @@ class Trainer:
             if fused_prox is not None:
                 nonfinite_check(fused_prox, batch, "the proximal recompute (fused)")
             nonfinite_check(onpol, batch, "the recompute of stale tokens under their own version", rows=rows)
+            if num_tokens > 0:  # (no check in flight reads the ring now)
+                self.history.record(self.version, self.model)
+                self._start_check_process()
+            t_wait = time.perf_counter() - t
 
         if num_tokens == 0:
             metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
