@@ -68,7 +68,13 @@ def test_onpolicy_diff_async_clean_reads_zero_and_temperature_fault_is_flagged()
     assert m["invariants/logprob_absdiff_max_onpolicy"] == 0.0
     assert m["invariants/onpolicy_tokens"] == 4.0 and m["invariants/onpolicy_stale_tokens"] == 3.0
     assert m["invariants/logprob_absdiff_max"] > 1e-3  # the all-token difference mixes in policy drift
-    assert m["correction/is_weight_min"] != 1.0 or m["correction/is_weight_max"] != 1.0  # stale tokens corrected
+    # stale tokens corrected: token-level trunc (high 2) weight exp(lp_v1 - lp_v0) per stale token,
+    # 1 on b's version-1 token (each exp(.) in float32 logprobs, as the trainer computes it)
+    ws = [min(math.exp(_lp(b1, t, 0.5) - _lp(B0, t, 0.5)), 2.0) for t in (0, 1, 1)] + [1.0]
+    assert min(ws) < 1.0 - 1e-3 and max(ws) > 1.0 + 1e-3  # (the policy's step moved every stale ratio)
+    assert m["correction/is_weight_min"] == pytest.approx(min(ws), abs=1e-6)
+    assert m["correction/is_weight_max"] == pytest.approx(max(ws), abs=1e-6)
+    assert m["correction/is_weight_mean"] == pytest.approx(sum(ws) / 4, abs=1e-6)
     # fault: the engine sampled at temperature 1 but recorded spans of temperature 0.5
     tr = _async_trainer()
     fault = [_traj("a", 1.0, [2, 0, 1], [_lp(B0, 0, 1.0), _lp(B0, 1, 1.0)], [0, 0], 0.5),
@@ -895,9 +901,9 @@ def test_a_nan_recompute_refuses_its_rollout_on_current_and_stale_tokens_alike(c
         tr.model.nan_gate.fill_(1.0)
     m = tr.train_step(_poison_batch(v, bias))
     want = clean.train_step(_poison_batch(v, bias, poisoned=False))
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["correction/out_of_support_frac"] == 0.0
     assert m["invariants/nonfinite_logprobs"] == 1.0
     assert m["ingress/refused_nonfinite"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
-    assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["correction/out_of_support_frac"] == 0.0
     assert m["train/rollouts"] == 2.0 and m["train/action_tokens"] == 4.0
     assert m["invariants/onpolicy_tokens"] == 4.0 and m["invariants/onpolicy_stale_tokens"] == (4.0 if stale else 0.0)
     assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.0, abs=1e-6)
@@ -925,8 +931,8 @@ def test_a_nan_reference_recompute_refuses_its_rollout():
     ref.nan_gate.fill_(1.0)
     tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1}), model=PoisonLM(BP, poison=3), ref_model=ref)
     m = tr.train_step(_poison_batch(0, BP))
-    assert m["invariants/nonfinite_logprobs"] == 1.0 and m["ingress/refused_nonfinite"] == 1.0
     assert m["kl/ref_out_of_support_frac"] == 0.0 and m["train/rollouts"] == 2.0
+    assert m["invariants/nonfinite_logprobs"] == 1.0 and m["ingress/refused_nonfinite"] == 1.0
 
 
 def test_every_rollout_refused_for_nan_skips_the_step():
