@@ -290,13 +290,9 @@ class Trainer:
         vocabulary; ``ingress/refused_malformed``, ``ingress/refused_no_span``), a rollout
         whose action tokens differ from the engine's record, and -- with
         ``trainer.refuse_unverified`` (default) -- one whose action tokens carry no engine
-        record (:func:`molt_core.identity.screen`). A non-finite logprob is refused the same
-        way on every path: a rollout with a NaN / infinite behaviour logprob at ingress, and --
-        found before the optimizer step, then the step is redone on the rest -- one whose
-        sampled token gets a NaN / ``+inf`` logprob from a recompute of the trainer (proximal,
-        separate or fused; reference; no-replay; its own older version, in line or in the check
-        process), current-version and stale tokens alike (``ingress/refused_nonfinite``,
-        ``invariants/nonfinite_logprobs``; ``-inf`` is out of support, not this). When ingress
+        record (:func:`molt_core.identity.screen`); a rollout with a non-finite logprob, at
+        ingress or from any recompute of the trainer before its optimizer step (the step is then
+        redone on the rest), current-version and stale tokens alike (:meth:`_step`). When ingress
         refuses every ok rollout, or the gate drops every sequence, no optimizer step is taken,
         ``version`` and ``step`` stay, and ``train/skipped`` is 1.
 
@@ -329,25 +325,17 @@ class Trainer:
                 bad = {ok[r].rollout_id for r in e.rollouts}
                 log.warning("train step refused %d rollout(s): %s", len(bad), e)
                 trajectories = [t for t in trajectories if t.status != "ok" or t.rollout_id not in bad]
-                for k, n in (("ingress/refused_nonfinite", len(bad)), ("ingress/refused_rollouts", len(bad)),
-                             ("invariants/nonfinite_logprobs", e.tokens)):
-                    ingress[k] += n
-                batch = None
+                batch, self.prefix_stats = None, None  # (counted only while an update runs)
+                for k, n in (("refused_nonfinite", len(bad)), ("refused_rollouts", len(bad))):
+                    ingress[f"ingress/{k}"] += n
+                ingress["invariants/nonfinite_logprobs"] += e.tokens
 
     def _step(self, batch: Batch, ingress: dict[str, float], t_start: float) -> dict[str, float]:
-        """:meth:`train_step` on an admitted batch.
-
-        Raises:
-            NonFiniteLogprobs: a recompute of the trainer (the no-replay diagnostic, the
-                reference, the proximal logprobs -- separate or fused --, or the check of stale
-                tokens under their own version, in line or in its process) gave NaN / ``+inf``
-                on a sampled token; always before the optimizer step (:meth:`train_step`
-                refuses those rollouts and redoes the step).
-        """
+        """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, before the optimizer
+        step, when a recompute (no-replay, reference, proximal, stale) gives NaN / +inf."""
         cfg = self.cfg
         distill = cfg.algo.advantage == "on_policy_distill"
-        mask = batch.mask
-        beh = batch.behaviour_logprobs
+        mask, beh = batch.mask, batch.behaviour_logprobs
         self._routing_used = {}
         noreplay = routing_noreplay(self, batch)  # R3 diagnostic, before any weight change
         if noreplay:
@@ -396,28 +384,23 @@ class Trainer:
             token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
-        # 3. update; measure this step's tokens sampled by older versions under theirs, and
-        # before the optimizer step keep these weights as this version (for later steps' measure)
+        # 3. update; measure the tokens of older versions under theirs; keep this version (settle)
         t_check = time.perf_counter()
         onpol_result = self._onpolicy_stale(batch)
         t_check = time.perf_counter() - t_check
         t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
         check_error: BaseException | None = None
-        onpol = torch.zeros(0, dtype=torch.float64)
-        t_wait = 0.0
+        onpol, t_wait = torch.zeros(0, dtype=torch.float64), 0.0
 
         def settle(fused_prox: torch.Tensor | None) -> None:
-            """Before the optimizer step: the fused proximal logprobs and the stale check's
-            result must be finite (else NonFiniteLogprobs; a failed check is raised after the
-            step); then these weights are kept as this version."""
+            """Before the optimizer step: the fused / stale logprobs finite, then keep this version."""
             nonlocal check_error, onpol, t_wait
             t = time.perf_counter()
             try:
                 onpol, rows = onpol_result()
             except Exception as e:  # the overlapped check failed: finish the step's bookkeeping, then raise
                 check_error, rows = e, torch.zeros(0, dtype=torch.long)
-            t_wait = time.perf_counter() - t
             if fused_prox is not None:
                 nonfinite_check(fused_prox, batch, "the proximal recompute (fused)")
             nonfinite_check(onpol, batch, "the recompute of stale tokens under their own version", rows=rows)
@@ -435,13 +418,11 @@ class Trainer:
         else:
             metrics["train/skipped"] = 0.0
             self.prefix_stats = [0, 0]  # counted by forward_rows over the loss forwards
-            try:
-                upd, fused_prox, fused_ent = policy_update(
-                    self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct if fused else None,
-                    None if fused else corr.out_of_support, kl_keep, before_step=settle)
-                saved, total = self.prefix_stats
-            finally:
-                self.prefix_stats = None
+            upd, fused_prox, fused_ent = policy_update(
+                self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct if fused else None,
+                None if fused else corr.out_of_support, kl_keep, before_step=settle)
+            saved, total = self.prefix_stats
+            self.prefix_stats = None
             metrics.update(upd)
             metrics["train/shared_prefix_frac"] = saved / total if total else 0.0
             if fused:
@@ -483,8 +464,7 @@ class Trainer:
     def _onpolicy_stale(self, batch: Batch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
         older versions, each under its own version's weights (see
-        :mod:`molt_core.version_history`); returns a function that waits for the result
-        (:func:`~molt_core.version_history.stale_absdiff`'s ``(diffs, rows)``).
+        :mod:`molt_core.version_history`); returns a function that waits for its ``(diffs, rows)``.
 
         Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
         images -- their processing and replay state live in this process) and pays (a CPU
