@@ -202,7 +202,8 @@ def sample_rows(idx: torch.Tensor, n: int, generator: torch.Generator | None = N
 
 def stale_absdiff(batch, current_version: int, history: VersionHistory,
                   recompute: Callable[[object, torch.nn.Module], torch.Tensor], like: torch.nn.Module,
-                  max_rows: int = -1, generator: torch.Generator | None = None) -> torch.Tensor:
+                  max_rows: int = -1, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``|behaviour - logprob under the behaviour version|`` of sampled tokens that an *older*
     version sampled, for every older version ``history`` holds.
 
@@ -220,14 +221,18 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
         generator: the random source of that sample (the trainer seeds one per step).
 
     Returns:
-        ``[N]`` float64 absolute differences in nats (``inf`` for a token outside the support
-        its own version recomputes -- a forward-consistency violation, counted apart by
-        :func:`onpolicy_metrics`).
+        ``(diffs, rows)``: ``[N]`` float64 absolute differences in nats -- ``inf`` for a token
+        outside the support its own version recomputes (logprob ``-inf``: a forward-consistency
+        violation, counted apart by :func:`onpolicy_metrics`), NaN where the recompute is NaN
+        or ``+inf`` (a broken forward, not out of support: the trainer refuses the rollout,
+        :func:`molt_core.train.ingress.nonfinite_check`) -- and ``[N]`` long, the batch row of
+        each.
     """
     mask, ver = batch.mask, batch.versions
     out = [torch.zeros(0, dtype=torch.float64)]
+    at = [torch.zeros(0, dtype=torch.long)]
     if max_rows == 0:
-        return out[0]
+        return out[0], at[0]
     for v in history.versions():
         if v >= current_version:
             continue
@@ -237,8 +242,10 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
             continue
         sub = select_rows(batch, rows)
         lp = recompute(sub, history.load(v, like))
-        out.append((sub.behaviour_logprobs - lp).abs()[tok[rows]].double())
-    return torch.cat(out)
+        d = torch.where(lp == math.inf, math.nan, (sub.behaviour_logprobs - lp).abs())
+        out.append(d[tok[rows]].double())
+        at.append(rows[:, None].expand(-1, tok.shape[1])[tok[rows]])
+    return torch.cat(out), torch.cat(at)
 
 
 def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, float]:
@@ -250,11 +257,17 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
             proximal).
         stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
 
-    A token whose difference is not finite (the trainer puts it outside the top-k / top-p
+    A token whose difference is infinite (the trainer puts it outside the top-k / top-p
     support of the very version that sampled it: logprob -inf) is a forward-consistency
     violation with no finite size: it is counted in
     ``invariants/onpolicy_out_of_support_tokens`` (0 when engine and trainer agree) and left
-    out of the max and mean, which stay finite.
+    out of the max and mean, which stay finite. A NaN difference (a NaN or ``+inf``
+    recompute) is no measurement at all: the trainer refuses its rollout before the update
+    (``invariants/nonfinite_logprobs``, :func:`molt_core.train.ingress.nonfinite_check`), so
+    one here is an error, never an out-of-support token.
+
+    Raises:
+        ValueError: a NaN in ``current`` or ``stale``.
 
     Returns:
         ``invariants/logprob_absdiff_max_onpolicy`` and ``_mean_onpolicy`` over the finite
@@ -265,6 +278,10 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
         those, sampled by an older version).
     """
     d = torch.cat([current.double().flatten(), stale.double().flatten()])
+    if bool(torch.isnan(d).any()):
+        raise ValueError(f"onpolicy_metrics: {int(torch.isnan(d).sum())} NaN logprob difference(s) (a NaN or +inf "
+                         "recompute); refuse their rollouts first (molt_core.train.ingress.nonfinite_check) -- a NaN "
+                         "is not out of support")
     n = d.numel()
     fin = d[torch.isfinite(d)]
     return {

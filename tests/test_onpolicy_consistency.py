@@ -68,7 +68,13 @@ def test_onpolicy_diff_async_clean_reads_zero_and_temperature_fault_is_flagged()
     assert m["invariants/logprob_absdiff_max_onpolicy"] == 0.0
     assert m["invariants/onpolicy_tokens"] == 4.0 and m["invariants/onpolicy_stale_tokens"] == 3.0
     assert m["invariants/logprob_absdiff_max"] > 1e-3  # the all-token difference mixes in policy drift
-    assert m["correction/is_weight_min"] != 1.0 or m["correction/is_weight_max"] != 1.0  # stale tokens corrected
+    # stale tokens corrected: token-level trunc (high 2) weight exp(lp_v1 - lp_v0) per stale token,
+    # 1 on b's version-1 token (each exp(.) in float32 logprobs, as the trainer computes it)
+    ws = [min(math.exp(_lp(b1, t, 0.5) - _lp(B0, t, 0.5)), 2.0) for t in (0, 1, 1)] + [1.0]
+    assert min(ws) < 1.0 - 1e-3 and max(ws) > 1.0 + 1e-3  # (the policy's step moved every stale ratio)
+    assert m["correction/is_weight_min"] == pytest.approx(min(ws), abs=1e-6)
+    assert m["correction/is_weight_max"] == pytest.approx(max(ws), abs=1e-6)
+    assert m["correction/is_weight_mean"] == pytest.approx(sum(ws) / 4, abs=1e-6)
     # fault: the engine sampled at temperature 1 but recorded spans of temperature 0.5
     tr = _async_trainer()
     fault = [_traj("a", 1.0, [2, 0, 1], [_lp(B0, 0, 1.0), _lp(B0, 1, 1.0)], [0, 0], 0.5),
@@ -500,7 +506,8 @@ def test_overlapped_onpolicy_check_only_on_a_cpu_trainer():
         tr.device = torch.device(device)  # only the decision reads it; in line the recompute is faked
         tr.recompute_logprobs = fake_recompute
         calls.clear()
-        d = tr._onpolicy_stale(batch)()
+        d, rows = tr._onpolicy_stale(batch)()
+        assert rows.tolist() == [0, 0]  # both tokens are row 0's
         assert bool(calls) == want_inline and tr._check_proc.checks == (0 if want_inline else 1), device
         want = [abs(x) for x in lps] if want_inline else [abs(x - _lp(B0, i)) for i, x in enumerate(lps)]
         assert d.tolist() == pytest.approx(want, abs=1e-6)  # in line |behaviour - 0|; process: the real 0
@@ -736,11 +743,12 @@ def test_check_process_readings_equal_in_line_token_for_token_over_micro_batches
 
     T = int(batch.lengths[:5].max())
     assert (shared_prefix(batch.input_ids[:5, :T], batch.param_ids[:5, :T]) is not None) == shared
-    d_proc = tr._onpolicy_stale(batch)()
+    d_proc, rows_proc = tr._onpolicy_stale(batch)()
     assert tr._check_proc.checks == 1
     tr.overlap_onpolicy_check = False
-    d_line = tr._onpolicy_stale(batch)()
+    d_line, rows_line = tr._onpolicy_stale(batch)()
     assert tr._check_proc.checks == 1
+    assert torch.equal(rows_proc, rows_line)
     n_all = int(batch.mask.sum())
     assert (d_line.numel() == n_all) if rows < 0 else (0 < d_line.numel() < n_all)  # all, or 5 rows' tokens
     assert torch.equal(d_proc, d_line) and bool((d_line > 0).all())
@@ -843,3 +851,135 @@ def test_the_check_process_can_start_before_the_first_step():
     assert m["invariants/onpolicy_stale_tokens"] > 0
     assert abs(m["invariants/logprob_absdiff_max_onpolicy"] - 0.5) < 1e-4
     tr.close()
+
+
+# -- a non-finite recompute is refused, never out of support (issue 24, part 3) --------------
+
+BP = [2.0, 1.0, 0.0, -1.0]  # PoisonLM: the token after id 3 gets a NaN logprob while its gate is on
+
+
+def _poison_trainer(overlap=True, fuse=True):
+    """A PoisonLM trainer at version 1 holding version 0 (bias BP): one step taken."""
+    from trainer_utils import PoisonLM
+
+    tr = Trainer(tiny_cfg(**{"async": {"max_staleness": 1}}, trainer={"lr": 0.1, "grad_clip": 0.0}),
+                 model=PoisonLM(BP, poison=3))
+    tr.overlap_onpolicy_check, tr.fuse_recompute = overlap, fuse
+    tr.train_step([_traj("a", 1.0, [2, 0, 1], [_lp(BP, 0), _lp(BP, 1)], [0, 0]),
+                   _traj("b", 0.0, [2, 1, 2], [_lp(BP, 1), _lp(BP, 2)], [0, 0])])
+    assert tr.version == 1 and tr.history.versions() == [0]
+    if overlap:
+        assert tr._check_proc.ready(timeout=120)
+    else:
+        assert tr._check_proc is None
+    return tr
+
+
+def _poison_batch(version, bias, poisoned=True):
+    """Rollouts a, b (clean) and p = [2, 3, 0], whose token 0 follows the poison id 3, all
+    sampled by ``version`` with logits ``bias``."""
+    ts = [_traj("a", 1.0, [2, 0, 1], [_lp(bias, 0), _lp(bias, 1)], [version] * 2),
+          _traj("b", 0.0, [2, 1, 2], [_lp(bias, 1), _lp(bias, 2)], [version] * 2)]
+    return ts + [_traj("p", 1.0, [2, 3, 0], [_lp(bias, 3), _lp(bias, 0)], [version] * 2)] if poisoned else ts
+
+
+@pytest.mark.parametrize("case", ["current-fused", "current-separate", "stale-inline", "stale-process"])
+def test_a_nan_recompute_refuses_its_rollout_on_current_and_stale_tokens_alike(case):
+    """The recompute of one token of rollout p is NaN -- under the current weights (proximal,
+    fused into the loss forward or a separate pass) or under the older version that sampled it
+    (the on-policy check, in line or in the check process). Every path: the token is counted in
+    ``invariants/nonfinite_logprobs``, p is refused (``ingress/refused_nonfinite``), nothing is
+    out of support, and the update is exactly the one on a and b alone. (Before: the stale NaN
+    was counted as out of support and p trained; the current one raised ValueError.)"""
+    stale = case.startswith("stale")
+    tr = _poison_trainer(overlap=case == "stale-process", fuse=case != "current-separate")
+    clean = _poison_trainer(overlap=False, fuse=case != "current-separate")
+    v, bias = (0, BP) if stale else (1, tr.model.bias.detach().tolist())
+    if stale:  # the held copy of version 0 (in the process's shared ring for stale-process) only
+        tr.history._states[0]["nan_gate"].fill_(1.0)
+    else:
+        tr.model.nan_gate.fill_(1.0)
+    m = tr.train_step(_poison_batch(v, bias))
+    want = clean.train_step(_poison_batch(v, bias, poisoned=False))
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 0.0 and m["correction/out_of_support_frac"] == 0.0
+    assert m["invariants/nonfinite_logprobs"] == 1.0
+    assert m["ingress/refused_nonfinite"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
+    assert m["train/rollouts"] == 2.0 and m["train/action_tokens"] == 4.0
+    assert m["invariants/onpolicy_tokens"] == 4.0 and m["invariants/onpolicy_stale_tokens"] == (4.0 if stale else 0.0)
+    assert m["invariants/logprob_absdiff_max_onpolicy"] == pytest.approx(0.0, abs=1e-6)
+    assert tr.version == 2 and torch.equal(tr.model.bias, clean.model.bias)  # as if p never came
+    for k in ("loss/total", "grad_norm", "correction/is_weight_mean"):
+        assert m[k] == want[k], k
+    assert want["invariants/nonfinite_logprobs"] == 0.0 and want["ingress/refused_nonfinite"] == 0.0
+    if case == "stale-process":
+        assert tr._check_proc.checks == 2  # the refused try's check and the redo's
+        tr._check_proc.close()
+    # clean case: the same batch with the gate off reads 0 and trains all three rollouts
+    tr = _poison_trainer(overlap=False, fuse=case != "current-separate")
+    m = tr.train_step(_poison_batch(v, BP if stale else tr.model.bias.detach().tolist()))
+    assert m["invariants/nonfinite_logprobs"] == 0.0 and m["ingress/refused_nonfinite"] == 0.0
+    assert m["train/rollouts"] == 3.0 and m["invariants/onpolicy_tokens"] == 6.0
+
+
+def test_a_nan_reference_recompute_refuses_its_rollout():
+    """The frozen reference's logprob of p's token is NaN: refused and counted like a NaN
+    proximal logprob (before: counted as out of the reference's support,
+    ``kl/ref_out_of_support_frac`` 1/6, and p trained)."""
+    from trainer_utils import PoisonLM
+
+    ref = PoisonLM(BP, poison=3)
+    ref.nan_gate.fill_(1.0)
+    tr = Trainer(tiny_cfg(algo={"kl_coef": 0.1}), model=PoisonLM(BP, poison=3), ref_model=ref)
+    m = tr.train_step(_poison_batch(0, BP))
+    assert m["kl/ref_out_of_support_frac"] == 0.0 and m["train/rollouts"] == 2.0
+    assert m["invariants/nonfinite_logprobs"] == 1.0 and m["ingress/refused_nonfinite"] == 1.0
+
+
+def test_every_rollout_refused_for_nan_skips_the_step():
+    """A NaN in every rollout's recompute: all refused, no optimizer step (``train/skipped``)."""
+    tr = _poison_trainer(overlap=False)
+    tr.model.nan_gate.fill_(1.0)
+    b1 = tr.model.bias.detach().tolist()
+    ts = [_traj(r, float(i), [2, 3, 0], [_lp(b1, 3), _lp(b1, 0)], [1, 1]) for i, r in enumerate("pq")]
+    m = tr.train_step(ts)
+    assert m["train/skipped"] == 1.0 and m["train/rollouts"] == 0.0 and tr.version == 1
+    assert m["invariants/nonfinite_logprobs"] == 2.0 and m["ingress/refused_nonfinite"] == 2.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_behaviour_logprob_is_refused_at_ingress_and_counted(bad):
+    """The engine's behaviour logprob of one sampled token is NaN / +inf / -inf (written past
+    the Segment validator): the rollout is refused at ingress and counted in
+    ``invariants/nonfinite_logprobs`` and ``ingress/refused_nonfinite``; clean case 0."""
+    ts = _poison_batch(0, BP, poisoned=False) + [_traj("c", 1.0, [2, 0, 1], [_lp(BP, 0), _lp(BP, 1)], [0, 0])]
+    m = Trainer(tiny_cfg(), model=BiasLM(BP)).train_step(ts)
+    assert m["invariants/nonfinite_logprobs"] == 0.0 and m["ingress/refused_nonfinite"] == 0.0
+    ts[2].segments[0].logprobs[2] = bad
+    m = Trainer(tiny_cfg(), model=BiasLM(BP)).train_step(ts)
+    assert m["invariants/nonfinite_logprobs"] == 1.0 and m["ingress/refused_nonfinite"] == 1.0
+    assert m["ingress/refused_malformed"] == 1.0 and m["ingress/refused_rollouts"] == 1.0
+    assert m["train/rollouts"] == 2.0
+
+
+def test_stale_absdiff_marks_nan_and_plus_inf_apart_from_out_of_support_and_metrics_refuse_nan():
+    """``stale_absdiff``: a recompute of -inf (out of support) is an infinite difference, NaN
+    and +inf are NaN; ``onpolicy_metrics`` counts the infinite one as out of support and
+    raises on a NaN (before: both were counted as out of support)."""
+    from molt_core.train import build_batch
+    from molt_core.version_history import stale_absdiff
+
+    h = VersionHistory(1)
+    h.record(0, BiasLM(BP))
+    batch = build_batch(_poison_batch(0, BP), 0, 4)
+    fake = torch.full(batch.input_ids.shape, -1.0)
+    fake[0, 1], fake[1, 2], fake[2, 2] = -math.inf, math.nan, math.inf
+    d, rows = stale_absdiff(batch, 1, h, lambda b, m: fake[:b.size], BiasLM(BP))
+    beh = batch.behaviour_logprobs[batch.mask].double()
+    want = (beh + 1.0).abs()
+    want[0], want[3], want[5] = math.inf, math.nan, math.nan
+    assert torch.equal(d.isnan(), want.isnan()) and torch.equal(d[~d.isnan()], want[~want.isnan()])
+    assert rows.tolist() == [0, 0, 1, 1, 2, 2]
+    m = onpolicy_metrics(torch.zeros(0), d[~d.isnan()])
+    assert m["invariants/onpolicy_out_of_support_tokens"] == 1.0 and m["invariants/onpolicy_tokens"] == 4.0
+    with pytest.raises(ValueError, match="NaN logprob difference.*refuse their rollouts"):
+        onpolicy_metrics(torch.zeros(0), d)

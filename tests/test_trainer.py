@@ -286,7 +286,8 @@ def test_ingress_errors(base):
     nospan = Trajectory(rollout_id="nospan", segments=[_seg([1, 5, 6], [False, True, True]),
                                                        _seg([1, 5, 6], [False, True, True], spans=[])], reward=1.0)
     kept, m, reasons = refuse_malformed([nospan])
-    assert kept == [] and m == {"ingress/refused_malformed": 1.0, "ingress/refused_no_span": 1.0}
+    assert kept == [] and m == {"ingress/refused_malformed": 1.0, "ingress/refused_no_span": 1.0,
+                                "ingress/refused_nonfinite": 0.0, "invariants/nonfinite_logprobs": 0.0}
     assert reasons[0].startswith("rollout nospan, segment 1: sampled tokens but no sampled span")
     m = tr.train_step([nospan])
     assert m["train/skipped"] == 1.0 and m["ingress/refused_no_span"] == 1.0 and tr.version == 0
@@ -344,6 +345,7 @@ def test_altered_sampled_id_is_counted_and_not_trained_on(base):
     assert m == {"invariants/tokens_retokenized": 3.0, "invariants/tokens_unverified": 0.0,
                  "ingress/refused_retokenized": 1.0, "ingress/refused_unverified": 0.0,
                  "ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0,
+                 "ingress/refused_nonfinite": 0.0, "invariants/nonfinite_logprobs": 0.0,
                  "ingress/refused_rollouts": 1.0, "ledger/context_reencoded_tokens": 0.0,
                  "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": 0.0}
     assert tr.version == 0 and tr.step == 0

@@ -125,3 +125,22 @@ class BiasLM(torch.nn.Module):
 
         B, T = input_ids.shape
         return SimpleNamespace(logits=self.bias.expand(B, T, -1))
+
+
+class PoisonLM(BiasLM):
+    """:class:`BiasLM` whose logits are NaN at every position whose input id is ``poison``
+    while its persistent buffer ``nan_gate`` is 1 (0: exactly :class:`BiasLM`): the token
+    after a ``poison`` id gets a NaN logprob. The gate is in the state dict, so a version
+    history's copy (or the check process's ring slot) can be poisoned alone."""
+
+    def __init__(self, logits, poison: int):
+        super().__init__(logits)
+        self.poison = poison
+        self.register_buffer("nan_gate", torch.zeros(()))
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        B, T = input_ids.shape
+        hit = (input_ids == self.poison) & (self.nan_gate > 0)
+        return SimpleNamespace(logits=torch.where(hit[..., None], torch.nan, self.bias.expand(B, T, -1)))

@@ -19,7 +19,7 @@ import torch
 
 from molt_core.types import Trajectory
 
-__all__ = ["Batch", "IngressError", "admit", "build_batch", "refuse_malformed"]
+__all__ = ["Batch", "IngressError", "NonFiniteLogprobs", "admit", "build_batch", "nonfinite_check", "refuse_malformed"]
 
 _log = logging.getLogger("molt.ingress")
 
@@ -28,13 +28,54 @@ class IngressError(ValueError):
     """A trajectory handed to the trainer is malformed (token identity would be violated).
 
     The message names the rollout, the segment index and the field. ``reason`` is a short
-    machine-readable tag (``"no_span"`` for a sampled token in no sampled span, else
+    machine-readable tag (``"no_span"`` for a sampled token in no sampled span,
+    ``"nonfinite"`` for a sampled token whose behaviour logprob is NaN or infinite, else
     ``"malformed"``).
     """
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class NonFiniteLogprobs(RuntimeError):
+    """A recompute of the trainer gave a NaN or ``+inf`` logprob on sampled tokens (raised by
+    :func:`nonfinite_check` inside :meth:`~molt_core.train.Trainer.train_step`, always before
+    its optimizer step; the step refuses those rollouts -- ``ingress/refused_nonfinite``,
+    ``invariants/nonfinite_logprobs`` -- and is redone on the rest, as if they had been refused
+    at ingress). ``-inf`` is not one: it is a token out of the recomputed support.
+
+    Attributes:
+        rollouts: the affected rollouts, sorted indices into the batch's ``rewards``.
+        tokens: sampled tokens with a non-finite value.
+        where: the computation that found them (e.g. ``"the proximal recompute"``).
+    """
+
+    def __init__(self, rollouts: list[int], tokens: int, where: str) -> None:
+        super().__init__(f"{where} gave a non-finite logprob on {tokens} sampled token(s) of rollout(s) "
+                         f"{rollouts} (batch indices): refused")
+        self.rollouts, self.tokens, self.where = rollouts, tokens, where
+
+
+def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.Tensor | None = None) -> None:
+    """Raise :class:`NonFiniteLogprobs` when a sampled token has a NaN or ``+inf`` value.
+
+    Args:
+        values: ``[B, T]`` float logprobs of the batch (``rows`` None: the sampled tokens are
+            ``batch.mask``), or ``[N]`` float values of N sampled tokens with ``rows`` ``[N]``
+            long, the batch row of each (:func:`molt_core.version_history.stale_absdiff`).
+            ``-inf`` (out of the recomputed support) passes.
+        batch: the step's batch (``mask``, ``rollout_index``).
+        where: the computation, for the message.
+
+    Raises:
+        NonFiniteLogprobs: naming the rollouts (indices into ``batch.rewards``) and the count.
+    """
+    if rows is None:
+        values, rows = values[batch.mask], batch.mask.nonzero()[:, 0]
+    bad = torch.isnan(values) | (values == math.inf)
+    if bool(bad.any()):
+        raise NonFiniteLogprobs(sorted(set(batch.rollout_index[rows[bad]].tolist())), int(bad.sum()), where)
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,6 +248,13 @@ def build_batch(
     bad = first_bad(m & (pos == 0))
     if bad:
         raise IngressError(f"{where[bad[0]]}: loss_mask[0] is True; the first token has no context and cannot have been sampled")
+    bad = first_bad(m & ~torch.isfinite(lp))
+    if bad and rows[bad[0]][1].logprobs[bad[1]] is not None:  # (a missing one is malformed, below)
+        b, i, k = bad
+        raise IngressError(
+            f"{where[b]}: sampled token {i} has behaviour logprob {flat_lp[k]!r}; the engine sampled it, so its "
+            "logprob must be finite -- a NaN / infinite logprob is the engine's fault (counted in "
+            "invariants/nonfinite_logprobs; the rollout is refused)", reason="nonfinite")
     bad = first_bad((m & (~torch.isfinite(lp) | (lp > 0) | (v < 0))) | (~m & (~torch.isnan(lp) | (v != -1))))
     if bad:
         b, i, k = bad
@@ -375,15 +423,18 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
     Returns:
         ``(kept, metrics, reasons)``: the rollouts to train on (order kept); floats
-        ``ingress/refused_malformed`` (rollouts refused here) and ``ingress/refused_no_span``
-        (of those, the ones with a sampled token in no sampled span); and one message per
-        refused rollout naming it, the segment index and the field (also logged as a warning
-        on the ``molt.ingress`` logger).
+        ``ingress/refused_malformed`` (rollouts refused here), ``ingress/refused_no_span``
+        (of those, the ones with a sampled token in no sampled span),
+        ``ingress/refused_nonfinite`` (of those, the ones with a NaN / infinite behaviour
+        logprob on a sampled token) and ``invariants/nonfinite_logprobs`` (those rollouts'
+        sampled tokens with a NaN / infinite behaviour logprob); and one message per refused
+        rollout naming it, the segment index and the field (also logged as a warning on the
+        ``molt.ingress`` logger).
     """
     kept: list[Trajectory] = []
     reasons: list[str] = []
     seen: set[str] = set()
-    no_span = 0
+    no_span = nonfinite = nonfinite_tokens = 0
     for t in trajectories:
         if t.status != "ok":
             kept.append(t)
@@ -397,11 +448,17 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
             msg = str(e)
             reasons.append(msg)
             no_span += e.reason == "no_span"
+            if e.reason == "nonfinite":
+                nonfinite += 1
+                nonfinite_tokens += sum(m and x is not None and not math.isfinite(x)
+                                        for seg in t.segments for m, x in zip(seg.loss_mask, seg.logprobs))
             _log.warning("ingress refused a rollout: %s", msg)
             continue
         seen.add(t.rollout_id)
         kept.append(t)
-    return kept, {"ingress/refused_malformed": float(len(reasons)), "ingress/refused_no_span": float(no_span)}, reasons
+    return kept, {"ingress/refused_malformed": float(len(reasons)), "ingress/refused_no_span": float(no_span),
+                  "ingress/refused_nonfinite": float(nonfinite),
+                  "invariants/nonfinite_logprobs": float(nonfinite_tokens)}, reasons
 
 
 def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | None, need_teacher: bool,
@@ -414,13 +471,16 @@ def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | Non
     Returns:
         ``(kept trajectories, their Batch or None when it must be rebuilt from them, metrics)``
         -- the metrics of :func:`molt_core.identity.screen` plus ``ingress/refused_malformed``,
-        ``ingress/refused_no_span``, with ``ingress/refused_rollouts`` counting every refusal.
+        ``ingress/refused_no_span``, ``ingress/refused_nonfinite``,
+        ``invariants/nonfinite_logprobs`` (:func:`refuse_malformed`), with
+        ``ingress/refused_rollouts`` counting every refusal.
     """
     from molt_core.identity import screen
 
     try:
         batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher, vision=vision)
-        malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0}
+        malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0,
+                     "ingress/refused_nonfinite": 0.0, "invariants/nonfinite_logprobs": 0.0}
     except IngressError:
         batch = None
         trajectories, malformed, _reasons = refuse_malformed(trajectories, pad_id, vocab_size, need_teacher=need_teacher,

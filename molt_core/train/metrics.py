@@ -4,7 +4,11 @@ The ingress metrics of :func:`molt_core.identity.screen`
 (``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
 ``ingress/refused_retokenized``, ``ingress/refused_unverified``,
 ``ledger/context_reencoded_tokens``, ``ledger/rewrite_cause/<cause>``), ``ingress/refused_malformed``,
-``ingress/refused_no_span``, ``ingress/refused_rollouts`` (all refusals; only these,
+``ingress/refused_no_span``, ``ingress/refused_nonfinite`` (rollouts refused for a NaN /
+infinite behaviour logprob at ingress, or a NaN / ``+inf`` logprob from a recompute of the
+trainer before its update -- current-version and stale tokens alike: never counted as out of
+support), ``invariants/nonfinite_logprobs`` (those rollouts' non-finite sampled tokens, 0 when
+clean), ``ingress/refused_rollouts`` (all refusals; only these,
 ``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
 left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
 sampled in-support tokens, before the update: policy drift plus mismatch),

@@ -16,7 +16,10 @@ CPU it costs the update nothing but the copy of the weights that
   version; the child runs the same :func:`~molt_core.version_history.stale_absdiff` over the
   same micro-batches, autocast and thread count as the trainer
   (:func:`molt_core.train.forward.recompute_logprobs`) and sends back the ``[N]`` float64
-  differences -- bit-identical to the check run in line (tests/test_onpolicy_consistency.py).
+  differences and their rows -- bit-identical to the check run in line
+  (tests/test_onpolicy_consistency.py). The trainer takes them before its optimizer step, so
+  a NaN / ``+inf`` recompute here refuses its rollouts exactly as in line
+  (:func:`molt_core.train.ingress.nonfinite_check`).
 
 The child is ``python -m molt_core.train.onpolicy_check`` (not a ``multiprocessing`` spawn,
 which would re-run an unguarded user script's ``__main__``); it gets the model pickled once and
@@ -249,11 +252,11 @@ class CheckProcess:
             raise RuntimeError(f"the on-policy check process died (exit code {code})") from e
 
     def submit(self, batch: Any, version: int, slots: dict[int, int], max_rows: int,
-               seed: int) -> Callable[[], torch.Tensor]:
+               seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images
         or routing) at trainer ``version``; ``slots`` maps each held older version to its ring
         slot; ``max_rows`` and ``seed`` as :func:`stale_absdiff`'s sample. Returns a function
-        that waits for the ``[N]`` float64 differences.
+        that waits for :func:`stale_absdiff`'s ``(diffs, rows)`` (``[N]`` float64, ``[N]`` long).
 
         The ring slots read must not be written (:meth:`VersionHistory.record`) before the
         result is taken: the ring's spare slot guarantees it for one check in flight. A check
@@ -274,7 +277,7 @@ class CheckProcess:
         self.checks += 1
         return self._take
 
-    def _take(self) -> torch.Tensor:
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The reply of the check in flight (``_busy`` stays set until it is read whole)."""
         ok, out = self._recv()
         self._busy = False

@@ -60,7 +60,7 @@ from molt_core.config import RunConfig
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
 from molt_core.train.forward import forward_rows, model_vocab, recompute_logprobs, token_logprobs
-from molt_core.train.ingress import Batch, admit, build_batch
+from molt_core.train.ingress import Batch, NonFiniteLogprobs, admit, build_batch, nonfinite_check
 from molt_core.train.metrics import batch_metrics
 from molt_core.train.routing_replay import init_routing, routing, routing_metrics, routing_noreplay
 from molt_core.train.update import in_support, lr_factor, policy_update
@@ -290,9 +290,11 @@ class Trainer:
         vocabulary; ``ingress/refused_malformed``, ``ingress/refused_no_span``), a rollout
         whose action tokens differ from the engine's record, and -- with
         ``trainer.refuse_unverified`` (default) -- one whose action tokens carry no engine
-        record (:func:`molt_core.identity.screen`). When ingress refuses every ok rollout, or
-        the gate drops every sequence, no optimizer step is taken, ``version`` and ``step``
-        stay, and ``train/skipped`` is 1.
+        record (:func:`molt_core.identity.screen`); a rollout with a non-finite logprob, at
+        ingress or from any recompute of the trainer before its optimizer step (the step is then
+        redone on the rest), current-version and stale tokens alike (:meth:`_step`). When ingress
+        refuses every ok rollout, or the gate drops every sequence, no optimizer step is taken,
+        ``version`` and ``step`` stay, and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
@@ -310,15 +312,34 @@ class Trainer:
         distill = cfg.algo.advantage == "on_policy_distill"
         trajectories, batch, ingress = admit(trajectories, self.pad_id, self.vocab_size, distill,
                                              cfg.trainer.refuse_unverified, vision=self.vision_processor)
-        if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
-            return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
-        if batch is None:
-            batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill,
-                                vision=self.vision_processor)
-        mask = batch.mask
-        beh = batch.behaviour_logprobs
+        while True:
+            if ingress["ingress/refused_rollouts"] and not any(t.status == "ok" for t in trajectories):
+                return {**ingress, "train/skipped": 1.0, "train/rollouts": 0.0, "train/step": float(self.step)}
+            if batch is None:
+                batch = build_batch(trajectories, self.pad_id, self.vocab_size, need_teacher=distill,
+                                    vision=self.vision_processor)
+            try:
+                return self._step(batch, ingress, t_start)
+            except NonFiniteLogprobs as e:  # before any optimizer step: refuse them, redo on the rest
+                ok = [t for t in trajectories if t.status == "ok"]
+                bad = {ok[r].rollout_id for r in e.rollouts}
+                log.warning("train step refused %d rollout(s): %s", len(bad), e)
+                trajectories = [t for t in trajectories if t.status != "ok" or t.rollout_id not in bad]
+                batch, self.prefix_stats = None, None  # (counted only while an update runs)
+                for k, n in (("refused_nonfinite", len(bad)), ("refused_rollouts", len(bad))):
+                    ingress[f"ingress/{k}"] += n
+                ingress["invariants/nonfinite_logprobs"] += e.tokens
+
+    def _step(self, batch: Batch, ingress: dict[str, float], t_start: float) -> dict[str, float]:
+        """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, before the optimizer
+        step, when a recompute (no-replay, reference, proximal, stale) gives NaN / +inf."""
+        cfg = self.cfg
+        distill = cfg.algo.advantage == "on_policy_distill"
+        mask, beh = batch.mask, batch.behaviour_logprobs
         self._routing_used = {}
         noreplay = routing_noreplay(self, batch)  # R3 diagnostic, before any weight change
+        if noreplay:
+            nonfinite_check(noreplay["logprobs"], batch, "the no-replay (natural routing) recompute")
 
         def correct(prox: torch.Tensor, rows: slice = slice(None)):
             T = prox.shape[1]
@@ -335,6 +356,7 @@ class Trainer:
         # the loss or its gradient
         kl_keep = mask
         if ref_lp is not None:
+            nonfinite_check(ref_lp, batch, "the reference recompute")
             ref_oos = mask & ~torch.isfinite(ref_lp)
             kl_keep = mask & ~ref_oos
             ref_lp = torch.where(ref_oos, beh, ref_lp)
@@ -345,6 +367,7 @@ class Trainer:
             train_mask = correct(beh).loss_mask
         else:
             prox, ent = self.recompute_logprobs(batch, with_entropy=True)
+            nonfinite_check(prox, batch, "the proximal recompute")
             corr = correct(prox)
             train_mask, weights = corr.loss_mask, corr.weights
             prox_ok = in_support(prox, beh, corr.out_of_support)
@@ -361,43 +384,53 @@ class Trainer:
             token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None)
 
-        # 3. update; first keep these weights as this version (for the on-policy measure of
-        # later steps) and measure this step's tokens sampled by older versions under theirs
+        # 3. update; measure the tokens of older versions under theirs; keep this version (settle)
         t_check = time.perf_counter()
         onpol_result = self._onpolicy_stale(batch)
-        if num_tokens > 0:
-            self.history.record(self.version, self.model)
-            self._start_check_process()
         t_check = time.perf_counter() - t_check
         t1 = time.perf_counter()
         lr = float(self.optimizer.param_groups[0]["lr"])
+        check_error: BaseException | None = None
+        onpol, t_wait = torch.zeros(0, dtype=torch.float64), 0.0
+
+        def settle(fused_prox: torch.Tensor | None) -> None:
+            """Before the optimizer step: the fused / stale logprobs finite, then keep this version."""
+            nonlocal check_error, onpol, t_wait
+            t = time.perf_counter()
+            try:
+                onpol, rows = onpol_result()
+            except Exception as e:  # the overlapped check failed: finish the step's bookkeeping, then raise
+                check_error, rows = e, torch.zeros(0, dtype=torch.long)
+            if fused_prox is not None:
+                nonfinite_check(fused_prox, batch, "the proximal recompute (fused)")
+            nonfinite_check(onpol, batch, "the recompute of stale tokens under their own version", rows=rows)
+            if num_tokens > 0:  # (no check in flight reads the ring now)
+                self.history.record(self.version, self.model)
+                self._start_check_process()
+            t_wait = time.perf_counter() - t
+
         if num_tokens == 0:
             metrics.update({"train/skipped": 1.0, "loss/total": 0.0, "loss/policy": 0.0, "loss/kl": 0.0,
                             "grad_norm": 0.0})
             if prox is None:
                 prox, ent = self.recompute_logprobs(batch, with_entropy=True)
+            settle(prox if fused else None)
         else:
             metrics["train/skipped"] = 0.0
             self.prefix_stats = [0, 0]  # counted by forward_rows over the loss forwards
-            upd, fused_prox, fused_ent = policy_update(self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens,
-                                                          correct if fused else None,
-                                                          None if fused else corr.out_of_support, kl_keep)
-            metrics.update(upd)
+            upd, fused_prox, fused_ent = policy_update(
+                self, batch, prox, weights, ref_lp, adv, train_mask, num_tokens, correct if fused else None,
+                None if fused else corr.out_of_support, kl_keep, before_step=settle)
             saved, total = self.prefix_stats
             self.prefix_stats = None
+            metrics.update(upd)
             metrics["train/shared_prefix_frac"] = saved / total if total else 0.0
             if fused:
                 prox, ent = fused_prox, fused_ent
             if self.critic is not None:
                 metrics.update(update_critic(self, batch, old_values, returns, train_mask, num_tokens))
-        t_train = time.perf_counter() - t1
-        t_wait = time.perf_counter()
-        check_error: BaseException | None = None
-        try:
-            onpol = onpol_result()
-        except Exception as e:  # the overlapped check failed after the update: finish the step's
-            check_error, onpol = e, torch.zeros(0, dtype=torch.float64)  # bookkeeping, then raise
-        t_check += time.perf_counter() - t_wait
+        t_train = time.perf_counter() - t1 - t_wait
+        t_check += t_wait
 
         # 4. metrics of the step's batch (before the update)
         corr = correct(prox)  # the correction the update used (per row, so identical per micro-batch)
@@ -428,10 +461,10 @@ class Trainer:
                                f"(the trainer is at version {self.version}): {check_error!r}") from check_error
         return metrics
 
-    def _onpolicy_stale(self, batch: Batch) -> Callable[[], torch.Tensor]:
+    def _onpolicy_stale(self, batch: Batch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
         older versions, each under its own version's weights (see
-        :mod:`molt_core.version_history`); returns a function that waits for the result.
+        :mod:`molt_core.version_history`); returns a function that waits for its ``(diffs, rows)``.
 
         Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
         images -- their processing and replay state live in this process) and pays (a CPU

@@ -41,7 +41,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights: torch.Tensor | None,
                   ref_lp: torch.Tensor | None, adv: torch.Tensor, train_mask: torch.Tensor, num_tokens: int,
                   correct: Callable[..., Any] | None, out_of_support: torch.Tensor | None = None,
-                  kl_keep: torch.Tensor | None = None
+                  kl_keep: torch.Tensor | None = None, before_step: Callable[[torch.Tensor | None], None] | None = None
                   ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """``ppo_epochs`` optimizer steps of ``trainer``'s policy over the batch's micro-batches.
 
@@ -55,7 +55,11 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
     micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
     otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
     ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
-    ones outside the reference's support).
+    ones outside the reference's support). ``before_step(prox)`` runs once, after epoch 0's
+    backwards and before the first optimizer step, with the fused ``[B, T]`` proximal
+    logprobs (every row filled; None when not fused): whatever it raises leaves the weights
+    untouched (the trainer's non-finite check, :func:`molt_core.train.ingress.nonfinite_check`;
+    a fused NaN / ``+inf`` reaches the correction as ``-inf`` until then).
 
     Returns:
         ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -81,15 +85,16 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
             with torch.set_grad_enabled(active or trainer.lockstep):
                 lp, ent = trainer._forward(trainer.model, batch, rows, with_entropy=fused)
             T = lp.shape[1]
-            if fused and real:
+            if fused and real and _epoch == 0:
                 prox[rows, :T] = lp.detach().float().cpu()
                 ent_all[rows, :T] = ent.cpu()
             if not active:
                 if trainer.lockstep:  # every process runs the same backwards (FSDP2 collectives)
                     (0.0 * torch.nan_to_num(lp, neginf=0.0).sum()).backward()
                 continue
-            if fused:
-                c = correct(prox[rows, :T], rows)
+            if fused:  # a NaN / +inf stands in as -inf here; before_step refuses its rollout
+                p_mb = prox[rows, :T]
+                c = correct(torch.where(torch.isnan(p_mb) | (p_mb == math.inf), -math.inf, p_mb), rows)
                 w, oos = c.weights, c.out_of_support
             else:
                 w, oos = weights[rows, :T], out_of_support[rows, :T]
@@ -111,6 +116,11 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 loss = loss + trainer.kl_coef * kl_term
             tot += float(loss.detach())
             loss.backward()
+        if _epoch == 0:
+            if fused:  # every row, on every process, before anything reads them
+                prox, ent_all = trainer._combine_rows(prox), trainer._combine_rows(ent_all)
+            if before_step is not None:
+                before_step(prox if fused else None)
         gn = trainer._clip_grads(trainer.params, clip)
         trainer.optimizer.step()
         ep = {(k if k.startswith("loss/") else f"loss/{k}"): v for k, v in extra.items()}
@@ -119,7 +129,7 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
         ep["grad_norm"] = gn
         for k, v in ep.items():
             sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
-    return sums, (trainer._combine_rows(prox) if fused else None), (trainer._combine_rows(ent_all) if fused else None)
+    return sums, (prox if fused else None), (ent_all if fused else None)
 
 
 def in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
