@@ -439,11 +439,11 @@ def _qwen3_vl(tok):
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_rope_deltas_a_vl_model_keeps_between_calls_reach_no_forward(family):
-    """Issue 24: Qwen2.5-VL keeps the ``rope_deltas`` of its last call on the model object and
-    derives a cached forward's positions from them (``compute_3d_position_ids``). After a
-    ``generate()`` of 5 text prompts (deltas ``[5, 1]``) the shared-prefix suffix of 12 rows
-    crashed (a shape error: 12 vs 10); after an image call (deltas < 0) its positions shifted
-    (8.2e-3 nats). Every forward now passes its positions: text rows after either call get the
+    """Issue 24: Qwen2.5-VL and Qwen3-VL keep the ``rope_deltas`` of their last call on the model
+    object and derive a cached forward's positions from them (``compute_3d_position_ids``).
+    After a ``generate()`` of 5 text prompts (deltas ``[5, 1]``) the shared-prefix suffix of 12
+    rows crashed (a shape error: 12 vs 10); after an image call (deltas < 0) its positions
+    shifted (8.8e-3 nats on Qwen2.5-VL, 0.13 on Qwen3-VL). Every forward now passes its positions: text rows after either call get the
     logprobs of a model that never ran anything (shared within 2e-5, full bit for bit), and a
     GRPO step runs on-policy."""
     from molt_core.models import load_tokenizer
