@@ -411,32 +411,6 @@ def test_a_longrope_with_one_factor_set_shares_exactly():
     torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
 
 
-def _qwen3_vl(tok):
-    """A tiny random Qwen3-VL (interleaved M-RoPE; as tests/test_vision_qwen3vl.py builds it) and
-    its processor (patch 8, merge 2)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from molt_core.vision import VisionProcessor
-
-    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                   tok.convert_tokens_to_ids(names)))
-    text = dict(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=1024,
-                tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
-                                 "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=8,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64,
-                  deepstack_visual_indexes=[0])
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision,
-                                                          tie_word_embeddings=True, **ids)).eval()
-    ip = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=4096)
-    return model, VisionProcessor(ip, ids["image_token_id"], 2)
-
-
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 def test_rope_deltas_a_vl_model_keeps_between_calls_reach_no_forward(family):
     """Issue 24: Qwen2.5-VL and Qwen3-VL keep the ``rope_deltas`` of their last call on the model
@@ -447,11 +421,15 @@ def test_rope_deltas_a_vl_model_keeps_between_calls_reach_no_forward(family):
     logprobs of a model that never ran anything (shared within 2e-5, full bit for bit), and a
     GRPO step runs on-policy."""
     from molt_core.models import load_tokenizer
-    from molt_core.vision import expand_placeholders, load_vision_processor, pixel_inputs
+    from molt_core.vision import VisionProcessor, expand_placeholders, load_vision_processor, pixel_inputs
     from tests.test_vision import VL, png
+    from tests.test_vision_qwen3vl import tiny_qwen3vl
 
     tok = load_tokenizer(VL)
-    model, vp = _qwen3_vl(tok) if family == "qwen3-vl" else (None, load_vision_processor(VL, tok))
+    model, vp = None, load_vision_processor(VL, tok)
+    if family == "qwen3-vl":
+        model, ip = tiny_qwen3vl(tok)
+        vp = VisionProcessor(ip, tok.convert_tokens_to_ids("<|image_pad|>"), 2)
     tr = Trainer(tiny_cfg(model={"path": VL}, trainer={"lr": 1e-3}), model=model, tokenizer=tok)
     fresh = _copy(tr.model)
     ts = synthetic_rollouts(3, shared_prompt=True)
