@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_source", "hub_kwargs", "returned_cache", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_positions", "check_model_source", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
@@ -288,6 +288,64 @@ def returned_cache(out: Any) -> Any:
     """The KV cache a transformers forward with ``use_cache=True`` returned (``out.cache``, or
     ``out.past_key_values`` before transformers 5.x), or None."""
     return out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+
+
+def length_dependent_rope(config: Any) -> str | None:
+    """Why a model's rotary factors depend on a forward's longest position, or None (they
+    depend on the position alone, so every way of running a sequence rotates it alike).
+
+    transformers' ``dynamic_rope_update`` (``modeling_rope_utils``) recomputes ``inv_freq``
+    from ``max(position_ids) + 1`` of each call: ``longrope`` (Phi-3.5, Phi-4-mini) takes
+    ``long_factor`` for the whole call once that passes ``original_max_position_embeddings``,
+    else ``short_factor``; ``dynamic`` (NTK) rescales the base past ``max_position_embeddings``
+    and keeps it on the module. So a prefix forward, a cached decode step and a full forward
+    rotate one position differently. Static: ``default``, ``linear``, ``yarn``, ``llama3``,
+    ``proportional``, Hunyuan's ``dynamic`` with ``alpha``, a ``longrope`` with equal factor lists.
+
+    Args:
+        config: a transformers config (its text config is read; ``rope_parameters``, else the
+            older ``rope_scaling``; per-layer-type sub-dicts each).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rp = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if not isinstance(rp, dict):
+        return None
+    for p in rp.values() if rp and all(isinstance(v, dict) for v in rp.values()) else [rp]:
+        kind = str(p.get("rope_type", p.get("type", "default")))
+        if kind in ("longrope", "su") and list(p.get("short_factor") or []) != list(p.get("long_factor") or []):
+            return (f"rope_scaling type {kind!r} rotates every position of a forward with long_factor once its "
+                    f"longest position passes original_max_position_embeddings = "
+                    f"{p.get('original_max_position_embeddings')}, else with short_factor")
+        if "dynamic" in kind and not p.get("alpha"):
+            return (f"rope_scaling type {kind!r} rescales the rotary base from the longest position of each forward "
+                    f"and keeps it on the model between calls (vLLM: a fixed, always-scaled base)")
+    return None
+
+
+def check_model_positions(path: str, config: Any = None) -> None:
+    """Refuse, before an RL run trains, a model whose rotary factors depend on the total
+    length (:func:`length_dependent_rope`): the engine's cached decode, the trainer's full
+    forward and its shared-prefix forward would compute different functions, so forward
+    consistency could not hold. ``config`` (else read from ``path``'s ``config.json``; a
+    ``builtin:`` model has static RoPE) is the model's config.
+
+    Raises:
+        ValueError: naming the rope type and the fix.
+    """
+    if config is None:
+        if is_builtin(path):
+            return
+        from transformers import AutoConfig
+
+        name, kw = hub_kwargs(resolve_path(path))
+        config = AutoConfig.from_pretrained(name, **kw)
+    why = length_dependent_rope(config)
+    if why:
+        raise ValueError(
+            f"model.path {path!r}: {why}, so the engine (prefill, then cached decode) and the trainer (one full "
+            f"forward) cannot compute the same logprobs; use a static rotary embedding: for longrope set "
+            f"rope_scaling.short_factor equal to long_factor in config.json, for dynamic drop rope_scaling "
+            f"(within max_position_embeddings it is the default RoPE) or use type 'linear' or 'yarn'")
 
 
 def check_model_source(path: str) -> None:

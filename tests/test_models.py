@@ -308,3 +308,60 @@ def test_molt_run_with_an_uncached_hub_model_fails_before_ray_and_leaves_no_run_
     assert res.exit_code == 2, res.output
     assert "HF_HUB_OFFLINE=1 forbids a download" in res.output and "hf download molt-test/absent" in res.output
     assert not out.exists()
+
+
+def test_length_dependent_rope_per_type():
+    """transformers' ``dynamic_rope_update`` recomputes the frequencies from each call's longest
+    position for ``longrope`` (two factor sets) and ``dynamic``; every other type's are fixed at
+    init (``ROPE_INIT_FUNCTIONS`` without ``seq_len``). Per-layer-type dicts are each read."""
+    from types import SimpleNamespace as C
+
+    from molt_core.models import length_dependent_rope
+
+    long = {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+            "short_factor": [1.0, 1.0], "long_factor": [2.0, 3.0]}
+    assert "'longrope'" in length_dependent_rope(C(rope_parameters=long))
+    assert "original_max_position_embeddings = 4096" in length_dependent_rope(C(rope_parameters=long))
+    assert "'dynamic'" in length_dependent_rope(C(rope_scaling={"type": "dynamic", "factor": 2.0}))
+    assert "'longrope'" in length_dependent_rope(C(rope_parameters={"full_attention": {"rope_type": "default"},
+                                                                    "sliding_attention": long}))
+    static = [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
+              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+              {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 1.0, "alpha": 1000.0},
+              {**long, "short_factor": [2.0, 3.0]}]
+    assert [length_dependent_rope(C(rope_parameters=p)) for p in static] == [None] * len(static)
+
+
+def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
+    """Issue 24: a longrope model (Phi-3.5 / Phi-4-mini style) cannot be computed alike by a
+    cached-decode engine and a full-sequence trainer: ``molt run`` exits 2 naming the type and
+    the fix, before the run directory exists; the trainer worker refuses the loaded model too
+    (a GGUF file's config is known only there); with one factor set the same model passes."""
+    from click.testing import CliRunner
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from molt_core.cli import main
+    from molt_core.models import check_model_positions
+    from molt_core.runtime import TrainerWorker
+    from trainer_utils import tiny_cfg
+
+    tok = load_tokenizer("builtin:tiny-qwen3")
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8, "factor": 4.0,
+            "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, intermediate_size=128, max_position_embeddings=32,
+                      rope_parameters=rope)
+    d = tmp_path / "phi-like"
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(out),
+                                    "--set", f'model.path="{d}"'])
+    assert res.exit_code == 2, res.output
+    assert "rope_scaling type 'longrope'" in res.output and "short_factor equal to long_factor" in res.output
+    assert not out.exists()
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope'"):
+        TrainerWorker(tiny_cfg(model={"path": str(d)}))
+    check_model_positions("builtin:tiny-qwen3")
+    cfg.rope_parameters["short_factor"] = [4.0] * 16
+    check_model_positions(str(d), cfg)

@@ -111,10 +111,18 @@ def test_train_step_matches_and_micro_batches_share_within_themselves():
     """A GRPO step with the shared prefix on equals the step with it off (loss, grad norm,
     updated weights) up to rounding, at ``micro_batch_size = 5`` too (groups split across
     micro-batches: each shares what it holds)."""
-    for mb in (64, 5):
+    # train/shared_prefix_frac = positions saved / positions run, by hand from the rollouts
+    # (seed 5: groups of 4 with prompts of 7, 8 and 4 tokens, row lengths 14 12 15 15 | 13 15 12 16 |
+    # 8 8 11 9; a micro-batch shares L = its shortest prompt - 1 columns, saving (rows - groups) * L):
+    #   one micro-batch: T = 16, L = 3, 3 prefixes -> (12 - 3) * 3 = 27 of 12 * 16 = 192
+    #   micro-batches of 5: rows 0-4 (T 15, L 6, 2 prefixes) 3 * 6 = 18 of 75; rows 5-9 (T 16, L 3,
+    #   2 prefixes) 3 * 3 = 9 of 80; rows 10-11 (T 11, L 3, 1 prefix) 1 * 3 = 3 of 22 -> 30 of 177
+    for mb, frac in ((64, 27 / 192), (5, 30 / 177)):
         a, b = _trainers(micro_batch_size=mb)
         w0 = torch.cat([p.detach().flatten().clone() for p in a.model.parameters()])
         ts = synthetic_rollouts(5, shared_prompt=True)  # shares at both micro-batch sizes (seed 4: only at 5)
+        assert [len(t.segments[0].token_ids) for t in ts] == [14, 12, 15, 15, 13, 15, 12, 16, 8, 8, 11, 9]
+        assert [t.segments[0].spans[0].start for t in ts] == [7] * 4 + [8] * 4 + [4] * 4
         record_engine_ids(ts)
         set_behaviour(b, ts)
         ma, mb_ = a.train_step(ts), b.train_step(ts)
@@ -122,16 +130,7 @@ def test_train_step_matches_and_micro_batches_share_within_themselves():
         assert abs(ma["grad_norm"] - mb_["grad_norm"]) <= 1e-4 * mb_["grad_norm"]
         assert abs(ma["loss/total"] - mb_["loss/total"]) <= 1e-5
         assert ma["invariants/logprob_absdiff_max_onpolicy"] < 2e-5
-        # train/shared_prefix_frac: positions saved / positions run, summed over the micro-batches
-        batch = build_batch(ts, a.pad_id, a.vocab_size)
-        saved = total = 0
-        for rows in a._micro_batches(batch):
-            T = int(batch.lengths[rows].max())
-            plan = fwd.shared_prefix(batch.input_ids[rows, :T], batch.param_ids[rows, :T])
-            n = rows.stop - rows.start
-            saved += (n - plan[1].shape[0]) * plan[0] if plan else 0
-            total += n * T
-        assert saved > 0 and ma["train/shared_prefix_frac"] == saved / total
+        assert ma["train/shared_prefix_frac"] == frac
         assert mb_["train/shared_prefix_frac"] == 0.0
         # AdamW's first step is ~lr * sign(grad): a weight whose gradient is ~0 moves by
         # rounding either way, so compare the updates as vectors, not weight for weight
@@ -355,3 +354,108 @@ def test_bfloat16_autocast_shares_within_the_bf16_bound():
     assert bool((lp_full[m] < -1e-3).all())
     d = float((lp_shared[m] - lp_full[m]).abs().max())
     assert d < 0.02 < ONPOLICY_ABSDIFF_TOL["bfloat16"]
+
+
+def _tiny_qwen3(rope, max_positions=32):
+    """A 2-layer Qwen3 (vocab 512, head_dim 32: 16 rotary frequencies) with ``rope_parameters``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                      max_position_embeddings=max_positions, rope_parameters={"rope_theta": 10000.0, **rope})
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+#: longrope switching at 8 positions: the batch's prefix (L = 3) is under it, its rows (T = 17) over it
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 8, "factor": 4.0,
+            "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}
+
+
+@pytest.mark.parametrize("rope,max_positions", [(LONGROPE, 32), ({"rope_type": "dynamic", "factor": 4.0}, 8)])
+def test_a_rotary_embedding_whose_factors_depend_on_the_length_runs_in_full(rope, max_positions):
+    """Issue 24: transformers picks longrope's factors (and dynamic NTK's base) from the longest
+    position of each forward call, so a prefix of L = 3 positions was rotated with the short
+    factors and the rows' other 14 with the long ones (0.043 nats from the full forward on this
+    model; the old code shared). Now such a model runs in full -- one forward call, bit for bit
+    the logprobs of ``shared_prefix`` off -- while default RoPE on the same weights shares."""
+    model = _tiny_qwen3(rope, max_positions)
+    tr = Trainer(tiny_cfg(), model=model)
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
+    T = int(batch.lengths.max())
+    assert T == 17 and fwd.shared_prefix(batch.input_ids[:, :T], batch.param_ids[:, :T])[0] == 3
+    calls = _count_forwards(model)
+    with torch.no_grad():
+        lp, _ = fwd.forward_rows(tr, model, batch, slice(None))
+        tr.shared_prefix = False
+        lp_full, _ = fwd.forward_rows(tr, model, batch, slice(None))
+    assert len(calls) == 2  # one call each: no prefix forward
+    m = batch.mask[:, :T]
+    assert bool((lp_full[m] < -1e-3).all()) and torch.equal(lp, lp_full)
+    plain = _tiny_qwen3({"rope_type": "default"}, max_positions)
+    calls = _count_forwards(plain)
+    tr.shared_prefix = True
+    with torch.no_grad():
+        fwd.forward_rows(tr, plain, batch, slice(None))
+    assert len(calls) == 2  # the prefix, then the rows
+
+
+def test_a_longrope_with_one_factor_set_shares_exactly():
+    """The fix the run set-up names: ``short_factor`` equal to ``long_factor`` makes longrope
+    static, so it shares (two forward calls) with the full forward's logprobs (within 2e-5)."""
+    model = _tiny_qwen3({**LONGROPE, "short_factor": [4.0] * 16})
+    tr = Trainer(tiny_cfg(), model=model)
+    batch = build_batch(synthetic_rollouts(3, shared_prompt=True), tr.pad_id, tr.vocab_size)
+    lp_shared, lp_full, m = _shared_then_full(tr, batch)
+    assert bool((lp_full[m] < -1e-3).all())
+    torch.testing.assert_close(lp_shared[m], lp_full[m], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_rope_deltas_a_vl_model_keeps_between_calls_reach_no_forward(family):
+    """Issue 24: Qwen2.5-VL and Qwen3-VL keep the ``rope_deltas`` of their last call on the model
+    object and derive a cached forward's positions from them (``compute_3d_position_ids``).
+    After a ``generate()`` of 5 text prompts (deltas ``[5, 1]``) the shared-prefix suffix of 12
+    rows crashed (a shape error: 12 vs 10); after an image call (deltas < 0) its positions
+    shifted (8.8e-3 nats on Qwen2.5-VL, 0.13 on Qwen3-VL). Every forward now passes its positions: text rows after either call get the
+    logprobs of a model that never ran anything (shared within 2e-5, full bit for bit), and a
+    GRPO step runs on-policy."""
+    from molt_core.models import load_tokenizer
+    from molt_core.vision import VisionProcessor, expand_placeholders, load_vision_processor, pixel_inputs
+    from tests.test_vision import VL, png
+    from tests.test_vision_qwen3vl import tiny_qwen3vl
+
+    tok = load_tokenizer(VL)
+    model, vp = None, load_vision_processor(VL, tok)
+    if family == "qwen3-vl":
+        model, ip = tiny_qwen3vl(tok)
+        vp = VisionProcessor(ip, tok.convert_tokens_to_ids("<|image_pad|>"), 2)
+    tr = Trainer(tiny_cfg(model={"path": VL}, trainer={"lr": 1e-3}), model=model, tokenizer=tok)
+    fresh = _copy(tr.model)
+    ts = synthetic_rollouts(3, shared_prompt=True)
+    batch = build_batch(ts, tr.pad_id, tr.vocab_size)
+    m = batch.mask[:, :int(batch.lengths.max())]
+    with torch.no_grad():
+        tr.shared_prefix = False
+        ref, _ = fwd.forward_rows(tr, fresh, batch, slice(None))
+        tr.shared_prefix = True
+        tr.model.generate(input_ids=batch.input_ids[:5, :4], max_new_tokens=2, do_sample=False)
+        assert tr.model.model.rope_deltas.shape == (5, 1)
+        after_generate, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        ids, _ = expand_placeholders(tok("<|image_pad|>")["input_ids"], [png(28, 28, (200, 0, 0))], vp)
+        pv, grid = pixel_inputs([png(28, 28, (200, 0, 0))], vp)
+        x = torch.tensor([ids])
+        tr.model(input_ids=x, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(x == vp.image_token_id).int())
+        assert int(tr.model.model.rope_deltas.flatten()[0]) < 0
+        after_image, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        tr.shared_prefix = False
+        full, _ = fwd.forward_rows(tr, tr.model, batch, slice(None))
+        tr.shared_prefix = True
+    assert bool((ref[m] < -1e-3).all())
+    for lp in (after_generate, after_image):
+        torch.testing.assert_close(lp[m], ref[m], atol=2e-5, rtol=0)
+    assert torch.equal(full, ref)
+    record_engine_ids(ts)
+    set_behaviour(Trainer(tiny_cfg(model={"path": VL}, trainer={"shared_prefix": False}), model=fresh,
+                          tokenizer=tok), ts)
+    assert tr.train_step(ts)["invariants/logprob_absdiff_max_onpolicy"] < 2e-5

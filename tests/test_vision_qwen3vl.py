@@ -23,18 +23,19 @@ from molt_core.testing import run_episode
 PAD = 514
 
 
-@pytest.fixture(scope="module")
-def qwen3vl_dir(tmp_path_factory, vl_tok):
+def tiny_qwen3vl(tok):
+    """A tiny random ``Qwen3VLForConditionalGeneration`` (interleaved M-RoPE) on ``tok``'s vision
+    tokens, and its Qwen2-VL-style image processor (patch 8, merge 2)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                   vl_tok.convert_tokens_to_ids(names)))
-    text = dict(vocab_size=len(vl_tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   tok.convert_tokens_to_ids(names)))
+    text = dict(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=vl_tok.pad_token_id,
-                eos_token_id=vl_tok.eos_token_id, bos_token_id=None,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, bos_token_id=None,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=8,
@@ -43,11 +44,17 @@ def qwen3vl_dir(tmp_path_factory, vl_tok):
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision,
                                                           tie_word_embeddings=True, **ids)).eval()
+    return model, Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                           min_pixels=16 * 16, max_pixels=64 * 64)
+
+
+@pytest.fixture(scope="module")
+def qwen3vl_dir(tmp_path_factory, vl_tok):
+    model, processor = tiny_qwen3vl(vl_tok)
     d = tmp_path_factory.mktemp("qwen3vl")
     model.save_pretrained(d)
     vl_tok.save_pretrained(d)
-    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
-                             max_pixels=64 * 64).save_pretrained(d)
+    processor.save_pretrained(d)
     return str(d)
 
 

@@ -295,7 +295,8 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
     stream at ``tasks``).
 
     Raises:
-        ValueError: bad agent configuration (before any compute).
+        ValueError: bad agent configuration, or a model whose rotary factors depend on a
+            forward's length (:func:`molt_core.models.check_model_positions`), before any compute.
         FileNotFoundError: ``resume`` without a checkpoint (raised before Ray starts; the
             message says how to start the run again).
         ClusterAuthError: joining a cluster without its token
@@ -327,9 +328,10 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_loggers(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local)
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
-        from molt_core.models import check_model_source
+        from molt_core.models import check_model_positions, check_model_source
 
         check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
+        check_model_positions(cfg.model.path)  # rotary factors the engine and trainer compute alike
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path

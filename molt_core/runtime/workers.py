@@ -474,6 +474,10 @@ class TrainerWorker:
         except ImportError:  # pragma: no cover
             pass
         self.trainer = Trainer(self.cfg) if build else None
+        if self.trainer is not None:  # (the driver read config.json; a GGUF file's config is known only here)
+            from molt_core.models import check_model_positions
+
+            check_model_positions(self.cfg.model.path, self.trainer.model.config)
 
     def placement(self) -> dict[str, str]:
         """Where this (single) trainer runs, in the shape of a sharded rank's entry

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from molt_core.models import cache_keyword, returned_cache
+from molt_core.models import cache_keyword, length_dependent_rope, returned_cache
 from molt_core.sampling import processed_logprobs
 from molt_core.train.ingress import Batch
 
@@ -133,8 +133,35 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
     return L, prefixes, row_prefix
 
 
-#: models whose prefix forward returned a cache that is not keys/values alone (see :func:`_kv_cache`)
+#: models that run in full: a prefix forward's cache is not keys/values alone (:func:`_kv_cache`),
+#: or the rotary factors depend on a forward's longest position (:func:`_shares`)
 _NO_SHARE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _shares(model: torch.nn.Module) -> bool:
+    """Whether the shared-prefix forward of ``model`` can be its full forward: not when a
+    prefix forward's cache was not keys/values alone, nor when the rotary factors depend on a
+    forward's longest position (:func:`molt_core.models.length_dependent_rope`: the prefix's
+    keys would be rotated for length ``L``, the rest of the rows for ``T``). Once false, false
+    for that model object (warned once)."""
+    if model in _NO_SHARE:
+        return False
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    why = length_dependent_rope(getattr(inner, "config", None))
+    if why:
+        _NO_SHARE.add(model)
+        _log.warning("trainer.shared_prefix: %s: %s; its forwards run in full", type(model).__name__, why)
+    return not why
+
+
+def _positions(model: torch.nn.Module, start: int, stop: int, rows: int, device: Any) -> dict[str, torch.Tensor]:
+    """``{"position_ids": [rows, stop - start] int64}`` (``start .. stop - 1`` on every row) for a
+    model that takes them, else ``{}``. Given explicitly so a forward is a function of its
+    inputs alone: a Qwen2-VL-family model otherwise derives a call's positions from the
+    ``rope_deltas`` its last call (a ``generate()``, an image batch) left on the model object."""
+    if not accepts(model, "position_ids"):
+        return {}
+    return {"position_ids": torch.arange(start, stop, device=device).expand(rows, -1)}
 
 
 def _kv_cache(cache: Any) -> bool:
@@ -169,7 +196,8 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
             dropping it, would compute every row without its prompt).
     """
     L, prefixes, row_prefix = plan
-    out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1,
+                **_positions(model, 0, L, prefixes.shape[0], ids.device))
     cache = returned_cache(out)
     if not _kv_cache(cache):
         _NO_SHARE.add(model)
@@ -180,7 +208,8 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
         raise RuntimeError(f"internal: the prefix forward's KV cache holds {cache.get_seq_length()} positions, "
                            f"not the prefix's {L}; set trainer.shared_prefix = false and report this model")
     cache.batch_select_indices(row_prefix.to(ids.device))  # [G, ...] -> [R, ...], by index: grads sum back
-    logits = model(input_ids=ids[:, L:], use_cache=True, **kw, **{cache_kw: cache}).logits
+    logits = model(input_ids=ids[:, L:], use_cache=True, **_positions(model, L, ids.shape[1], ids.shape[0], ids.device),
+                   **kw, **{cache_kw: cache}).logits
     if cache.get_seq_length() != ids.shape[1]:
         raise RuntimeError("internal: the model did not read the shared prefix's KV cache; "
                            "set trainer.shared_prefix = false and report this model")
@@ -191,12 +220,14 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) ``[b, T_rows]`` float32 of the sampled tokens of ``rows`` under
     ``model``, on ``trainer.device``; right padding needs no attention mask (a causal model
-    never attends to later positions). Logits are only computed at the positions that
-    predict a sampled token (``logits_to_keep`` as column indices, when the model accepts it).
+    never attends to later positions); positions are explicit (:func:`_positions`). Logits are
+    only computed at the positions that predict a sampled token (``logits_to_keep`` as column
+    indices, when the model accepts it).
 
     With ``trainer.shared_prefix`` (``trainer.shared_prefix`` in the recipe; off for images,
-    routing records and ``trainer.lockstep``; a model whose cache is not keys/values alone
-    runs in full, see :func:`_prefix_logits`) a prompt prefix the rows share runs once per
+    routing records and ``trainer.lockstep``; a model whose cache is not keys/values alone, or
+    whose rotary factors depend on the length, runs in full: :func:`_shares`) a prompt prefix
+    the rows share runs once per
     distinct prefix (:func:`shared_prefix`): the same function, up to float rounding (~1e-5
     nats in float32 on the quickstart's model; ``invariants/logprob_absdiff_max_onpolicy``
     measures it against the engine on every step).
@@ -212,7 +243,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
     offset = 0
     plan = cache_kw = None
     if (getattr(trainer, "shared_prefix", False) and not trainer.lockstep and batch.images is None
-            and batch.routed_experts is None and accepts(model, "logits_to_keep") and model not in _NO_SHARE):
+            and batch.routed_experts is None and accepts(model, "logits_to_keep") and _shares(model)):
         cache_kw = cache_keyword(model)
         plan = shared_prefix(batch.input_ids[rows, :T], pids) if cache_kw else None
     if accepts(model, "logits_to_keep"):
@@ -234,7 +265,8 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
             logits = _prefix_logits(model, ids, plan, shifted, cache_kw)
         shared = logits is not None  # (None: the model's cache cannot be shared, run in full)
         if logits is None:
-            logits = model(input_ids=ids, use_cache=False, **kw).logits
+            pos = {} if "position_ids" in kw else _positions(model, 0, T, ids.shape[0], ids.device)
+            logits = model(input_ids=ids, use_cache=False, **pos, **kw).logits
     stats = getattr(trainer, "prefix_stats", None)  # the loss forwards' positions: [saved, total]
     if stats is not None and torch.is_grad_enabled():
         stats[0] += (ids.shape[0] - plan[1].shape[0]) * plan[0] if shared else 0
