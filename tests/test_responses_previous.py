@@ -144,13 +144,49 @@ def test_unknown_unstored_and_foreign_ids_are_404_and_sample_nothing(tok, served
             "message": f"Previous response with id {rid!r} not found in this session (a response is stored unless "
                        "created with store=false; a session keeps its last 64). Send the whole conversation as input "
                        "instead",
-            "type": "not_found_error", "param": "previous_response_id", "code": "previous_response_not_found"}}
+            "type": "invalid_request_error", "param": "previous_response_id", "code": "previous_response_not_found"}}
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="m", input="more", previous_response_id="resp_nope", stream=True)
     assert eng.calls == 2 and h.trajectory(info.session_id).info["requests"]["start"] == 1
     resp = httpx.post(info.openai_base_url + "/responses", json={"model": "m", "input": "x", "store": "yes"},
                       headers={"authorization": f"Bearer {info.api_key}"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "store"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_repeating_a_stored_item_is_a_400_as_at_openai(tok, served, stream):
+    """OpenAI answers an input item whose ``id`` the previous response already holds (one of its
+    output items, or an item of the input it continued) with 400 ``Duplicate item found with id
+    <id>`` (param ``input``, type ``invalid_request_error``, code null; openai-agents-python issue
+    1789) instead of running a conversation holding that item twice. Items without ids, and new
+    ids, continue as before."""
+    eng = ScriptedEngine(tok, [f"Let me add.\n{CALL}", "It is 5.", "Bye."])
+    h, info = served(eng)
+    c = client(info)
+    r1 = c.responses.create(model="m", input=[{"type": "message", "role": "user", "id": "msg_u1",
+                                               "content": [{"type": "input_text", "text": "add 2 and 3"}]}], tools=TOOLS)
+    out = {"type": "function_call_output", "call_id": r1.output[1].call_id, "output": "5"}
+    headers = {"authorization": f"Bearer {info.api_key}"}
+    for i, item in enumerate(r1.output):  # the agent re-sends the model's items with the tool's output
+        body = {"model": "m", "previous_response_id": r1.id, "tools": TOOLS, "stream": stream,
+                "input": [item.model_dump(exclude_none=True), out]}
+        resp = httpx.post(info.openai_base_url + "/responses", json=body, headers=headers)
+        assert resp.status_code == 400
+        assert resp.json() == {"error": {
+            "message": f"Duplicate item found with id {item.id}. Remove duplicate items from your input and try again "
+                       f"(input[0] is an item of the previous response {r1.id}: send only the new items)",
+            "type": "invalid_request_error", "param": "input", "code": None}}
+    assert eng.calls == 1
+    r2 = final(c, stream, previous_response_id=r1.id, input=[out], tools=TOOLS)
+    assert r2.output_text == "It is 5."
+    with pytest.raises(openai.BadRequestError) as e:  # an item of the input r1 continued: r2 holds it too
+        c.responses.create(model="m", previous_response_id=r2.id, input=[
+            {"type": "message", "role": "user", "id": "msg_u1", "content": "add 2 and 3"}])
+    assert e.value.body["message"].startswith("Duplicate item found with id msg_u1. ")
+    final(c, stream, previous_response_id=r2.id, tools=TOOLS,
+          input=[{"type": "message", "role": "user", "id": "msg_u2", "content": "ok"}])
+    assert eng.calls == 3 and h.trajectory(info.session_id).info["requests"] == {
+        "start": 1, "extend": 2, "rewrite": 0, "retry": 0}
 
 
 def test_instructions_are_not_carried_over_and_an_older_response_branches(tok, served):
@@ -203,20 +239,31 @@ def test_store_is_bounded_lru_and_shares_messages():
     store = ResponseStore(max_items=2)
     req = ResponsesRequest(input="x", instructions="sys")
     h1 = [{"role": "system", "content": "sys"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}]
-    r1 = store.record(req, h1)
+    store.record(req, h1, {"id": "r1", "output": [{"id": "msg_1"}]})
     h2 = [dict(m) for m in h1] + [{"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}]
-    r2 = store.record(req, h2)
-    cont = store.continued(ResponsesRequest(input="c", previous_response_id=r2, instructions="new"),
+    store.record(ResponsesRequest(input=[{"role": "user", "content": "b", "id": "u2"}], instructions="sys",
+                                  previous_response_id="r1"), h2, {"id": "r2", "output": [{"id": "msg_2"}]})
+    cont = store.continued(ResponsesRequest(input="c", previous_response_id="r2", instructions="new"),
                            [{"role": "system", "content": "new"}, {"role": "user", "content": "c"}])
     assert cont == [{"role": "system", "content": "new"}, *h2[1:], {"role": "user", "content": "c"}]
-    assert cont[1] is store.continued(ResponsesRequest(input="c", previous_response_id=r1), [])[0]  # shared, not copied
-    r3 = store.record(ResponsesRequest(input="y"), [{"role": "user", "content": "y"}, {"role": "assistant", "content": "Y"}])
+    assert cont[1] is store.continued(ResponsesRequest(input="c", previous_response_id="r1"), [])[0]  # shared, not copied
+    for rid, held in (("r2", ("msg_1", "u2", "msg_2")), ("r1", ("msg_1",))):  # r2 holds r1's items, its input's, its own
+        for item_id in held:
+            with pytest.raises(WireError) as e:
+                store.continued(ResponsesRequest(input=[{"role": "user", "content": "c", "id": item_id}],
+                                                 previous_response_id=rid), [])
+            assert (e.value.status, e.value.param) == (400, "input")
+    assert store.continued(ResponsesRequest(input=[{"role": "user", "content": "c", "id": "u2"}],
+                                            previous_response_id="r1"), []) == list(h1[1:])
+    store.record(ResponsesRequest(input="y"), [{"role": "user", "content": "y"}, {"role": "assistant", "content": "Y"}],
+                 {"id": "r3", "output": []})
     assert len(store) == 2  # r2 was the least recently used (r1 was read last)
     with pytest.raises(WireError) as e:
-        store.continued(ResponsesRequest(input="c", previous_response_id=r2), [])
+        store.continued(ResponsesRequest(input="c", previous_response_id="r2"), [])
     assert (e.value.status, e.value.param, e.value.code) == (404, "previous_response_id", "previous_response_not_found")
-    assert store.continued(ResponsesRequest(input="z", previous_response_id=r3), [{"role": "user", "content": "z"}]) == [
+    assert store.continued(ResponsesRequest(input="z", previous_response_id="r3"), [{"role": "user", "content": "z"}]) == [
         {"role": "user", "content": "y"}, {"role": "assistant", "content": "Y"}, {"role": "user", "content": "z"}]
-    assert store.record(ResponsesRequest(input="q", store=False), h1).startswith("resp_") and len(store) == 2
+    store.record(ResponsesRequest(input="q", store=False), h1, {"id": "r4", "output": []})
+    assert len(store) == 2 and "r4" not in store._items
     with pytest.raises(ValueError, match="max_items must be at least 1"):
         ResponseStore(0)

@@ -403,12 +403,12 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
+            body = responses_response(turn, tokenizer, model_name, req)
             # no await since run_turn committed: the ledger's history is this turn's (the session's lock is released)
-            rid = s.responses.record(req, s.ledger.history)
+            s.responses.record(req, s.ledger.history, body)
             if req.stream:
-                return StreamingResponse(responses_stream(turn, tokenizer, model_name, req, rid),
-                                         media_type="text/event-stream")
-            return responses_response(turn, tokenizer, model_name, req, rid)
+                return StreamingResponse(responses_stream(body), media_type="text/event-stream")
+            return body
 
         return await guarded("openai", handle)
 

@@ -13,6 +13,11 @@ hands the ledger exactly the history it committed plus the new items, so when th
 the session's latest the ledger *extends* the open segment (earlier prompt ids + the sampled
 ids + the rendered new items, nothing re-encoded) like a client that re-sent the whole input.
 
+Item ids (OpenAI's rule): each stored response also keeps the ``id`` of every item it holds --
+its output items' and those of the inputs it continues -- and a continuation whose input repeats
+one is a 400 ``Duplicate item found with id ...`` (param ``input``), as OpenAI answers it, never a
+conversation holding that item twice; send only the new items.
+
 Bounded: a session keeps its ``max_items`` most recently used stored responses (older ones are
 evicted and answer 404 like unknown ids); consecutive responses share their common message
 objects, so memory grows with the conversation, not with its square. The store belongs to the
@@ -21,7 +26,6 @@ session and is freed with it.
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -50,7 +54,8 @@ class ResponseStore:
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
         self.max_items = max_items
-        self._items: OrderedDict[str, tuple[dict[str, Any], ...]] = OrderedDict()
+        # response id -> (the conversation's messages, the ids of the items it holds)
+        self._items: OrderedDict[str, tuple[tuple[dict[str, Any], ...], frozenset[str]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -63,33 +68,49 @@ class ResponseStore:
         Raises:
             WireError: 404 (param ``previous_response_id``, code ``previous_response_not_found``,
                 as OpenAI names it) when the id is not stored in this session: unknown, from
-                another session, created with ``store: false``, or evicted.
+                another session, created with ``store: false``, or evicted; 400 (param ``input``,
+                OpenAI's message) when an input item's ``id`` is one the stored response holds.
         """
         rid = req.previous_response_id
         if rid is None:
             return messages
-        chain = self._items.get(rid)
-        if chain is None:
+        stored = self._items.get(rid)
+        if stored is None:
             raise WireError(404, f"Previous response with id {rid!r} not found in this session (a response is "
                                  f"stored unless created with store=false; a session keeps its last {self.max_items}). "
                                  "Send the whole conversation as input instead", "previous_response_id",
                             "previous_response_not_found")
+        chain, held = stored
+        for i, item_id in _input_ids(req):
+            if item_id in held:
+                raise WireError(400, f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
+                                     f"and try again (input[{i}] is an item of the previous response {rid}: send only "
+                                     "the new items)", "input")
         self._items.move_to_end(rid)
         k = 1 if req.instructions else 0  # openai_messages puts the instructions first
         return messages[:k] + list(chain) + messages[k:]
 
-    def record(self, req: ResponsesRequest, history: list[dict[str, Any]]) -> str:
-        """A new response id for the turn just committed for ``req``; with ``req.store`` not
-        False, ``history`` (the ledger's :attr:`~molt_core.ledger.Ledger.history` right after
-        that commit) is stored under it without the instructions' system message."""
-        rid = "resp_" + uuid.uuid4().hex
+    def record(self, req: ResponsesRequest, history: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        """Store ``response`` (the ``response`` object answering ``req``: its ``id`` and its
+        ``output`` items' ids are read) unless ``req.store`` is False: ``history`` (the ledger's
+        :attr:`~molt_core.ledger.Ledger.history` right after the turn's commit) without the
+        instructions' system message, and the ids of the items it holds (``req.input``'s, the
+        output's, and those of the continued response, if still stored)."""
         if req.store is False:
-            return rid
+            return
         chain = history[1:] if req.instructions else history
-        last = next(reversed(self._items.values()), ())
+        parent = self._items.get(req.previous_response_id or "")
+        held = (parent[1] if parent else frozenset()) | {i for _, i in _input_ids(req)} | {
+            o["id"] for o in response["output"]}
+        last = next(reversed(self._items.values()), ((), frozenset()))[0]
         n = len(last)
         # share the message objects the newest stored response already holds (a chat grows by a suffix)
-        self._items[rid] = last + tuple(chain[n:]) if n and list(last) == chain[:n] else tuple(chain)
+        self._items[response["id"]] = (last + tuple(chain[n:]) if n and list(last) == chain[:n] else tuple(chain), held)
         while len(self._items) > self.max_items:
             self._items.popitem(last=False)
-        return rid
+
+
+def _input_ids(req: ResponsesRequest) -> list[tuple[int, str]]:
+    """``(i, id)`` of each ``req.input[i]`` item that carries a string ``id``."""
+    items = [] if isinstance(req.input, str) else req.input
+    return [(i, it["id"]) for i, it in enumerate(items) if isinstance(it, dict) and isinstance(it.get("id"), str)]

@@ -208,16 +208,15 @@ def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:
     return items
 
 
-def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest,
-                       response_id: str | None = None) -> dict[str, Any]:
+def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest) -> dict[str, Any]:
     """A ``response`` object for ``turn`` (``status`` ``incomplete`` with reason
-    ``max_output_tokens`` when the generation was cut) with a top-level ``token_ids``; its ``id``
-    is ``response_id`` (default: a fresh ``resp_<hex>``), ``previous_response_id`` and ``store``
-    as requested (``store`` null: true)."""
+    ``max_output_tokens`` when the generation was cut) with a top-level ``token_ids``, a fresh
+    ``resp_<hex>`` ``id`` and ``previous_response_id`` and ``store`` as requested (``store``
+    null: true)."""
     cut = turn.finish_reason == "length"
     n = len(turn.token_ids)
     return {
-        "id": response_id or "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": model,
+        "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": model,
         "status": "incomplete" if cut else "completed", "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "instructions": req.instructions, "output": _items(turn, tokenizer), "parallel_tool_calls": True,
@@ -231,13 +230,11 @@ def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: Res
     }
 
 
-def responses_stream(turn: AssistantTurn, tokenizer: Any, model: str, req: ResponsesRequest,
-                     response_id: str | None = None) -> Iterator[str]:
-    """Server-sent events for ``turn`` (generated in full first): ``response.created``,
-    ``response.in_progress``, per output item ``output_item.added`` / its deltas /
-    ``output_item.done``, then ``response.completed`` (or ``response.incomplete``) carrying the
-    whole response with ``token_ids`` (``response_id``: as :func:`responses_response`)."""
-    full = responses_response(turn, tokenizer, model, req, response_id)
+def responses_stream(full: dict[str, Any]) -> Iterator[str]:
+    """Server-sent events for ``full`` (a turn's :func:`responses_response`, generated in full
+    first): ``response.created``, ``response.in_progress``, per output item
+    ``output_item.added`` / its deltas / ``output_item.done``, then ``response.completed`` (or
+    ``response.incomplete``) carrying the whole response with ``token_ids``."""
     seq = iter(range(1 << 30))
 
     def ev(kind: str, **data: Any) -> str:

@@ -40,9 +40,15 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     413: "request_too_large", 409: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
 
 
+#: OpenAI error codes whose ``type`` is not their status's (OpenAI's 404 for an unknown previous_response_id)
+_OPENAI_CODE_TYPES = {"previous_response_not_found": "invalid_request_error"}
+
+
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}`` (``type`` by ``code``
+    where OpenAI names one, else by ``status``)."""
+    kind = _OPENAI_CODE_TYPES.get(code or "") or _OPENAI_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def anthropic_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
