@@ -108,7 +108,8 @@ def workers(tmp_path):
 def _publish_and_measure(tw, rw):
     """Publish (as ``molt run`` does, minus Ray), sample with the engine, train on it: the
     names whose engine tensor differs from the trainer's (rounded to the engine's dtype), and
-    the step's metrics. The trainer is then one optimizer step ahead of the engine."""
+    the step's metrics; asserts that every sampled token carries the published version and was
+    measured on-policy. The trainer is then one optimizer step ahead of the engine."""
     state, version = tw.weights()
     for buf in state.buffers.values():
         buf.setflags(write=False)
@@ -122,7 +123,11 @@ def _publish_and_measure(tw, rw):
     differ = sorted(k for k, v in tw.trainer.model.state_dict().items() if not torch.equal(engine[k], v.to(engine[k].dtype)))
     trajs = [t for g in groups for t in g.trajectories if t.status == "ok"]
     assert trajs and rw.engine.version == version == tw.trainer.version
+    # every sampled token carries the published version (a token stamped otherwise is a
+    # publish of the wrong version: the on-policy check would skip it, reading NaN or less)
+    assert {v for t in trajs for s in t.segments for v in s.versions if v is not None} == {version}
     m = tw.train_step(trajs)
+    assert m["invariants/staleness_max"] == 0.0 and m["invariants/onpolicy_tokens"] == m["train/action_tokens"] > 0
     return differ, m
 
 
