@@ -269,6 +269,20 @@ def test_an_aborted_generation_is_a_503_and_records_nothing(tok, wire, stream):
         h.stop()
 
 
+def test_only_adjacent_assistant_messages_are_one_turn():
+    """A user message between two assistant messages ends the first turn: its call is not open."""
+    msgs = [{"role": "user", "content": "add"}, _chat_calls(["a"]), {"role": "user", "content": "and"}, _chat_calls(["b"]),
+            {"role": "tool", "tool_call_id": "a", "content": "5"}]
+    with pytest.raises(WireError) as e:
+        match_tool_results(msgs, ["messages[4].tool_call_id"])
+    assert (e.value.param, e.value.message) == ("messages[4].tool_call_id", "messages[4].tool_call_id='a' names no tool "
+                                                "call of the assistant turn before it (its calls: 'b'); send the id of "
+                                                "the call this result answers")
+    b, a = ({"role": "tool", "tool_call_id": i, "content": i} for i in "ba")
+    out = match_tool_results(msgs[:1] + [_chat_calls(["a"]), _chat_calls(["b"]), b, a], ["x", "y"])
+    assert out[3:] == [a, b] and out[3] is a  # the same objects, in call order
+
+
 # what the cut text holds: a complete tool call, plain text, an unclosed think block
 CUTS = [f"Adding.\n{CALL}", "one two three", "<think>\nstill thinking"]
 
