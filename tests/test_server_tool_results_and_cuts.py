@@ -24,7 +24,8 @@ import torch
 from fake_engine import ScriptedEngine
 from molt_core.models import load_tokenizer
 from molt_core.server import start_server
-from molt_core.server.wires import WireError, check_tool_results
+from molt_core.server.tool_results import match_tool_results
+from molt_core.server.wires import WireError
 
 torch.set_num_threads(1)
 
@@ -181,17 +182,105 @@ def test_tool_results_answering_each_call_once_are_accepted(server, wire):
     assert text == "Five." and eng.calls == calls + 1 and len(h.trajectory(info.session_id).segments) == 1
 
 
-def test_check_tool_results_counts_a_stored_prefix():
+def test_match_tool_results_counts_a_stored_prefix():
     """Results before the request's own (a stored response's, e.g. through ``previous_response_id``)
     are not named, but a call they answered cannot be answered again, and their calls stay open."""
     msgs = [{"role": "user", "content": "add"}, _chat_calls(["a", "b"]), {"role": "tool", "tool_call_id": "a", "content": "5"}]
-    check_tool_results(msgs + [{"role": "tool", "tool_call_id": "b", "content": "6"}], ["input[0].call_id"])
+    match_tool_results(msgs + [{"role": "tool", "tool_call_id": "b", "content": "6"}], ["input[0].call_id"])
     with pytest.raises(WireError) as e:
-        check_tool_results(msgs + [{"role": "tool", "tool_call_id": "a", "content": "6"}], ["input[0].call_id"])
+        match_tool_results(msgs + [{"role": "tool", "tool_call_id": "a", "content": "6"}], ["input[0].call_id"])
     assert (e.value.status, e.value.param, e.value.message) == (
         400, "input[0].call_id", "input[0].call_id='a' answers a call already answered by a stored result; "
                                  "send one result per call")
-    check_tool_results([{"role": "tool", "content": "x"}], [])  # an Env's history: nothing of the request's own
+    match_tool_results([{"role": "tool", "content": "x"}], [])  # an Env's history: nothing of the request's own
+
+
+def _results(wire, ids_texts):
+    """``wire``'s tool results for ``[(call id, text), ...]``, in the order given."""
+    if wire == "chat":
+        return [{"role": "tool", "tool_call_id": i, "content": t} for i, t in ids_texts]
+    if wire == "anthropic":
+        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": t}
+                                             for i, t in ids_texts]}]
+    return [{"type": "function_call_output", "call_id": i, "output": t} for i, t in ids_texts]
+
+
+# wire -> the assistant turn calling "a" then "b": one message, or (Anthropic) two consecutive
+# assistant messages, which the Anthropic API merges into one turn
+TURNS = {"chat": [_chat_calls(["a", "b"])], "anthropic": [_anthropic_calls(["a", "b"])],
+         "anthropic-split": [_anthropic_calls(["a"]), _anthropic_calls(["b"])], "responses": [_fc("a"), _fc("b")]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("turn", list(TURNS))
+def test_results_reach_the_model_in_the_order_of_their_calls(tok, server, turn, stream):
+    """The APIs match results to calls by id, in any order; the template by position (Qwen's
+    ``<tool_response>`` carries no id), so results sent b-then-a are rendered a-then-b: the
+    engine's prompt equals the in-order request's. Re-sending the conversation extends it."""
+    h, eng = server
+    wire = turn.split("-")[0]
+    head = [{"role": "user", "content": "add"}, *TURNS[turn]]
+    swapped, in_order = (head + _results(wire, o) for o in ([("b", "six"), ("a", "five")], [("a", "five"), ("b", "six")]))
+    info, prompts = h.create_session(), []
+    for payload in (in_order, swapped):
+        eng.replies[:] = ["Done."]
+        _send(wire, h.create_session() if payload is in_order else info, payload, stream)
+        prompts.append(eng.prompts[-1])
+    assert tok.decode(prompts[0]).endswith("<tool_response>\nfive\n</tool_response>\n<tool_response>\nsix\n"
+                                           "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert prompts[1] == prompts[0]
+    # the swapped conversation re-sent whole with the reply and a new user turn: extended, nothing re-encoded
+    eng.replies[:] = ["Bye."]
+    _send(wire, info, swapped + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "thanks"}], stream)
+    traj = h.trajectory(info.session_id)
+    assert traj.info["requests"] == {"start": 1, "extend": 1, "rewrite": 0, "retry": 0}
+    assert traj.info["context_reencoded_tokens"] == 0 and len(traj.segments) == 1
+
+
+class _Aborting(ScriptedEngine):
+    """A :class:`ScriptedEngine` whose every generation ends ``abort`` (an engine-side cancel)."""
+
+    async def generate(self, prompt_ids, params, images=None):
+        out = await super().generate(prompt_ids, params)
+        return out.model_copy(update={"finish_reason": "abort", "stop_reason": None})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("wire", ["chat", "anthropic", "responses"])
+def test_an_aborted_generation_is_a_503_and_records_nothing(tok, wire, stream):
+    """An aborted generation was cut, but no wire has a stop reason for that cut (it was served as
+    ``stop`` / ``tool_use`` / ``completed``, a call parsed from the cut text): the server answers
+    503 (the SDKs retry it) and commits nothing."""
+    eng = _Aborting(tok, [f"Adding.\n{CALL}"])
+    h = start_server(eng, tok)
+    try:
+        info = h.create_session()
+        with pytest.raises((openai.InternalServerError, anthropic.InternalServerError)) as e:
+            _send(wire, info, [{"role": "user", "content": "add 2 and 3"}], stream)
+        assert e.value.status_code == 503 and eng.calls == 1
+        n = len(tok.encode(f"Adding.\n{CALL}", add_special_tokens=False)) + 1  # the reply and its stop id
+        message = f"the engine aborted the generation after {n} tokens; nothing was recorded: retry the request"
+        if wire == "anthropic":
+            assert e.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": message}}
+        else:
+            assert e.value.body == {"message": message, "type": "server_error", "param": None, "code": None}
+        assert h.trajectory(info.session_id).segments == []
+    finally:
+        h.stop()
+
+
+def test_only_adjacent_assistant_messages_are_one_turn():
+    """A user message between two assistant messages ends the first turn: its call is not open."""
+    msgs = [{"role": "user", "content": "add"}, _chat_calls(["a"]), {"role": "user", "content": "and"}, _chat_calls(["b"]),
+            {"role": "tool", "tool_call_id": "a", "content": "5"}]
+    with pytest.raises(WireError) as e:
+        match_tool_results(msgs, ["messages[4].tool_call_id"])
+    assert (e.value.param, e.value.message) == ("messages[4].tool_call_id", "messages[4].tool_call_id='a' names no tool "
+                                                "call of the assistant turn before it (its calls: 'b'); send the id of "
+                                                "the call this result answers")
+    b, a = ({"role": "tool", "tool_call_id": i, "content": i} for i in "ba")
+    out = match_tool_results(msgs[:1] + [_chat_calls(["a"]), _chat_calls(["b"]), b, a], ["x", "y"])
+    assert out[3:] == [a, b] and out[3] is a  # the same objects, in call order
 
 
 # what the cut text holds: a complete tool call, plain text, an unclosed think block

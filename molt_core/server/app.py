@@ -27,7 +27,8 @@ Retries and disconnects: a request identical to the session's last one (messages
 sampling fields) is answered from the cached turn, nothing recorded twice; send
 ``Cache-Control: no-cache`` for a fresh sample (a new segment). A client that disconnects
 before its answer is ready cancels the generation and nothing is committed (the agent never
-saw that turn, so the trajectory does not hold it).
+saw that turn, so the trajectory does not hold it). A generation the engine aborted (finish
+reason ``abort``) is a 503 and nothing is committed: no wire's stop reason reports that cut.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from molt_core.server.guard import (
 )
 from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
+from molt_core.server.tool_results import match_tool_results
 from molt_core.server.wire_images import Pending, check_images
 from molt_core.server.wires import (
     ChatCompletionRequest,
@@ -67,7 +69,6 @@ from molt_core.server.wires import (
     WireError,
     anthropic_response,
     anthropic_stream,
-    check_tool_results,
     openai_response,
     openai_stream,
     validation_message,
@@ -300,6 +301,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 raise
             except Exception as e:  # the engine failed: nothing is recorded
                 raise WireError(503, f"the engine failed: {type(e).__name__}: {e}") from None
+            if out.finish_reason == "abort":  # a cut no wire's stop reason names: a failure, nothing is recorded
+                raise WireError(503, f"the engine aborted the generation after {len(out.token_ids)} tokens; nothing "
+                                     "was recorded: retry the request")
             return led.commit(prepared, out, params)
 
     def params_of(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
@@ -366,7 +370,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.internal_messages(pending)
             await checked(pending, size)
-            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
+            msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params,
                                   req.max_completion_tokens or req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
@@ -384,7 +388,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = req.openai_messages(pending)
             await checked(pending, size)
-            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
+            msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_tokens, req.allow_tool_calls, size)
             if req.stream:
                 return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
@@ -400,7 +404,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             pending: list[Pending] = []
             msgs = s.responses.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
             await checked(pending, size)
-            check_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
+            msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
             turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
                                   req.allow_tool_calls, size)
             body = responses_response(turn, tokenizer, model_name, req)

@@ -21,8 +21,7 @@ from molt_core.ledger import AssistantTurn
 from molt_core.server.wire_images import Pending, anthropic_block, convert_checked, openai_part
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
-           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message",
-           "check_tool_results"]
+           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
 
 
 class WireError(Exception):
@@ -155,55 +154,6 @@ def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
                              "or refuses", name, "unknown_parameter")
 
 
-def check_tool_results(messages: list[Any], fields: list[str]) -> None:
-    """Refuse a tool result that matches no call, or a call answered twice, before anything is rendered.
-
-    Every chat template renders a tool result as the answer to the call before it, whatever its id
-    says, so a result must name a call of the nearest assistant message before it, that call only
-    (ids unique there), and once -- the rule of the OpenAI Chat (``tool_call_id``), Anthropic
-    (``tool_use_id``) and Responses (``call_id``) APIs.
-
-    Args:
-        messages: the conversation in OpenAI form (assistant ``tool_calls[*].id``, ``role: tool``
-            messages with ``tool_call_id``), as a wire converted it; malformed entries are skipped
-            (the ledger names them).
-        fields: the wire field of each of the request's own tool results, in order: the last
-            ``len(fields)`` tool messages (earlier ones come from a stored response, checked when sent).
-
-    Raises:
-        WireError: 400 whose ``param`` and message name the result's field: its id is missing,
-            names no call of the assistant turn before it, names several, or names a call
-            answered already.
-    """
-    stored = sum(isinstance(m, dict) and m.get("role") == "tool" for m in messages) - len(fields)
-    calls: list[str] = []
-    answered: dict[str, str] = {}  # call id -> the field of the result that answered it
-    k = 0
-    for m in (m for m in messages if isinstance(m, dict) and m.get("role") in ("assistant", "tool")):
-        if m["role"] == "assistant":
-            tc = m["tool_calls"] if isinstance(m.get("tool_calls"), list) else []
-            calls, answered = [str(c.get("id") or "") for c in tc if isinstance(c, dict)], {}
-            continue
-        tid, k = m.get("tool_call_id"), k + 1
-        if k <= stored:  # a stored response's result
-            answered.setdefault(str(tid), "a stored result")
-            continue
-        field, shown = fields[k - stored - 1], ", ".join(repr(c) for c in calls if c) or "none"
-        if not isinstance(tid, str) or not tid:
-            why = f" must be the id of the call this result answers, one of the assistant turn before it ({shown}); got {tid!r}"
-        elif tid not in calls:
-            why = (f"={tid!r} names no tool call of the assistant turn before it (its calls: {shown}); "
-                   "send the id of the call this result answers")
-        elif calls.count(tid) > 1:
-            why = f"={tid!r} names {calls.count(tid)} calls of the assistant turn before it; give each call its own id"
-        elif tid in answered:
-            why = f"={tid!r} answers a call already answered by {answered[tid]}; send one result per call"
-        else:
-            answered[tid] = field
-            continue
-        raise WireError(400, field + why, field, "invalid_tool_result")
-
-
 def _jsonable(v: Any) -> bool:
     try:
         json.dumps(v)
@@ -295,7 +245,8 @@ class ChatCompletionRequest(_Req):
         return out
 
     def tool_result_fields(self) -> list[str]:
-        """``messages[i].tool_call_id`` of each tool message, in order (:func:`check_tool_results`)."""
+        """``messages[i].tool_call_id`` of each tool message, in order
+        (:func:`~molt_core.server.tool_results.check_tool_results`)."""
         return [f"messages[{i}].tool_call_id" for i, m in enumerate(self.messages)
                 if isinstance(m, dict) and m.get("role") == "tool"]
 
@@ -430,7 +381,7 @@ class MessagesRequest(_Req):
 
     def tool_result_fields(self) -> list[str]:
         """``messages[i].content[j].tool_use_id`` of each ``tool_result`` block, in order (the tool
-        messages :meth:`openai_messages` makes; :func:`check_tool_results`)."""
+        messages :meth:`openai_messages` makes; :func:`~molt_core.server.tool_results.check_tool_results`)."""
         return [f"messages[{i}].content[{j}].tool_use_id" for i, m in enumerate(self.messages)
                 if m.role == "user" and isinstance(m.content, list)
                 for j, b in enumerate(m.content) if b.get("type") == "tool_result"]
