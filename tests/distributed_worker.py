@@ -7,7 +7,8 @@ updated weights there with ``torch.save``); optional ``run_dir`` with ``save_aft
 checkpoint after that many steps) or ``resume`` (a checkpoint to load first; then only the
 steps after its ``step`` run); optional ``sft`` (``examples``, ``steps``, ``batch_size``, ``lr``
 of a :func:`molt_core.sft.sft` warm start run first); optional ``replay_backend``
-(``module:Class``, importable from tests/: the MoE routing-replay backend every rank uses).
+(``module:Class``, importable from tests/: the MoE routing-replay backend every rank uses);
+optional ``poison_token`` (:func:`poison_after_first_step`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ import sys
 import torch
 
 torch.set_num_threads(1)
+
+
+def poison_after_first_step(trainer, token: int) -> None:
+    """From ``trainer``'s first optimizer step on, the policy's input embedding is NaN at every
+    position holding id ``token`` (so is every later position of that row, through attention):
+    a later PPO epoch's loss forward, not the recompute, sees the NaN."""
+    on = []
+    trainer.optimizer.register_step_post_hook(lambda opt, args, kwargs: on.append(True))
+    trainer.model.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: torch.where((args[0] == token)[..., None], torch.nan, out) if on else out)
 
 
 def main(spec_path: str) -> None:
@@ -36,6 +47,8 @@ def main(spec_path: str) -> None:
         mod, cls = spec["replay_backend"].split(":")
         backend = getattr(importlib.import_module(mod), cls)()
     trainer = ShardedTrainer(RunConfig.model_validate(spec["config"]), replay_backend=backend)
+    if spec.get("poison_token") is not None:
+        poison_after_first_step(trainer, spec["poison_token"])
     steps = [[Trajectory.model_validate(t) for t in step] for step in json.loads(open(spec["rollouts"]).read())]
     if spec.get("resume"):
         trainer.load_checkpoint(spec["resume"])

@@ -302,3 +302,39 @@ def test_trainer_group_keeps_the_weights_out_of_the_driver_and_fails_fast():
     ray.got.clear()
     ok = TrainerGroup(ray, [_FakeRank(0), _FakeRank(1)], [])
     assert ok.save.remote("dir").rank == 0 and sorted(r.rank for r in ray.got) == [0, 1]  # waited for both
+
+
+@pytest.mark.slow  # another 2-rank launch (~60 s on 2 busy cores)
+def test_a_nan_in_a_later_epoch_refuses_the_same_rollout_on_two_ranks_as_on_one(tmp_path):
+    """Issue 24 part 3 on FSDP2: two PPO epochs; from the first optimizer step on, the policy's
+    forward is NaN after one token id that only one rollout holds, in a row of rank 1's share
+    that shares a micro-batch with other rollouts. Epoch 1's loss forward sees it on rank 1
+    only; both ranks refuse that one rollout (rank 0 hangs in no collective), put back their
+    shards and AdamW state, and redo the step on the other 8: the weights of one rank on those
+    8 (before: in lockstep the ``0 * logits`` term spread the NaN over the whole micro-batch,
+    refusing its other rollouts too)."""
+    from distributed_worker import poison_after_first_step
+
+    cfg = _config(trainer={"ppo_epochs": 2})
+    single = Trainer(cfg)
+    trajs = _rollouts(single)[0]
+    rows = [(t.rollout_id, s.token_ids, s.loss_mask) for t in trajs for s in t.segments]
+    lo, hi = row_share(len(rows), 1, 2)
+    seen = [tok for _rid, ids, _m in rows for tok in set(ids)]
+    # a token id of one row only (once), followed by a sampled token, in rank 1's share, whose
+    # micro-batch of 4 also holds other rollouts' rows
+    tok, victim = next((ids[i], rid) for r, (rid, ids, m) in enumerate(rows) if lo <= r < hi
+                       for i in range(len(ids) - 1) if m[i + 1] and seen.count(ids[i]) == 1
+                       and ids.count(ids[i]) == 1
+                       and len({rows[j][0] for j in range(lo + (r - lo) // 4 * 4, min(hi, lo + (r - lo) // 4 * 4 + 4))}) > 1)
+    poison_after_first_step(single, tok)
+    one = single.train_step(trajs)
+    clean = Trainer(cfg)
+    want = clean.train_step([t for t in trajs if t.rollout_id != victim])
+    assert one["ingress/refused_nonfinite"] == 1.0 and one["invariants/nonfinite_logprobs"] > 0
+    assert one["train/rollouts"] == 8.0 and one["loss/total"] == want["loss/total"]
+    assert all(torch.equal(a, b) for a, b in zip(single.model.parameters(), clean.model.parameters()))
+    two = _run_ranks(tmp_path, cfg, [trajs], 2, poison_token=tok)
+    _assert_parity([one], two["metrics"])
+    for k, v in single.model.state_dict().items():
+        torch.testing.assert_close(two["weights"][k], v, rtol=RTOL, atol=W_ATOL, msg=lambda m, k=k: f"{k}: {m}")

@@ -983,3 +983,53 @@ def test_stale_absdiff_marks_nan_and_plus_inf_apart_from_out_of_support_and_metr
     assert m["invariants/onpolicy_out_of_support_tokens"] == 1.0 and m["invariants/onpolicy_tokens"] == 4.0
     with pytest.raises(ValueError, match="NaN logprob difference.*refuse their rollouts"):
         onpolicy_metrics(torch.zeros(0), d)
+
+
+def _epochs_trainer():
+    """A PoisonLM trainer at version 0 with 2 PPO epochs (separate recompute); its first
+    optimizer step turns the poison gate on, so only epoch 1's loss forward is NaN on p."""
+    from trainer_utils import PoisonLM
+
+    tr = Trainer(tiny_cfg(trainer={"lr": 0.1, "grad_clip": 0.0, "ppo_epochs": 2}), model=PoisonLM(BP, poison=3))
+    tr.optimizer.register_step_post_hook(lambda opt, args, kwargs: tr.model.nan_gate.fill_(1.0))
+    return tr
+
+
+def _adam_state(tr):
+    return [{k: v.clone() for k, v in tr.optimizer.state[p].items()} for p in tr.params]
+
+
+def test_a_nan_in_a_later_ppo_epoch_refuses_its_rollout_with_the_weights_restored():
+    """ppo_epochs = 2: the recompute is finite, but epoch 1's loss forward (after epoch 0's
+    optimizer step) is NaN on p's token. The token is counted in
+    ``invariants/nonfinite_logprobs``, p refused, and the step redone on a and b from the
+    weights and AdamW state before the update: bit-identical to a trainer that never saw p.
+    (Before: the NaN was taken for out of support in that epoch, silently, and p trained.)"""
+    tr = _epochs_trainer()
+    clean = Trainer(tiny_cfg(trainer={"lr": 0.1, "grad_clip": 0.0, "ppo_epochs": 2}), model=BiasLM(BP))
+    m = tr.train_step(_poison_batch(0, BP))
+    want = clean.train_step(_poison_batch(0, BP, poisoned=False))
+    assert m["invariants/nonfinite_logprobs"] == 1.0 and m["ingress/refused_nonfinite"] == 1.0
+    assert m["ingress/refused_rollouts"] == 1.0 and m["train/rollouts"] == 2.0
+    assert m["correction/out_of_support_frac"] == 0.0
+    assert tr.version == clean.version == 1 and tr.step == 1
+    assert torch.equal(tr.model.bias, clean.model.bias)
+    got, ref = _adam_state(tr), _adam_state(clean)
+    assert [sorted(s) for s in got] == [sorted(s) for s in ref] == [["exp_avg", "exp_avg_sq", "step"]]
+    assert all(torch.equal(g[k], r[k]) for g, r in zip(got, ref) for k in g)  # step 1, not 2 or 3
+    for k in ("loss/total", "grad_norm", "lr"):
+        assert m[k] == want[k], k
+    assert want["invariants/nonfinite_logprobs"] == 0.0
+
+
+def test_a_nan_in_a_later_ppo_epoch_on_every_rollout_skips_the_step_untouched():
+    """Every rollout's epoch-1 forward is NaN: all refused, weights and AdamW state as before
+    the step (no state at all: no optimizer step counts), version and step stay."""
+    tr = _epochs_trainer()
+    before = tr.model.bias.detach().clone()
+    ts = [_traj(r, float(i), [2, 3, 0], [_lp(BP, 3), _lp(BP, 0)], [0, 0]) for i, r in enumerate("pq")]
+    m = tr.train_step(ts)
+    assert m["train/skipped"] == 1.0 and m["train/rollouts"] == 0.0
+    assert m["invariants/nonfinite_logprobs"] == 2.0 and m["ingress/refused_nonfinite"] == 2.0
+    assert tr.version == 0 and tr.step == 0 and torch.equal(tr.model.bias, before)
+    assert all(len(tr.optimizer.state[p]) == 0 for p in tr.params)

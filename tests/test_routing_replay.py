@@ -388,3 +388,36 @@ def test_moe_without_backend_is_refused():
         Trainer(RunConfig(), model=model)
     tr = Trainer(RunConfig.model_validate({"model": {"routing_replay": False}}), model=model)
     assert tr.replay_backend is None
+
+
+def test_a_nan_in_the_noreplay_recompute_refuses_its_rollout():
+    """Issue 24 part 3, the R3 path: the natural-routing (no-replay) recompute gives NaN logits
+    on rollout 0's row (a forward hook, that pass only); the replayed forwards are clean.
+    Rollout 0 is refused with all its sampled tokens counted in
+    ``invariants/nonfinite_logprobs``, and the step is the one on the other 3 rollouts, weight
+    for weight (before: the NaN was dropped from the no-replay metrics and rollout 0 trained)."""
+    from molt_core.engines.transformers_engine import TransformersEngine
+
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=4, seed=0)
+    try:
+        trajs = _rollouts(eng, n=4, max_tokens=4)
+    finally:
+        eng.close()
+    tr, clean = _trainer(True), _trainer(True)
+    hit = {"done": False}
+
+    def poison(module, args, out):
+        if not tr._replaying and not hit["done"]:  # the first micro-batch of the no-replay pass: row 0 first
+            hit["done"] = True
+            out.logits[0] = torch.nan
+
+    tr.model.register_forward_hook(poison)
+    m = tr.train_step(trajs)
+    want = clean.train_step(trajs[1:])
+    n0 = sum(trajs[0].segments[0].loss_mask)
+    assert hit["done"] and n0 == 4
+    assert m["invariants/nonfinite_logprobs"] == float(n0) and m["ingress/refused_nonfinite"] == 1.0
+    assert m["train/rollouts"] == 3.0 and want["invariants/nonfinite_logprobs"] == 0.0
+    assert m["invariants/routing_flip_rate"] == want["invariants/routing_flip_rate"]
+    assert m["loss/total"] == want["loss/total"]
+    assert all(torch.equal(a, b) for a, b in zip(tr.model.parameters(), clean.model.parameters()))

@@ -273,7 +273,7 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
         stats[1] += ids.numel()
     lp, ent = token_logprobs(logits, ids, pids.to(trainer.device), batch.params, with_entropy, offset=offset)
     if trainer.lockstep and torch.is_grad_enabled():  # a backward reaches every parameter, even with no token
-        lp = lp + 0.0 * logits[..., :1].sum()
+        lp = lp + 0.0 * torch.nan_to_num(logits[..., :1]).sum()  # (a NaN stays in its own row)
     return lp, ent
 
 

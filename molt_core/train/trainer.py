@@ -331,8 +331,8 @@ class Trainer:
                 ingress["invariants/nonfinite_logprobs"] += e.tokens
 
     def _step(self, batch: Batch, ingress: dict[str, float], t_start: float) -> dict[str, float]:
-        """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, before the optimizer
-        step, when a recompute (no-replay, reference, proximal, stale) gives NaN / +inf."""
+        """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, weights untouched, when a
+        recompute (no-replay, reference, proximal, stale) or a loss forward gives NaN / +inf."""
         cfg = self.cfg
         distill = cfg.algo.advantage == "on_policy_distill"
         mask, beh = batch.mask, batch.behaviour_logprobs

@@ -3,6 +3,7 @@ the optimizer steps, and how micro-batch loss metrics combine."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -10,7 +11,7 @@ import torch
 
 from molt_core.algo.kl import kl_loss
 from molt_core.algo.losses import policy_loss
-from molt_core.train.ingress import Batch
+from molt_core.train.ingress import Batch, nonfinite_check
 
 __all__ = ["in_support", "lr_factor", "merge_loss_metrics", "policy_update"]
 
@@ -61,6 +62,15 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
     untouched (the trainer's non-finite check, :func:`molt_core.train.ingress.nonfinite_check`;
     a fused NaN / ``+inf`` reaches the correction as ``-inf`` until then).
 
+    Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token (``train_mask``) --
+    in a later epoch, under weights this update moved -- is no more out of support than the
+    recompute's: it is kept out of that epoch's backward, and at the epoch's end (every
+    process alike: the rows are combined) the weights and AdamW state go back to what they
+    were before the first optimizer step and
+    :class:`~molt_core.train.ingress.NonFiniteLogprobs` is raised (the trainer refuses the
+    rollouts and redoes the step). With ``ppo_epochs > 1`` that costs one copy, on CPU, of
+    this process's trainable parameters and AdamW state per step.
+
     Returns:
         ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
         -- the last two only when fused.
@@ -74,8 +84,10 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
         prox = torch.zeros((B, Tfull), dtype=torch.float32)
         ent_all = torch.zeros((B, Tfull), dtype=torch.float32)
     sums: dict[str, float] = {}
+    saved: list[tuple[Any, torch.Tensor, dict[str, Any]]] | None = None  # before the first optimizer step
     for _epoch in range(cfg.trainer.ppo_epochs):
         trainer.optimizer.zero_grad(set_to_none=True)
+        bad = None if fused else torch.zeros((B, Tfull), dtype=torch.float32)  # NaN / +inf trained tokens
         tot = pol = klv = 0.0
         extra: dict[str, float] = {}
         for rows, real in trainer._work(batch):
@@ -88,6 +100,9 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
             if fused and real and _epoch == 0:
                 prox[rows, :T] = lp.detach().float().cpu()
                 ent_all[rows, :T] = ent.cpu()
+            if bad is not None and real:
+                d = lp.detach().cpu()
+                bad[rows, :T] = ((torch.isnan(d) | (d == math.inf)) & train_mask[rows, :T]).float()
             if not active:
                 if trainer.lockstep:  # every process runs the same backwards (FSDP2 collectives)
                     (0.0 * torch.nan_to_num(lp, neginf=0.0).sum()).backward()
@@ -101,7 +116,8 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
             # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
             # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
             # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
-            # can push a token out of the current support too: same treatment.
+            # can push a token out of the current support too: same treatment (a NaN / +inf
+            # one too until the epoch's end, where ``bad`` refuses its rollout).
             oos = oos.to(dev) | ~torch.isfinite(lp.detach())
             m = train_mask[rows, :T].to(dev) & ~oos
             lp = torch.where(oos, torch.zeros((), device=dev), lp)
@@ -116,11 +132,17 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 loss = loss + trainer.kl_coef * kl_term
             tot += float(loss.detach())
             loss.backward()
+        if bad is not None and bool((bad := trainer._combine_rows(bad)).any()):  # every process alike
+            if saved is not None:
+                _restore(trainer, saved)
+            nonfinite_check(torch.where(bad > 0, math.nan, 0.0), batch, f"the loss forward of PPO epoch {_epoch}")
         if _epoch == 0:
             if fused:  # every row, on every process, before anything reads them
                 prox, ent_all = trainer._combine_rows(prox), trainer._combine_rows(ent_all)
             if before_step is not None:
                 before_step(prox if fused else None)
+            if cfg.trainer.ppo_epochs > 1:
+                saved = _snapshot(trainer)
         gn = trainer._clip_grads(trainer.params, clip)
         trainer.optimizer.step()
         ep = {(k if k.startswith("loss/") else f"loss/{k}"): v for k, v in extra.items()}
@@ -130,6 +152,37 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
         for k, v in ep.items():
             sums[k] = sums.get(k, 0.0) + v / cfg.trainer.ppo_epochs
     return sums, (prox if fused else None), (ent_all if fused else None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t`` (an FSDP2 ``DTensor``'s local shard, a view), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _snapshot(trainer: Any) -> list[tuple[Any, torch.Tensor, dict[str, Any]]]:
+    """``(parameter, its values, its optimizer state)`` of each of ``trainer.params``, copied
+    to CPU (this process's shards), for :func:`_restore`."""
+    def cpu(v: Any) -> Any:
+        return _local(v.detach()).to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+
+    state = trainer.optimizer.state
+    return [(p, cpu(p), {k: cpu(v) for k, v in state[p].items()} if p in state else {}) for p in trainer.params]
+
+
+@torch.no_grad()
+def _restore(trainer: Any, saved: list[tuple[Any, torch.Tensor, dict[str, Any]]]) -> None:
+    """Put back the parameters and optimizer state :func:`_snapshot` copied (a parameter that
+    had no state yet has none again)."""
+    state = trainer.optimizer.state
+    for p, w, st in saved:
+        _local(p.detach()).copy_(w)
+        if not st:
+            state.pop(p, None)
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                _local(state[p][k]).copy_(v)
+            else:
+                state[p][k] = v
 
 
 def in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
