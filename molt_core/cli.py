@@ -105,7 +105,9 @@ def main() -> None:
               help="Join an existing Ray cluster instead of starting a local one (with Ray token authentication: "
                    "set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token, or RAY_AUTH_MODE=disabled).")
 @click.option("--resume", "resume", default=None, type=click.Path(), help="Continue a killed run from its directory.")
-@click.option("--local", is_flag=True, help="Run workers in this process without Ray (synchronous; for debugging).")
+@click.option("--local", is_flag=True,
+              help="Run workers in this process without Ray (for debugging; launched rollouts run "
+                   "concurrently while the driver waits, as on Ray).")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="RL steps (run.steps); the SFT warm start still runs its sft.steps first.")
 @click.option("--sft-steps", type=click.IntRange(0), default=None,

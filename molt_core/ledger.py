@@ -57,9 +57,9 @@ the loopback server (:mod:`molt_core.server`) does the same per HTTP request.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -170,6 +170,16 @@ def _echoes_reply(reply: _Reply, m: dict[str, Any]) -> bool:
     committed text (an unclosed ``<think>`` leaves the reply's content empty; issue 24 item 9)."""
     return (m["role"] == "assistant" and isinstance(m["content"], str) and m["content"].strip() == reply[0]
             and [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])] == reply[1])
+
+
+def _call_id(prompt_ids: list[int], sampled_ids: list[int], k: int) -> str:
+    """The id of tool call ``k`` (0-based) of the turn that sampled ``sampled_ids`` after
+    ``prompt_ids``: ``"call_"`` + the first 24 hex digits of SHA-256 of
+    ``"<prompt ids>|<sampled ids>|<k>"`` (ids comma-separated). A function of the tokens, never
+    random: a template that renders ids (Mistral's ``call_id``) puts the same tokens in the
+    next prompt on every run, so a resumed run samples what the uninterrupted one did."""
+    key = f"{','.join(map(str, prompt_ids))}|{','.join(map(str, sampled_ids))}|{k}"
+    return "call_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 # --------------------------------------------------------------------------- results
@@ -823,8 +833,8 @@ class Ledger:
         open_t, close_t = self.think
         visible_from = body.rfind(close_t) + len(close_t) if close_t in body else (len(body) if open_t in body else 0)
         found = self.tool_parser.parse(body, visible_from, prepared.tools) if prepared.allow_tool_calls else []
-        for c in found:
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "name": c.name, "arguments": c.arguments})
+        for k, c in enumerate(found):
+            calls.append({"id": _call_id(prepared.prompt_ids, ids, k), "name": c.name, "arguments": c.arguments})
             if not spans or spans[-1] != c.span:
                 spans.append(c.span)
         raw = body

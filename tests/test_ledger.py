@@ -208,6 +208,46 @@ def test_tool_round_trip_several_results_one_turn(tok):
     assert check_tokens(led.trajectory()) == TokenCheck(0, 0)  # every action token is the engine's
 
 
+def test_tool_call_ids_are_a_function_of_the_tokens():
+    """Issue 24 item 5 (every source of randomness): a tool call's id was ``uuid4`` -- a
+    template that renders ids (Mistral's ``call_id``; here the tiny template made to print
+    ``tool_call_id`` in each tool response) put random tokens in the next prompt, so two runs
+    of the same episode, and a resumed run, trained on other tokens. Now call ``k`` of a turn
+    is ``"call_"`` + SHA-256 of the turn's prompt ids, sampled ids (stop token dropped) and
+    ``k``: two independent ledgers give the same ids and the same segment."""
+    import hashlib
+
+    t = load_tokenizer("builtin:tiny-qwen3")
+    plain = "{{- '<tool_response>\\n' ~ text_of(m.content)"
+    assert plain in t.chat_template
+    t.chat_template = t.chat_template.replace(plain, "{{- '<tool_response>\\n' ~ m.tool_call_id ~ ': ' ~ text_of(m.content)")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+
+    def episode():
+        eng = ScriptedEngine(t, [f"Two calls.\n{call}\n{call}", "Both done."])
+        led = Ledger(t)
+        msgs = [{"role": "user", "content": "add"}]
+        p1, t1 = turn(led, eng, msgs, TOOLS)
+        echo = {"role": "assistant", "content": t1.content, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for c in t1.tool_calls]}
+        msgs += [echo] + [{"role": "tool", "tool_call_id": c["id"], "content": f"r{k}"} for k, c in enumerate(t1.tool_calls)]
+        p2, _ = turn(led, eng, msgs, TOOLS)
+        s1 = eng.output(f"Two calls.\n{call}\n{call}", SamplingParams(), 0).token_ids
+        return p1, [c["id"] for c in t1.tool_calls], p2, led.segments()[0].token_ids, s1, led.stop_token_ids
+
+    p1, ids, p2, seg, s1, stops = episode()
+    assert s1[-1] in stops  # the stop token is not part of the hashed reply
+    key = lambda k: f"{','.join(map(str, p1.prompt_ids))}|{','.join(map(str, s1[:-1]))}|{k}"  # noqa: E731
+    assert ids == ["call_" + hashlib.sha256(key(k).encode()).hexdigest()[:24] for k in (0, 1)]
+    assert ids[0] != ids[1]
+    assert p2.mode == "extend" and p2.tail_ids == enc(
+        t, f"\n<|im_start|>user\n<tool_response>\n{ids[0]}: r0\n</tool_response>\n<tool_response>\n{ids[1]}: r1\n"
+           "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # the ids are in the trained context
+    _, ids_again, _, seg_again, _, _ = episode()
+    assert ids_again == ids and seg_again == seg
+
+
 def test_edited_history_and_compaction_rewrite(tok):
     eng = ScriptedEngine(tok, ["One.", "Two.", "Three."])
     led = Ledger(tok)

@@ -282,7 +282,8 @@ def _driver_tokenizer(cfg: RunConfig) -> Any:
 def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
              resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
     """Run RL training end to end; returns the run directory. ``local`` runs the rollout
-    worker and trainer in this process without Ray (synchronous; debugging and tests).
+    worker and trainer in this process without Ray (debugging and tests; launched rollouts run
+    concurrently while the driver waits, as on Ray: :class:`_Local`).
 
     Prints the run directory first. Writes ``config.toml``, ``metrics.jsonl`` (one row per
     step), ``trajectories.jsonl`` (a sample, with decoded text), ``checkpoints/`` (the SFT warm
