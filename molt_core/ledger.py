@@ -139,12 +139,12 @@ def _chat_form(m: dict[str, Any]) -> dict[str, Any]:
     return {"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m
 
 
-def _calls(m: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(name, arguments as JSON text)`` per tool call of normalized message ``m`` (ids left
-    out). Text, not the parsed dict: Python's ``==`` takes ``1``, ``1.0`` and ``true`` for one
-    value and ignores key order, while the chat template renders each differently
-    (``tojson``); ``json.dumps`` spells them apart and keeps the model's key order."""
-    return [(c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False))
+def _calls(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(id, name, arguments as JSON text)`` per tool call of normalized message ``m``. Text,
+    not the parsed dict: Python's ``==`` takes ``1``, ``1.0`` and ``true`` for one value and
+    ignores key order, while a chat template renders each differently (``tojson``);
+    ``json.dumps`` spells them apart and keeps the model's key order."""
+    return [(c["id"], c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False))
             for c in m.get("tool_calls", ())]
 
 
@@ -155,34 +155,28 @@ def _same_json(a: Any, b: Any) -> bool:
 
 
 def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    """Normalized message lists ``a == b``, tool-call arguments compared as JSON text
-    (:func:`_calls`)."""
+    """Normalized message lists ``a == b`` field for field (content with its whitespace and
+    think block, ``reasoning_content``, ``name``, ``tool_call_id``, call ids), tool-call
+    arguments compared as JSON text (:func:`_calls`)."""
     return a == b and all(_calls(x) == _calls(y) for x, y in zip(a, b) if "tool_calls" in x)
 
 
-def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Request message ``b`` repeats history message ``a`` exactly: role, content (assistant:
-    the whole text, think block and whitespace included), ``reasoning_content`` and tool-call
-    names and arguments (:func:`_calls`; call ids are ignored)."""
-    if a["role"] != b["role"] or a["content"] != b["content"]:
-        return False
-    return a["role"] != "assistant" or (a.get("reasoning_content") == b.get("reasoning_content")
-                                        and _calls(a) == _calls(b))
-
-
 #: a committed turn's reply as the wires sent it: content, reasoning (None: none) and
-#: ``(name, arguments JSON text)`` per call
-_Reply = tuple[str, str | None, list[tuple[str, str]]]
+#: :func:`_calls` of its tool calls
+_Reply = tuple[str, str | None, list[tuple[str, str, str]]]
+
+_REPLY_KEYS = frozenset(("role", "content", "reasoning_content", "tool_calls"))
 
 
 def _echoes_reply(reply: _Reply, m: dict[str, Any]) -> bool:
     """``m`` (a normalized request message) is the assistant reply ``reply`` the wire sent,
     returned as received: the same content (exactly), the same reasoning or none (a client
-    need not echo it: the ledger holds what the model produced) and the same tool calls
-    (:func:`_calls`; ids ignored) -- compared with the stored reply, never re-derived from the
-    committed text (an unclosed ``<think>`` leaves the reply's content empty; issue 24 item 9).
-    Any edit (whitespace, reasoning, an argument's type or key order) is no echo."""
-    return (m["role"] == "assistant" and m["content"] == reply[0]
+    need not echo it: the ledger holds what the model produced), the same tool calls
+    (:func:`_calls`, ids included) and no other field -- compared with the stored reply, never
+    re-derived from the committed text (an unclosed ``<think>`` leaves the reply's content
+    empty; issue 24 item 9). Any edit (whitespace, reasoning, an argument's type or key order)
+    is no echo."""
+    return (m["role"] == "assistant" and m["content"] == reply[0] and m.keys() <= _REPLY_KEYS
             and m.get("reasoning_content") in (None, reply[1]) and _calls(m) == reply[2])
 
 
@@ -583,11 +577,11 @@ class Ledger:
             return prompt_len
 
     def _echoes(self, i: int, m: dict[str, Any]) -> bool:
-        """Request message ``m`` repeats committed history message ``i``: equal as the extend
-        check compares (:func:`_same_message`), or the reply the wire sent for that turn
+        """Request message ``m`` repeats committed history message ``i``: equal field for field
+        (:func:`_same_messages`), or the reply the wire sent for that turn
         (:func:`_echoes_reply`)."""
         reply = self._replies.get(i)
-        return _same_message(self._history[i], m) or (reply is not None and _echoes_reply(reply, m))
+        return _same_messages([self._history[i]], [m]) or (reply is not None and _echoes_reply(reply, m))
 
     def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
                     max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | str:

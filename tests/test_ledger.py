@@ -461,13 +461,14 @@ def test_echoed_reply_extends_when_the_cut_falls_inside_reasoning(tok):
 
 def _echo(t1, **edit):
     """The first turn's reply as the chat wire sends it (content, reasoning_content, calls with
-    JSON-text arguments), with ``edit`` applied (``arguments``: the calls' new JSON text)."""
+    JSON-text arguments), with ``edit`` applied (``arguments``: the calls' new JSON text,
+    ``call_id``: their new id)."""
     m = {"role": "assistant", "content": t1.content}
     if t1.reasoning is not None:
         m["reasoning_content"] = t1.reasoning
     if t1.tool_calls:
-        args = edit.pop("arguments", None)
-        m["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+        args, cid = edit.pop("arguments", None), edit.pop("call_id", None)
+        m["tool_calls"] = [{"id": cid or c["id"], "type": "function", "function": {
             "name": c["name"], "arguments": json.dumps(c["arguments"]) if args is None else args}} for c in t1.tool_calls]
     return {**m, **edit}
 
@@ -490,16 +491,19 @@ CALL_AB = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_c
     ("Do.\n" + CALL_AB, {"arguments": '{"b": 2, "a": 1}'}, "reply_edited"),  # key order: rendered apart
     ("Do.\n" + CALL_AB, {"arguments": '{"a": true, "b": 2}'}, "reply_edited"),  # 1 == True in Python
     ("Do.\n" + CALL_AB, {"arguments": '{"a": 1.0, "b": 2}'}, "reply_edited"),  # 1 == 1.0 in Python
+    ("Do.\n" + CALL_AB, {"call_id": "call_mine"}, "reply_edited"),  # Mistral-family templates render ids
+    ("Hi.", {"name": "bot"}, "reply_edited"),
 ], ids=["exact", "trailing-space", "leading-newline", "think-exact", "think-dropped", "think-edited",
         "think-inline-edited", "unclosed-exact", "unclosed-edited", "call-exact", "call-spacing",
-        "call-key-order", "call-1-true", "call-1-float"])
+        "call-key-order", "call-1-true", "call-1-float", "call-id", "name-added"])
 def test_an_edited_echo_never_extends_with_the_original_ids(tok, first, edit, want):
     """Issue 24 item 9 review: a reply sent back exactly as the wire sent it (or with its
     reasoning left out: the ledger holds what the model produced) extends; one the client changed
     in anything the chat template renders -- outer whitespace, reasoning (field or inline),
     an argument's type or key order -- is a rewrite counted ``reply_edited``, so the next prompt
-    is the client's history, never the original ids under an edited message. A tool turn
-    follows: this template renders the last turn's reasoning there."""
+    is the client's history, never the original ids under an edited message; so is a call id
+    or a name field changed (templates that render them exist). A tool turn follows: this
+    template renders the last turn's reasoning there."""
     led = Ledger(tok)
     eng = ScriptedEngine(tok, [first, "Ok."])
     q = [{"role": "user", "content": "q"}]
@@ -529,6 +533,9 @@ def test_an_edited_earlier_call_or_schema_is_seen_past_the_fast_path_and_the_ret
     assert (p.mode, p.cause, p.cached) == ("rewrite", "history_edited", None)
     p3 = led.prepare(edited + [_echo(t2), {"role": "tool", "tool_call_id": "2", "content": "3"}], TOOLS, SamplingParams())
     assert (p3.mode, p3.cause) == ("rewrite", "reply_edited")  # turn 1 edited, turn 2 exact
+    moved = m2[:2] + [{**m2[2], "tool_call_id": "9"}, _echo(t2), {"role": "tool", "tool_call_id": "2", "content": "3"}]
+    p3 = led.prepare(moved, TOOLS, SamplingParams())
+    assert (p3.mode, p3.cause) == ("rewrite", "history_edited")  # a tool result's id edited: ignored before
     tools2 = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "default": 1}}}}}]
     tools3 = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
