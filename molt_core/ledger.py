@@ -7,8 +7,9 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
 
 * **extend** -- the request repeats, message for message, the history the ledger committed
   (the earlier requests plus the assistant messages it returned: as committed, or exactly as
-  the wire sent them -- matched against the stored reply of that turn, never re-tokenized),
-  and the chat template does
+  the wire sent them -- matched against the stored reply of that turn, never re-tokenized;
+  its reasoning may be left out, nothing else may differ: whitespace, a call id, an
+  argument's type or key order all count), and the chat template does
   not rewrite that history once the new messages follow. The engine prompt is then the exact
   ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
   *tail*: the template's close of the last assistant turn after the sampled stop token (the
@@ -596,7 +597,7 @@ class Ledger:
         if not _same_json(tools, self._tools):
             return "tools_changed"
         # fast path: the client echoed its previous request verbatim; then only the assistant
-        # message we returned needs the lenient comparison
+        # message we returned needs checking (as committed or as the wire sent it)
         prev = self._last_req[0] if self._last_req is not None else None
         fast = prev is not None and len(prev) == k - 1 and _same_messages(msgs[: k - 1], prev)
         for i in range(k - 1 if fast else 0, k):
