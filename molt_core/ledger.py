@@ -158,8 +158,10 @@ def _same_json(a: Any, b: Any) -> bool:
 def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     """Normalized message lists ``a == b`` field for field (content with its whitespace and
     think block, ``reasoning_content``, ``name``, ``tool_call_id``, call ids), tool-call
-    arguments compared as JSON text (:func:`_calls`)."""
-    return a == b and all(_calls(x) == _calls(y) for x, y in zip(a, b) if "tool_calls" in x)
+    arguments compared as JSON text (:func:`_calls`; skipped for one object twice -- the
+    :class:`~molt_core.ledger_messages.NormalizeCache` hands back the previous request's
+    objects for an unchanged prefix, so a request costs in proportion to its new messages)."""
+    return a == b and all(x is y or _calls(x) == _calls(y) for x, y in zip(a, b) if "tool_calls" in x)
 
 
 #: a committed turn's reply as the wires sent it: content, reasoning (None: none) and
