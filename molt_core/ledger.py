@@ -81,7 +81,8 @@ LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns", 
 
 #: why a request could not extend the open segment (``Prepared.cause``, counted per rollout in
 #: ``info["rewrite_causes"]``): ``reply_edited`` -- an assistant message the ledger returned
-#: comes back neither as committed nor as the reply the wire sent (content, tool calls);
+#: comes back neither as committed nor as the reply the wire sent (content to the whitespace,
+#: reasoning unless left out, call ids, names and argument JSON text: :func:`_echoes_reply`);
 #: ``history_edited`` -- another message differs, or the request holds fewer messages than
 #: the history (compaction, an edit, a new sample of an earlier prompt); ``tools_changed``;
 #: ``template_rewrites_history`` -- the request echoes the history but the chat template
