@@ -7,8 +7,9 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
 
 * **extend** -- the request repeats, message for message, the history the ledger committed
   (the earlier requests plus the assistant messages it returned: as committed, or exactly as
-  the wire sent them -- matched against the stored reply of that turn, never re-tokenized),
-  and the chat template does
+  the wire sent them -- matched against the stored reply of that turn, never re-tokenized;
+  its reasoning may be left out, nothing else may differ: whitespace, a call id, an
+  argument's type or key order all count), and the chat template does
   not rewrite that history once the new messages follow. The engine prompt is then the exact
   ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
   *tail*: the template's close of the last assistant turn after the sampled stop token (the
@@ -80,7 +81,8 @@ LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns", 
 
 #: why a request could not extend the open segment (``Prepared.cause``, counted per rollout in
 #: ``info["rewrite_causes"]``): ``reply_edited`` -- an assistant message the ledger returned
-#: comes back neither as committed nor as the reply the wire sent (content, tool calls);
+#: comes back neither as committed nor as the reply the wire sent (content to the whitespace,
+#: reasoning unless left out, call ids, names and argument JSON text: :func:`_echoes_reply`);
 #: ``history_edited`` -- another message differs, or the request holds fewer messages than
 #: the history (compaction, an edit, a new sample of an earlier prompt); ``tools_changed``;
 #: ``template_rewrites_history`` -- the request echoes the history but the chat template
@@ -139,37 +141,47 @@ def _chat_form(m: dict[str, Any]) -> dict[str, Any]:
     return {"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m
 
 
-def _visible(text: str, think: tuple[str, str]) -> str:
-    if think[1] in text:
-        text = text.split(think[1])[-1]
-    return text.strip()
+def _calls(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(id, name, arguments as JSON text)`` per tool call of normalized message ``m``. Text,
+    not the parsed dict: Python's ``==`` takes ``1``, ``1.0`` and ``true`` for one value and
+    ignores key order, while a chat template renders each differently (``tojson``);
+    ``json.dumps`` spells them apart and keeps the model's key order."""
+    return [(c["id"], c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False))
+            for c in m.get("tool_calls", ())]
 
 
-def _same_message(a: dict[str, Any], b: dict[str, Any], think: tuple[str, str]) -> bool:
-    """Message-level equality: role, content text (assistant: outside the think block, outer
-    whitespace ignored), tool-call names and parsed arguments. Ids are ignored."""
-    if a["role"] != b["role"]:
-        return False
-    if a["role"] == "assistant":
-        if _visible(a["content"], think) != _visible(b["content"], think):
-            return False
-        ca = [(c["function"]["name"], c["function"]["arguments"]) for c in a.get("tool_calls", [])]
-        cb = [(c["function"]["name"], c["function"]["arguments"]) for c in b.get("tool_calls", [])]
-        return ca == cb
-    return a["content"] == b["content"]
+def _same_json(a: Any, b: Any) -> bool:
+    """``a == b`` and the same JSON text (``1``, ``1.0`` and ``true`` apart, key order counts;
+    see :func:`_calls`): tool schemas, which the template renders with ``tojson``."""
+    return a == b and json.dumps(a, ensure_ascii=False) == json.dumps(b, ensure_ascii=False)
 
 
-#: a committed turn's reply as the wires sent it: its content and ``(name, arguments)`` per call
-_Reply = tuple[str, list[tuple[str, Any]]]
+def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Normalized message lists ``a == b`` field for field (content with its whitespace and
+    think block, ``reasoning_content``, ``name``, ``tool_call_id``, call ids), tool-call
+    arguments compared as JSON text (:func:`_calls`; skipped for one object twice -- the
+    :class:`~molt_core.ledger_messages.NormalizeCache` hands back the previous request's
+    objects for an unchanged prefix, so a request costs in proportion to its new messages)."""
+    return a == b and all(x is y or _calls(x) == _calls(y) for x, y in zip(a, b) if "tool_calls" in x)
+
+
+#: a committed turn's reply as the wires sent it: content, reasoning (None: none) and
+#: :func:`_calls` of its tool calls
+_Reply = tuple[str, str | None, list[tuple[str, str, str]]]
+
+_REPLY_KEYS = frozenset(("role", "content", "reasoning_content", "tool_calls"))
 
 
 def _echoes_reply(reply: _Reply, m: dict[str, Any]) -> bool:
     """``m`` (a normalized request message) is the assistant reply ``reply`` the wire sent,
-    returned as received: its content (outer whitespace ignored) and its tool calls' names and
-    parsed arguments (ids ignored) -- compared with the stored reply, never re-derived from the
-    committed text (an unclosed ``<think>`` leaves the reply's content empty; issue 24 item 9)."""
-    return (m["role"] == "assistant" and isinstance(m["content"], str) and m["content"].strip() == reply[0]
-            and [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])] == reply[1])
+    returned as received: the same content (exactly), the same reasoning or none (a client
+    need not echo it: the ledger holds what the model produced), the same tool calls
+    (:func:`_calls`, ids included) and no other field -- compared with the stored reply, never
+    re-derived from the committed text (an unclosed ``<think>`` leaves the reply's content
+    empty; issue 24 item 9). Any edit (whitespace, reasoning, an argument's type or key order)
+    is no echo."""
+    return (m["role"] == "assistant" and m["content"] == reply[0] and m.keys() <= _REPLY_KEYS
+            and m.get("reasoning_content") in (None, reply[1]) and _calls(m) == reply[2])
 
 
 def _call_id(prompt_ids: list[int], sampled_ids: list[int], k: int) -> str:
@@ -503,7 +515,9 @@ class Ledger:
         key = (msgs, tools, params.model_dump() if params else None, allow_tool_calls)
         with self._lock:
             epoch = self._epoch
-            if self._last_turn is not None and key == self._last_req and not fresh:
+            last = self._last_req
+            if (self._last_turn is not None and key == last and not fresh and last is not None
+                    and _same_messages(msgs, last[0]) and _same_json(tools, last[1])):
                 return Prepared("retry", [], [], msgs, tools, self._last_prompt_text, key, epoch, cached=self._last_turn)
             ext = self._try_extend(msgs, tools, max_prompt_tokens)
             if not isinstance(ext, str):
@@ -577,11 +591,11 @@ class Ledger:
             return prompt_len
 
     def _echoes(self, i: int, m: dict[str, Any]) -> bool:
-        """Request message ``m`` repeats committed history message ``i``: equal as the extend
-        check compares (:func:`_same_message`), or the reply the wire sent for that turn
+        """Request message ``m`` repeats committed history message ``i``: equal field for field
+        (:func:`_same_messages`), or the reply the wire sent for that turn
         (:func:`_echoes_reply`)."""
         reply = self._replies.get(i)
-        return _same_message(self._history[i], m, self.think) or (reply is not None and _echoes_reply(reply, m))
+        return _same_messages([self._history[i]], [m]) or (reply is not None and _echoes_reply(reply, m))
 
     def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
                     max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | str:
@@ -593,12 +607,12 @@ class Ledger:
             return "template_unprobed"
         if not k or len(msgs) < k:
             return "history_edited"
-        if tools != self._tools:
+        if not _same_json(tools, self._tools):
             return "tools_changed"
         # fast path: the client echoed its previous request verbatim; then only the assistant
-        # message we returned needs the lenient comparison
+        # message we returned needs checking (as committed or as the wire sent it)
         prev = self._last_req[0] if self._last_req is not None else None
-        fast = prev is not None and len(prev) == k - 1 and msgs[: k - 1] == prev
+        fast = prev is not None and len(prev) == k - 1 and _same_messages(msgs[: k - 1], prev)
         for i in range(k - 1 if fast else 0, k):
             if not self._echoes(i, msgs[i]):
                 return "reply_edited" if hist[i]["role"] == "assistant" else "history_edited"
@@ -717,7 +731,7 @@ class Ledger:
             # everything that can fail happens before the first mutation (atomic commit)
             turn = self.parse(prepared, output)
             replies = dict(self._replies) if prepared.mode == "extend" else {}
-            replies[len(prepared.messages)] = (turn.content, [(c["name"], c["arguments"]) for c in turn.tool_calls])
+            replies[len(prepared.messages)] = (turn.content, turn.reasoning, _calls(turn.message()))
             sealed = self._open.segment() if prepared.mode == "rewrite" else None
             o = _Open() if sealed is not None else self._open
             n0 = len(o.token_ids)

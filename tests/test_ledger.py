@@ -497,3 +497,90 @@ def test_echoed_reply_extends_when_the_cut_falls_inside_reasoning(tok):
                                    {"role": "user", "content": "b"}])
     assert p2.mode == "extend" and len(led.segments()) == 1
     assert p2.tail_ids == enc(tok2, "<|im_end|>\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+def _echo(t1, **edit):
+    """The first turn's reply as the chat wire sends it (content, reasoning_content, calls with
+    JSON-text arguments), with ``edit`` applied (``arguments``: the calls' new JSON text,
+    ``call_id``: their new id)."""
+    m = {"role": "assistant", "content": t1.content}
+    if t1.reasoning is not None:
+        m["reasoning_content"] = t1.reasoning
+    if t1.tool_calls:
+        args, cid = edit.pop("arguments", None), edit.pop("call_id", None)
+        m["tool_calls"] = [{"id": cid or c["id"], "type": "function", "function": {
+            "name": c["name"], "arguments": json.dumps(c["arguments"]) if args is None else args}} for c in t1.tool_calls]
+    return {**m, **edit}
+
+
+CALL_AB = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("first, edit, want", [
+    ("Hi.", {}, "extend"),
+    ("Hi.", {"content": "Hi. "}, "reply_edited"),  # trailing whitespace the template renders
+    ("Hi.", {"content": "\nHi."}, "reply_edited"),
+    ("<think>\nplan\n</think>\n\nHi.", {}, "extend"),
+    ("<think>\nplan\n</think>\n\nHi.", {"reasoning_content": None}, "extend"),  # reasoning dropped
+    ("<think>\nplan\n</think>\n\nHi.", {"reasoning_content": "other plan"}, "reply_edited"),
+    ("<think>\nplan\n</think>\n\nHi.", {"reasoning_content": None, "content": "<think>\nother\n</think>\n\nHi."}, "reply_edited"),
+    ("<think>\nplan and", {}, "extend"),  # an unclosed think block: content "", reasoning "plan and"
+    ("<think>\nplan and", {"reasoning_content": "plan or"}, "reply_edited"),
+    ("Do.\n" + CALL_AB, {}, "extend"),
+    ("Do.\n" + CALL_AB, {"arguments": '{"a":1,"b":2}'}, "extend"),  # JSON spacing: the same object
+    ("Do.\n" + CALL_AB, {"arguments": '{"b": 2, "a": 1}'}, "reply_edited"),  # key order: rendered apart
+    ("Do.\n" + CALL_AB, {"arguments": '{"a": true, "b": 2}'}, "reply_edited"),  # 1 == True in Python
+    ("Do.\n" + CALL_AB, {"arguments": '{"a": 1.0, "b": 2}'}, "reply_edited"),  # 1 == 1.0 in Python
+    ("Do.\n" + CALL_AB, {"call_id": "call_mine"}, "reply_edited"),  # Mistral-family templates render ids
+    ("Hi.", {"name": "bot"}, "reply_edited"),
+], ids=["exact", "trailing-space", "leading-newline", "think-exact", "think-dropped", "think-edited",
+        "think-inline-edited", "unclosed-exact", "unclosed-edited", "call-exact", "call-spacing",
+        "call-key-order", "call-1-true", "call-1-float", "call-id", "name-added"])
+def test_an_edited_echo_never_extends_with_the_original_ids(tok, first, edit, want):
+    """Issue 24 item 9 review: a reply sent back exactly as the wire sent it (or with its
+    reasoning left out: the ledger holds what the model produced) extends; one the client changed
+    in anything the chat template renders -- outer whitespace, reasoning (field or inline),
+    an argument's type or key order -- is a rewrite counted ``reply_edited``, so the next prompt
+    is the client's history, never the original ids under an edited message; so is a call id
+    or a name field changed (templates that render them exist). A tool turn follows: this
+    template renders the last turn's reasoning there."""
+    led = Ledger(tok)
+    eng = ScriptedEngine(tok, [first, "Ok."])
+    q = [{"role": "user", "content": "q"}]
+    _, t1 = turn(led, eng, q, TOOLS)
+    m = {k: v for k, v in _echo(t1, **edit).items() if v is not None}
+    p2, _ = turn(led, eng, q + [m, {"role": "tool", "tool_call_id": "c", "content": "r"}], TOOLS)
+    assert (p2.mode, p2.cause) == (("extend", None) if want == "extend" else ("rewrite", want))
+    assert len(led.segments()) == (1 if want == "extend" else 2)
+    assert led.trajectory().info["rewrite_causes"] == {c: int(c == want) for c in REWRITE_CAUSES}
+
+
+def test_an_edited_earlier_call_or_schema_is_seen_past_the_fast_path_and_the_retry(tok):
+    """Issue 24 item 9 review: the request-level comparisons (the fast path over the previous
+    request, the retry key, the tools) took ``{"a": 1}`` and ``{"a": true}`` for one value:
+    an earlier turn's call edited under an unedited last turn extended, the edited request was
+    answered as a retry of the original, an edited tool schema kept the original's prompt."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    eng = ScriptedEngine(tok, [call, call, "Done.", "Again."])
+    led = Ledger(tok)
+    q = [{"role": "user", "content": "q"}]
+    _, t1 = turn(led, eng, q, TOOLS)
+    m2 = q + [_echo(t1), {"role": "tool", "tool_call_id": "1", "content": "2"}]
+    p2, t2 = turn(led, eng, m2, TOOLS)
+    assert p2.mode == "extend"
+    edited = q + [_echo(t1, arguments='{"a": true}')] + m2[2:]
+    p = led.prepare(edited, TOOLS, SamplingParams())  # was answered as a retry of m2 (t2 again)
+    assert (p.mode, p.cause, p.cached) == ("rewrite", "history_edited", None)
+    p3 = led.prepare(edited + [_echo(t2), {"role": "tool", "tool_call_id": "2", "content": "3"}], TOOLS, SamplingParams())
+    assert (p3.mode, p3.cause) == ("rewrite", "reply_edited")  # turn 1 edited, turn 2 exact
+    moved = m2[:2] + [{**m2[2], "tool_call_id": "9"}, _echo(t2), {"role": "tool", "tool_call_id": "2", "content": "3"}]
+    p3 = led.prepare(moved, TOOLS, SamplingParams())
+    assert (p3.mode, p3.cause) == ("rewrite", "history_edited")  # a tool result's id edited: ignored before
+    tools2 = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "default": 1}}}}}]
+    tools3 = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "default": True}}}}}]
+    led4 = Ledger(tok)
+    _, t = turn(led4, ScriptedEngine(tok, ["Hi.", "Ok."]), q, tools2)
+    p = led4.prepare(q + [_echo(t), {"role": "user", "content": "n"}], tools3, SamplingParams())
+    assert (p.mode, p.cause) == ("rewrite", "tools_changed")

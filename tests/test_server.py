@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import anthropic
+import httpx
 import openai
 import pytest
 import torch
@@ -487,4 +488,76 @@ def test_echoed_reply_with_unclosed_think_extends_on_every_wire(tok, served, wir
     assert seg.token_ids == (enc(tok, "<|im_start|>user\nStep 0: what is 0 + 1?<|im_end|>\n<|im_start|>assistant\n") + LOAD_IDS
                              + enc(tok, "<|im_end|>\n<|im_start|>user\nStep 1: what is 0 + 3?<|im_end|>\n<|im_start|>assistant\n")
                              + enc(tok, "Fine.") + [im_end])
+    assert check_tokens(traj) == TokenCheck(0, 0)
+
+
+#: a reply with reasoning and a tool call: content "Calling.", reasoning "need a tool", add(a=2, b=3)
+THINK_CALL = f"<think>\nneed a tool\n</think>\n\nCalling.\n{CALL}"
+
+
+def _post(info, wire, history):
+    """One non-streamed request on ``wire`` (raw JSON, the tools of this module): the reply."""
+    head = {"Authorization": f"Bearer {info.api_key}"}
+    if wire == "openai":
+        return httpx.post(f"{info.openai_base_url}/chat/completions", headers=head,
+                          json={"model": "policy", "messages": history, "tools": TOOLS}).json()
+    if wire == "responses":
+        return httpx.post(f"{info.openai_base_url}/responses", headers=head, json={
+            "model": "policy", "input": history, "tools": [{"type": "function", **t["function"]} for t in TOOLS]}).json()
+    return httpx.post(f"{info.anthropic_base_url}/v1/messages", headers=head, json={
+        "model": "policy", "max_tokens": 200, "tools": A_TOOLS, "messages": history}).json()
+
+
+def _echo_call(wire, r, history, edit):
+    """``history`` + reply ``r`` (one tool call) echoed in the wire's own shape with ``edit``
+    (None, "reasoning": "need two tools", "arguments": a = 2.0) + the tool's result "5"."""
+    if wire == "openai":
+        m = dict(r["choices"][0]["message"])
+        call = m["tool_calls"][0]
+        if edit == "reasoning":
+            m["reasoning_content"] = "need two tools"
+        if edit == "arguments":
+            m["tool_calls"] = [{**call, "function": {**call["function"], "arguments": '{"a": 2.0, "b": 3}'}}]
+        return history + [m, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    if wire == "responses":
+        items = [dict(o) for o in r["output"]]
+        for o in items:
+            if o["type"] == "reasoning" and edit == "reasoning":
+                o["content"] = [{"type": "reasoning_text", "text": "need two tools"}]
+            if o["type"] == "function_call" and edit == "arguments":
+                o["arguments"] = '{"a": 2.0, "b": 3}'
+        call_id = next(o["call_id"] for o in items if o["type"] == "function_call")
+        return history + items + [{"type": "function_call_output", "call_id": call_id, "output": "5"}]
+    blocks = [dict(b) for b in r["content"]]
+    for b in blocks:
+        if b["type"] == "thinking" and edit == "reasoning":
+            b["thinking"] = "need two tools"
+        if b["type"] == "tool_use" and edit == "arguments":
+            b["input"] = {"a": 2.0, "b": 3}
+    use = next(b["id"] for b in blocks if b["type"] == "tool_use")
+    return history + [{"role": "assistant", "content": blocks},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use, "content": "5"}]}]
+
+
+@pytest.mark.parametrize("edit", [None, "reasoning", "arguments"], ids=["exact", "reasoning-edited", "argument-2-to-2.0"])
+@pytest.mark.parametrize("wire", ["openai", "responses", "anthropic"])
+def test_an_edited_echo_is_a_rewrite_on_every_wire(tok, served, wire, edit):
+    """Issue 24 item 9 review, on each wire's own carriers (``reasoning_content`` / a reasoning
+    item / a thinking block; JSON-text arguments / a function_call item / a tool_use input
+    object): the reply echoed as sent extends the one segment; its reasoning edited, or an
+    argument 2 sent back as 2.0 (equal to 2 in Python, rendered "2.0" by the template), is a
+    ``reply_edited`` rewrite: two segments, the second prompt the client's history rendered."""
+    h = served(ScriptedEngine(tok, [THINK_CALL, "Five."]))
+    info = h.create_session()
+    q = [{"role": "user", "content": "add 2 and 3"}]
+    _post(info, wire, _echo_call(wire, _post(info, wire, q), q, edit))
+    traj = h.trajectory(info.session_id)
+    rewrites = 0 if edit is None else 1
+    assert traj.info["requests"] == {"start": 1, "extend": 1 - rewrites, "rewrite": rewrites, "retry": 0}
+    assert traj.info["rewrite_causes"] == {c: (rewrites if c == "reply_edited" else 0) for c in traj.info["rewrite_causes"]}
+    assert len(traj.segments) == 1 + rewrites
+    if edit is not None:  # the new segment's prompt holds the client's edit, never the sampled original
+        text = tok.decode(traj.segments[1].token_ids)
+        assert ("need two tools" in text) == (edit == "reasoning")
+        assert ('"a": 2.0' in text) == (edit == "arguments")
     assert check_tokens(traj) == TokenCheck(0, 0)
