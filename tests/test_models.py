@@ -327,9 +327,51 @@ def test_length_dependent_rope_per_type():
                                                                     "sliding_attention": long}))
     static = [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
               {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
-              {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 1.0, "alpha": 1000.0},
-              {**long, "short_factor": [2.0, 3.0]}]
+              {"rope_type": "llama3", "factor": 8.0}, {**long, "short_factor": [2.0, 3.0]}]
     assert [length_dependent_rope(C(rope_parameters=p)) for p in static] == [None] * len(static)
+
+
+def _rotary_cases():
+    """(config, rotary class) pairs whose frequencies the next test measures."""
+    from transformers import HunYuanDenseV1Config, LlamaConfig, PhimoeConfig
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
+
+    size = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, max_position_embeddings=8)
+    alpha = {"rope_type": "dynamic", "factor": 4.0, "alpha": 1000.0, "rope_theta": 10000.0}
+    one_factor = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+                  "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    return {"llama dynamic+alpha": (LlamaConfig(**size, rope_parameters=alpha), LlamaRotaryEmbedding),
+            "hunyuan dynamic+alpha": (HunYuanDenseV1Config(**size, head_dim=16, rope_parameters=alpha), HunYuanDenseV1RotaryEmbedding),
+            "phimoe mscales": (PhimoeConfig(**{**size, "max_position_embeddings": 32}, num_local_experts=2,
+                                            rope_parameters={**one_factor, "short_mscale": 1.0, "long_mscale": 1.3}),
+                               PhimoeRotaryEmbedding),
+            "phimoe one mscale": (PhimoeConfig(**{**size, "max_position_embeddings": 32}, num_local_experts=2,
+                                               rope_parameters={**one_factor, "short_mscale": 1.3, "long_mscale": 1.3}),
+                                  PhimoeRotaryEmbedding)}
+
+
+@pytest.mark.parametrize("case,dependent", [("llama dynamic+alpha", True), ("hunyuan dynamic+alpha", False),
+                                            ("phimoe mscales", True), ("phimoe one mscale", False)])
+def test_length_dependent_rope_agrees_with_the_rotary_embedding(case, dependent):
+    """Issue 24 (review): the detector against the model's own rotary embedding -- cos/sin of
+    positions 0 and 1 in a call of 2 positions vs one of 20 (past ``max_position_embeddings`` 8 /
+    ``original_max_position_embeddings`` 8). ``alpha`` makes ``dynamic`` a fixed base only in
+    Hunyuan's rotary (``ntk_alpha``); Llama's ignores it and rescales (0.021 on cos here); PhiMoE
+    scales cos/sin by ``long_mscale`` past 8 positions, so equal factor lists with mscales 1.0 /
+    1.3 still differ (0.3 = 1.3 - 1.0 at position 0, where cos = 1). Before, both read static."""
+    from molt_core.models import length_dependent_rope
+
+    cfg, cls = _rotary_cases()[case]
+    x = torch.zeros(1, 1, 16)
+    short, _ = cls(cfg)(x, torch.arange(2)[None])
+    long, _ = cls(cfg)(x, torch.arange(20)[None])
+    assert (not torch.equal(short, long[:, :2])) is dependent
+    if case.startswith("phimoe"):
+        assert float((long[0, 0] - short[0, 0]).abs().max()) == pytest.approx(0.3 if dependent else 0.0, abs=1e-6)
+    assert (length_dependent_rope(cfg) is not None) is dependent
 
 
 def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
