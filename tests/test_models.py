@@ -374,18 +374,10 @@ def test_length_dependent_rope_agrees_with_the_rotary_embedding(case, dependent)
     assert (length_dependent_rope(cfg) is not None) is dependent
 
 
-def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
-    """Issue 24: a longrope model (Phi-3.5 / Phi-4-mini style) cannot be computed alike by a
-    cached-decode engine and a full-sequence trainer: ``molt run`` exits 2 naming the type and
-    the fix, before the run directory exists; the trainer worker refuses the loaded model too
-    (a GGUF file's config is known only there); with one factor set the same model passes."""
-    from click.testing import CliRunner
+def _longrope_dir(tmp_path):
+    """A 1-layer Qwen3 directory (the builtin tokenizer) with Phi-3.5-style longrope switching
+    factors at 8 positions, and its config."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from molt_core.cli import main
-    from molt_core.models import check_model_positions
-    from molt_core.runtime import TrainerWorker
-    from trainer_utils import tiny_cfg
 
     tok = load_tokenizer("builtin:tiny-qwen3")
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8, "factor": 4.0,
@@ -396,6 +388,41 @@ def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
     d = tmp_path / "phi-like"
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
+    return d, cfg
+
+
+def test_a_sharded_trainer_rank_refuses_a_length_dependent_rope(tmp_path):
+    """Issue 24 (review): a sharded rank (``trainer.world_size > 1``) builds its trainer in
+    ``ShardedTrainerWorker.start``, not in ``TrainerWorker.__init__``, so with a GGUF model (no
+    config.json for the driver to read) a longrope model trained unrefused. It refuses as the
+    single trainer does (a gloo group of one, in this process)."""
+    import torch.distributed as dist
+
+    from molt_core.runtime.trainer_group import ShardedTrainerWorker
+    from trainer_utils import tiny_cfg
+
+    d, _ = _longrope_dir(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="model.path .*rope_scaling type 'longrope'.*short_factor equal to long_factor"):
+            ShardedTrainerWorker(tiny_cfg(model={"path": str(d)})).start(0, 1, f"file://{tmp_path / 'rdzv'}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
+    """Issue 24: a longrope model (Phi-3.5 / Phi-4-mini style) cannot be computed alike by a
+    cached-decode engine and a full-sequence trainer: ``molt run`` exits 2 naming the type and
+    the fix, before the run directory exists; the trainer worker refuses the loaded model too
+    (a GGUF file's config is known only there); with one factor set the same model passes."""
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+    from molt_core.models import check_model_positions
+    from molt_core.runtime import TrainerWorker
+    from trainer_utils import tiny_cfg
+
+    d, cfg = _longrope_dir(tmp_path)
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(out),
                                     "--set", f'model.path="{d}"'])
