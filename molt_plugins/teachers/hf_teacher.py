@@ -72,7 +72,7 @@ class HFTeacher:
     """Options for ``molt plugins --check`` (``path`` has no default)."""
 
     def __init__(self, student_tokenizer: Any, **options: Any) -> None:
-        from molt_core.models import load_model, load_tokenizer
+        from molt_core.models import length_dependent_rope, load_model, load_tokenizer
         from molt_plugins.rewards.base import validate_options
 
         self.options: HFTeacherOptions = validate_options(HFTeacherOptions, options, "teacher")  # type: ignore[assignment]
@@ -84,7 +84,6 @@ class HFTeacher:
         self.model.eval()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
-        from molt_core.models import length_dependent_rope
         from molt_core.vision import is_vision_model, load_vision_processor
 
         #: sequences per forward: 1 when the rotary factors depend on a forward's longest position
