@@ -297,10 +297,13 @@ def length_dependent_rope(config: Any) -> str | None:
     transformers' ``dynamic_rope_update`` (``modeling_rope_utils``) recomputes ``inv_freq``
     from ``max(position_ids) + 1`` of each call: ``longrope`` (Phi-3.5, Phi-4-mini) takes
     ``long_factor`` for the whole call once that passes ``original_max_position_embeddings``,
-    else ``short_factor``; ``dynamic`` (NTK) rescales the base past ``max_position_embeddings``
-    and keeps it on the module. So a prefix forward, a cached decode step and a full forward
-    rotate one position differently. Static: ``default``, ``linear``, ``yarn``, ``llama3``,
-    ``proportional``, Hunyuan's ``dynamic`` with ``alpha``, a ``longrope`` with equal factor lists.
+    else ``short_factor`` (PhiMoE's rotary also scales cos/sin by ``long_mscale``, else
+    ``short_mscale``); ``dynamic`` (NTK) rescales the base past ``max_position_embeddings`` and
+    keeps it on the module. So a prefix forward, a cached decode step and a full forward rotate
+    one position differently. Static: ``default``, ``linear``, ``yarn``, ``llama3``,
+    ``proportional``, a ``longrope`` with equal factor lists (and mscales), and ``dynamic`` with
+    ``alpha`` on a Hunyuan model (its rotary runs it as a fixed ``ntk_alpha`` base; any other
+    model's ``dynamic`` ignores ``alpha``).
 
     Args:
         config: a transformers config (its text config is read; ``rope_parameters``, else the
@@ -312,11 +315,13 @@ def length_dependent_rope(config: Any) -> str | None:
         return None
     for p in rp.values() if rp and all(isinstance(v, dict) for v in rp.values()) else [rp]:
         kind = str(p.get("rope_type", p.get("type", "default")))
-        if kind in ("longrope", "su") and list(p.get("short_factor") or []) != list(p.get("long_factor") or []):
-            return (f"rope_scaling type {kind!r} rotates every position of a forward with long_factor once its "
-                    f"longest position passes original_max_position_embeddings = "
-                    f"{p.get('original_max_position_embeddings')}, else with short_factor")
-        if "dynamic" in kind and not p.get("alpha"):
+        if kind in ("longrope", "su") and (list(p.get("short_factor") or []) != list(p.get("long_factor") or [])
+                                           or p.get("short_mscale") != p.get("long_mscale")):
+            return (f"rope_scaling type {kind!r} rotates every position of a forward with long_factor (and "
+                    f"long_mscale) once its longest position passes original_max_position_embeddings = "
+                    f"{p.get('original_max_position_embeddings')}, else with short_factor (short_mscale)")
+        if "dynamic" in kind and not (kind == "dynamic" and p.get("alpha") and getattr(text, "model_type", None)
+                                      in ("hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text")):
             return (f"rope_scaling type {kind!r} rescales the rotary base from the longest position of each forward "
                     f"and keeps it on the model between calls (vLLM: a fixed, always-scaled base)")
     return None
@@ -344,7 +349,7 @@ def check_model_positions(path: str, config: Any = None) -> None:
         raise ValueError(
             f"model.path {path!r}: {why}, so the engine (prefill, then cached decode) and the trainer (one full "
             f"forward) cannot compute the same logprobs; use a static rotary embedding: for longrope set "
-            f"rope_scaling.short_factor equal to long_factor in config.json, for dynamic drop rope_scaling "
+            f"rope_scaling.short_factor equal to long_factor (and short_mscale to long_mscale) in config.json, for dynamic drop rope_scaling "
             f"(within max_position_embeddings it is the default RoPE) or use type 'linear' or 'yarn'")
 
 

@@ -327,23 +327,57 @@ def test_length_dependent_rope_per_type():
                                                                     "sliding_attention": long}))
     static = [None, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
               {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
-              {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 1.0, "alpha": 1000.0},
-              {**long, "short_factor": [2.0, 3.0]}]
+              {"rope_type": "llama3", "factor": 8.0}, {**long, "short_factor": [2.0, 3.0]}]
     assert [length_dependent_rope(C(rope_parameters=p)) for p in static] == [None] * len(static)
 
 
-def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
-    """Issue 24: a longrope model (Phi-3.5 / Phi-4-mini style) cannot be computed alike by a
-    cached-decode engine and a full-sequence trainer: ``molt run`` exits 2 naming the type and
-    the fix, before the run directory exists; the trainer worker refuses the loaded model too
-    (a GGUF file's config is known only there); with one factor set the same model passes."""
-    from click.testing import CliRunner
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _rotary_cases():
+    """(config, rotary class) pairs whose frequencies the next test measures."""
+    from transformers import HunYuanDenseV1Config, LlamaConfig, PhimoeConfig
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
 
-    from molt_core.cli import main
-    from molt_core.models import check_model_positions
-    from molt_core.runtime import TrainerWorker
-    from trainer_utils import tiny_cfg
+    size = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=64, max_position_embeddings=8)
+    alpha = {"rope_type": "dynamic", "factor": 4.0, "alpha": 1000.0, "rope_theta": 10000.0}
+    one_factor = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+                  "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    return {"llama dynamic+alpha": (LlamaConfig(**size, rope_parameters=alpha), LlamaRotaryEmbedding),
+            "hunyuan dynamic+alpha": (HunYuanDenseV1Config(**size, head_dim=16, rope_parameters=alpha), HunYuanDenseV1RotaryEmbedding),
+            "phimoe mscales": (PhimoeConfig(**{**size, "max_position_embeddings": 32}, num_local_experts=2,
+                                            rope_parameters={**one_factor, "short_mscale": 1.0, "long_mscale": 1.3}),
+                               PhimoeRotaryEmbedding),
+            "phimoe one mscale": (PhimoeConfig(**{**size, "max_position_embeddings": 32}, num_local_experts=2,
+                                               rope_parameters={**one_factor, "short_mscale": 1.3, "long_mscale": 1.3}),
+                                  PhimoeRotaryEmbedding)}
+
+
+@pytest.mark.parametrize("case,dependent", [("llama dynamic+alpha", True), ("hunyuan dynamic+alpha", False),
+                                            ("phimoe mscales", True), ("phimoe one mscale", False)])
+def test_length_dependent_rope_agrees_with_the_rotary_embedding(case, dependent):
+    """Issue 24 (review): the detector against the model's own rotary embedding -- cos/sin of
+    positions 0 and 1 in a call of 2 positions vs one of 20 (past ``max_position_embeddings`` 8 /
+    ``original_max_position_embeddings`` 8). ``alpha`` makes ``dynamic`` a fixed base only in
+    Hunyuan's rotary (``ntk_alpha``); Llama's ignores it and rescales (0.021 on cos here); PhiMoE
+    scales cos/sin by ``long_mscale`` past 8 positions, so equal factor lists with mscales 1.0 /
+    1.3 still differ (0.3 = 1.3 - 1.0 at position 0, where cos = 1). Before, both read static."""
+    from molt_core.models import length_dependent_rope
+
+    cfg, cls = _rotary_cases()[case]
+    x = torch.zeros(1, 1, 16)
+    short, _ = cls(cfg)(x, torch.arange(2)[None])
+    long, _ = cls(cfg)(x, torch.arange(20)[None])
+    assert (not torch.equal(short, long[:, :2])) is dependent
+    if case.startswith("phimoe"):
+        assert float((long[0, 0] - short[0, 0]).abs().max()) == pytest.approx(0.3 if dependent else 0.0, abs=1e-6)
+    assert (length_dependent_rope(cfg) is not None) is dependent
+
+
+def _longrope_dir(tmp_path):
+    """A 1-layer Qwen3 directory (the builtin tokenizer) with Phi-3.5-style longrope switching
+    factors at 8 positions, and its config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = load_tokenizer("builtin:tiny-qwen3")
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8, "factor": 4.0,
@@ -354,6 +388,41 @@ def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
     d = tmp_path / "phi-like"
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
+    return d, cfg
+
+
+def test_a_sharded_trainer_rank_refuses_a_length_dependent_rope(tmp_path):
+    """Issue 24 (review): a sharded rank (``trainer.world_size > 1``) builds its trainer in
+    ``ShardedTrainerWorker.start``, not in ``TrainerWorker.__init__``, so with a GGUF model (no
+    config.json for the driver to read) a longrope model trained unrefused. It refuses as the
+    single trainer does (a gloo group of one, in this process)."""
+    import torch.distributed as dist
+
+    from molt_core.runtime.trainer_group import ShardedTrainerWorker
+    from trainer_utils import tiny_cfg
+
+    d, _ = _longrope_dir(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="model.path .*rope_scaling type 'longrope'.*short_factor equal to long_factor"):
+            ShardedTrainerWorker(tiny_cfg(model={"path": str(d)})).start(0, 1, f"file://{tmp_path / 'rdzv'}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_length_dependent_rope_is_refused_before_the_run(tmp_path):
+    """Issue 24: a longrope model (Phi-3.5 / Phi-4-mini style) cannot be computed alike by a
+    cached-decode engine and a full-sequence trainer: ``molt run`` exits 2 naming the type and
+    the fix, before the run directory exists; the trainer worker refuses the loaded model too
+    (a GGUF file's config is known only there); with one factor set the same model passes."""
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+    from molt_core.models import check_model_positions
+    from molt_core.runtime import TrainerWorker
+    from trainer_utils import tiny_cfg
+
+    d, cfg = _longrope_dir(tmp_path)
     out = tmp_path / "run"
     res = CliRunner().invoke(main, ["run", "quickstart", "--steps", "1", "--out", str(out),
                                     "--set", f'model.path="{d}"'])

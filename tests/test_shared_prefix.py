@@ -372,12 +372,14 @@ LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 8, "fac
             "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}
 
 
-@pytest.mark.parametrize("rope,max_positions", [(LONGROPE, 32), ({"rope_type": "dynamic", "factor": 4.0}, 8)])
+@pytest.mark.parametrize("rope,max_positions", [(LONGROPE, 32), ({"rope_type": "dynamic", "factor": 4.0}, 8),
+                                                ({"rope_type": "dynamic", "factor": 4.0, "alpha": 1000.0}, 8)])
 def test_a_rotary_embedding_whose_factors_depend_on_the_length_runs_in_full(rope, max_positions):
     """Issue 24: transformers picks longrope's factors (and dynamic NTK's base) from the longest
     position of each forward call, so a prefix of L = 3 positions was rotated with the short
     factors and the rows' other 14 with the long ones (0.043 nats from the full forward on this
-    model; the old code shared). Now such a model runs in full -- one forward call, bit for bit
+    model; the old code shared; a non-Hunyuan ``dynamic`` with ``alpha`` shared until review, its
+    rotary ignores ``alpha``). Now such a model runs in full -- one forward call, bit for bit
     the logprobs of ``shared_prefix`` off -- while default RoPE on the same weights shares."""
     model = _tiny_qwen3(rope, max_positions)
     tr = Trainer(tiny_cfg(), model=model)

@@ -114,3 +114,28 @@ def test_vl_teacher_sees_the_rollout_images():
     assert float((got - torch.tensor(out.logprobs)).abs().max()) <= 1e-5
     (blind,) = teacher.batch_token_logprobs([seg.token_ids])  # the fault: no images shown
     assert float((torch.tensor(blind[P:]) - torch.tensor(out.logprobs)).abs().max()) > 1e-3
+
+
+def test_a_length_dependent_rope_teacher_scores_each_sequence_alone(tmp_path, student_tok):
+    """Issue 24 (review): a longrope teacher (Phi-3.5 / Phi-4-mini style) picks its factors from
+    the longest position of each forward, so a 6-token sequence batched with a 20-token one was
+    rotated with the long factors (original_max_position_embeddings = 8) and scored differently
+    than alone. Such a teacher now runs one sequence per forward: a sequence's logprobs are
+    those of its own forward whatever it is batched with, bit for bit."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8, "factor": 4.0,
+            "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}
+    cfg = Qwen3Config(vocab_size=len(student_tok), hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, intermediate_size=128, max_position_embeddings=32,
+                      rope_parameters=rope)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "phi-like")
+    student_tok.save_pretrained(tmp_path / "phi-like")
+    teacher = HFTeacher(student_tok, path=str(tmp_path / "phi-like"), batch_size=16)
+    short, long = list(range(10, 16)), list(range(30, 50))
+    alone = teacher.batch_token_logprobs([short])[0]
+    batched = teacher.batch_token_logprobs([short, long])
+    assert len(alone) == 6 and alone[0] is None and all(x < 0 for x in alone[1:])
+    assert batched[0] == alone and batched[1] == teacher.batch_token_logprobs([long])[0]
+    assert teacher.batch_size == 1

@@ -43,10 +43,12 @@ class ShardedTrainerWorker(TrainerWorker):
     def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
         """Join the process group as ``rank`` and build the sharded trainer; returns where this
         rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``)."""
+        from molt_core.models import check_model_positions
         from molt_core.train.distributed import ShardedTrainer, init_distributed
 
         backend = init_distributed(rank, world_size, init_method)
         self.trainer = ShardedTrainer(self.cfg)
+        check_model_positions(self.cfg.model.path, self.trainer.model.config)  # as TrainerWorker does (GGUF)
         return {"rank": str(rank), **where(), "backend": backend}
 
 

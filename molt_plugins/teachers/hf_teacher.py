@@ -72,7 +72,7 @@ class HFTeacher:
     """Options for ``molt plugins --check`` (``path`` has no default)."""
 
     def __init__(self, student_tokenizer: Any, **options: Any) -> None:
-        from molt_core.models import load_model, load_tokenizer
+        from molt_core.models import length_dependent_rope, load_model, load_tokenizer
         from molt_plugins.rewards.base import validate_options
 
         self.options: HFTeacherOptions = validate_options(HFTeacherOptions, options, "teacher")  # type: ignore[assignment]
@@ -85,6 +85,11 @@ class HFTeacher:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
         from molt_core.vision import is_vision_model, load_vision_processor
+
+        #: sequences per forward: 1 when the rotary factors depend on a forward's longest position
+        #: (longrope, dynamic NTK: :func:`molt_core.models.length_dependent_rope`), so a sequence's
+        #: logprobs never depend on the sequences batched with it
+        self.batch_size = 1 if length_dependent_rope(self.model.config) else o.batch_size
 
         #: the teacher's image processor (a vision-language teacher), else None
         self.vision = load_vision_processor(o.path, self.tokenizer) if is_vision_model(self.model) else None
@@ -119,9 +124,9 @@ class HFTeacher:
         if any(images) and self.vision is None:
             raise ValueError(f"the teacher ({self.options.path}) is not a vision-language model: it cannot score "
                              "rollouts with images; use a vision-language teacher")
-        for k in range(0, len(sequences), self.options.batch_size):
-            chunk = [list(map(int, s)) for s in sequences[k:k + self.options.batch_size]]
-            imgs = [list(x) for x in images[k:k + self.options.batch_size]]
+        for k in range(0, len(sequences), self.batch_size):
+            chunk = [list(map(int, s)) for s in sequences[k:k + self.batch_size]]
+            imgs = [list(x) for x in images[k:k + self.batch_size]]
             for j, s in enumerate(chunk):
                 if not s:
                     raise ValueError(f"sequence {k + j} is empty")
