@@ -84,7 +84,7 @@ class ResponsesRequest(_Req):
 
     def tool_result_fields(self) -> list[str]:
         """``input[i].call_id`` of each ``function_call_output`` item, in order
-        (:func:`~molt_core.server.tool_results.check_tool_results`)."""
+        (:func:`~molt_core.server.tool_results.match_tool_results`)."""
         items = self.input if isinstance(self.input, list) else []
         return [f"input[{i}].call_id" for i, it in enumerate(items) if isinstance(it, dict)
                 and it.get("type") == "function_call_output"]

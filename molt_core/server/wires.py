@@ -246,7 +246,7 @@ class ChatCompletionRequest(_Req):
 
     def tool_result_fields(self) -> list[str]:
         """``messages[i].tool_call_id`` of each tool message, in order
-        (:func:`~molt_core.server.tool_results.check_tool_results`)."""
+        (:func:`~molt_core.server.tool_results.match_tool_results`)."""
         return [f"messages[{i}].tool_call_id" for i, m in enumerate(self.messages)
                 if isinstance(m, dict) and m.get("role") == "tool"]
 
@@ -381,7 +381,7 @@ class MessagesRequest(_Req):
 
     def tool_result_fields(self) -> list[str]:
         """``messages[i].content[j].tool_use_id`` of each ``tool_result`` block, in order (the tool
-        messages :meth:`openai_messages` makes; :func:`~molt_core.server.tool_results.check_tool_results`)."""
+        messages :meth:`openai_messages` makes; :func:`~molt_core.server.tool_results.match_tool_results`)."""
         return [f"messages[{i}].content[{j}].tool_use_id" for i, m in enumerate(self.messages)
                 if m.role == "user" and isinstance(m.content, list)
                 for j, b in enumerate(m.content) if b.get("type") == "tool_result"]
