@@ -7,7 +7,7 @@ answered by a tool message, the others answered by a user message), so every tur
 both alike:
 
 * ``window``: the default, the extend check renders a window of the conversation
-  (:mod:`molt_core.ledger_render`);
+  (:mod:`molt_core.ledger.render`);
 * ``full``: ``Ledger(window_render=False)``, the reference check that renders the whole
   conversation twice per turn.
 

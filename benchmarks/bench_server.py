@@ -171,7 +171,7 @@ def load_bench(model: str, sessions: list[int], wires: list[str], turns: int, re
     wall time) and ``client_cpu_ms_per_req`` (the load client's process)."""
     import httpx
 
-    from molt_core.server import start_router
+    from molt_core.cli.router import start_router
 
     tok = load_tokenizer(model)
     engines = [TransformersEngine(load_model(model), tok, max_batch_size=max_batch_size, eos_token_ids=[],

@@ -95,7 +95,7 @@ def main() -> None:
     })
     molt = Trainer(cfg, model=molt_model, tokenizer=tok)
     if args.sft_steps:
-        from molt_core.sft import noisy_answer, sft
+        from molt_core.train.sft import noisy_answer, sft
 
         rng = random.Random(1)
         ex = [(r["prompt"], noisy_answer(r["answer"], rng) if rng.random() < args.label_noise else r["answer"])

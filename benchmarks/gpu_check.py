@@ -14,7 +14,7 @@ Parts (each records ``ok`` / ``failed`` / ``skipped`` with its reason and figure
 2. ``bf16`` -- forward consistency in bf16 on CUDA: engine (transformers, and vLLM when it
    imports) in bf16 on the trainer's bf16-rounded weights, trainer in bf16 autocast over fp32
    master weights; ``invariants/logprob_absdiff_max_onpolicy`` must stay within
-   :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL` and exceed it when the engine runs
+   :data:`molt_core.train.version_history.ONPOLICY_ABSDIFF_TOL` and exceed it when the engine runs
    other weights (fault injection: noise of half its std on every tensor -- a gross fault; a
    small one, such as one missed publish at lr 1e-6, stays under the bf16 bound).
 3. ``rl`` -- ``--steps`` RL steps of ``recipes/examples/gpu_qwen3.toml`` through ``molt run``
@@ -271,7 +271,7 @@ def part_bf16(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     from molt_core.engines.transformers_engine import TransformersEngine
     from molt_core.models import load_tokenizer
     from molt_core.train import Trainer
-    from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+    from molt_core.train.version_history import ONPOLICY_ABSDIFF_TOL
 
     tol = ONPOLICY_ABSDIFF_TOL["bfloat16"]
     gpu = torch.cuda.is_available()

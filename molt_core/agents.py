@@ -44,7 +44,7 @@ class Agent:
     """Common base of :class:`Env` and :class:`ChatAgent`: options and the task source.
 
     ``repeat_train_split`` (class attribute, default True): when a finite ``train`` split runs
-    out, the run starts a new epoch over it (:class:`molt_core.tasks.TaskStream`); an agent
+    out, the run starts a new epoch over it (:class:`molt_core.rollout.tasks.TaskStream`); an agent
     whose split must not repeat sets it False, and the run stops with an error instead.
     """
 

@@ -98,7 +98,7 @@ class ModelSection(_Section):
     ``dtype`` -- the trainer's compute dtype: parameters, gradients and AdamW state stay
     float32 (master weights) and ``bfloat16``/``float16`` forwards run under autocast
     (:meth:`molt_core.train.Trainer.autocast`; bound of the forward-consistency invariant per
-    dtype: :data:`molt_core.version_history.ONPOLICY_ABSDIFF_TOL`);
+    dtype: :data:`molt_core.train.version_history.ONPOLICY_ABSDIFF_TOL`);
     ``routing_replay`` -- for an MoE policy, replay the rollout's recorded expert selection in
     the trainer's forwards (R3, arXiv 2510.11370; needs a replay backend for the model type)."""
 
@@ -228,7 +228,7 @@ class AsyncSection(_Section):
     ``invariants/logprob_absdiff_max_onpolicy`` (-1, the default: every stale row; n > 0: a
     random sample of n rows per older version, new each step; 0: off, no weight copies kept);
     the trainer keeps ``max_staleness`` CPU copies of past weights and one shadow copy of the
-    policy on its device for it (:mod:`molt_core.version_history`)."""
+    policy on its device for it (:mod:`molt_core.train.version_history`)."""
 
     max_staleness: int = Field(0, ge=0)
     onpolicy_rows: int = Field(-1, ge=-1)
@@ -323,7 +323,7 @@ class SftSection(_Section):
     (fraction of deliberately wrong targets), ``n_examples``. ``molt sft`` and the warm start
     inside ``molt run`` run the same computation with ``run.threads`` torch threads. ``data``:
     train on these rows instead of the agent's tasks -- a JSONL of ``{"prompt", "completion"}``
-    or ``{"messages"}`` rows (or a Parquet file / dataset directory; :mod:`molt_core.sft`)."""
+    or ``{"messages"}`` rows (or a Parquet file / dataset directory; :mod:`molt_core.train.sft`)."""
 
     steps: int = Field(0, ge=0)
     data: str | None = None

@@ -7,7 +7,7 @@ OpenAI Chat shape with a base64 data URL::
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo..."}}
 
 :func:`image_part` builds it from encoded bytes (what an Env uses); the wires convert their own
-shapes to it (:mod:`molt_core.server.wires`). The ledger (:mod:`molt_core.ledger_messages`)
+shapes to it (:mod:`molt_core.server.wires`). The ledger (:mod:`molt_core.ledger.messages`)
 reads it back with :func:`decode_part`, keeps the bytes once per rollout keyed by their
 SHA-256 and renders the message through the chat template with ``{"type": "image", "sha256":
 ...}`` in its place (:data:`IMAGE_PART_TYPE`).

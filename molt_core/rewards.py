@@ -41,7 +41,7 @@ Where a call runs, and what its deadline can stop (never the worker's event loop
 awaits):
 
 * ``isolation = "process"`` -- the call runs in a reward worker process (one per call in
-  flight, reused between calls, started outside the deadline; :mod:`molt_core._reward_worker`).
+  flight, reused between calls, started outside the deadline; :mod:`molt_core.rollout.reward_worker`).
   At the deadline the process (and its process group) is killed with ``SIGKILL``: nothing of
   the call survives, whatever it was doing -- a long C call holding the GIL (sympy, a huge
   integer power, a backtracking regex) included. Arguments and the result cross by pickle:
@@ -332,7 +332,7 @@ class _WorkerDied(Exception):
 
 
 class _ProcessWorker:
-    """One reward worker process (:mod:`molt_core._reward_worker`) holding one function."""
+    """One reward worker process (:mod:`molt_core.rollout.reward_worker`) holding one function."""
 
     def __init__(self, fn: Callable[..., Any], name: str) -> None:
         """Start the process (call this on a long-lived thread, the event loop's: the child
@@ -343,13 +343,13 @@ class _ProcessWorker:
         import subprocess
         import sys
 
-        from molt_core._reward_worker import read_frame, write_frame
+        from molt_core.rollout.reward_worker import read_frame, write_frame
 
         self._read, self._write, self.name = read_frame, write_frame, name
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["MOLT_REWARD_PARENT"] = str(os.getpid())
-        self.proc = subprocess.Popen([sys.executable, "-c", "from molt_core._reward_worker import main; main()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "from molt_core.rollout.reward_worker import main; main()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._init = pickle.dumps((list(sys.path), _dump_fn(fn)))
 

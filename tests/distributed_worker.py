@@ -6,7 +6,7 @@ one list per train step) and ``out`` (rank 0 writes the metrics of every step an
 updated weights there with ``torch.save``); optional ``run_dir`` with ``save_after`` (write a
 checkpoint after that many steps) or ``resume`` (a checkpoint to load first; then only the
 steps after its ``step`` run); optional ``sft`` (``examples``, ``steps``, ``batch_size``, ``lr``
-of a :func:`molt_core.sft.sft` warm start run first); optional ``replay_backend``
+of a :func:`molt_core.train.sft.sft` warm start run first); optional ``replay_backend``
 (``module:Class``, importable from tests/: the MoE routing-replay backend every rank uses);
 optional ``poison_token`` (:func:`poison_after_first_step`).
 """
@@ -55,7 +55,7 @@ def main(spec_path: str) -> None:
         steps = steps[trainer.step:]
     metrics = []
     if spec.get("sft"):  # a supervised warm start first: its per-step losses and grad norms lead the list
-        from molt_core.sft import sft
+        from molt_core.train.sft import sft
 
         sft(trainer, [tuple(e) for e in spec["sft"]["examples"]], steps=spec["sft"]["steps"],
             batch_size=spec["sft"]["batch_size"], lr=spec["sft"]["lr"], log=lambda i, m: metrics.append(m))

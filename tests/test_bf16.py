@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+from molt_core.train.version_history import ONPOLICY_ABSDIFF_TOL
 from test_weightpack import _publish_and_measure, make_workers, step_ahead
 
 torch.set_num_threads(1)
 
-BF16_TOL = ONPOLICY_ABSDIFF_TOL["bfloat16"]  # the documented bound (molt_core.version_history)
+BF16_TOL = ONPOLICY_ABSDIFF_TOL["bfloat16"]  # the documented bound (molt_core.train.version_history)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from molt_core.cli import main
-from molt_core.plugin_listing import compact_lines, summary
+from molt_core.cli.plugin_listing import compact_lines, summary
 from molt_core.plugins import load_plugins
 
 
@@ -188,7 +188,7 @@ def test_bad_logger_option_fails_before_compute_naming_the_key(tmp_path):
 def test_molt_sft_steps_is_sft_steps_and_redirected_output_gets_no_tqdm_bars(monkeypatch):
     import os
 
-    import molt_core.sft as sft_mod
+    import molt_core.train.sft as sft_mod
 
     seen = {}
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from molt_core.conformance import check_host
+from molt_core.testing.conformance import check_host
 from molt_core.plugins import PluginError, load_plugins
 from molt_core.testing import check_plugins
 

@@ -124,7 +124,7 @@ SFT = {"examples": [([{"role": "user", "content": f"What is {a} + {b}?"}], str(a
 def test_two_ranks_match_one_rank(tmp_path):
     """First a 2-step SFT warm start (5 rows: 2 on rank 0, 3 on rank 1; the reference is then
     re-snapshotted from the sharded policy), then two RL steps."""
-    from molt_core.sft import sft
+    from molt_core.train.sft import sft
 
     cfg = _config()
     single = Trainer(cfg)

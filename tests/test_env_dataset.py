@@ -1,4 +1,4 @@
-"""The ``dataset`` env and its row reader (molt_core/datafiles.py): every source format, field
+"""The ``dataset`` env and its row reader (molt_core/rollout/datafiles.py): every source format, field
 mapping and template rendering, split determinism and disjointness, the error messages, and
 the shipped ``builtin:chain_sum`` dataset."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from molt_core.agents import EpisodeState
-from molt_core.datafiles import BUILTIN_DATASETS_DIR, load_rows
-from molt_core.tasks import SplitExhausted, TaskStream, check_train_split
+from molt_core.rollout.datafiles import BUILTIN_DATASETS_DIR, load_rows
+from molt_core.rollout.tasks import SplitExhausted, TaskStream, check_train_split
 from molt_plugins.envs.dataset import DatasetEnv, strip_end_markers
 
 ROWS = [{"q": f"{a} plus {b}", "a": str(a + b), "extra": a} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9)]]
@@ -96,7 +96,7 @@ def test_directory_of_split_files(files):
 
 def test_hub_name_offline_is_a_clear_error():
     pytest.importorskip("datasets")
-    code = ("from molt_core.datafiles import load_rows\n"
+    code = ("from molt_core.rollout.datafiles import load_rows\n"
             "try:\n    load_rows('no-such-user/no-such-dataset-xyz', what='agent.options.path')\n"
             "except ValueError as e:\n    print('ERR', e)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": "/nonexistent-molt-test"}

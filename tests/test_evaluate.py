@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from molt_core.config import RunConfig
-from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k
-from molt_core.evaluate import evaluate, resolve_model
+from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k
+from molt_core.cli.evaluate import evaluate, resolve_model
 from molt_core.plugins import load_plugins
 from molt_core.runtime.workers import RolloutWorker, _sampling
 from molt_core.train.checkpoint import CheckpointCorrupt
@@ -251,7 +251,7 @@ def test_unreachable_url_fails_once_with_a_clear_message(tmp_path):
 
 
 def test_summary_lines():
-    from molt_core.evaluate import summary
+    from molt_core.cli.evaluate import summary
 
     rep = {"metrics": {"eval/pass@1": 0.25, "eval/pass@2": 5 / 12, "eval/reward": 0.4, "eval/failed": 1.0},
            "k": 2, "n": 4, "n_problems": 2, "temperature": 1.0, "model": {"step": 7},

@@ -247,7 +247,7 @@ def test_ledger_memory_is_bounded_over_50_image_turns(vl, monkeypatch):
     total = sum(len(d) for d in distinct)
     assert len(led._images) == 50 and total <= held_distinct <= total + allowance, (held_distinct, total, allowance)
     # fault injection: a cache that keeps the request's data URLs (one per turn) breaks the bound
-    import molt_core.ledger_messages as lm
+    import molt_core.ledger.messages as lm
 
     monkeypatch.setattr(lm, "_DIGEST_MIN", 1 << 60)
     held_copies, _ = _retained(tok, vp, [big] * 50)

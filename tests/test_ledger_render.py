@@ -1,4 +1,4 @@
-"""The ledger's window-checked extend (molt_core/ledger_render.py) against the full render.
+"""The ledger's window-checked extend (molt_core/ledger/render.py) against the full render.
 
 Exactness: for every shipped or test template, over random conversations (hypothesis), the
 window ledger plans exactly what the full-render ledger plans (mode, prompt ids, tail, text,
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.ledger import Ledger
-from molt_core.ledger_messages import NormalizeCache, normalize_messages
-from molt_core.ledger_render import Scan, WindowProof, prove_window, window_start
+from molt_core.ledger.messages import NormalizeCache, normalize_messages
+from molt_core.ledger.render import Scan, WindowProof, prove_window, window_start
 from molt_core.models import load_tokenizer
 from molt_core.testing import ScriptedEngine
 from molt_core.types import SamplingParams

@@ -148,7 +148,7 @@ def test_reference_is_base_with_adapter_disabled(base):
 
 
 def test_sft_warm_start_trains_base_and_leaves_adapter(base):
-    from molt_core.sft import sft
+    from molt_core.train.sft import sft
 
     tr = make(base, algo={"kl_coef": 0.1})
     base0 = {k: v.clone() for k, v in base_state_dict(tr.model).items()}

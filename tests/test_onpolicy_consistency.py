@@ -20,7 +20,7 @@ import torch
 from molt_core.sampling import processed_logprobs
 from molt_core.train import Trainer
 from molt_core.types import SampledSpan, Segment, Trajectory
-from molt_core.version_history import VersionHistory, onpolicy_metrics, sample_rows
+from molt_core.train.version_history import VersionHistory, onpolicy_metrics, sample_rows
 from trainer_utils import BiasLM, tiny_cfg
 
 torch.set_num_threads(1)
@@ -966,7 +966,7 @@ def test_stale_absdiff_marks_nan_and_plus_inf_apart_from_out_of_support_and_metr
     and +inf are NaN; ``onpolicy_metrics`` counts the infinite one as out of support and
     raises on a NaN (before: both were counted as out of support)."""
     from molt_core.train import build_batch
-    from molt_core.version_history import stale_absdiff
+    from molt_core.train.version_history import stale_absdiff
 
     h = VersionHistory(1)
     h.record(0, BiasLM(BP))

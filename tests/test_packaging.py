@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 from molt_core import config as config_mod
 from molt_core.cli import _brief, main
 from molt_core.config import find_recipe, list_recipes, load_config, recipes_dir
-from molt_core.extras import MODULE_EXTRAS, install_hint, missing_module, missing_requirements, with_install_hint
+from molt_core.plugins.extras import MODULE_EXTRAS, install_hint, missing_module, missing_requirements, with_install_hint
 from molt_core.plugins import PluginError, load_plugins
 from molt_plugins.envs.gymnasium_env import GymnasiumTextEnv
 
@@ -275,7 +275,7 @@ def test_the_wheel_carries_recipes_examples_agents_and_assets(tmp_path):
     assert repo_recipes <= names and "molt_core/recipes/examples/regex.toml" in names
     assert "molt_core/recipes/agents/addition_env.py" in names
     assert {"molt_core/assets/tiny_chatml/tokenizer.json", "molt_core/assets/tiny_chatml/tokenizer_config.json",
-            "molt_core/templates/plugin/reward/__init__.py.j2", "molt_core/py.typed"} <= names
+            "molt_core/testing/templates/plugin/reward/__init__.py.j2", "molt_core/py.typed"} <= names
     assert not any(n.startswith(("recipes/", "tests/")) for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(whl).read(meta).decode()

@@ -137,7 +137,7 @@ def test_molt_show_header_is_not_cut_at_80_columns(tmp_path):
 
     from rich.console import Console
 
-    from molt_core.show import show_run
+    from molt_core.cli.show import show_run
 
     rid = "r-f1b45a328a714704bee3429ae5ab7d12"
     row = {"step": 1, "rollout_id": rid, "status": "ok", "reward": 0.0, "score": 0.0, "truncated": True,
@@ -176,7 +176,7 @@ def test_set_on_plugin_option_tables_keeps_dates_as_text_and_says_how_to_quote_n
 def test_molt_eval_of_a_missing_checkpoint_path_says_no_such_directory(tmp_path):
     """A pruned or mistyped checkpoint path was taken for a Hub id, and `molt eval` answered
     "give a RECIPE ... only for a run's checkpoint" (issue 13 item 12)."""
-    from molt_core.evaluate import resolve_model
+    from molt_core.cli.evaluate import resolve_model
 
     (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
     missing = tmp_path / "checkpoints" / "step_00000000"

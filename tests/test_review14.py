@@ -87,7 +87,7 @@ def test_bf16_bound_misses_one_stale_publish_at_the_gpu_recipe_lr(tmp_path):
     missed one publish reads under the bf16 bound (0.1) -- blind -- while float32 flags the same
     fault against its 1e-4 bound. (The docs claimed 2.5 for "one publish behind"; that figure came
     from noise of 0.05 on every weight, not from a publish.)"""
-    from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+    from molt_core.train.version_history import ONPOLICY_ABSDIFF_TOL
 
     clean32, stale32 = _one_publish_behind(tmp_path / "f32", "float32", 1e-6)
     assert clean32 <= ONPOLICY_ABSDIFF_TOL["float32"] < stale32

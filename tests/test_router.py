@@ -22,7 +22,7 @@ from molt_core.identity import TokenCheck, check_tokens
 from molt_core.engines.transformers_engine import TransformersEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.server import start_server
-from molt_core.server.router import start_router
+from molt_core.cli.router import start_router
 
 torch.set_num_threads(1)
 
@@ -244,7 +244,7 @@ def test_molt_serve_num_engines(monkeypatch):
     behind its own server, one router URL printed; stopping the router ends the command."""
     from click.testing import CliRunner
 
-    import molt_core.server.router as rt
+    import molt_core.cli.router as rt
     from molt_core.cli import main
 
     made, result, real = [], {}, rt.start_router
@@ -281,7 +281,7 @@ def test_molt_serve_num_engines(monkeypatch):
 def test_router_body_limit_while_reading(tok, stack):
     """Issue 12 item 2 through the router: its own body limit, enforced while reading, answered
     in the wire's shape (the backend never sees the body)."""
-    from molt_core.server.router import Backend, create_router_app
+    from molt_core.cli.router import Backend, create_router_app
 
     router, backends = stack([EchoEngine(tok)], admin_key="adm")
     info = router.create_session()

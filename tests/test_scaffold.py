@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_core.scaffold import KINDS, TEMPLATES, next_breaking, render_plugin
+from molt_core.testing.scaffold import KINDS, TEMPLATES, next_breaking, render_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 # generated tests per kind: (passed, skipped) when run uninstalled (the entry-point test skips)

@@ -229,7 +229,7 @@ def test_any_route_any_method_is_wire_shaped_and_ledger_unchanged(env, method, p
 @pytest.fixture(scope="module")
 def routed():
     from molt_core.server import start_server
-    from molt_core.server.router import start_router
+    from molt_core.cli.router import start_router
 
     tok = load_tokenizer("builtin:tiny-qwen3")
     eng = ScriptedEngine(tok, ["ok"] * 10)

@@ -20,7 +20,7 @@ import torch
 from fake_engine import EchoEngine, ScriptedEngine
 from molt_core.models import load_tokenizer
 from molt_core.server import start_server
-from molt_core.server.router import start_router
+from molt_core.cli.router import start_router
 from molt_core.server.wires import IGNORED_ANTHROPIC, IGNORED_OPENAI, REFUSED_ANTHROPIC, REFUSED_OPENAI
 
 torch.set_num_threads(1)
@@ -308,7 +308,7 @@ def test_tool_calls_json_aware_every_parallel_call_survives(tok, stack, wire, st
 
 
 def test_tool_parsers_per_family():
-    from molt_core.parsers import get_tool_parser
+    from molt_core.ledger.parsers import get_tool_parser
 
     def calls(name, text, tools=None):
         return [(c.name, c.arguments, c.span) for c in get_tool_parser(name).parse(text, 0, tools)]
@@ -340,7 +340,7 @@ def test_tool_parsers_per_family():
 def test_auto_tool_parser_follows_the_tokenizer():
     from types import SimpleNamespace
 
-    from molt_core.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
+    from molt_core.ledger.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
                                    TransformersResponseParser, get_tool_parser)
 
     def kind(template, **kw):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from molt_core.ledger import Ledger
 from molt_core.models import load_model, load_tokenizer
-from molt_core.sft import collate, examples_from_rows, render_example
+from molt_core.train.sft import collate, examples_from_rows, render_example
 
 U = {"role": "user", "content": "What is 1 + 2?"}
 

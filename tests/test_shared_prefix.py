@@ -10,7 +10,7 @@ import torch
 
 import molt_core.train.forward as fwd
 from molt_core.train import Trainer, build_batch
-from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+from molt_core.train.version_history import ONPOLICY_ABSDIFF_TOL
 from trainer_utils import record_engine_ids, set_behaviour, synthetic_rollouts, tiny_cfg
 
 torch.set_num_threads(1)

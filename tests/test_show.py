@@ -153,7 +153,7 @@ def test_eval_summary_says_how_many_eval_rollouts_failed(m, text):
 
 
 def test_image_placeholder_runs_are_collapsed_for_display():
-    from molt_core.show import collapse_images
+    from molt_core.cli.show import collapse_images
 
     ctx = "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 16 + "<|vision_end|>How many?<|im_end|>"
     assert collapse_images(ctx) == "<|im_start|>user\n<|vision_start|>[image: 16 tokens]<|vision_end|>How many?<|im_end|>"

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from molt_core.tasks import SplitExhausted, TaskStream, check_train_split
+from molt_core.rollout.tasks import SplitExhausted, TaskStream, check_train_split
 
 
 class Three:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from molt_core.agents import Env
 from molt_core.models import load_model, load_tokenizer
-from molt_core.sft import examples_from_agent, noisy_answer, render_example, sft
+from molt_core.train.sft import examples_from_agent, noisy_answer, render_example, sft
 from molt_core.train import Trainer
 from molt_core.types import Result
 from trainer_utils import tiny_cfg

@@ -17,7 +17,7 @@ from molt_core.agents import load_agent
 from molt_core.config import load_config
 from molt_core.identity import TokenCheck, check_tokens
 from molt_core.plugins import load_plugins
-from molt_core.sft import examples_from_agent
+from molt_core.train.sft import examples_from_agent
 from molt_core.testing import run_episode
 from molt_plugins.envs.visual import VisualEnv, png_bytes
 

@@ -55,7 +55,7 @@ def test_vision_recipe_validates_and_builds(vl_tok):
 def test_vision_recipe_prompt_matches_the_vision_module(vl_tok):
     """molt's own expansion (molt_core.vision, what the ledger and SFT use) equals the
     processor-style reference above for the recipe's images."""
-    from molt_core.sft import render_with_images
+    from molt_core.train.sft import render_with_images
     from molt_core.vision import load_vision_processor
 
     cfg = load_config(RECIPE)

@@ -10,7 +10,7 @@ import torch
 
 from molt_core.images import image_part
 from molt_core.models import load_model
-from molt_core.sft import render_example, render_with_images, sft
+from molt_core.train.sft import render_example, render_with_images, sft
 from molt_core.train import Trainer
 from molt_core.vision import load_vision_processor
 from tests.test_vision import VL, png
@@ -73,7 +73,7 @@ def test_sft_on_images_learns_the_colour(vl_tok):
 
 
 def test_sft_rows_may_carry_image_parts(vl_tok):
-    from molt_core.sft import examples_from_rows
+    from molt_core.train.sft import examples_from_rows
 
     msgs, answer = colour_example("blue")
     rows = [{"prompt": msgs, "completion": answer},

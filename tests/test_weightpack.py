@@ -21,7 +21,7 @@ import torch
 from molt_core.config import RunConfig
 from molt_core.runtime import weightpack
 from molt_core.runtime.weightpack import PackedState, as_state_dict, pack_state, unpack_state
-from molt_core.version_history import ONPOLICY_ABSDIFF_TOL
+from molt_core.train.version_history import ONPOLICY_ABSDIFF_TOL
 
 torch.set_num_threads(1)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.config import RunConfig
-from molt_core.evalstats import eval_metrics
+from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
-from molt_core.progress import step_progress
+from molt_core.runtime.progress import step_progress
 from molt_core.rewards import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
 from molt_core.runtime.collective_sync import publish as publish_collective
@@ -28,7 +28,7 @@ from molt_core.runtime.rundir import RunLog, check_loggers
 from molt_core.runtime.trainer_group import describe_ranks
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
-from molt_core.tasks import TaskStream, check_train_split
+from molt_core.rollout.tasks import TaskStream, check_train_split
 from molt_core.types import Group, Trajectory
 
 __all__ = ["RunFailed", "assemble_batch", "main_job"]
@@ -188,7 +188,7 @@ class _Local:
 
 def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> list[tuple[int, dict, int]]:
     """``(index, task, epoch)`` of the train stream's tasks at the 0-based ``indices`` (sorted),
-    read from a fresh :class:`~molt_core.tasks.TaskStream` (the stream is deterministic in
+    read from a fresh :class:`~molt_core.rollout.tasks.TaskStream` (the stream is deterministic in
     the seed)."""
     out: list[tuple[int, dict, int]] = []
     if not indices:
@@ -415,7 +415,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         if not eval_tasks:
             return {}
         loaded()  # evaluate the weights just published
-        # per-sample seeds depend on the task's index only (molt_core.evalstats): `molt eval` on
+        # per-sample seeds depend on the task's index only (molt_core.rollout.evalstats): `molt eval` on
         # a checkpoint of this run recomputes these numbers exactly, however tasks are sharded
         idx = list(range(len(eval_tasks)))
         shards = [(eval_tasks[i::len(workers)], idx[i::len(workers)]) for i in range(len(workers))]

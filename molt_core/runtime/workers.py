@@ -19,7 +19,7 @@ from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
-from molt_core.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
+from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
@@ -327,7 +327,7 @@ class RolloutWorker:
         Args:
             indices: each task's index in the run's task stream (``molt run`` passes them):
                 rollout ``j`` of task ``indices[i]`` samples with seed
-                :func:`~molt_core.evalstats.sample_seed` ``("train", run.seed, indices[i], j)``
+                :func:`~molt_core.rollout.evalstats.sample_seed` ``("train", run.seed, indices[i], j)``
                 (turn ``t`` with that + ``t``), so its tokens depend on the weights, the task
                 and those numbers only -- not on the engine's earlier requests, the worker, the
                 number of engines or a resume in between. None: the engine's own seed stream
@@ -368,8 +368,8 @@ class RolloutWorker:
                              indices: list[int] | None = None) -> list[dict[str, Any]]:
         """Sample ``n`` rollouts per task at ``temperature`` (no training), sample ``j`` of the
         task at eval-split index ``indices[i]`` (default ``i``) seeded with
-        :func:`~molt_core.evalstats.eval_seed` ``(run.seed, index, j)``; returns one
-        :func:`~molt_core.evalstats.task_result` dict per task."""
+        :func:`~molt_core.rollout.evalstats.eval_seed` ``(run.seed, index, j)``; returns one
+        :func:`~molt_core.rollout.evalstats.task_result` dict per task."""
         indices = list(range(len(tasks))) if indices is None else [int(i) for i in indices]
         if len(indices) != len(tasks):
             raise ValueError(f"indices has {len(indices)} entries for {len(tasks)} tasks")
@@ -382,7 +382,7 @@ class RolloutWorker:
     async def evaluate(self, tasks: list[dict], k: int, temperature: float, indices: list[int] | None = None) -> dict[str, float]:
         """Sample ``k`` rollouts per task at ``temperature`` (:meth:`evaluate_tasks`); returns
         ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
-        ``eval/failed`` (:func:`~molt_core.evalstats.eval_metrics`)."""
+        ``eval/failed`` (:func:`~molt_core.rollout.evalstats.eval_metrics`)."""
         return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
     async def load_weights(self, state: Any, version: int) -> int:
@@ -499,7 +499,7 @@ class TrainerWorker:
                 "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
     def sft_begin(self) -> int:
-        """Prepare the warm start: :func:`molt_core.sft.warm_start_steps` -- the same
+        """Prepare the warm start: :func:`molt_core.train.sft.warm_start_steps` -- the same
         computation as ``molt sft`` (``sft.steps`` of supervised fine-tuning on the agent's
         train tasks, ``sft.label_noise`` of the targets deliberately wrong, ``run.threads``
         torch threads). Returns the number of steps to run with :meth:`sft_next`.
@@ -507,7 +507,7 @@ class TrainerWorker:
         Raises:
             ValueError: the agent cannot be built or its tasks have no answers.
         """
-        from molt_core.sft import warm_start_steps
+        from molt_core.train.sft import warm_start_steps
 
         agent = load_agent(self.cfg, load_plugins(self.cfg.plugins))
         self._sft = warm_start_steps(self.trainer, agent)

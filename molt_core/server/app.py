@@ -112,7 +112,7 @@ class SessionStore:
         tokenizer: the served model's tokenizer (with a chat template).
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
-        tool_parser: the model family's tool-call parser (:mod:`molt_core.parsers`; default Hermes).
+        tool_parser: the model family's tool-call parser (:mod:`molt_core.ledger.parsers`; default Hermes).
         vision: the model's :class:`~molt_core.vision.VisionProcessor` (None: text only).
         image_policy: image limits and the remote-URL rule (:class:`~molt_core.images.ImagePolicy`).
     """
@@ -207,7 +207,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
         max_body_bytes: request body limit, enforced while reading (413 above it).
-        tool_parser: tool-call parser name or object for every session (:mod:`molt_core.parsers`).
+        tool_parser: tool-call parser name or object for every session (:mod:`molt_core.ledger.parsers`).
         image_policy: limits for image inputs and whether remote image URLs are fetched
             (:class:`~molt_core.images.ImagePolicy`; default: inline images only). A refused
             image is a 400 naming its field in the wire's shape (code ``invalid_image``).
@@ -229,7 +229,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 break
     app = FastAPI(title="molt loopback server", docs_url=None, redoc_url=None, openapi_url=None)
     if tool_parser is not None:
-        from molt_core.parsers import get_tool_parser
+        from molt_core.ledger.parsers import get_tool_parser
 
         tool_parser = get_tool_parser(tool_parser, tokenizer)
     if vision is ...:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from molt_core.config import RunConfig
 from molt_core.train.ingress import Batch
 from molt_core.train.trainer import Trainer
-from molt_core.version_history import VersionHistory
+from molt_core.train.version_history import VersionHistory
 
 __all__ = ["ShardedTrainer", "init_distributed", "local_param_bytes", "merge_loss_metrics", "row_share", "shard_module"]
 

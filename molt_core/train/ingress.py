@@ -63,7 +63,7 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
     Args:
         values: ``[B, T]`` float logprobs of the batch (``rows`` None: the sampled tokens are
             ``batch.mask``), or ``[N]`` float values of N sampled tokens with ``rows`` ``[N]``
-            long, the batch row of each (:func:`molt_core.version_history.stale_absdiff`).
+            long, the batch row of each (:func:`molt_core.train.version_history.stale_absdiff`).
             ``-inf`` (out of the recomputed support) passes.
         batch: the step's batch (``mask``, ``rollout_index``).
         where: the computation, for the message.

@@ -12,7 +12,7 @@ are trained -- the base weights ``W`` never change.
   plain state dict runs the policy unchanged.
 * The KL reference is the base model with the adapter disabled (peft's ``disable_adapter()``
   context, :class:`AdapterDisabled`): no second copy of the weights.
-* An SFT warm start (:mod:`molt_core.sft`) trains the *base* weights with the adapter
+* An SFT warm start (:mod:`molt_core.train.sft`) trains the *base* weights with the adapter
   disabled (:func:`base_training`) -- the warm start plays the part of the pretrained model
   the adapter is then trained on; the reference is that warm-started base.
 * A checkpoint holds ``model/`` (the merged model, loadable with ``from_pretrained``),
@@ -43,7 +43,7 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as e:
-        from molt_core.extras import with_install_hint
+        from molt_core.plugins.extras import with_install_hint
 
         raise ImportError(with_install_hint("trainer.lora needs peft", e)) from e
     return peft

@@ -15,7 +15,7 @@ sampled in-support tokens, before the update: policy drift plus mismatch),
 ``invariants/logprob_absdiff_max_onpolicy`` / ``_mean_onpolicy`` (every step,
 async included: each measured token against the weights of the version that
 sampled it -- the proximal logprobs for the current version, a recompute under a
-held older version otherwise; see :mod:`molt_core.version_history`; NaN when
+held older version otherwise; see :mod:`molt_core.train.version_history`; NaN when
 nothing could be measured; finite: an on-policy token outside its own version's
 support counts in ``invariants/onpolicy_out_of_support_tokens`` instead),
 ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
@@ -58,7 +58,7 @@ from molt_core.algo.correction import Correction
 from molt_core.algo.kl import kl_estimate
 from molt_core.train.ingress import Batch
 from molt_core.train.update import in_support
-from molt_core.version_history import onpolicy_metrics
+from molt_core.train.version_history import onpolicy_metrics
 
 __all__ = ["batch_metrics"]
 
@@ -76,7 +76,7 @@ def batch_metrics(trainer: Any, batch: Batch, corr: Correction, prox: torch.Tens
         prox: ``[B, T]`` float32 proximal logprobs (``-inf`` out of support); ``ent``: ``[B, T]``
             entropy (nats); ``ref_lp``: ``[B, T]`` reference logprobs or None; ``kl_keep``:
             ``[B, T]`` bool, the tokens the KL covers; ``onpol``: ``[N]`` |behaviour -
-            recomputed| of stale tokens (:func:`molt_core.version_history.stale_absdiff`);
+            recomputed| of stale tokens (:func:`molt_core.train.version_history.stale_absdiff`);
             ``noreplay``: the R3 no-replay diagnostic (may be empty).
     """
     cfg = trainer.cfg

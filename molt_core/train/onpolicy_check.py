@@ -1,19 +1,19 @@
 """The on-policy check of stale rows in a process of its own, beside the update.
 
 An asynchronous step measures its tokens sampled by older versions under those versions'
-weights (:func:`molt_core.version_history.stale_absdiff`): one extra no-grad forward per step.
+weights (:func:`molt_core.train.version_history.stale_absdiff`): one extra no-grad forward per step.
 Run on a thread of the trainer process, that forward shares the interpreter lock with the
 update and lengthens the step (tiny Qwen3 quickstart, 2 CPU cores: about 35-50 ms of a
 ~200 ms step). :class:`CheckProcess` runs it in a child process instead, so on a multi-core
 CPU it costs the update nothing but the copy of the weights that
-:meth:`~molt_core.version_history.VersionHistory.record` makes anyway:
+:meth:`~molt_core.train.version_history.VersionHistory.record` makes anyway:
 
 * the version history's copies live in shared memory: a ring of ``max_staleness + 1`` slots,
   each one file in ``/dev/shm`` holding a whole state dict, mapped by both processes (the
   files are unlinked once both have mapped them, so nothing is left behind); the child holds
   one model per slot whose parameters *are* that slot's tensors, so no weights travel per step;
 * per step the trainer sends the batch, the version it trains and which slot holds each older
-  version; the child runs the same :func:`~molt_core.version_history.stale_absdiff` over the
+  version; the child runs the same :func:`~molt_core.train.version_history.stale_absdiff` over the
   same micro-batches, autocast and thread count as the trainer
   (:func:`molt_core.train.forward.recompute_logprobs`) and sends back the ``[N]`` float64
   differences and their rows -- bit-identical to the check run in line
@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from molt_core.version_history import stale_absdiff, storage_key
+from molt_core.train.version_history import stale_absdiff, storage_key
 
 __all__ = ["CheckProcess"]
 
@@ -140,7 +140,7 @@ class CheckProcess:
 
     Attributes:
         ring: ``slots`` state dicts (name -> CPU tensor in shared memory) for
-            :meth:`molt_core.version_history.VersionHistory.share`.
+            :meth:`molt_core.train.version_history.VersionHistory.share`.
 
     Raises:
         MemoryError: the ring would take more than half of the free space of ``/dev/shm``

@@ -65,7 +65,7 @@ from molt_core.train.metrics import batch_metrics
 from molt_core.train.routing_replay import init_routing, routing, routing_metrics, routing_noreplay
 from molt_core.train.update import in_support, lr_factor, policy_update
 from molt_core.types import Trajectory
-from molt_core.version_history import VersionHistory, stale_absdiff
+from molt_core.train.version_history import VersionHistory, stale_absdiff
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +464,7 @@ class Trainer:
     def _onpolicy_stale(self, batch: Batch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
         older versions, each under its own version's weights (see
-        :mod:`molt_core.version_history`); returns a function that waits for its ``(diffs, rows)``.
+        :mod:`molt_core.train.version_history`); returns a function that waits for its ``(diffs, rows)``.
 
         Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
         images -- their processing and replay state live in this process) and pays (a CPU

@@ -19,7 +19,7 @@ Train rows whose prompt is also an eval prompt are dropped, so the splits are di
 Epochs. ``tasks("train", seed)`` yields passes over the train rows, each in a fresh order
 (``random.Random(seed + epoch)``; ``shuffle = false`` keeps file order): endlessly by default,
 or exactly ``epochs`` passes -- then the run refuses, before any compute, to need more
-(:func:`molt_core.tasks.check_train_split`).
+(:func:`molt_core.rollout.tasks.check_train_split`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt_core.agents import EpisodeState, Env
-from molt_core.datafiles import Format, load_rows
+from molt_core.rollout.datafiles import Format, load_rows
 from molt_core.types import Result
 
 __all__ = ["DatasetEnv", "DatasetOptions", "strip_end_markers"]
@@ -120,7 +120,7 @@ class DatasetEnv(Env):
     compute with its split, 1-based row number and the field at fault.
 
     Raises (at construction):
-        ValueError: unreadable source (:func:`molt_core.datafiles.load_rows`), an empty split,
+        ValueError: unreadable source (:func:`molt_core.rollout.datafiles.load_rows`), an empty split,
             a row without the prompt / answer field, a template naming a missing field,
             malformed chat messages, or no train row left once eval prompts are removed.
     """

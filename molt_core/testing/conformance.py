@@ -121,7 +121,7 @@ def _check_options(obj: Any) -> tuple[str, str, dict[str, Any]]:
 
 
 def _check_reward(obj: Any, name: str, options: dict[str, Any]) -> tuple[str, str]:
-    from molt_core.reward_probe import RewardCallFailed, score_reward
+    from molt_core.testing.reward_probe import RewardCallFailed, score_reward
     from molt_core.rewards import reward_spec
 
     ex = _example(obj)

@@ -9,7 +9,7 @@ is validated before any compute starts:
 
 * a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
   naming its distribution, with the original exception chained (and, for a module that an
-  extra of molt-sdk installs, ``pip install 'molt-sdk[EXTRA]'``: :mod:`molt_core.extras`);
+  extra of molt-sdk installs, ``pip install 'molt-sdk[EXTRA]'``: :mod:`molt_core.plugins.extras`);
 * a hookimpl whose arguments are not in its spec, or a ``molt_*`` function that is no hook
   of this API version -> :class:`PluginError` naming plugin, distribution and cause;
 * two plugins registering the same name for the same kind -> :class:`PluginError` naming
@@ -36,7 +36,7 @@ from typing import Any
 import pluggy
 
 from molt_core import hookspecs
-from molt_core.extras import with_install_hint
+from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
 __all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name"]

@@ -10,8 +10,8 @@ The model is one of
 
 For a model on disk, evaluation runs the very code ``molt run`` evaluates with:
 :meth:`molt_core.runtime.workers.RolloutWorker.evaluate_tasks` on the recipe's first
-``eval.n_problems`` eval tasks, each sample seeded by :func:`molt_core.evalstats.eval_seed`,
-metrics by :func:`molt_core.evalstats.eval_metrics`. So on a run's checkpoint at step ``s``,
+``eval.n_problems`` eval tasks, each sample seeded by :func:`molt_core.rollout.evalstats.eval_seed`,
+metrics by :func:`molt_core.rollout.evalstats.eval_metrics`. So on a run's checkpoint at step ``s``,
 with that run's ``config.toml`` (the default) and ``--n`` equal to ``eval.k``, the report's
 ``eval/pass@1`` is the ``eval/pass@1`` the run logged at step ``s`` (compared in the report's
 ``logged`` entry when the checkpoint belongs to a run directory).
@@ -29,7 +29,7 @@ from typing import Any
 
 from molt_core.agents import AgentContext
 from molt_core.config import RunConfig, TeacherSection
-from molt_core.evalstats import eval_metrics
+from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import RewardRunner
 from molt_core.agents import load_agent

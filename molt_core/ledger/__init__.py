@@ -17,11 +17,11 @@ by :meth:`Ledger.prepare` (pure) and recorded by :meth:`Ledger.commit` (atomic):
   without it) followed by the rendering of every new message and the generation prompt.
   Only template and new-message text is tokenized. The check renders only a window of the
   conversation (its first messages and its last few) when the chat template is proven
-  window-local (:mod:`molt_core.ledger_render`): the same verdict and tail as rendering the
+  window-local (:mod:`molt_core.ledger.render`): the same verdict and tail as rendering the
   whole conversation, at a cost that does not grow with the turn count; any other template,
   or a window that does not pass, takes the full render. Reading a request reuses the
   previous request's normalized messages for the unchanged prefix
-  (:class:`~molt_core.ledger_messages.NormalizeCache`).
+  (:class:`~molt_core.ledger.messages.NormalizeCache`).
 * **rewrite** -- anything else (context compaction, an edited history, a template that
   re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
   follows, B03): the open segment is sealed and a new one starts from the full render; the
@@ -67,10 +67,10 @@ from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
 from molt_core.images import ImagePolicy
-from molt_core.ledger_images import expand_images, extra_image_tokens
-from molt_core.ledger_messages import NormalizeCache, image_shas, normalize_messages
-from molt_core.ledger_render import WindowMessages, WindowProof, prove_window, window_start
-from molt_core.parsers import HermesParser, ToolParser, get_tool_parser
+from molt_core.ledger.images import expand_images, extra_image_tokens
+from molt_core.ledger.messages import NormalizeCache, image_shas, normalize_messages
+from molt_core.ledger.render import WindowMessages, WindowProof, prove_window, window_start
+from molt_core.ledger.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.types import ImageRef, SampledSpan, SamplingParams, Segment, Trajectory, new_id
 
 __all__ = ["LEDGER_INFO_KEYS", "REWRITE_CAUSES", "Ledger", "Prepared", "AssistantTurn", "LedgerConflict", "PromptTooLong",
@@ -160,7 +160,7 @@ def _same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     """Normalized message lists ``a == b`` field for field (content with its whitespace and
     think block, ``reasoning_content``, ``name``, ``tool_call_id``, call ids), tool-call
     arguments compared as JSON text (:func:`_calls`; skipped for one object twice -- the
-    :class:`~molt_core.ledger_messages.NormalizeCache` hands back the previous request's
+    :class:`~molt_core.ledger.messages.NormalizeCache` hands back the previous request's
     objects for an unchanged prefix, so a request costs in proportion to its new messages)."""
     return a == b and all(x is y or _calls(x) == _calls(y) for x, y in zip(a, b) if "tool_calls" in x)
 
@@ -203,7 +203,7 @@ class AssistantTurn:
 
     ``content``: visible text (no think block, no tool-call blocks, stop string/token
     removed). ``reasoning``: the think block's text or None. ``tool_calls``: ``[{"id",
-    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.parsers`,
+    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.ledger.parsers`,
     default Hermes ``<tool_call>{json}</tool_call>``; malformed blocks stay in ``content``). ``raw``: the assistant
     turn's body as the model produced it (generation-prompt body prefix + sampled text,
     tool-call blocks removed) -- what the ledger's history holds. ``finish_reason``:
@@ -306,11 +306,11 @@ class Ledger:
         group_id: the group (prompt) this rollout belongs to.
         chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
         think_tags / tool_call_tags: the model's reasoning and tool-call delimiters.
-        tool_parser: a :mod:`molt_core.parsers` family name (``hermes``, ``qwen3_coder``,
+        tool_parser: a :mod:`molt_core.ledger.parsers` family name (``hermes``, ``qwen3_coder``,
             ``llama3_json``, ``mistral``, ``auto``: from the tokenizer) or a parser object;
             default: Hermes with ``tool_call_tags``.
         window_render: check an extension by rendering a window of the conversation when the
-            chat template is proven window-local (:mod:`molt_core.ledger_render`; same verdict
+            chat template is proven window-local (:mod:`molt_core.ledger.render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
             renders the whole conversation (the reference path, kept for benchmarks and tests).
         vision: the model's :class:`~molt_core.vision.VisionProcessor` (its placeholder
@@ -642,7 +642,7 @@ class Ledger:
 
     def _window_check(self, hist: list[dict[str, Any]], new: list[dict[str, Any]],
                       tools: Any) -> tuple[str, str] | None:
-        """The extend check through a window (:mod:`molt_core.ledger_render`).
+        """The extend check through a window (:mod:`molt_core.ledger.render`).
 
         Renders ``W = hist[:head] + hist[j:]`` three ways -- without its last (assistant)
         message and with the generation prompt (the previous prompt), as is without it (the
@@ -672,7 +672,7 @@ class Ledger:
 
     def _render_window(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
         """:meth:`render` of a window, its message list refusing negative subscripts
-        (:class:`~molt_core.ledger_render.NegativeIndex`); template errors propagate as raised."""
+        (:class:`~molt_core.ledger.render.NegativeIndex`); template errors propagate as raised."""
         assert self._compiled is not None
         return self._compiled.render(messages=WindowMessages(_chat_form(m) for m in messages), tools=tools or None,
                                      documents=None, add_generation_prompt=add_generation_prompt, **self._template_vars)

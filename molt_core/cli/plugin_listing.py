@@ -10,7 +10,7 @@ import re
 import textwrap
 from typing import Any
 
-from molt_core.extras import install_command, missing_modules
+from molt_core.plugins.extras import install_command, missing_modules
 from molt_core.hookspecs import REGISTRATION_HOOKS
 from molt_core.plugins import FIRST_PARTY, PluginHost, _norm
 
@@ -47,7 +47,7 @@ def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
     Per kind with at least one name: ``kind (N)``, then ``  name  summary`` per name (a name
     from a third-party distribution is followed by ``[distribution]``; a name whose optional
     module is missing gets a line ``unusable here: pip install 'molt-sdk[EXTRA]' (...)``,
-    :mod:`molt_core.extras`); then the plugins with
+    :mod:`molt_core.plugins.extras`); then the plugins with
     their distribution and version, wrapped to ``width``; then a pointer to ``--verbose`` and
     ``--json``.
     """

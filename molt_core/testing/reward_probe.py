@@ -1,7 +1,7 @@
 """Score a registered reward outside a run, exactly as the runtime does.
 
 :func:`score_reward` (re-exported by :mod:`molt_core.testing`, used by the conformance checks
-of :mod:`molt_core.conformance`) builds a one-segment rollout per response and calls
+of :mod:`molt_core.testing.conformance`) builds a one-segment rollout per response and calls
 :func:`molt_core.rewards.score_group`; a call the runtime would mark failed raises
 :class:`RewardCallFailed` with the trajectory's error text.
 """

@@ -17,7 +17,7 @@ so the warm start is imperfect and RL has something to improve.
 Images (vision-language models): a prompt whose user/tool messages hold image parts
 (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``,
 :func:`molt_core.images.image_part`) is normalized and rendered as the ledger does
-(:func:`molt_core.ledger_messages.normalize_messages`), each placeholder is expanded into the
+(:func:`molt_core.ledger.messages.normalize_messages`), each placeholder is expanded into the
 image's run (:func:`molt_core.vision.expand_placeholders`), and the forward gets the images'
 ``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.vision.padded_inputs`)
 -- the same inputs the engine and the RL trainer give the model.
@@ -112,7 +112,7 @@ def render_with_images(tokenizer: Any, vp: Any, messages: list[dict[str, Any]], 
 
     if not any(isinstance(m.get("content"), list) and any(is_image_part(p) for p in m["content"]) for m in messages):
         return (*render_example(tokenizer, messages, completion, chat_template_kwargs), [])
-    from molt_core.ledger_messages import image_shas, normalize_messages
+    from molt_core.ledger.messages import image_shas, normalize_messages
 
     pool: dict[str, bytes] = {}
     msgs = normalize_messages(messages, pool)
@@ -431,14 +431,14 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
 
     Raises:
         ValueError: as :func:`examples_from_agent` / :func:`examples_from_rows`, or ``sft.data``
-            cannot be read (:func:`molt_core.datafiles.load_rows`).
+            cannot be read (:func:`molt_core.rollout.datafiles.load_rows`).
     """
     cfg = trainer.cfg
     s = cfg.sft
     if s.steps <= 0:
         return iter(())
     if s.data:
-        from molt_core.datafiles import load_rows
+        from molt_core.rollout.datafiles import load_rows
 
         examples = examples_from_rows(load_rows(s.data, what="sft.data"))
     else:
@@ -471,7 +471,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
 
     from rich.console import Console
 
-    from molt_core.progress import step_progress
+    from molt_core.runtime.progress import step_progress
     from molt_core.agents import load_agent
     from molt_core.train import Trainer
 

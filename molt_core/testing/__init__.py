@@ -24,7 +24,7 @@ Helpers (plain functions, usable without pytest):
   per response or per group, with the whole rollout when it asks for it, ``weight`` and
   ``timeout_s`` honoured), returning its scores or raising :class:`RewardCallFailed`;
 * :func:`check_plugins` -- the conformance checks of ``molt plugins --check``
-  (:mod:`molt_core.conformance`).
+  (:mod:`molt_core.testing.conformance`).
 
 This module imports no plugin (``molt_plugins``) at import time; heavy imports (torch,
 transformers, the runtime) happen inside the helpers that need them.
@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 from molt_core.engines.base import GenerationOutput
 from molt_core.identity import digest_ids
-from molt_core.reward_probe import RewardCallFailed, score_reward
+from molt_core.testing.reward_probe import RewardCallFailed, score_reward
 from molt_core.types import Group, SamplingParams
 
 __all__ = ["ScriptedEngine", "EchoEngine", "FailingEngine", "tiny_tokenizer", "tiny_engine", "loopback_server",
@@ -245,7 +245,7 @@ def run_episode(agent: Any, task: dict[str, Any], replies: Sequence[Any] | None 
 
 # --------------------------------------------------------------------------- plugin checks
 def check_plugins(local: Sequence[str] = (), entry_points: bool = True, names: Sequence[str] = ()) -> None:
-    """Run the conformance checks of ``molt plugins --check`` (:mod:`molt_core.conformance`)
+    """Run the conformance checks of ``molt plugins --check`` (:mod:`molt_core.testing.conformance`)
     over the installed plugins plus ``local`` ``--plugin`` specs; pass in a test with::
 
         from molt_core.testing import check_plugins
@@ -259,7 +259,7 @@ def check_plugins(local: Sequence[str] = (), entry_points: bool = True, names: S
         AssertionError: listing every failed check (``plugin kind name: problem``).
         molt_core.plugins.PluginError: a plugin fails to load or two names clash.
     """
-    from molt_core.conformance import check_host
+    from molt_core.testing.conformance import check_host
     from molt_core.plugins import load_plugins
 
     host = load_plugins(list(local), entry_points=entry_points)

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from molt_core import __version__
 from molt_core.config import RECIPES_DIR, AgentSection, ConfigError, RunConfig, list_recipes, load_config
-from molt_core.extras import missing_requirements, with_install_hint
+from molt_core.plugins.extras import missing_requirements, with_install_hint
 from molt_core.plugins import PluginError, PluginHost, load_plugins
 
 console = Console(stderr=True)
@@ -185,7 +185,7 @@ def sft(recipe: str, plugin: tuple[str, ...], overrides: tuple[str, ...], out: s
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
-    from molt_core.sft import run_sft
+    from molt_core.train.sft import run_sft
 
     try:
         path = run_sft(cfg, host, out_dir=out, recipe_name=Path(recipe).stem)
@@ -213,7 +213,7 @@ def eval_(recipe: str | None, model: str, n: int | None, k: int | None, out: str
 
     RECIPE defaults to the run's own config.toml when --model is a run's checkpoint; then, with
     the default --n, pass@1 equals the eval/pass@1 the run logged at that step."""
-    from molt_core.evaluate import default_report_path, evaluate, resolve_model, run_config_of, summary
+    from molt_core.cli.evaluate import default_report_path, evaluate, resolve_model, run_config_of, summary
 
     try:
         ref = resolve_model(model)
@@ -235,7 +235,7 @@ def eval_(recipe: str | None, model: str, n: int | None, k: int | None, out: str
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plugin", "plugin", multiple=True, help="Also load this plugin (module path or .py file).")
-@click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.conformance); exit 1 if one fails.")
+@click.option("--check", "check", is_flag=True, help="Run the conformance checks (molt_core.testing.conformance); exit 1 if one fails.")
 @click.option("--verbose", "-v", "verbose", is_flag=True, help="The full table: hooks and every option of every name.")
 def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) -> None:
     """List installed plugins: each registered name with a one-line summary, by kind, and the
@@ -266,7 +266,7 @@ def plugins(as_json: bool, plugin: tuple[str, ...], check: bool, verbose: bool) 
     if not verbose:
         import shutil
 
-        from molt_core.plugin_listing import compact_lines
+        from molt_core.cli.plugin_listing import compact_lines
 
         width = shutil.get_terminal_size((80, 24)).columns
         click.echo("\n".join(compact_lines(host, width)))
@@ -308,7 +308,7 @@ def plugin_group() -> None:
 def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
     """Write a ready plugin package registering NAME as a KIND: pyproject with the `molt`
     entry point, the plugin with typed Options, README, tests that pass as generated, a CI file."""
-    from molt_core.scaffold import render_plugin
+    from molt_core.testing.scaffold import render_plugin
 
     try:
         out = render_plugin(kind, name, out_dir=out_dir)
@@ -321,7 +321,7 @@ def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
 def _check_plugins(host: PluginHost, as_json: bool) -> None:
     """Print the conformance checks of every loaded plugin (one line each, or JSON) and exit
     with code 1 when one failed."""
-    from molt_core.conformance import check_host
+    from molt_core.testing.conformance import check_host
 
     checks = check_host(host)
     failed = [c for c in checks if not c.ok]
@@ -388,7 +388,7 @@ def _options_brief(obj: object) -> str:
 def show(run_dir: str, step: int | None, n: int) -> None:
     """Print sampled rollouts of RUN_DIR: turns (context and response text), reward, status
     and policy versions."""
-    from molt_core.show import show_run
+    from molt_core.cli.show import show_run
 
     try:
         show_run(run_dir, step=step, n=n)
@@ -445,7 +445,7 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
     import time
 
     from molt_core.engines.transformers_engine import TransformersEngine
-    from molt_core.parsers import TOOL_PARSERS
+    from molt_core.ledger.parsers import TOOL_PARSERS
     from molt_core.server import start_server
 
     if not _is_loopback(host) and not admin_key:
@@ -466,7 +466,7 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
             handle = start_server(engine, engine.tokenizer, admin_key=admin_key, port=port, host=host, model_name=model,
                                   chat_template_kwargs=kwargs, tool_parser=tool_parser)
         else:
-            from molt_core.server.router import start_router
+            from molt_core.cli.router import start_router
 
             backends = [start_server(e, e.tokenizer, model_name=model, chat_template_kwargs=kwargs, tool_parser=tool_parser)
                         for e in engines]  # the engines' own servers stay on loopback; only the router faces --host

@@ -1,6 +1,6 @@
 """``molt plugin new KIND NAME``: write a ready-to-publish plugin package from templates.
 
-The templates are Jinja2 files shipped as package data under ``molt_core/templates/plugin``:
+The templates are Jinja2 files shipped as package data under ``molt_core/testing/templates/plugin``:
 ``common/`` (pyproject with the ``molt`` entry point, README, CI workflow, .gitignore) and one
 folder per kind (the plugin module with typed ``Options``, and its tests). A path component
 ``dot-x`` is written as ``.x`` (setuptools does not ship dot-files as package data).

@@ -29,7 +29,7 @@ from typing import Any, Literal
 __all__ = ["BUILTIN_DATASETS_DIR", "Format", "resolve_source", "load_rows", "read_jsonl"]
 
 #: Where ``builtin:NAME`` datasets live (shipped as package data).
-BUILTIN_DATASETS_DIR = Path(__file__).resolve().parent / "assets" / "datasets"
+BUILTIN_DATASETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "datasets"
 
 Format = Literal["auto", "jsonl", "parquet", "hf"]
 _SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}

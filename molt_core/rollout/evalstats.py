@@ -39,7 +39,7 @@ def sample_seed(split: str, run_seed: int, task_index: int, sample: int) -> int:
 
     Args:
         split: ``"train"`` (``task_index``: the task's 0-based index in the run's
-            :class:`~molt_core.tasks.TaskStream`, epochs included) or ``"eval"`` (its index in
+            :class:`~molt_core.rollout.tasks.TaskStream`, epochs included) or ``"eval"`` (its index in
             the eval split).
 
     Raises:

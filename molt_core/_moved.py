@@ -1,0 +1,58 @@
+"""Deprecation face of the modules the minimal-core layout moved: importing an old path warns
+(``DeprecationWarning`` naming the new one) and returns the module at its new path. The old
+paths go in the next minor release (docs/plugins/compatibility.md, "Deprecation")."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+
+MOVED = {
+    "molt_core.ledger_render": "molt_core.ledger.render",
+    "molt_core.ledger_messages": "molt_core.ledger.messages",
+    "molt_core.ledger_images": "molt_core.ledger.images",
+    "molt_core.parsers": "molt_core.ledger.parsers",
+    "molt_core.version_history": "molt_core.train.version_history",
+    "molt_core.extras": "molt_core.plugins.extras",
+    "molt_core.conformance": "molt_core.testing.conformance",
+    "molt_core.scaffold": "molt_core.testing.scaffold",
+    "molt_core.reward_probe": "molt_core.testing.reward_probe",
+    "molt_core.evaluate": "molt_core.cli.evaluate",
+    "molt_core.show": "molt_core.cli.show",
+    "molt_core.plugin_listing": "molt_core.cli.plugin_listing",
+    "molt_core.server.router": "molt_core.cli.router",
+    "molt_core.progress": "molt_core.runtime.progress",
+    "molt_core.sft": "molt_core.train.sft",
+    "molt_core.tasks": "molt_core.rollout.tasks",
+    "molt_core.datafiles": "molt_core.rollout.datafiles",
+    "molt_core.evalstats": "molt_core.rollout.evalstats",
+    "molt_core._reward_worker": "molt_core.rollout.reward_worker",
+}
+"""Old dotted module path -> the path it moved to."""
+
+
+class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Meta-path finder (PEP 451) answering only the old paths in :data:`MOVED`."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        """A spec for an old path; ``None`` (not ours) for every other name."""
+        return importlib.machinery.ModuleSpec(name, self) if name in MOVED else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        """Warn, then import and return the module at the new path."""
+        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}: import it from there "
+                      "(the old path is removed in the next minor release)", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module at the new path is already executed."""
+
+
+def install() -> None:
+    """Put one :class:`MovedFinder` at the end of ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(f, MovedFinder) for f in sys.meta_path):
+        sys.meta_path.append(MovedFinder())
