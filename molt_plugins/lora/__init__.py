@@ -1,0 +1,1 @@
+"""First-party LoRA adapters (peft): the ``lora`` adapter behind the trainer's adapter hook."""

@@ -1,0 +1,1 @@
+"""First-party vision modality: image processor, placeholder expansion, positions, wire images."""
