@@ -514,6 +514,3 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
             if close:
                 close()
 
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
