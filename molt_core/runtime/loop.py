@@ -19,7 +19,7 @@ from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
 from molt_core.runtime.progress import step_progress
-from molt_core.rewards import component_metrics
+from molt_core.rollout.scoring import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
 from molt_core.runtime.collective_sync import publish as publish_collective
 from molt_core.runtime.collective_sync import resolve_weight_sync
@@ -48,7 +48,7 @@ def assemble_batch(groups: list[Group], dynamic_filter: bool,
     (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
     ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts) and, for each name in
     ``reward_names``, ``reward/NAME/mean`` and ``reward/NAME/failed``
-    (:func:`molt_core.rewards.component_metrics`).
+    (:func:`molt_core.rollout.scoring.component_metrics`).
     """
     out: list[Trajectory] = []
     failed = truncated = dropped = filtered = 0

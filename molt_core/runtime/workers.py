@@ -21,7 +21,8 @@ from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_ag
 from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins
-from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
+from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
+from molt_core.rollout.scoring import RewardRunner
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k", "where"]
@@ -162,7 +163,7 @@ class RolloutWorker:
         teacher): what :func:`molt_core.testing.run_episode` drives an episode with.
 
         Raises:
-            ValueError: as :class:`~molt_core.rewards.RewardRunner` for bad reward options.
+            ValueError: as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options.
         """
         w = cls.__new__(cls)
         w.cfg, w.agent = cfg, agent
@@ -300,7 +301,7 @@ class RolloutWorker:
     async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int,
                      seeds: list[int] | None = None) -> list[Trajectory]:
         """``n`` rollouts of ``task``, scored together by the reward plugins
-        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any.
+        (:func:`molt_core.rollout.scoring.score_group`), then annotated by the teacher if any.
         ``seeds`` (``n`` of them) seeds rollout ``j``'s sampling with ``seeds[j]``."""
         ps = [params] * n if seeds is None else [params.model_copy(update={"seed": s}) for s in seeds]
         items = await asyncio.gather(*(self._episode(task, group_id, p) for p in ps))

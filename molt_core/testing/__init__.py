@@ -188,7 +188,7 @@ def _worker(agent: Any, engine: Any, rewards: dict[str, dict[str, Any]], lookup:
     plugin loading, no model loading): the runtime's own episode, ledger and reward code."""
     from molt_core.config import RunConfig
     from molt_core.ledger import Ledger
-    from molt_core.rewards import RewardRunner
+    from molt_core.rollout.scoring import RewardRunner
     from molt_core.runtime import RolloutWorker
 
     cfg = RunConfig.model_validate({"agent": {"name": "molt_testing"}, "rollout": rollout,
