@@ -301,8 +301,9 @@ def test_weight_sync_without_its_transport_plugin_is_refused_by_name(tmp_path):
     full, bare = load_plugins(), load_plugins(entry_points=False)
     assert full.names("weight_sync_transports") == ["collective"]
     assert resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), False, full) == "collective"
-    with pytest.raises(ConfigError, match=r'engine.weight_sync = "collective" needs a transport.*registered: \(none\).*'
-                                          r'molt_plugins.engines.*engine.weight_sync = "ray"'):
+    with pytest.raises(ConfigError, match=r'engine.weight_sync = "collective": no loaded plugin registers the weight-sync '
+                                          r'transport "collective" \(registered: \(none\)\).*molt_plugins.engines.*'
+                                          r'engine.weight_sync = "ray"'):
         resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), False, bare)
     with pytest.raises(ConfigError, match=r'engine.weight_sync = "auto" resolves to "collective" here'):
         resolve_weight_sync(cfg(name="vllm", num_gpus=1), False, bare)

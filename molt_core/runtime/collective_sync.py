@@ -38,9 +38,9 @@ def resolve_weight_sync(cfg: RunConfig, local: bool, host: PluginHost | None = N
     if mode == "auto":
         mode = "collective" if e.name == "vllm" and e.num_gpus > 0 and not local else "ray"
     if host is not None and mode != "ray" and mode not in host.names("weight_sync_transports"):
-        why = f'"{e.weight_sync}" resolves to "{mode}" here' if e.weight_sync != mode else f'"{mode}" needs a transport of that name'
+        how = f' resolves to "{mode}" here (the vllm engine on a GPU in a Ray run), but' if e.weight_sync != mode else ":"
         raise ConfigError(
-            f'engine.weight_sync = {why}, but no loaded plugin registers a weight-sync transport "{mode}" '
+            f'engine.weight_sync = "{e.weight_sync}"{how} no loaded plugin registers the weight-sync transport "{mode}" '
             f"(registered: {', '.join(host.names('weight_sync_transports')) or '(none)'}). molt-sdk's plugin "
             f"molt_engines (molt_plugins.engines) registers it: do not disable it with MOLT_DISABLE_PLUGINS, "
             f'or load a plugin that registers it with --plugin; else set engine.weight_sync = "ray"')
