@@ -31,6 +31,8 @@ MOVED = {
     "molt_core.datafiles": "molt_core.rollout.datafiles",
     "molt_core.evalstats": "molt_core.rollout.evalstats",
     "molt_core._reward_worker": "molt_core.rollout.reward_worker",
+    "molt_core.engines.vllm_engine": "molt_plugins.engines.vllm.engine",
+    "molt_core.engines.vllm_weight_sync": "molt_plugins.engines.vllm.weight_sync",
 }
 """Old dotted module path -> the path it moved to."""
 

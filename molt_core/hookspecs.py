@@ -89,6 +89,24 @@ def molt_register_sandbox_backends(register: Register) -> None:
     client of a remote sandbox service. Selected by ``MOLT_SANDBOX_BACKEND=<name>``."""
 
 
+@hookspec
+def molt_register_weight_sync_transports(register: Register) -> None:
+    """Register weight-sync transports: ``register(name, factory)``; ``factory()`` returns the
+    transport used when ``engine.weight_sync`` resolves to ``name`` (``ray``, the object-store
+    path, is built in). Group ranks: 0 is the trainer's rank 0, then each rollout worker's engine
+    members in turn. The transport provides (each call blocks until every member is done):
+
+    * ``free_address() -> (host, port)``: where rank 0 hosts the group;
+    * ``sender(host, port, world_size, device, timeout_s) -> group``: rank 0 joins (``group.backend``: str);
+    * ``send(group, state, version, dtype) -> int``: ``state`` name -> full tensor, floating-point
+      ones cast to ``dtype`` (the engine's ``torch.dtype``); returns the bytes each receiver got;
+    * ``receivers(engine) -> int``: members one engine adds;
+    * ``join(engine, host, port, rank_offset, world_size, timeout_s) -> str``: the backend;
+    * ``receive(engine, version) -> int``: loads ``version`` between decode steps; bytes received
+      (raises ``ValueError`` when it refuses the sync, leaving the old weights in place).
+    """
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -114,4 +132,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
+    "weight_sync_transports": "molt_register_weight_sync_transports",
 }

@@ -1,5 +1,5 @@
-"""Rollout engines: the :class:`~molt_core.engines.base.RolloutEngine` contract and
-implementations (embedded ``transformers`` default, scale-out ``vllm``)."""
+"""Rollout engines: the :class:`~molt_core.engines.base.RolloutEngine` contract and the embedded
+``transformers`` default (the scale-out ``vllm`` engine is the plugin :mod:`molt_plugins.engines.vllm`)."""
 
 from molt_core.engines.base import GenerationOutput, RolloutEngine
 

@@ -327,7 +327,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
-    sync_mode = resolve_weight_sync(cfg, local)
+    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         from molt_core.models import check_model_positions, check_model_source
 
@@ -381,16 +381,16 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     # process); its start-up overlaps the first rollouts (not awaited)
     trainer.start_check_process.remote()
 
-    if sync_mode == "collective":
+    if sync_mode != "ray":
         backend = connect_collective(ray, trainer, workers)
-        console.print(f"weight sync: collective ({backend}) from the trainer's rank 0 into the vLLM workers",
+        console.print(f"weight sync: {sync_mode} ({backend}) from the trainer's rank 0 into the vLLM workers",
                       highlight=False)
 
     # the driver does not wait for the engines to load a step's weights: it launches the next
     # groups at once with min_version (each worker prepares prompts meanwhile and samples
     # nothing before it holds that version -- as if it had waited; groups already in flight
     # take the weights between decode steps, as before); the loads are awaited before take()
-    overlap_publish = sync_mode != "collective"
+    overlap_publish = sync_mode == "ray"
     loading: list[Any] = []
 
     def loaded() -> None:
@@ -400,7 +400,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             loading.clear()
 
     def publish(wait: bool = True) -> int:
-        if sync_mode == "collective":  # trainer rank 0 -> every vLLM worker, one broadcast
+        if sync_mode != "ray":  # trainer rank 0 -> every vLLM worker, one broadcast
             return publish_collective(ray, trainer, workers)
         # two object refs, resolved inside each worker: weights never pass through the driver
         state_ref, version_ref = trainer.weights.options(num_returns=2).remote()

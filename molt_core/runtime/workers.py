@@ -23,6 +23,7 @@ from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, samp
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
 from molt_core.rollout.scoring import RewardRunner
+from molt_core.runtime.collective_sync import worker_transport
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k", "where"]
@@ -426,20 +427,21 @@ class RolloutWorker:
                 self._weights_event = asyncio.Event()
             await self._weights_event.wait()
 
-    # -- collective weight sync (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
+    # -- weight-sync transport (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
     def sync_world_size(self) -> int:
         """Members this worker's engine adds to the weight-sync group (its vLLM workers)."""
-        return int(self.engine.sync_world_size)
+        return int(worker_transport(self, self.host).receivers(self.engine))
 
     async def sync_init(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float = 600.0) -> str:
         """Join the engine to the weight-sync group (blocks until it formed); returns the backend."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, self.engine.init_weight_sync, host, port, rank_offset, world_size, timeout_s)
+            None, worker_transport(self, self.host).join, self.engine, host, port, rank_offset, world_size, timeout_s)
 
     async def sync_receive(self, version: int) -> int:
         """Receive policy ``version`` broadcast by the trainer (applied between decode steps);
         returns the bytes received. Raises the engine's ``ValueError`` when it refuses the sync."""
-        got = await asyncio.get_running_loop().run_in_executor(None, self.engine.receive_weights, version)
+        got = await asyncio.get_running_loop().run_in_executor(None, worker_transport(self, self.host).receive,
+                                                               self.engine, version)
         self._loaded(version)
         return got
 
@@ -553,21 +555,17 @@ class TrainerWorker:
         """The trainer's current policy version."""
         return int(self.trainer.version)
 
-    # -- collective weight sync (the sender is rank 0: molt_core.engines.vllm_weight_sync)
+    # -- weight-sync transport (the sender is rank 0: molt_core.runtime.collective_sync)
     def sync_address(self) -> tuple[str, int]:
         """``(ip, port)`` where this rank can host the weight-sync group's store."""
-        from molt_core.engines.vllm_weight_sync import free_address
-
-        return free_address()
+        return worker_transport(self).free_address()
 
     def sync_init(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> str:
         """Rank 0: join the weight-sync group as its sender (rank 0) on the trainer's device,
         blocking until every engine joined; returns the backend. Other ranks: ``""``."""
-        from molt_core.engines.vllm_weight_sync import SyncGroup
-
         if getattr(self.trainer, "rank", 0) != 0:
             return ""
-        self._sync_group = SyncGroup(host, port, 0, world_size, self.trainer.device, timeout_s)
+        self._sync_group = worker_transport(self).sender(host, port, world_size, self.trainer.device, timeout_s)
         return self._sync_group.backend
 
     def sync_send(self) -> int:
@@ -578,7 +576,6 @@ class TrainerWorker:
         Raises:
             RuntimeError: :meth:`sync_init` was not called on rank 0.
         """
-        from molt_core.engines.vllm_weight_sync import send_weights
         from molt_core.models import DTYPES
 
         state = self.trainer.weights()
@@ -586,8 +583,8 @@ class TrainerWorker:
             group = getattr(self, "_sync_group", None)
             if group is None:
                 raise RuntimeError("sync_send before sync_init: the trainer has not joined a weight-sync group")
-            header = send_weights(group, state, self.trainer.version, dtype=DTYPES[self.cfg.engine.dtype])
-            self._sync_bytes = header.nbytes
+            self._sync_bytes = worker_transport(self).send(group, state, self.trainer.version,
+                                                           DTYPES[self.cfg.engine.dtype])
         return int(self.trainer.version)
 
     def save(self, run_dir: str, cursor: dict) -> str:

@@ -18,7 +18,7 @@ Meets the same :class:`~molt_core.engines.base.RolloutEngine` contract as the em
 * **Versions and weight sync.** ``load_weights`` is applied by the worker between two
   ``step()`` calls (scheduling is synchronous, so every token a step returns was sampled by
   the weights present during that step): each vLLM worker's ``reload_weights(
-  weights_iterator=...)`` (through :mod:`molt_core.engines.vllm_weight_sync`'s worker extension,
+  weights_iterator=...)`` (through :mod:`molt_plugins.engines.vllm.weight_sync`'s worker extension,
   which also receives weights broadcast by the trainer: ``engine.weight_sync``) -- in-place parameter edits and ``model.load_weights`` change
   nothing on CPU, where weights are repacked at load -- then
   ``reset_prefix_cache(reset_running_requests=True)``: cached prefixes computed with the old
@@ -61,10 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
-from molt_core.engines.vllm_weight_sync import EXTENSION, check_full_state
-from molt_core.engines.vllm_weight_sync import checkpoint_name as _checkpoint_name
+from molt_core.engines.transformers_engine import _default_eos_ids
 from molt_core.identity import IdDigest
+from molt_core.models import DTYPES, is_builtin, load_model, load_tokenizer, local_model_dir
 from molt_core.types import SamplingParams
+from molt_plugins.engines.vllm.weight_sync import EXTENSION, check_full_state
+from molt_plugins.engines.vllm.weight_sync import checkpoint_name as _checkpoint_name
 
 __all__ = ["VLLMEngine", "VLLM_MISSING"]
 
@@ -171,9 +173,6 @@ class VLLMEngine(WorkerThreadEngine):
         max_model_len: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        from molt_core.engines.transformers_engine import _default_eos_ids
-        from molt_core.models import DTYPES
-
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if version < 0:
@@ -264,8 +263,6 @@ class VLLMEngine(WorkerThreadEngine):
     # ------------------------------------------------------------------ setup
     def _materialise(self, model: Any, tokenizer: Any, model_seed: int) -> tuple[str, Any]:
         """Return a model directory vLLM can load, and the tokenizer."""
-        from molt_core.models import is_builtin, load_model, load_tokenizer, local_model_dir
-
         if isinstance(model, (str, Path)) and not is_builtin(str(model)):
             path = local_model_dir(str(model))  # a Hub id: its snapshot in the HF cache (HF_HUB_OFFLINE honoured)
             if tokenizer is None:
@@ -437,7 +434,7 @@ class VLLMEngine(WorkerThreadEngine):
     @property
     def sync_world_size(self) -> int:
         """vLLM workers of this engine (tensor x pipeline parallel): its members in a
-        weight-sync group (:mod:`molt_core.engines.vllm_weight_sync`)."""
+        weight-sync group (:mod:`molt_plugins.engines.vllm.weight_sync`)."""
         return int(self._llm.llm_engine.vllm_config.parallel_config.world_size)
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
@@ -456,7 +453,7 @@ class VLLMEngine(WorkerThreadEngine):
     def receive_weights(self, version: int) -> int:
         """Receive policy ``version`` from the weight-sync group's sender, between two engine
         steps, as :meth:`load_weights` applies a state dict (checks in
-        :func:`~molt_core.engines.vllm_weight_sync.receive_weights`). Blocks until loaded.
+        :func:`~molt_plugins.engines.vllm.weight_sync.receive_weights`). Blocks until loaded.
 
         Returns:
             Bytes each vLLM worker received.
