@@ -60,11 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine
 from molt_core.engines.vllm_weight_sync import EXTENSION, check_full_state
 from molt_core.engines.vllm_weight_sync import checkpoint_name as _checkpoint_name
 from molt_core.identity import IdDigest
-from molt_core.types import SamplingParams
+from molt_core.types import GenerationOutput, SamplingParams
 
 __all__ = ["VLLMEngine", "VLLM_MISSING"]
 
