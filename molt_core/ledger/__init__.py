@@ -13,14 +13,7 @@ from __future__ import annotations
 
 from molt_core.ledger.messages import normalize_messages
 from molt_core.ledger.prepare import max_token_bytes
-from molt_core.ledger.records import (
-    LEDGER_INFO_KEYS,
-    REWRITE_CAUSES,
-    AssistantTurn,
-    LedgerConflict,
-    Prepared,
-    PromptTooLong,
-)
+from molt_core.ledger.records import LEDGER_INFO_KEYS, REWRITE_CAUSES, AssistantTurn, LedgerConflict, Prepared, PromptTooLong
 from molt_core.ledger.session import Ledger
 from molt_core.ledger.turn import take_turn
 

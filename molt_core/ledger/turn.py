@@ -14,21 +14,13 @@ from molt_core.types import GenerationOutput, SamplingParams
 __all__ = ["take_turn"]
 
 
-async def _inline(plan: Callable[[], Prepared]) -> Prepared:
-    return plan()
-
-
-async def _direct(start: Callable[[], Awaitable[GenerationOutput]]) -> GenerationOutput:
-    return await start()
-
-
 async def take_turn(ledger: Any, engine: Any, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
                     tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None,
                     max_model_len: int | None = None, max_total_tokens: int | None = None, fresh: bool = False,
                     allow_tool_calls: bool = True,
-                    prepare_with: Callable[[Callable[[], Prepared]], Awaitable[Prepared]] = _inline,
+                    prepare_with: Callable[[Callable[[], Prepared]], Awaitable[Prepared]] | None = None,
                     before_engine: Callable[[SamplingParams], Awaitable[SamplingParams]] | None = None,
-                    call: Callable[[Callable[[], Awaitable[GenerationOutput]]], Awaitable[GenerationOutput]] = _direct,
+                    call: Callable[[Callable[[], Awaitable[GenerationOutput]]], Awaitable[GenerationOutput]] | None = None,
                     ) -> AssistantTurn | None:
     """Run one model turn of ``ledger``'s session on ``engine`` and record it.
 
@@ -61,8 +53,9 @@ async def take_turn(ledger: Any, engine: Any, messages: list[dict[str, Any]], pa
             engine error propagates (from ``call`` as it maps it) and records nothing.
     """
     params = params or SamplingParams()
-    prepared = await prepare_with(partial(ledger.prepare, messages, tools, params, max_prompt_tokens=max_model_len,
-                                          fresh=fresh, allow_tool_calls=allow_tool_calls))
+    plan = partial(ledger.prepare, messages, tools, params, max_prompt_tokens=max_model_len, fresh=fresh,
+                   allow_tool_calls=allow_tool_calls)
+    prepared = plan() if prepare_with is None else await prepare_with(plan)
     if prepared.mode == "retry":
         return ledger.commit(prepared, None)
     n = len(prepared.prompt_ids)
@@ -77,6 +70,10 @@ async def take_turn(ledger: Any, engine: Any, messages: list[dict[str, Any]], pa
                                     "stop_token_ids": sorted(set(params.stop_token_ids) | set(ledger.stop_token_ids))})
     if before_engine is not None:
         run = await before_engine(run)
-    out = await call(lambda: engine.generate(prepared.prompt_ids, run, images=prepared.images) if prepared.images
-                     else engine.generate(prepared.prompt_ids, run))  # a text-only engine need not accept ``images``
+
+    def start() -> Awaitable[GenerationOutput]:  # a text-only engine need not accept ``images``
+        return (engine.generate(prepared.prompt_ids, run, images=prepared.images) if prepared.images
+                else engine.generate(prepared.prompt_ids, run))
+
+    out = await start() if call is None else await call(start)
     return ledger.commit(prepared, out, run)
