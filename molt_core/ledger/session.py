@@ -14,15 +14,15 @@ from typing import Any, Literal
 
 from molt_core.images import ImagePolicy
 from molt_core.ledger.commit import Recording
+from molt_core.ledger.compare import _Reply
 from molt_core.ledger.messages import NormalizeCache
 from molt_core.ledger.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.ledger.prepare import Planning
-from molt_core.ledger.compare import _Reply
 from molt_core.ledger.records import REWRITE_CAUSES, AssistantTurn, _Open
 from molt_core.ledger.render import WindowProof
 from molt_core.ledger.template import TemplateFacts
 from molt_core.ledger.turn import take_turn
-from molt_core.types import Segment, SamplingParams, Trajectory, new_id
+from molt_core.types import SamplingParams, Segment, Trajectory, new_id
 
 __all__ = ["Ledger"]
 
