@@ -57,12 +57,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
 from molt_core.models import cache_keyword, returned_cache
 from molt_core.sampling import draw_tokens, processed_logprobs
-from molt_core.types import SamplingParams
+from molt_core.types import GenerationOutput, SamplingParams
 
 __all__ = ["TransformersEngine"]
 

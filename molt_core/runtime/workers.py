@@ -19,6 +19,7 @@ from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
+from molt_core.ledger import Ledger, take_turn
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
@@ -140,8 +141,6 @@ class RolloutWorker:
         """The state every worker holds besides its config, agent and plugins: engine,
         tokenizer, reward runner, stop ids and counters (shared by ``__init__`` and
         :meth:`from_parts`, so neither can miss an attribute the other sets)."""
-        from molt_core.ledger import Ledger
-
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
@@ -182,8 +181,6 @@ class RolloutWorker:
         return self.server
 
     def _ledger(self, group_id: str):
-        from molt_core.ledger import Ledger
-
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
                         vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images)
         seen = _EPISODE.get()
@@ -236,18 +233,16 @@ class RolloutWorker:
         """One model turn of an Env episode through the ledger: the action text (stop token
         dropped) and the history with the assistant turn, or None when the prompt leaves no
         room under ``rollout.max_total_tokens``."""
-        prep = ledger.prepare(messages, params=params)
-        room = self.cfg.rollout.max_total_tokens - len(prep.prompt_ids)
-        if room <= 0:
+        async def weights(p: SamplingParams) -> SamplingParams:
+            await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
+            return p
+
+        turn = await take_turn(ledger, self.engine, messages, params, max_total_tokens=self.cfg.rollout.max_total_tokens,
+                               before_engine=weights)
+        if turn is None:
             return None
-        p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
-        await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
-        if prep.images:  # the prompt's images, in token order (a text-only engine is never passed any)
-            out = await self.engine.generate(prep.prompt_ids, p, images=prep.images)
-        else:
-            out = await self.engine.generate(prep.prompt_ids, p)
-        ledger.commit(prep, out, p)
-        ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
+        out = turn.token_ids  # the engine's finish reason "stop" reads "tool_calls" once calls are parsed
+        ids = out[:-1] if (turn.finish_reason in ("stop", "tool_calls") and out and out[-1] in self._stop_ids) else out
         return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:

@@ -36,10 +36,9 @@ import asyncio
 import contextlib
 from typing import Any, Callable, Iterator, Literal, Sequence
 
-from molt_core.engines.base import GenerationOutput
 from molt_core.identity import digest_ids
 from molt_core.testing.reward_probe import RewardCallFailed, score_reward
-from molt_core.types import Group, SamplingParams
+from molt_core.types import GenerationOutput, Group, SamplingParams
 
 __all__ = ["ScriptedEngine", "EchoEngine", "FailingEngine", "tiny_tokenizer", "tiny_engine", "loopback_server",
            "run_episode", "RewardCallFailed", "score_reward", "check_plugins", "TINY_MODEL"]

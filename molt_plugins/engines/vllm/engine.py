@@ -60,11 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine
 from molt_core.engines.transformers_engine import _default_eos_ids
 from molt_core.identity import IdDigest
 from molt_core.models import DTYPES, is_builtin, load_model, load_tokenizer, local_model_dir
-from molt_core.types import SamplingParams
+from molt_core.types import GenerationOutput, SamplingParams
 from molt_plugins.engines.vllm.weight_sync import EXTENSION, check_full_state
 from molt_plugins.engines.vllm.weight_sync import checkpoint_name as _checkpoint_name
 
