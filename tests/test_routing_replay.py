@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from molt_core.routing import RoutingRecorder, find_routers, flip_mask, get_replay_backend, routing_shape
+from molt_plugins.moe.routing import RoutingRecorder, find_routers, flip_mask, get_replay_backend, routing_shape
 from molt_core.types import SamplingParams
 from molt_plugins.replay.topk import MixtralReplay, OlmoeReplay, Qwen3MoeReplay
 
@@ -352,7 +352,7 @@ def test_replay_to_wrong_experts_is_flagged(bf16_rollouts):
 
 
 def test_flip_rate_counts_scoring_positions():
-    from molt_core.routing import flip_rate
+    from molt_plugins.moe.routing import flip_rate
 
     rec = torch.tensor([[[[0, 1]], [[2, 3]], [[-1, -1]]]])  # [1, 3, 1, 2]
     sel = torch.tensor([[[[1, 0]], [[2, 1]], [[0, 1]]]])
