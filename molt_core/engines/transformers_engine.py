@@ -40,10 +40,11 @@ one that completed the string kept. ``max_tokens`` or the model's context limit 
 (cases B06/B07: a pad id equal to a stop id is never scanned for).
 
 Routing (R3, arXiv 2510.11370): for an MoE model (one a routing tool serves,
-:func:`molt_core.models.routing_tool`: ``*TopKRouter`` modules for molt-sdk's) forward hooks record the top-k expert ids every MoE layer chose at
-every position the engine ran -- the prompt's positions in prefill (padding columns dropped)
-and each fed-back token in decode -- and ``GenerationOutput.routed_experts`` returns them as
-``[P + N, num_moe_layers, top_k]`` by absolute position. The last sampled token was never fed
+:func:`molt_core.models.routing_tool`) the tool's forward hooks record the top-k expert ids
+every MoE layer chose at every position the engine ran -- the prompt's positions in prefill
+(padding columns dropped) and each fed-back token in decode -- and
+``GenerationOutput.routed_experts`` returns them as ``[P + N, num_moe_layers, top_k]`` by
+absolute position. The last sampled token was never fed
 through the model, so its row is ``-1`` (the next turn's prefill supplies it).
 """
 
