@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from molt_core.plugins import PluginError, shared_host
+from molt_core.config import ConfigError
+from molt_core.plugins import shared_host
 
 __all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_positions", "check_model_source", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir",
@@ -314,7 +315,7 @@ def routing_tool(model: Any = None, plugins: list[str] | tuple[str, ...] = (), r
     serves it. ``model`` None: the first registered tool (ingress collates without a model).
 
     Raises:
-        PluginError: ``replay`` (``model.routing_replay``) is on for a model that declares
+        ConfigError: ``replay`` (``model.routing_replay``) is on for a model that declares
             experts and no routing tool is loaded at all.
     """
     if model is not None and not declares_experts(model):
@@ -323,10 +324,11 @@ def routing_tool(model: Any = None, plugins: list[str] | tuple[str, ...] = (), r
     tools = [host.get("routing_tools", n) for n in host.names("routing_tools")]
     if replay and not tools:
         mt = getattr(getattr(model, "config", None), "model_type", "?")
-        raise PluginError(
-            f"model.routing_replay is true and the model ({mt!r}) has experts, but no MoE routing tool is "
-            "loaded (hook molt_register_routing_tools; molt-sdk's is the plugin `molt_moe`, molt_plugins.moe): "
-            "enable it (MOLT_DISABLE_PLUGINS must not name it) or set model.routing_replay = false")
+        raise ConfigError(
+            f"model.routing_replay = true for a mixture-of-experts model ({mt!r}), but no loaded plugin registers "
+            "an MoE routing tool (molt_register_routing_tools; registered: (none)). molt-sdk's plugin molt_moe "
+            "(molt_plugins.moe) registers it: do not disable it with MOLT_DISABLE_PLUGINS, or load a plugin that "
+            "registers one with --plugin; else set model.routing_replay = false")
     return next((t for t in tools if model is None or t.is_moe(model)), None)
 
 

@@ -428,14 +428,14 @@ def test_moe_without_routing_plugin_is_refused_by_name(monkeypatch):
     """Issue 26: with molt-sdk's routing plugin (``molt_moe``) disabled no routing tool is
     loaded: an MoE policy with ``model.routing_replay`` on is refused naming the option and the
     fix; with it off the trainer builds without R3 and the engine records no routing."""
-    from molt_core.config import RunConfig
+    from molt_core.config import ConfigError, RunConfig
     from molt_core.engines.transformers_engine import TransformersEngine
-    from molt_core.plugins import PluginError
     from molt_core.train import Trainer
 
     monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_moe")
-    with pytest.raises(PluginError, match=r"model\.routing_replay is true and the model \('qwen3_moe'\) has experts, "
-                                          r"but no MoE routing tool is loaded .* set model\.routing_replay = false"):
+    with pytest.raises(ConfigError, match=r"model\.routing_replay = true for a mixture-of-experts model \('qwen3_moe'\), "
+                                          r"but no loaded plugin registers an MoE routing tool .*molt_plugins\.moe.*"
+                                          r"else set model\.routing_replay = false"):
         Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe"}}))
     tr = Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": False}}))
     assert tr.routing is None and tr.replay_backend is None

@@ -104,8 +104,9 @@ class Trainer:
     Raises:
         ValueError: a bad option combination (KL as reward with a sequence-level estimator,
             ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy;
-            ``model.routing_replay`` with no replay backend for the MoE model's type).
-        PluginError: ``model.routing_replay`` for an MoE model and no routing tool loaded.
+            ``model.routing_replay`` with no replay backend for the MoE model's type;
+            :class:`~molt_core.config.ConfigError`: ``model.routing_replay`` for an MoE model
+            and no routing tool loaded).
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
