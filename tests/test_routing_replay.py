@@ -427,7 +427,9 @@ def test_a_nan_in_the_noreplay_recompute_refuses_its_rollout():
 def test_moe_without_routing_plugin_is_refused_by_name(monkeypatch):
     """Issue 26: with molt-sdk's routing plugin (``molt_moe``) disabled no routing tool is
     loaded: an MoE policy with ``model.routing_replay`` on is refused naming the option and the
-    fix; with it off the trainer builds without R3 and the engine records no routing."""
+    fix; with it off the trainer builds without R3 and the engine records no routing. With the
+    replay backends' plugin (``molt_replay``) disabled instead, the model type has no backend:
+    refused by name too."""
     from molt_core.config import ConfigError, RunConfig
     from molt_core.engines.transformers_engine import TransformersEngine
     from molt_core.train import Trainer
@@ -439,6 +441,11 @@ def test_moe_without_routing_plugin_is_refused_by_name(monkeypatch):
         Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe"}}))
     tr = Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": False}}))
     assert tr.routing is None and tr.replay_backend is None
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_replay")  # the tool, but no replay backend for the model type
+    with pytest.raises(ValueError, match="model.routing_replay is true but no routing-replay backend is registered "
+                                         "for model type 'qwen3_moe'"):
+        Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe"}}))
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_moe")
     eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=1, seed=0)
     try:
         assert asyncio.run(eng.generate([1, 20, 30], SamplingParams(max_tokens=2, seed=0))).routed_experts is None
