@@ -33,6 +33,8 @@ MOVED = {
     "molt_core._reward_worker": "molt_core.rollout.reward_worker",
     "molt_core.engines.vllm_engine": "molt_plugins.engines.vllm.engine",
     "molt_core.engines.vllm_weight_sync": "molt_plugins.engines.vllm.weight_sync",
+    "molt_core.routing": "molt_plugins.moe.routing",
+    "molt_core.train.routing_replay": "molt_plugins.moe.routing_replay",
 }
 """Old dotted module path -> the path it moved to."""
 

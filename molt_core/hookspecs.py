@@ -60,7 +60,26 @@ def molt_register_teachers(register: Register) -> None:
 
 @hookspec
 def molt_register_replay_backends(register: Register) -> None:
-    """Register MoE routing-replay (R3) backends: ``register(model_type, backend)``."""
+    """Register MoE routing-replay (R3) backends: ``register(model_type, backend)``, a
+    ``molt_plugins.moe.routing.ReplayBackend``: ``route(router, hidden_states [..., H],
+    recorded [N, K] int64) -> (logits [N, E], weights [N, K], indices [N, K])`` and
+    ``replay(model, routed_experts [B, T, L, K])``, a context manager (-1 rows: natural)."""
+
+
+@hookspec
+def molt_register_routing_tools(register: Register) -> None:
+    """Register MoE routing tools (R3 record / replay / metrics): ``register(name, tool)``.
+
+    The kernel asks one only for a model whose config declares experts
+    (:func:`molt_core.models.declares_experts`); the first registered (by name) whose
+    ``is_moe(model) -> bool`` holds serves it. A tool provides ``recorder(model)`` (engine:
+    ``attach()``, ``clear()``, ``take() -> [N, L, K]`` int64 of the last forward's ``N``
+    tokens, ``num_layers``, ``top_k``); ``collate(routed, T, where) -> [B, T, L, K]`` int64
+    or None (ingress: per-row ``[T_b, L, K]`` lists or None, -1 padding; ValueError names the
+    row); and the trainer's ``init_trainer(trainer, backend)`` (sets ``trainer.replay_backend``,
+    may raise ValueError), ``forward(trainer, model, batch, rows, T)`` (a context manager
+    around each policy forward), ``noreplay(trainer, batch) -> dict`` and ``metrics(trainer,
+    batch, prox [B, T] float32, noreplay) -> dict[str, float]``."""
 
 
 @hookspec
@@ -129,6 +148,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "judges": "molt_register_judges",
     "teachers": "molt_register_teachers",
     "replay_backends": "molt_register_replay_backends",
+    "routing_tools": "molt_register_routing_tools",
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",

@@ -22,6 +22,7 @@ identical there), so no registry is shipped between processes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -39,7 +40,7 @@ from molt_core import hookspecs
 from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
-__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name"]
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name"]
 
 
 class PluginError(RuntimeError):
@@ -326,3 +327,20 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
         host.load_local(spec)
     host.collect()
     return host
+
+
+def shared_host(local: list[str] | tuple[str, ...] = ()) -> PluginHost:
+    """The :func:`load_plugins` host of the entry points and ``local``, built once per process
+    for each ``local`` list and value of ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for
+    kernel code that is handed no host (an engine, the trainer, ingress) and only reads
+    registries. Never mutate it.
+
+    Raises:
+        PluginError: as :func:`load_plugins`.
+    """
+    return _shared_host(tuple(local), os.environ.get("MOLT_DISABLE_PLUGINS"), os.environ.get("MOLT_LOAD_PLUGINS"))
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_host(local: tuple[str, ...], _disabled: str | None, _allowed: str | None) -> PluginHost:
+    return load_plugins(local)
