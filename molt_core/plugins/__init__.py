@@ -1,6 +1,7 @@
 """Plugin manager: discovery, loading, validation and the registries plugins fill.
 
-Sources, in order: the ``molt`` entry-point group of every installed distribution (molt-sdk's
+Sources, in order: the kernel's own built-in estimators and losses (:mod:`molt_core.algo.builtins`,
+always, through the same hooks), the ``molt`` entry-point group of every installed distribution (molt-sdk's
 own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
 path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
 name or distribution name; ``MOLT_LOAD_PLUGINS=name,...`` loads only the listed third-party
@@ -87,6 +88,18 @@ def _disabled() -> set[str]:
 
 FIRST_PARTY = "molt-sdk"
 """The distribution whose own entry points (the first-party plugins) ``MOLT_LOAD_PLUGINS`` never filters."""
+
+
+BUILTIN_ALGO = "molt_algo"
+"""The plugin name of :mod:`molt_core.algo.builtins`, which every host registers first."""
+
+
+def _own_version() -> str:
+    """molt-sdk's installed version ("?" when it is not installed)."""
+    try:
+        return md.version(FIRST_PARTY)
+    except md.PackageNotFoundError:
+        return "?"
 
 
 def _norm(dist: str) -> str:
@@ -238,12 +251,12 @@ class PluginHost:
 
                 def register(name: str, obj: Any, _plugin: str = plugin, _dist: str = dist, _kind: str = kind) -> None:
                     if not isinstance(name, str) or not name:
-                        raise PluginError(f'plugin "{_plugin}" ({_dist}) registered a {_kind[:-1]} with an empty or non-string name')
+                        raise PluginError(f'plugin "{_plugin}" ({_dist}) registered a {singular(_kind)} with an empty or non-string name')
                     reg = self.registries[_kind]
                     if name in reg:
                         prev = reg[name]
                         raise PluginError(
-                            f'{_kind[:-1]} name "{name}" is registered twice: by plugin "{prev.plugin}" '
+                            f'{singular(_kind)} name "{name}" is registered twice: by plugin "{prev.plugin}" '
                             f'({prev.distribution}) and by plugin "{_plugin}" ({_dist}); '
                             f"disable one with MOLT_DISABLE_PLUGINS"
                         )
@@ -293,6 +306,11 @@ class PluginHost:
         return [self.infos[k] for k in sorted(self.infos)]
 
 
+def singular(kind: str) -> str:
+    """A registry kind in the singular: ``rewards`` -> ``reward``, ``losses`` -> ``loss``."""
+    return kind[:-2] if kind.endswith("sses") else kind[:-1]
+
+
 def unknown_name(kind: str, name: str, known: list[str]) -> str:
     """The message for a ``kind`` (``rewards``, ``envs``, ...) ``name`` that no plugin registered:
     the closest registered name (:func:`difflib.get_close_matches`), every registered name,
@@ -301,7 +319,7 @@ def unknown_name(kind: str, name: str, known: list[str]) -> str:
     """
     import difflib
 
-    what = kind[:-1].replace("_", " ")
+    what = singular(kind).replace("_", " ")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return (f"no {what} named {name!r}{hint}; registered: {', '.join(sorted(known)) or '(none)'}. "
@@ -319,7 +337,10 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
     Raises:
         PluginError: see the module docstring.
     """
+    from molt_core.algo import builtins as algo_builtins  # torch: not at CLI start-up (molt --help)
+
     host = PluginHost()
+    host._add(algo_builtins, BUILTIN_ALGO, FIRST_PARTY, _own_version(), algo_builtins.__name__)
     if entry_points:
         host.load_entry_points()
     for spec in local:

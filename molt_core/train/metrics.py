@@ -98,7 +98,7 @@ def batch_metrics(trainer: Any, batch: Batch, corr: Correction, prox: torch.Tens
     metrics["kl"] = kl_ref
     metrics["kl/ref_out_of_support_frac"] = float((mask & ~kl_keep).sum()) / n_sampled if n_sampled else 0.0
     metrics["kl_coef"] = trainer.kl_coef
-    if cfg.algo.advantage == "on_policy_distill":  # KL(student || teacher) on the student's own samples: k1
+    if trainer.algo.needs_teacher:  # KL(student || teacher) on the student's own samples: k1
         metrics["distill/reverse_kl"] = float((prox - batch.teacher_logprobs)[mask].mean()) if n_sampled else 0.0
     keep = corr.keep.to(torch.bool)
     metrics["train/sequences"] = float(batch.size)
