@@ -65,7 +65,7 @@ __all__ = ["Correction", "Gate", "correct", "staleness_gate"]
 
 @dataclass
 class Correction:
-    """Result of :func:`apply_correction`.
+    """Result of :func:`correct`.
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the staleness gate.

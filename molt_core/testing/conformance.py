@@ -185,6 +185,15 @@ def _shape(kind: str, obj: Any) -> tuple[str, str]:
         return ("ok", "factory") if callable(obj) else ("fail", f"{type(obj).__name__} is not callable")
     if kind in ("rewards", "engines"):
         return ("ok", "") if callable(obj) else ("fail", f"{type(obj).__name__} is not callable")
+    if kind in ("estimators", "losses"):  # a signature the trainer can fill (hookspecs: calling convention)
+        from molt_core.algo.advantages import estimator_params  # torch: not when pytest loads the kit
+        from molt_core.algo.losses import loss_params
+
+        try:
+            (estimator_params if kind == "estimators" else loss_params)(obj)
+        except (TypeError, ValueError) as e:
+            return "fail", str(e)
+        return "ok", ""
     need = _SHAPE.get(kind, ())
     lacking = [a for a in need if not callable(getattr(obj, a, None))]
     if kind == "replay_backends" and not lacking and not (isinstance(getattr(obj, "router_class", None), str)
@@ -226,6 +235,8 @@ def check_host(host: Any) -> list[Check]:
                 "" if NAME_RE.match(name) else f"{name!r} must match {NAME_RE.pattern}")
             try:
                 add("shape", *_shape(kind, obj))
+                if kind in ("estimators", "losses"):  # numbers come from [algo], not per-plugin options
+                    continue
                 st, detail, options = _check_options(obj)
                 add("options", st, detail)
                 if kind == "rewards":

@@ -23,7 +23,7 @@ for an MoE policy with recorded routing the R3 metrics of
 :func:`molt_core.train.routing_replay.routing_metrics` (``invariants/routing_flip_rate``,
 ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
 ``invariants/staleness_max`` (over every sampled token, before the gate; see
-:func:`molt_core.algo.correction.apply_correction`), ``correction/*`` (incl.
+:func:`molt_core.algo.correction.correct`), ``correction/*`` (incl.
 ``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
 ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
 (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,

@@ -115,7 +115,7 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 w, oos = weights[rows, :T], out_of_support[rows, :T]
             # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
             # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
-            # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
+            # under trunc/clip (a weight-0 token), see correction.correct. A later PPO epoch
             # can push a token out of the current support too: same treatment (a NaN / +inf
             # one too until the epoch's end, where ``bad`` refuses its rollout).
             oos = oos.to(dev) | ~torch.isfinite(lp.detach())
