@@ -98,9 +98,9 @@ def molt_register_estimators(register: Register) -> None:
     group), ``rollout_index`` ``[B]`` int64 (rollout of each row = segment), ``mask`` ``[B, T]``
     bool (sampled tokens); ``[B, T]`` float32 ``values`` (critic; naming it builds one),
     ``token_rewards`` (e.g. ``-kl_coef * kl``; naming it allows ``algo.kl_as_reward``),
-    ``student_logprobs`` / ``teacher_logprobs`` (naming the latter needs a ``[teacher]``); the
-    floats ``gamma``, ``lam``, ``eps`` (``algo.adv_eps``), ``std_tol``, ``coef``
-    (``algo.distill_coef``). A tensor named without a default is required. Naming
+    ``student_logprobs`` (the trainer's proximal logprobs) / ``teacher_logprobs`` (naming it
+    needs a ``[teacher]``); the floats ``gamma``, ``lam``, ``eps`` (``algo.adv_eps``),
+    ``std_tol``, ``coef`` (``algo.distill_coef``). A tensor named without a default is required. Naming
     ``group_index`` marks a group baseline (``rollout.n_samples_per_prompt >= 2``). Returns
     ``[R]`` (one advantage per rollout, broadcast to its sampled tokens), ``[B, T]``, or
     ``([B, T] advantages, [B, T] returns)``; float, 0 off ``mask``. The built-ins

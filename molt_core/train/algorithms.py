@@ -29,6 +29,8 @@ class Algorithms:
         advantage, loss: the registered names. estimator, loss_fn: the registered functions.
         needs_critic: the estimator names ``values`` (a GAE-style critic is built).
         needs_teacher: it names ``teacher_logprobs`` (teacher logprobs at ingress).
+        needs_proximal: it names ``student_logprobs`` (the proximal logprobs, before the loss:
+            no fused recompute).
         group_baseline: it names ``group_index``. token_rewards: it names ``token_rewards``.
     """
 
@@ -38,6 +40,7 @@ class Algorithms:
     loss_fn: Callable[..., Any]
     needs_critic: bool
     needs_teacher: bool
+    needs_proximal: bool
     group_baseline: bool
     token_rewards: bool
 
@@ -70,7 +73,8 @@ def resolve_algorithms(cfg: RunConfig, host: PluginHost | None = None) -> Algori
     except ValueError as e:
         raise ConfigError(str(e)) from None
     algos = Algorithms(a.advantage, found["estimators"], a.loss, found["losses"], "values" in params,
-                       "teacher_logprobs" in params, "group_index" in params, "token_rewards" in params)
+                       "teacher_logprobs" in params, "student_logprobs" in params, "group_index" in params,
+                       "token_rewards" in params)
     if a.kl_as_reward and not algos.token_rewards:
         takers = [n for n in host.names("estimators") if "token_rewards" in estimator_params(host.get("estimators", n))]
         raise ConfigError(

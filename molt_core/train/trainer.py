@@ -332,7 +332,7 @@ class Trainer:
         """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, weights untouched, when a
         recompute (no-replay, reference, proximal, stale) or a loss forward gives NaN / +inf."""
         cfg = self.cfg
-        distill = self.algo.needs_teacher
+        distill, student = self.algo.needs_teacher, self.algo.needs_proximal
         mask, beh = batch.mask, batch.behaviour_logprobs
         self._routing_used = {}
         noreplay = routing_noreplay(self, batch)  # R3 diagnostic, before any weight change
@@ -382,7 +382,7 @@ class Trainer:
             token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * kl_keep
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
-            token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
+            token_rewards=token_rewards, student_logprobs=prox_ok if student else None,
             teacher_logprobs=batch.teacher_logprobs if distill else None, estimator=self.algo.estimator)
 
         # 3. update; measure the tokens of older versions under theirs; keep this version (settle)
@@ -553,7 +553,7 @@ class Trainer:
         separate no-grad recompute pass is skipped and ``lp.detach()`` of the loss forward
         (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
         Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
-        (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
+        (one naming ``student_logprobs``: ``on_policy_distill``; KL as reward); and a loss-token count that does not depend
         on them (not ``is_mode = "mask"``, which can reject tokens -- out-of-support ones at
         every level, ``off`` included). ``fuse_recompute = False``
         on the instance forces the separate pass. With ``batch`` given, also not for
@@ -564,7 +564,7 @@ class Trainer:
         multi_row = batch is not None and bool((torch.bincount(batch.rollout_index) > 1).any())
         return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1
                 and not (multi_row and cfg.correction.is_level in ("seq", "geo"))
-                and not self.algo.needs_teacher
+                and not self.algo.needs_proximal
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
                 and cfg.correction.is_mode != "mask")
 
