@@ -78,11 +78,13 @@ def test_env_example_as_a_plugin_file():
 GRPO_VARIANT = ROOT / "contrib" / "molt-grpo-variant" / "molt_grpo_variant" / "__init__.py"
 
 
-def test_grpo_variant_registers_and_is_refused_without_its_plugin():
+def test_grpo_variant_registers_and_is_refused_without_its_plugin(monkeypatch):
     """The contrib estimator resolves with ``--plugin``; without it, ``algo.advantage`` is refused
     by name, listing the registered estimators and how to load one."""
     from molt_core.config import ConfigError, load_config
     from molt_core.train.algorithms import resolve_algorithms
+
+    monkeypatch.setenv("MOLT_LOAD_PLUGINS", "")  # no installed third-party plugin (the reward example above)
 
     cfg = load_config("quickstart", ["algo.advantage=grpo_batch_std"])
     with pytest.raises(ConfigError, match=r"algo.advantage = 'grpo_batch_std': no estimator named 'grpo_batch_std'; "

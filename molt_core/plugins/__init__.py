@@ -94,14 +94,6 @@ BUILTIN_ALGO = "molt_algo"
 """The plugin name of :mod:`molt_core.algo.builtins`, which every host registers first."""
 
 
-def _own_version() -> str:
-    """molt-sdk's installed version ("?" when it is not installed)."""
-    try:
-        return md.version(FIRST_PARTY)
-    except md.PackageNotFoundError:
-        return "?"
-
-
 def _norm(dist: str) -> str:
     """A distribution name normalised as in PEP 503 (``Molt_SDK`` -> ``molt-sdk``)."""
     return re.sub(r"[-_.]+", "-", dist).lower()
@@ -154,9 +146,12 @@ class PluginHost:
         self.infos: dict[str, PluginInfo] = {}
         self.registries: dict[str, dict[str, Registration]] = {k: {} for k in REGISTRATION_HOOKS}
         self.local_specs: list[str] = []
+        #: names of the kernel's own hookimpl modules (:data:`BUILTIN_ALGO`): registered like any
+        #: plugin, but no plugin of ``molt plugins`` (not in :attr:`infos`, not in its listing)
+        self.kernel: set[str] = set()
 
     # -- loading -----------------------------------------------------------------------
-    def _add(self, obj: Any, name: str, dist: str, version: str, source: str) -> None:
+    def _add(self, obj: Any, name: str, dist: str, version: str, source: str, kernel: bool = False) -> None:
         if name in self.infos:
             other = self.infos[name]
             raise PluginError(
@@ -179,6 +174,9 @@ class PluginHost:
         except pluggy.PluginValidationError as e:
             detail = " ".join(str(e).split())
             raise PluginError(f'plugin "{name}" ({dist}) has an invalid hook implementation: {detail}') from e
+        if kernel:
+            self.kernel.add(name)
+            return
         hooks = sorted(
             c.name for c in (self.pm.get_hookcallers(obj) or [])
         )
@@ -247,7 +245,7 @@ class PluginHost:
             for impl in reversed(caller.get_hookimpls()):
                 plugin = impl.plugin_name
                 info = self.infos.get(plugin)
-                dist = info.distribution if info else "?"
+                dist = info.distribution if info else FIRST_PARTY if plugin in self.kernel else "?"
 
                 def register(name: str, obj: Any, _plugin: str = plugin, _dist: str = dist, _kind: str = kind) -> None:
                     if not isinstance(name, str) or not name:
@@ -288,6 +286,10 @@ class PluginHost:
     def names(self, kind: str) -> list[str]:
         """Sorted registered names of ``kind``."""
         return sorted(self.registries[kind])
+
+    def plugin_registries(self) -> dict[str, dict[str, Registration]]:
+        """:attr:`registries` less the kernel's own built-ins (what ``molt plugins`` lists and checks)."""
+        return {k: {n: r for n, r in reg.items() if r.plugin not in self.kernel} for k, reg in self.registries.items()}
 
     def configure(self, config: Any) -> None:
         """Broadcast ``molt_configure(config)`` (historic)."""
@@ -340,7 +342,7 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
     from molt_core.algo import builtins as algo_builtins  # torch: not at CLI start-up (molt --help)
 
     host = PluginHost()
-    host._add(algo_builtins, BUILTIN_ALGO, FIRST_PARTY, _own_version(), algo_builtins.__name__)
+    host._add(algo_builtins, BUILTIN_ALGO, FIRST_PARTY, "", algo_builtins.__name__, kernel=True)
     if entry_points:
         host.load_entry_points()
     for spec in local:
