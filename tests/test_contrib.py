@@ -107,3 +107,24 @@ def test_grpo_variant_runs_quickstart_through_plugin_path(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "train/step" in row] == [1, 2]
+
+
+def test_an_estimator_whose_signature_cannot_be_filled_is_refused_by_name(tmp_path, monkeypatch):
+    """A registered estimator or loss names only the documented inputs; anything else is refused
+    when the run resolves it (never a TypeError mid-step)."""
+    from molt_core.config import ConfigError, load_config
+    from molt_core.train.algorithms import resolve_algorithms
+
+    monkeypatch.setenv("MOLT_LOAD_PLUGINS", "")
+    f = tmp_path / "bad_algo.py"
+    f.write_text("from molt_core.hookspecs import hookimpl\n\n"
+                 "@hookimpl\ndef molt_register_estimators(register):\n"
+                 "    register('needs_cfg', lambda rewards, group_index, cfg: rewards)\n\n"
+                 "@hookimpl\ndef molt_register_losses(register):\n"
+                 "    register('plain', lambda logprobs, advantages: (-logprobs * advantages, {}))\n")
+    cfg = load_config("quickstart", ["algo.advantage=needs_cfg", f"plugins=['{f}']"])
+    with pytest.raises(ConfigError, match=r"takes 'cfg'; an estimator names only parameters from rewards, group_index"):
+        resolve_algorithms(cfg)
+    algos = resolve_algorithms(cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"advantage": "grpo",
+                                                                                         "loss": "plain"})}))
+    assert algos.loss == "plain" and algos.estimator.__name__ == "grpo"

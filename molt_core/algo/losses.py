@@ -170,6 +170,11 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
     }
 
 
+#: What a registered loss may name: ``[B, T]`` tensors, then the numbers of the clip band.
+LOSS_INPUTS = ("logprobs", "proximal_logprobs", "advantages", "mask")
+LOSS_NUMBERS = ("clip_low", "clip_high", "dual_clip")
+
+
 def loss_params(loss_fn: Callable[..., Any]) -> set[str]:
     """The parameters a registered policy loss names (:data:`LOSS_INPUTS` ∪ :data:`LOSS_NUMBERS`).
 
@@ -183,11 +188,6 @@ def loss_params(loss_fn: Callable[..., Any]) -> set[str]:
                              f"names only parameters from {', '.join((*LOSS_INPUTS, *LOSS_NUMBERS))}")
         out.add(p.name)
     return out
-
-
-#: What a registered loss may name: ``[B, T]`` tensors, then the numbers of the clip band.
-LOSS_INPUTS = ("logprobs", "proximal_logprobs", "advantages", "mask")
-LOSS_NUMBERS = ("clip_low", "clip_high", "dual_clip")
 
 
 def apply_policy_loss(
