@@ -128,3 +128,12 @@ def test_an_estimator_whose_signature_cannot_be_filled_is_refused_by_name(tmp_pa
     algos = resolve_algorithms(cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"advantage": "grpo",
                                                                                          "loss": "plain"})}))
     assert algos.loss == "plain" and algos.estimator.__name__ == "grpo"
+
+
+def test_grpo_variant_own_tests_pass():
+    """The contrib package's own tests (hand-computed values), run as its author would run them."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        str(ROOT / "contrib" / "molt-grpo-variant" / "tests")], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "MOLT_LOAD_PLUGINS": ""})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "3 passed" in r.stdout
