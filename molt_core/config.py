@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import importlib.resources
+import inspect
 import json
 import tomllib
 from collections.abc import Mapping
@@ -170,6 +171,18 @@ class RolloutSection(_Section):
     reward_concurrency: int = Field(16, ge=1)
 
 
+def group_baseline_check(advantage: str, n_samples: int) -> None:
+    """The rule of a group-baseline estimator (one naming ``group_index``): 2 samples per prompt.
+
+    Raises:
+        ConfigError: ``n_samples < 2``, naming both options.
+    """
+    if n_samples < 2:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt = {n_samples}: algo.advantage = {advantage!r} uses a group baseline "
+            f"and needs at least 2 samples per prompt (or choose 'reinforce')")
+
+
 class AlgoSection(_Section):
     """``[algo]``: ``advantage`` estimator, policy ``loss``, clip band (PPO, arXiv 1707.06347;
     dual clip, arXiv 1912.09729), KL to a frozen reference (``kl_coef`` 0 disables; estimator
@@ -181,10 +194,10 @@ class AlgoSection(_Section):
     al. 2019, arXiv 1909.08593), used when ``kl_target`` is set. ``value_clip`` clips the GAE
     critic's new value to ``old +- value_clip`` in its loss (PPO value clipping; None disables)."""
 
-    advantage: Literal[
-        "reinforce", "reinforce_baseline", "rloo", "rloo_norm", "grpo", "dr_grpo", "gae", "on_policy_distill"
-    ] = "grpo"
-    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    #: a registered estimator (``molt_register_estimators``; checked when the trainer resolves it)
+    advantage: str = "grpo"
+    #: a registered per-token policy loss (``molt_register_losses``)
+    loss: str = "ppo"
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     dual_clip: float | None = None
@@ -232,6 +245,16 @@ class AsyncSection(_Section):
 
     max_staleness: int = Field(0, ge=0)
     onpolicy_rows: int = Field(-1, ge=-1)
+
+    def groups_in_flight(self, prompts_per_step: int) -> int:
+        """The driver's bound on groups in flight: ``(1 + max_staleness) * prompts_per_step``."""
+        return (1 + self.max_staleness) * prompts_per_step
+
+    @property
+    def history_versions(self) -> int:
+        """Past weight versions the trainer keeps for the on-policy measure: ``max_staleness``,
+        0 when ``onpolicy_rows = 0``."""
+        return self.max_staleness if self.onpolicy_rows != 0 else 0
 
 
 class LoraSection(_Section):
@@ -398,13 +421,14 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _group_estimators_need_groups(self) -> "RunConfig":
-        group = {"grpo", "dr_grpo", "rloo", "rloo_norm", "reinforce_baseline"}
-        if self.algo.advantage in group and self.rollout.n_samples_per_prompt < 2:
-            raise ValueError(
-                f"rollout.n_samples_per_prompt = {self.rollout.n_samples_per_prompt}: algo.advantage = "
-                f"{self.algo.advantage!r} uses a group baseline and needs at least 2 samples per prompt "
-                f"(or choose 'reinforce')"
-            )
+        """A built-in group-baseline estimator needs 2 samples per prompt (checked here, at load;
+        a plugin's estimator when the trainer resolves it, :mod:`molt_core.train.algorithms`)."""
+        if self.rollout.n_samples_per_prompt < 2:
+            from molt_core.algo.builtins import ESTIMATORS  # torch: only on this path, not at CLI start-up
+
+            fn = ESTIMATORS.get(self.algo.advantage)
+            if fn is not None and "group_index" in inspect.signature(fn).parameters:
+                group_baseline_check(self.algo.advantage, self.rollout.n_samples_per_prompt)
         return self
 
     @model_validator(mode="after")

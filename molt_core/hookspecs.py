@@ -126,6 +126,39 @@ def molt_register_weight_sync_transports(register: Register) -> None:
     """
 
 
+@hookspec
+def molt_register_estimators(register: Register) -> None:
+    """Register advantage estimators: ``register(name, fn)``, selected by ``algo.advantage``.
+
+    ``fn`` takes tensors and numbers, by keyword, naming only those it uses (like a hookimpl):
+    ``rewards`` ``[R]`` float32 (one per rollout), ``group_index`` ``[R]`` int64 (its prompt
+    group), ``rollout_index`` ``[B]`` int64 (rollout of each row = segment), ``mask`` ``[B, T]``
+    bool (sampled tokens); ``[B, T]`` float32 ``values`` (critic; naming it builds one),
+    ``token_rewards`` (e.g. ``-kl_coef * kl``; naming it allows ``algo.kl_as_reward``),
+    ``student_logprobs`` (the trainer's proximal logprobs) / ``teacher_logprobs`` (naming it
+    needs a ``[teacher]``); the floats ``gamma``, ``lam``, ``eps`` (``algo.adv_eps``),
+    ``std_tol``, ``coef`` (``algo.distill_coef``). A tensor named without a default is required. Naming
+    ``group_index`` marks a group baseline (``rollout.n_samples_per_prompt >= 2``). Returns
+    ``[R]`` (one advantage per rollout, broadcast to its sampled tokens), ``[B, T]``, or
+    ``([B, T] advantages, [B, T] returns)``; float, 0 off ``mask``. The built-ins
+    (:mod:`molt_core.algo.builtins`) register here too.
+    """
+
+
+@hookspec
+def molt_register_losses(register: Register) -> None:
+    """Register per-token policy losses: ``register(name, fn)``, selected by ``algo.loss``.
+
+    ``fn`` takes, by keyword and naming only those it uses, ``logprobs`` ``[B, T]`` float
+    (current policy, requires grad), ``proximal_logprobs`` and ``advantages`` ``[B, T]`` float
+    (detached), ``mask`` ``[B, T]`` bool, and the floats ``clip_low``, ``clip_high``,
+    ``dual_clip`` (None or > 1). Returns ``(loss [B, T], flags)`` with ``flags`` holding
+    ``ratio`` ``[B, T]`` float and bool ``[B, T]`` ``clipped_low``, ``clipped_high`` (and
+    optionally ``dual_clipped``). The trainer multiplies by the importance weights and takes
+    the global token mean (:func:`molt_core.algo.losses.apply_policy_loss`).
+    """
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -153,4 +186,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
     "weight_sync_transports": "molt_register_weight_sync_transports",
+    "estimators": "molt_register_estimators",
+    "losses": "molt_register_losses",
 }

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from molt_core.algo.advantages import compute_advantages, gae, grpo, reinforce_baseline, rloo, rloo_norm
+from molt_core.algo.advantages import gae, grpo, reinforce_baseline, rloo, rloo_norm
+from molt_core.train.algorithms import compute_advantages
 from molt_core.config import AlgoSection
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from molt_core.algo.correction import apply_correction
+from molt_core.train.algorithms import apply_correction
 from molt_core.config import CorrectionSection
 
 torch.set_num_threads(1)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from molt_core.algo.losses import aggregate_tokens, policy_loss
+from molt_core.algo.losses import aggregate_tokens
+from molt_core.train.algorithms import policy_loss
 from molt_core.config import AlgoSection
 
 torch.set_num_threads(1)

@@ -1,18 +1,21 @@
 """RL algorithms in plain PyTorch: advantages, policy losses, KL, and the policy-version
-correction (staleness gate + importance weights). Pure functions; see each module."""
+correction (staleness gate + importance weights). Pure functions of tensors and numbers;
+the estimators and losses are looked up by name in the plugin host's registries."""
 
-from molt_core.algo.advantages import compute_advantages
-from molt_core.algo.correction import Correction, apply_correction
+from molt_core.algo.advantages import estimate_advantages
+from molt_core.algo.correction import Correction, Gate, correct, staleness_gate
 from molt_core.algo.kl import AdaptiveKLController, kl_estimate, kl_loss
-from molt_core.algo.losses import aggregate_tokens, policy_loss
+from molt_core.algo.losses import aggregate_tokens, apply_policy_loss
 
 __all__ = [
-    "compute_advantages",
-    "policy_loss",
+    "estimate_advantages",
+    "apply_policy_loss",
     "aggregate_tokens",
     "kl_estimate",
     "kl_loss",
     "AdaptiveKLController",
-    "apply_correction",
+    "staleness_gate",
+    "correct",
+    "Gate",
     "Correction",
 ]

@@ -1,4 +1,4 @@
-"""Advantage estimators: one pure function each, and :func:`compute_advantages` to dispatch.
+"""Advantage estimators: one pure function each, and :func:`estimate_advantages` to call one.
 
 Shapes used throughout:
 
@@ -11,7 +11,7 @@ Shapes used throughout:
 Group baselines (GRPO, RLOO, ...) count **one** reward per rollout however many segments it
 has; the rollout's advantage is broadcast to every sampled token of every one of its segments
 (0 on tokens that were not sampled). Group statistics are computed in float64, and a standard
-deviation below ``cfg.std_tol`` is treated as exactly zero: no rounding residue is ever divided
+deviation below ``std_tol`` is treated as exactly zero: no rounding residue is ever divided
 by (issue 4, case B14).
 
 Token-level estimators (``reinforce``, ``gae``) place the rollout's reward on the last sampled
@@ -21,15 +21,16 @@ and run the recursion over the rollout's sampled tokens in order, across segment
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from molt_core.config import AlgoSection
-
 __all__ = [
-    "compute_advantages",
+    "estimate_advantages",
+    "estimator_params",
     "grpo",
     "dr_grpo",
     "rloo",
@@ -366,19 +367,34 @@ def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: 
     return torch.where(mask, a, 0.0).to(torch.float32)
 
 
-# ----------------------------------------------------------------------------- dispatcher
+# ----------------------------------------------------------------------------- dispatch
 
-_GROUP: dict[str, Callable[[AlgoSection, Tensor, Tensor], Tensor]] = {
-    "grpo": lambda c, r, g: grpo(r, g, eps=c.adv_eps, std_tol=c.std_tol),
-    "dr_grpo": lambda c, r, g: dr_grpo(r, g, std_tol=c.std_tol),
-    "rloo": lambda c, r, g: rloo(r, g),
-    "rloo_norm": lambda c, r, g: rloo_norm(r, g, eps=c.adv_eps, std_tol=c.std_tol),
-    "reinforce_baseline": lambda c, r, g: reinforce_baseline(r, g, eps=c.adv_eps, std_tol=c.std_tol),
-}
+#: The tensors an estimator may name (``[B, T]`` float, or None when the step has none), and
+#: the numbers (``gamma``, ``lam`` floats in [0, 1]; ``eps``, ``std_tol`` floats >= 0; ``coef``
+#: float). Every estimator takes ``rewards``-style arguments by keyword, naming only those it uses.
+TOKEN_INPUTS = ("token_rewards", "values", "student_logprobs", "teacher_logprobs")
+INPUTS = ("rewards", "group_index", "rollout_index", "mask", *TOKEN_INPUTS)
+NUMBERS = ("gamma", "lam", "eps", "std_tol", "coef")
 
 
-def compute_advantages(
-    cfg: AlgoSection,
+def estimator_params(estimator: Callable[..., Any]) -> dict[str, bool]:
+    """``{parameter: required}`` of a registered estimator (required = no default).
+
+    Raises:
+        ValueError: a parameter that is neither in :data:`INPUTS` nor in :data:`NUMBERS`
+            (the dispatcher could not fill it), or a ``*args`` / ``**kwargs`` parameter.
+    """
+    out: dict[str, bool] = {}
+    for p in inspect.signature(estimator).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name not in (*INPUTS, *NUMBERS):
+            raise ValueError(f"advantage estimator {getattr(estimator, '__name__', estimator)!r} takes {p.name!r}; "
+                             f"an estimator names only parameters from {', '.join((*INPUTS, *NUMBERS))}")
+        out[p.name] = p.default is inspect.Parameter.empty
+    return out
+
+
+def estimate_advantages(
+    estimator: Callable[..., Any],
     rewards: Tensor,
     group_index: Tensor,
     rollout_index: Tensor,
@@ -388,48 +404,54 @@ def compute_advantages(
     token_rewards: Tensor | None = None,
     student_logprobs: Tensor | None = None,
     teacher_logprobs: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    std_tol: float = 1e-6,
+    coef: float = 1.0,
+    name: str = "?",
 ) -> tuple[Tensor, Tensor | None]:
-    """Advantages of every sampled token for the estimator ``cfg.advantage``.
+    """Advantages of every sampled token from a registered ``estimator`` (calling convention:
+    :func:`molt_core.hookspecs.molt_register_estimators`).
+
+    The estimator receives, by keyword, only the arguments its signature names. A tensor it
+    requires (no default) must be given; a given ``token_rewards`` must be taken (it would be
+    silently ignored otherwise).
 
     Args:
-        cfg: ``[algo]`` section (``advantage``, ``gamma``, ``lam``, ``adv_eps``, ``std_tol``,
-            ``distill_coef``).
-        rewards: ``[R]`` float32, one reward per rollout.
-        group_index: ``[R]`` long, group of each rollout.
-        rollout_index: ``[B]`` long, rollout of each row (segment).
-        mask: ``[B, T]`` bool, sampled tokens.
-        values: ``[B, T]`` critic values (``gae`` only, required there).
-        token_rewards: ``[B, T]`` per-token rewards, e.g. ``-kl_coef * kl`` (``reinforce`` and
-            ``gae`` only).
-        student_logprobs, teacher_logprobs: ``[B, T]`` (``on_policy_distill`` only, required).
+        estimator: the registered function. rewards: ``[R]`` float32, one per rollout.
+        group_index: ``[R]`` long. rollout_index: ``[B]`` long, rollout of each row (segment).
+        mask: ``[B, T]`` bool, sampled tokens. values, token_rewards, student_logprobs,
+            teacher_logprobs: ``[B, T]`` float or None.
+        gamma, lam, eps, std_tol, coef: the numbers estimators may take (``algo.gamma``,
+            ``algo.lam``, ``algo.adv_eps``, ``algo.std_tol``, ``algo.distill_coef``).
+        name: the estimator's registered name, for errors.
 
     Returns:
-        ``(advantages [B, T] float32, returns [B, T] float32 or None)``; both 0 where ``mask``
-        is False; ``returns`` only for ``gae``.
+        ``(advantages [B, T] float32, returns [B, T] float32 or None)``, 0 where ``mask`` is
+        False: an ``[R]`` result is broadcast to each rollout's sampled tokens; a ``[B, T]``
+        one is used as is; a pair is ``(advantages, returns)`` (returns train a critic).
 
     Raises:
         ValueError: malformed shapes/dtypes/indices (naming the argument), a missing input the
             estimator needs, or ``token_rewards`` given to an estimator that would ignore it.
     """
     _check_inputs(rewards, group_index, rollout_index, mask)
-    name = cfg.advantage
-    if token_rewards is not None:
-        if name not in ("reinforce", "gae"):
-            raise ValueError(f"token_rewards (KL as reward) is only used by algo.advantage 'reinforce' or 'gae', "
-                             f"not {name!r}; set algo.kl_as_reward=false or switch estimator")
-        _check_token_tensor("token_rewards", token_rewards, mask)
-    if name in _GROUP:
-        per_rollout = _GROUP[name](cfg, rewards, group_index)
-        return broadcast_to_tokens(per_rollout, rollout_index, mask), None
-    if name == "reinforce":
-        return reinforce(rewards, rollout_index, mask, gamma=cfg.gamma, token_rewards=token_rewards,
-                         eps=cfg.adv_eps, std_tol=cfg.std_tol), None
-    if name == "gae":
-        values = _check_token_tensor("values", values, mask)
-        return gae(rewards, rollout_index, mask, values, gamma=cfg.gamma, lam=cfg.lam, token_rewards=token_rewards)
-    if name == "on_policy_distill":
-        s = _check_token_tensor("student_logprobs", student_logprobs, mask)
-        t = _check_token_tensor("teacher_logprobs", teacher_logprobs, mask)
-        return on_policy_distill(s, t, mask, coef=cfg.distill_coef), None
-    raise ValueError(f"algo.advantage {name!r} is not known; choose one of "
-                     f"{sorted([*_GROUP, 'reinforce', 'gae', 'on_policy_distill'])}")
+    params = estimator_params(estimator)
+    given = {"rewards": rewards, "group_index": group_index, "rollout_index": rollout_index, "mask": mask,
+             "values": values, "token_rewards": token_rewards, "student_logprobs": student_logprobs,
+             "teacher_logprobs": teacher_logprobs,
+             "gamma": gamma, "lam": lam, "eps": eps, "std_tol": std_tol, "coef": coef}
+    if token_rewards is not None and "token_rewards" not in params:
+        raise ValueError(f"token_rewards (KL as reward) is only used by an algo.advantage that takes them "
+                         f"(built in: 'reinforce', 'gae'), not {name!r}; set algo.kl_as_reward=false or "
+                         f"switch estimator")
+    for k in TOKEN_INPUTS:
+        if k in params and (params[k] or given[k] is not None):
+            _check_token_tensor(k, given[k], mask)
+    out = estimator(**{k: given[k] for k in params})
+    if isinstance(out, tuple):
+        return out
+    if out.dim() == 1:
+        return broadcast_to_tokens(out, rollout_index, mask), None
+    return out, None

@@ -2,7 +2,7 @@
 
 Every sampled token carries the behaviour logprob and the policy version it was sampled under
 (a request may span several versions when a weight sync lands mid-generation). Before the
-loss, :func:`apply_correction` does two things, and nothing else in the project does them:
+loss, :func:`staleness_gate` (once per step) and :func:`correct` do two things, and nothing else in the project does them:
 
 (a) **Sequence gate.** A *sequence* is a whole rollout, all its segments (a rollout whose
     context was rewritten has several rows; ``seq_index`` maps rows to rollouts).
@@ -60,14 +60,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from molt_core.config import CorrectionSection
-
-__all__ = ["Correction", "apply_correction"]
+__all__ = ["Correction", "Gate", "correct", "staleness_gate"]
 
 
 @dataclass
 class Correction:
-    """Result of :func:`apply_correction`.
+    """Result of :func:`correct`.
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the staleness gate.
@@ -103,14 +101,15 @@ class Correction:
     out_of_support: Tensor | None = None
 
 
-def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor, proximal_logprobs: Tensor,
-           mask: Tensor, current_version: int, max_staleness: int, seq_index: Tensor | None) -> None:
+def _check_mask(mask: Tensor, **tensors: Tensor) -> None:
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool [B, T] tensor, got {mask.dtype} shape {tuple(mask.shape)}")
-    for name, x in (("behaviour_logprobs", behaviour_logprobs), ("versions", versions),
-                    ("proximal_logprobs", proximal_logprobs)):
+    for name, x in tensors.items():
         if x.shape != mask.shape:
             raise ValueError(f"{name} must have the shape of mask {tuple(mask.shape)}, got {tuple(x.shape)}")
+
+
+def _check_gate(versions: Tensor, mask: Tensor, current_version: int, seq_index: Tensor | None) -> None:
     if versions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"versions must be an integer tensor (-1 where not sampled), got {versions.dtype}")
     if seq_index is not None:
@@ -121,13 +120,6 @@ def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor,
             raise ValueError("seq_index must be >= 0 (row -> rollout index)")
     if current_version < 0:
         raise ValueError(f"current_version must be >= 0, got {current_version}")
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness (async.max_staleness) must be >= 0, got {max_staleness}")
-    if cfg.is_level != "off":
-        if cfg.high < 1.0:
-            raise ValueError(f"correction.high must be >= 1 (a weight of 1 = on-policy must pass), got {cfg.high}")
-        if cfg.is_mode != "trunc" and not 0.0 <= cfg.low <= 1.0:
-            raise ValueError(f"correction.low must lie in [0, 1] (a weight of 1 = on-policy must pass), got {cfg.low}")
     v = versions[mask]
     if v.numel():
         if int(v.min()) < 0:
@@ -138,6 +130,16 @@ def _check(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor,
             b, t = torch.nonzero(mask & (versions > current_version))[0].tolist()
             raise ValueError(f"versions[{b}, {t}] = {int(versions[b, t])} is newer than current_version="
                              f"{current_version}; the trainer's version must be the latest published one")
+
+
+def _check_weights(is_level: str, is_mode: str, low: float, high: float, behaviour_logprobs: Tensor,
+                   proximal_logprobs: Tensor, mask: Tensor) -> None:
+    if is_level != "off":
+        if high < 1.0:
+            raise ValueError(f"correction.high must be >= 1 (a weight of 1 = on-policy must pass), got {high}")
+        if is_mode != "trunc" and not 0.0 <= low <= 1.0:
+            raise ValueError(f"correction.low must lie in [0, 1] (a weight of 1 = on-policy must pass), got {low}")
+    if bool(mask.any()):
         bl, pl = behaviour_logprobs[mask], proximal_logprobs[mask]
         if not torch.isfinite(bl).all():
             raise ValueError("behaviour_logprobs must be finite on sampled tokens (the engine sampled them, so "
@@ -155,100 +157,63 @@ def _per_sequence(x: Tensor, seq: Tensor, n_seq: int, reduce: str) -> Tensor:
     return out[seq]
 
 
-def apply_correction(
-    cfg: CorrectionSection,
-    behaviour_logprobs: Tensor,
-    versions: Tensor,
-    proximal_logprobs: Tensor,
-    mask: Tensor,
-    current_version: int,
-    max_staleness: int,
-    seq_index: Tensor | None = None,
-) -> Correction:
-    """Staleness gate and behaviour→proximal importance correction (see module docstring).
+@dataclass
+class Gate:
+    """Result of :func:`staleness_gate`: computed once per step, passed to every :func:`correct`.
+
+    Attributes:
+        keep: ``[B]`` bool, rows whose rollout passed the gate.
+        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
+            row's rollout (0 for a rollout without sampled tokens).
+        seq: ``[B]`` long, row -> sequence (rollout). n_seq: number of sequences.
+        metrics: the gate's metrics (see :class:`Correction`); empty for a :meth:`rows` slice.
+    """
+
+    keep: Tensor
+    staleness: Tensor
+    seq: Tensor
+    n_seq: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def rows(self, rows: slice) -> "Gate":
+        """The gate of the rows ``rows`` (a micro-batch), without metrics."""
+        return Gate(self.keep[rows], self.staleness[rows], self.seq[rows], self.n_seq)
+
+
+def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_staleness: int,
+                   seq_index: Tensor | None = None) -> Gate:
+    """The sequence gate (module docstring, (a)): a rollout whose oldest sampled token is more
+    than ``max_staleness`` versions behind ``current_version`` is dropped, every row.
 
     Args:
-        cfg: ``[correction]`` section: ``is_level``, ``is_mode``, ``low``, ``high``.
-        behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
-        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at ``current_version`` (before
-            the update), ``-inf`` on a token outside the recomputed top-k/top-p support;
-            detached here.
         mask: ``[B, T]`` bool, sampled tokens.
         current_version: the trainer's policy version (latest published).
-        max_staleness: largest accepted staleness (``async.max_staleness``).
-        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``): the gate and
-            seq/geo weights act on the whole rollout. None: every row is its own sequence.
+        max_staleness: largest accepted staleness (``async.max_staleness``, validated >= 0 by
+            the config).
+        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``): the gate
+            acts on the whole rollout. None: every row is its own sequence.
 
     Returns:
-        :class:`Correction`.
+        :class:`Gate`.
 
     Raises:
         ValueError: shape/dtype mismatch; a sampled token with version -1 or newer than
-            ``current_version``; a non-finite behaviour logprob, or a NaN/+inf proximal
-            logprob, on a sampled token; a band that rejects weight 1 (``high < 1``, or
-            ``low`` outside ``[0, 1]`` for clip/mask); a bad ``seq_index``.
+            ``current_version``; a bad ``seq_index``.
     """
-    _check(cfg, behaviour_logprobs, versions, proximal_logprobs, mask, current_version, max_staleness, seq_index)
+    _check_mask(mask, versions=versions)
+    _check_gate(versions, mask, current_version, seq_index)
     B, T = mask.shape
     seq = torch.arange(B) if seq_index is None else seq_index.long()
     n_seq = int(seq.max()) + 1 if B else 0
-
-    # (a) sequence gate on the OLDEST sampled-token version of the whole rollout
+    # on the OLDEST sampled-token version of the whole rollout
     big = torch.iinfo(torch.int64).max
     oldest_row = torch.where(mask, versions.long(), big).min(-1).values if T else torch.full((B,), big)
     oldest = _per_sequence(oldest_row, seq, n_seq, "amin")
     has_tok = oldest < big
     staleness = torch.where(has_tok, current_version - oldest, torch.zeros((), dtype=torch.long))
     keep = staleness <= max_staleness
-    live = mask & keep[:, None]  # sampled tokens of kept rows
-
-    # (b) importance weights, float64; an out-of-support token has log rho = -inf (rho = 0)
-    prox = proximal_logprobs.detach().double()
-    oos = mask & (prox == -math.inf)
-    log_rho = torch.where(mask & ~oos, prox - behaviour_logprobs.detach().double(), 0.0)
-    log_rho = torch.where(oos, -math.inf, log_rho)
-    if cfg.is_level == "off":
-        log_w = torch.zeros_like(log_rho)
-    elif cfg.is_level == "token":
-        log_w = log_rho
-    elif cfg.is_level == "seq":
-        log_w = _per_sequence(log_rho.sum(-1), seq, n_seq, "sum")[:, None].expand(B, T)
-    elif cfg.is_level == "geo":
-        n_tok = _per_sequence(mask.sum(-1).double(), seq, n_seq, "sum")
-        log_w = (_per_sequence(log_rho.sum(-1), seq, n_seq, "sum") / n_tok.clamp(min=1))[:, None].expand(B, T)
-    else:
-        raise ValueError(f"correction.is_level must be off/token/seq/geo, got {cfg.is_level!r}")
-
-    rejected = torch.zeros_like(mask)
-    changed = torch.zeros_like(mask)
-    if cfg.is_level == "off":
-        w = torch.ones_like(log_w)
-    else:
-        log_hi = math.log(cfg.high)
-        log_lo = math.log(cfg.low) if cfg.low > 0 else -math.inf
-        w = torch.exp(log_w)  # may be inf for a long seq product; every mode bounds it below
-        if cfg.is_mode == "trunc":
-            changed = log_w > log_hi
-            w = torch.where(changed, cfg.high, w)
-        elif cfg.is_mode == "clip":
-            changed = (log_w > log_hi) | (log_w < log_lo)
-            w = w.clamp(min=cfg.low, max=cfg.high)
-        elif cfg.is_mode == "mask":
-            # ratio 0 (out of support) is outside every band, even low = 0
-            rejected = (log_w > log_hi) | (log_w < log_lo) | (log_w == -math.inf)
-            w = torch.where(rejected, 0.0, w)
-        else:
-            raise ValueError(f"correction.is_mode must be mask/clip/trunc, got {cfg.is_mode!r}")
-    if cfg.is_mode == "mask":  # at every level, "off" included: mask is the mode that rejects
-        rejected = rejected | oos
-    loss_mask = live & ~rejected
-    weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)
-
-    # metrics
     n_all = int(mask.sum())
-    n_live = int(live.sum())
-    aw = weights[loss_mask].double()
     tok_stale = current_version - versions.long()[mask]
     st_all = staleness[has_tok & mask.any(-1)]
     st_kept = staleness[has_tok & mask.any(-1) & keep]
@@ -259,6 +224,89 @@ def apply_correction(
         "correction/gate_dropped": float((~keep & mask.any(-1)).sum()),
         "correction/gate_dropped_tokens": float(gated),
         "correction/gated_frac": gated / n_all if n_all else 0.0,
+    }
+    for k, c in zip(*torch.unique(st_all, return_counts=True)):
+        m[f"correction/staleness_hist/{int(k)}"] = float(c)
+    return Gate(keep=keep, staleness=staleness, seq=seq, n_seq=n_seq, metrics=m)
+
+
+def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *,
+            is_level: str = "token", is_mode: str = "trunc", low: float = 0.0, high: float = 2.0) -> Correction:
+    """Behaviour→proximal importance correction behind the step's ``gate`` (module docstring, (b)).
+
+    Args:
+        gate: the step's :func:`staleness_gate` (or its :meth:`Gate.rows` for a micro-batch).
+        behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
+        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at the current version (before
+            the update), ``-inf`` on a token outside the recomputed top-k/top-p support;
+            detached here.
+        mask: ``[B, T]`` bool, sampled tokens.
+        is_level: ``off`` | ``token`` | ``seq`` | ``geo``. is_mode: ``mask`` | ``clip`` | ``trunc``.
+        low, high: the band (floats; ``low <= 1 <= high``).
+
+    Returns:
+        :class:`Correction` (its metrics: the gate's, then the weights').
+
+    Raises:
+        ValueError: shape mismatch; a non-finite behaviour logprob, or a NaN/+inf proximal
+            logprob, on a sampled token; a band that rejects weight 1 (``high < 1``, or
+            ``low`` outside ``[0, 1]`` for clip/mask); an unknown level or mode.
+    """
+    _check_mask(mask, behaviour_logprobs=behaviour_logprobs, proximal_logprobs=proximal_logprobs)
+    _check_weights(is_level, is_mode, low, high, behaviour_logprobs, proximal_logprobs, mask)
+    B, T = mask.shape
+    seq, n_seq, keep = gate.seq, gate.n_seq, gate.keep
+    live = mask & keep[:, None]  # sampled tokens of kept rows
+
+    # (b) importance weights, float64; an out-of-support token has log rho = -inf (rho = 0)
+    prox = proximal_logprobs.detach().double()
+    oos = mask & (prox == -math.inf)
+    log_rho = torch.where(mask & ~oos, prox - behaviour_logprobs.detach().double(), 0.0)
+    log_rho = torch.where(oos, -math.inf, log_rho)
+    if is_level == "off":
+        log_w = torch.zeros_like(log_rho)
+    elif is_level == "token":
+        log_w = log_rho
+    elif is_level == "seq":
+        log_w = _per_sequence(log_rho.sum(-1), seq, n_seq, "sum")[:, None].expand(B, T)
+    elif is_level == "geo":
+        n_tok = _per_sequence(mask.sum(-1).double(), seq, n_seq, "sum")
+        log_w = (_per_sequence(log_rho.sum(-1), seq, n_seq, "sum") / n_tok.clamp(min=1))[:, None].expand(B, T)
+    else:
+        raise ValueError(f"correction.is_level must be off/token/seq/geo, got {is_level!r}")
+
+    rejected = torch.zeros_like(mask)
+    changed = torch.zeros_like(mask)
+    if is_level == "off":
+        w = torch.ones_like(log_w)
+    else:
+        log_hi = math.log(high)
+        log_lo = math.log(low) if low > 0 else -math.inf
+        w = torch.exp(log_w)  # may be inf for a long seq product; every mode bounds it below
+        if is_mode == "trunc":
+            changed = log_w > log_hi
+            w = torch.where(changed, high, w)
+        elif is_mode == "clip":
+            changed = (log_w > log_hi) | (log_w < log_lo)
+            w = w.clamp(min=low, max=high)
+        elif is_mode == "mask":
+            # ratio 0 (out of support) is outside every band, even low = 0
+            rejected = (log_w > log_hi) | (log_w < log_lo) | (log_w == -math.inf)
+            w = torch.where(rejected, 0.0, w)
+        else:
+            raise ValueError(f"correction.is_mode must be mask/clip/trunc, got {is_mode!r}")
+    if is_mode == "mask":  # at every level, "off" included: mask is the mode that rejects
+        rejected = rejected | oos
+    loss_mask = live & ~rejected
+    weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)
+
+    # metrics: the gate's first, its staleness histogram last (as ever)
+    n_all = int(mask.sum())
+    n_live = int(live.sum())
+    aw = weights[loss_mask].double()
+    hist = {k: v for k, v in gate.metrics.items() if k.startswith("correction/staleness_hist/")}
+    m = {k: v for k, v in gate.metrics.items() if k not in hist}
+    m.update({
         "correction/out_of_support_frac": float(oos.sum()) / n_all if n_all else 0.0,
         "correction/tokens": float(n_live),
         "correction/masked_frac": float((rejected & live).sum()) / n_live if n_live else 0.0,
@@ -267,8 +315,7 @@ def apply_correction(
         "correction/is_weight_min": float(aw.min()) if aw.numel() else 0.0,
         "correction/is_weight_max": float(aw.max()) if aw.numel() else 0.0,
         "correction/log_ratio_abs_mean": float(log_rho[live & ~oos].abs().mean()) if bool((live & ~oos).any()) else 0.0,
-    }
-    for k, c in zip(*torch.unique(st_all, return_counts=True)):
-        m[f"correction/staleness_hist/{int(k)}"] = float(c)
-    return Correction(keep=keep, weights=weights, staleness=staleness, metrics=m, loss_mask=loss_mask,
+    })
+    m.update(hist)
+    return Correction(keep=keep, weights=weights, staleness=gate.staleness, metrics=m, loss_mask=loss_mask,
                       out_of_support=oos)

@@ -15,10 +15,12 @@ trainer's own logprobs at the current version before the update (decoupled PPO, 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
-
-from molt_core.config import AlgoSection
 
 #: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo``
 #: (policy-loss importance ratios here, k3 in :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8``
@@ -26,7 +28,7 @@ from molt_core.config import AlgoSection
 #: trust region. The value follows verl's clamp of the KL log ratio to [-20, 20].
 LOG_RATIO_BOUND = 20.0
 
-__all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "policy_loss", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
+__all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "apply_policy_loss", "loss_params", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
 
 
 def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
@@ -168,19 +170,44 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
     }
 
 
-def policy_loss(
-    cfg: AlgoSection,
+#: What a registered loss may name: ``[B, T]`` tensors, then the numbers of the clip band.
+LOSS_INPUTS = ("logprobs", "proximal_logprobs", "advantages", "mask")
+LOSS_NUMBERS = ("clip_low", "clip_high", "dual_clip")
+
+
+def loss_params(loss_fn: Callable[..., Any]) -> set[str]:
+    """The parameters a registered policy loss names (:data:`LOSS_INPUTS` ∪ :data:`LOSS_NUMBERS`).
+
+    Raises:
+        ValueError: a parameter the dispatcher could not fill, or ``*args`` / ``**kwargs``.
+    """
+    out = set()
+    for p in inspect.signature(loss_fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name not in (*LOSS_INPUTS, *LOSS_NUMBERS):
+            raise ValueError(f"policy loss {getattr(loss_fn, '__name__', loss_fn)!r} takes {p.name!r}; a loss "
+                             f"names only parameters from {', '.join((*LOSS_INPUTS, *LOSS_NUMBERS))}")
+        out.add(p.name)
+    return out
+
+
+def apply_policy_loss(
+    loss_fn: Callable[..., tuple[Tensor, dict[str, Tensor]]],
     logprobs: Tensor,
     proximal_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
     is_weights: Tensor,
     num_tokens: int,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Policy loss ``cfg.loss`` (``ppo`` | ``gspo`` | ``cispo``) of one micro-batch.
+    """Policy loss of one micro-batch from a registered per-token ``loss_fn`` (calling
+    convention: :func:`molt_core.hookspecs.molt_register_losses`), aggregated over the step.
 
     Args:
-        cfg: ``[algo]`` section: ``loss``, ``clip_low``, ``clip_high``, ``dual_clip``.
+        loss_fn: the registered function; receives, by keyword, only what its signature names.
         logprobs: ``[B, T]`` float, current-policy logprob of each sampled token (requires grad).
         proximal_logprobs: ``[B, T]`` float, logprob at the current version before the update
             (treated as a constant: detached here).
@@ -188,6 +215,8 @@ def policy_loss(
         mask: ``[B, T]`` bool, tokens that count (sampled, kept by the gate).
         is_weights: ``[B, T]`` float, detached importance weights from correction (1 = none).
         num_tokens: global action-token count of the optimizer step (see module docstring).
+        clip_low, clip_high: the clip band ``[1 - clip_low, 1 + clip_high]`` (floats >= 0).
+        dual_clip: the dual-clip cap (> 1) or None.
 
     Returns:
         ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``;
@@ -198,8 +227,7 @@ def policy_loss(
         (k3 of proximal vs current, Schulman 2020, log ratio bounded to +-20 nats).
 
     Raises:
-        ValueError: unknown ``cfg.loss``, ``dual_clip <= 1``, mismatched shapes, bad
-            ``num_tokens``.
+        ValueError: ``dual_clip <= 1``, mismatched shapes, bad ``num_tokens``.
     """
     shape = logprobs.shape
     for name, x in (("proximal_logprobs", proximal_logprobs), ("advantages", advantages), ("mask", mask),
@@ -208,19 +236,13 @@ def policy_loss(
             raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(x.shape)}")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be bool, got {mask.dtype}")
-    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
-        raise ValueError(f"algo.dual_clip must be > 1 (Ye et al. use 3), got {cfg.dual_clip}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"algo.dual_clip must be > 1 (Ye et al. use 3), got {dual_clip}")
     prox = proximal_logprobs.detach()
     adv = advantages.detach()
-    if cfg.loss == "ppo":
-        per_tok, flags = ppo_token_loss(logprobs, prox, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                        dual_clip=cfg.dual_clip)
-    elif cfg.loss == "gspo":
-        per_tok, flags = gspo_token_loss(logprobs, prox, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-    elif cfg.loss == "cispo":
-        per_tok, flags = cispo_token_loss(logprobs, prox, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-    else:
-        raise ValueError(f"algo.loss {cfg.loss!r} is not known; choose 'ppo', 'gspo' or 'cispo'")
+    given = {"logprobs": logprobs, "proximal_logprobs": prox, "advantages": adv, "mask": mask,
+             "clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    per_tok, flags = loss_fn(**{k: given[k] for k in loss_params(loss_fn)})
     loss = aggregate_tokens(per_tok * is_weights.detach(), mask, num_tokens)
 
     n = int(mask.sum())
@@ -238,7 +260,7 @@ def policy_loss(
         "loss/clip_frac": lo + hi,
         "loss/clip_frac_low": lo,
         "loss/clip_frac_high": hi,
-        "loss/dual_clip_frac": float(flags["dual_clipped"][mask].float().mean()),
+        "loss/dual_clip_frac": float(flags["dual_clipped"][mask].float().mean()) if "dual_clipped" in flags else 0.0,
         "loss/ratio_mean": float(r.mean()),
         "loss/ratio_min": float(r.min()),
         "loss/ratio_max": float(r.max()),

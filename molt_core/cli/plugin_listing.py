@@ -53,7 +53,8 @@ def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
     """
     width = max(width, 40)
     lines: list[str] = []
-    regs = [(k, host.registries[k]) for k in REGISTRATION_HOOKS if host.registries[k]]
+    listed = host.plugin_registries()
+    regs = [(k, listed[k]) for k in REGISTRATION_HOOKS if listed[k]]
     label_w = min(max((len(n) for _, r in regs for n in r), default=0), 24)
     for kind, reg in regs:
         lines.append(f"{kind.replace('_', ' ')} ({len(reg)})")

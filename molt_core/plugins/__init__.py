@@ -1,6 +1,7 @@
 """Plugin manager: discovery, loading, validation and the registries plugins fill.
 
-Sources, in order: the ``molt`` entry-point group of every installed distribution (molt-sdk's
+Sources, in order: the kernel's own built-in estimators and losses (:mod:`molt_core.algo.builtins`,
+always, through the same hooks), the ``molt`` entry-point group of every installed distribution (molt-sdk's
 own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
 path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
 name or distribution name; ``MOLT_LOAD_PLUGINS=name,...`` loads only the listed third-party
@@ -90,6 +91,10 @@ FIRST_PARTY = "molt-sdk"
 """The distribution whose own entry points (the first-party plugins) ``MOLT_LOAD_PLUGINS`` never filters."""
 
 
+BUILTIN_ALGO = "molt_algo"
+"""The plugin name of :mod:`molt_core.algo.builtins`, which every host registers first."""
+
+
 def _norm(dist: str) -> str:
     """A distribution name normalised as in PEP 503 (``Molt_SDK`` -> ``molt-sdk``)."""
     return re.sub(r"[-_.]+", "-", dist).lower()
@@ -142,9 +147,12 @@ class PluginHost:
         self.infos: dict[str, PluginInfo] = {}
         self.registries: dict[str, dict[str, Registration]] = {k: {} for k in REGISTRATION_HOOKS}
         self.local_specs: list[str] = []
+        #: names of the kernel's own hookimpl modules (:data:`BUILTIN_ALGO`): registered like any
+        #: plugin, but no plugin of ``molt plugins`` (not in :attr:`infos`, not in its listing)
+        self.kernel: set[str] = set()
 
     # -- loading -----------------------------------------------------------------------
-    def _add(self, obj: Any, name: str, dist: str, version: str, source: str) -> None:
+    def _add(self, obj: Any, name: str, dist: str, version: str, source: str, kernel: bool = False) -> None:
         if name in self.infos:
             other = self.infos[name]
             raise PluginError(
@@ -167,6 +175,9 @@ class PluginHost:
         except pluggy.PluginValidationError as e:
             detail = " ".join(str(e).split())
             raise PluginError(f'plugin "{name}" ({dist}) has an invalid hook implementation: {detail}') from e
+        if kernel:
+            self.kernel.add(name)
+            return
         hooks = sorted(
             c.name for c in (self.pm.get_hookcallers(obj) or [])
         )
@@ -235,16 +246,16 @@ class PluginHost:
             for impl in reversed(caller.get_hookimpls()):
                 plugin = impl.plugin_name
                 info = self.infos.get(plugin)
-                dist = info.distribution if info else "?"
+                dist = info.distribution if info else FIRST_PARTY if plugin in self.kernel else "?"
 
                 def register(name: str, obj: Any, _plugin: str = plugin, _dist: str = dist, _kind: str = kind) -> None:
                     if not isinstance(name, str) or not name:
-                        raise PluginError(f'plugin "{_plugin}" ({_dist}) registered a {_kind[:-1]} with an empty or non-string name')
+                        raise PluginError(f'plugin "{_plugin}" ({_dist}) registered a {singular(_kind)} with an empty or non-string name')
                     reg = self.registries[_kind]
                     if name in reg:
                         prev = reg[name]
                         raise PluginError(
-                            f'{_kind[:-1]} name "{name}" is registered twice: by plugin "{prev.plugin}" '
+                            f'{singular(_kind)} name "{name}" is registered twice: by plugin "{prev.plugin}" '
                             f'({prev.distribution}) and by plugin "{_plugin}" ({_dist}); '
                             f"disable one with MOLT_DISABLE_PLUGINS"
                         )
@@ -277,6 +288,10 @@ class PluginHost:
         """Sorted registered names of ``kind``."""
         return sorted(self.registries[kind])
 
+    def plugin_registries(self) -> dict[str, dict[str, Registration]]:
+        """:attr:`registries` less the kernel's own built-ins (what ``molt plugins`` lists and checks)."""
+        return {k: {n: r for n, r in reg.items() if r.plugin not in self.kernel} for k, reg in self.registries.items()}
+
     def configure(self, config: Any) -> None:
         """Broadcast ``molt_configure(config)`` (historic)."""
         self.pm.hook.molt_configure.call_historic(kwargs={"config": config})
@@ -294,6 +309,11 @@ class PluginHost:
         return [self.infos[k] for k in sorted(self.infos)]
 
 
+def singular(kind: str) -> str:
+    """A registry kind in the singular: ``rewards`` -> ``reward``, ``losses`` -> ``loss``."""
+    return kind[:-2] if kind.endswith("sses") else kind[:-1]
+
+
 def unknown_name(kind: str, name: str, known: list[str]) -> str:
     """The message for a ``kind`` (``rewards``, ``envs``, ...) ``name`` that no plugin registered:
     the closest registered name (:func:`difflib.get_close_matches`), every registered name,
@@ -302,7 +322,7 @@ def unknown_name(kind: str, name: str, known: list[str]) -> str:
     """
     import difflib
 
-    what = kind[:-1].replace("_", " ")
+    what = singular(kind).replace("_", " ")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return (f"no {what} named {name!r}{hint}; registered: {', '.join(sorted(known)) or '(none)'}. "
@@ -320,7 +340,10 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
     Raises:
         PluginError: see the module docstring.
     """
+    from molt_core.algo import builtins as algo_builtins  # torch: not at CLI start-up (molt --help)
+
     host = PluginHost()
+    host._add(algo_builtins, BUILTIN_ALGO, FIRST_PARTY, "", algo_builtins.__name__, kernel=True)
     if entry_points:
         host.load_entry_points()
     for spec in local:

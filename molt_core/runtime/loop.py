@@ -510,7 +510,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
             # launch order a group is at most max_staleness versions old when trained); the
             # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
-            while len(inflight) < (1 + cfg.async_.max_staleness) * P and (redo or launched < cfg.run.steps * P):
+            while len(inflight) < cfg.async_.groups_in_flight(P) and (redo or launched < cfg.run.steps * P):
                 launch()
             loaded()
             started, epoch = take(min(P, len(inflight)))

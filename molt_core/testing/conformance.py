@@ -187,6 +187,15 @@ def _shape(kind: str, obj: Any) -> tuple[str, str]:
         return ("ok", "factory") if callable(obj) else ("fail", f"{type(obj).__name__} is not callable")
     if kind in ("rewards", "engines"):
         return ("ok", "") if callable(obj) else ("fail", f"{type(obj).__name__} is not callable")
+    if kind in ("estimators", "losses"):  # a signature the trainer can fill (hookspecs: calling convention)
+        from molt_core.algo.advantages import estimator_params  # torch: not when pytest loads the kit
+        from molt_core.algo.losses import loss_params
+
+        try:
+            (estimator_params if kind == "estimators" else loss_params)(obj)
+        except (TypeError, ValueError) as e:
+            return "fail", str(e)
+        return "ok", ""
     need = _SHAPE.get(kind, ())
     lacking = [a for a in need if not callable(getattr(obj, a, None))]
     if kind == "replay_backends" and not lacking and not (isinstance(getattr(obj, "router_class", None), str)
@@ -205,6 +214,8 @@ def check_host(host: Any) -> list[Check]:
     out: list[Check] = []
     for kind, hook_name in REGISTRATION_HOOKS.items():  # hook_returns: call each impl with a recorder
         for impl in getattr(host.pm.hook, hook_name).get_hookimpls():
+            if impl.plugin_name in host.kernel:  # molt's own built-ins: tested with molt
+                continue
             seen: list[str] = []
             try:
                 ret = impl.function(**{a: (lambda n, o, _s=seen: _s.append(n)) for a in impl.argnames})
@@ -217,7 +228,7 @@ def check_host(host: Any) -> list[Check]:
             status, detail = ("ok", f"{hook_name}: {len(seen)} registered") if ret is None else \
                 ("fail", f"{hook_name} returned {type(ret).__name__} (use the register callback; return None)")
             out.append(Check(impl.plugin_name, kind, "", "hook_returns", status, detail))
-    for kind, regs in host.registries.items():
+    for kind, regs in host.plugin_registries().items():
         for name, reg in sorted(regs.items()):
             obj, plugin = reg.obj, reg.plugin
 
@@ -228,6 +239,8 @@ def check_host(host: Any) -> list[Check]:
                 "" if NAME_RE.match(name) else f"{name!r} must match {NAME_RE.pattern}")
             try:
                 add("shape", *_shape(kind, obj))
+                if kind in ("estimators", "losses"):  # numbers come from [algo], not per-plugin options
+                    continue
                 st, detail, options = _check_options(obj)
                 add("options", st, detail)
                 if kind == "rewards":

@@ -214,7 +214,7 @@ class ShardedTrainer(Trainer):
     # -- sharding ---------------------------------------------------------------------------
     def _shard(self) -> None:
         cfg = self.cfg
-        keep = cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0
+        keep = cfg.async_.history_versions
         # the unsharded template of the stale-token shadow waits on CPU (not a second full copy
         # of the policy on the device beside its shards)
         self._template = copy.deepcopy(self.model).to("cpu").eval().requires_grad_(False) if keep else None

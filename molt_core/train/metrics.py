@@ -23,7 +23,7 @@ for an MoE policy with recorded routing the R3 metrics of its routing tool
 (:func:`molt_plugins.moe.routing_replay.routing_metrics`: ``invariants/routing_flip_rate``,
 ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
 ``invariants/staleness_max`` (over every sampled token, before the gate; see
-:func:`molt_core.algo.correction.apply_correction`), ``correction/*`` (incl.
+:func:`molt_core.algo.correction.correct`), ``correction/*`` (incl.
 ``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
 ``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
 (before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
@@ -98,7 +98,7 @@ def batch_metrics(trainer: Any, batch: Batch, corr: Correction, prox: torch.Tens
     metrics["kl"] = kl_ref
     metrics["kl/ref_out_of_support_frac"] = float((mask & ~kl_keep).sum()) / n_sampled if n_sampled else 0.0
     metrics["kl_coef"] = trainer.kl_coef
-    if cfg.algo.advantage == "on_policy_distill":  # KL(student || teacher) on the student's own samples: k1
+    if trainer.algo.needs_teacher:  # KL(student || teacher) on the student's own samples: k1
         metrics["distill/reverse_kl"] = float((prox - batch.teacher_logprobs)[mask].mean()) if n_sampled else 0.0
     keep = corr.keep.to(torch.bool)
     metrics["train/sequences"] = float(batch.size)

@@ -17,9 +17,10 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
    B08/B09). A separate no-grad pass, or -- with one PPO epoch, where the proximal policy is
    the policy being differentiated -- the loss forward itself (``lp.detach()``, bit-identical;
    see :meth:`Trainer.fused_recompute_ok`).
-3. **Correction** (:func:`molt_core.algo.correction.apply_correction`): the staleness gate
+3. **Correction** (:func:`molt_core.algo.correction.staleness_gate`, once per step, then
+   :func:`~molt_core.algo.correction.correct`): the staleness gate
    and per-token importance weights -- the single policy-version site.
-4. **Advantages** (:func:`molt_core.algo.advantages.compute_advantages`).
+4. **Advantages** (the registered estimator, :func:`molt_core.train.algorithms.compute_advantages`).
 5. **Update**: micro-batches of ``trainer.micro_batch_size`` rows with gradient
    accumulation; the policy loss of each micro-batch is already normalised by the *global*
    action-token count of the optimizer step, so micro-batch losses are summed (B15);
@@ -55,11 +56,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from molt_core.algo.advantages import compute_advantages
-from molt_core.algo.correction import apply_correction
+from molt_core.algo.correction import staleness_gate
 from molt_core.algo.kl import kl_estimate
 from molt_core.config import RunConfig
 from molt_core.models import routing_tool
+from molt_core.train.algorithms import compute_advantages, correct_tokens, resolve_algorithms
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
 from molt_core.train.forward import forward_rows, model_vocab, recompute_logprobs, token_logprobs
@@ -112,6 +113,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
                  ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:
         self.cfg = cfg
+        #: the registered estimator and loss of ``algo.advantage`` / ``algo.loss`` (validated here)
+        self.algo = resolve_algorithms(cfg)
         torch.manual_seed(cfg.run.seed)  # global torch RNG, so a run is reproducible from its seed
         if model is None:
             from molt_core.models import load_model, load_tokenizer
@@ -133,7 +136,7 @@ class Trainer:
         if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
             from molt_core.train.lora import wrap
 
-            if cfg.algo.advantage == "gae":  # the critic copies the plain decoder, before peft injects adapters
+            if self.algo.needs_critic:  # the critic copies the plain decoder, before peft injects adapters
                 critic = ValueModel(self.model).eval()
             self.model = wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
@@ -160,15 +163,10 @@ class Trainer:
             from molt_core.algo.kl import AdaptiveKLController
 
             self.kl_controller = AdaptiveKLController(self.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-        if cfg.algo.kl_as_reward and cfg.algo.advantage not in ("reinforce", "gae"):
-            raise ValueError(
-                f"algo.kl_as_reward = true works with algo.advantage 'reinforce' or 'gae' (per-token "
-                f"rewards), not {cfg.algo.advantage!r}; set algo.kl_as_reward = false to use KL as a loss term"
-            )
         tc = cfg.trainer
         if len(tc.betas) != 2:
             raise ValueError(f"trainer.betas must have 2 entries, got {tc.betas}")
-        if critic is None and cfg.algo.advantage == "gae":
+        if critic is None and self.algo.needs_critic:
             critic = ValueModel(self.model)
         self.critic = critic.to(self.device) if critic is not None else None
         self._shard()
@@ -190,7 +188,7 @@ class Trainer:
         self.pad_id = int(pad) if pad is not None else 0
         self.vocab_size = model_vocab(self.model)
         #: weights of the last ``max_staleness`` versions, for the on-policy consistency measure
-        self.history = VersionHistory(cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0)
+        self.history = VersionHistory(cfg.async_.history_versions)
         self._check_proc: Any = None  # the on-policy check's process (CheckProcess), started on first use
         self._check_proc_failed = False
         #: the MoE routing tool (R3 record / replay / metrics, :func:`molt_core.models.routing_tool`)
@@ -322,7 +320,7 @@ class Trainer:
         """
         cfg = self.cfg
         t_start = time.perf_counter()
-        distill = cfg.algo.advantage == "on_policy_distill"
+        distill = self.algo.needs_teacher
         trajectories, batch, ingress = admit(trajectories, self.pad_id, self.vocab_size, distill,
                                              cfg.trainer.refuse_unverified, vision=self.vision_processor)
         while True:
@@ -347,17 +345,20 @@ class Trainer:
         """:meth:`train_step` on an admitted batch. Raises NonFiniteLogprobs, weights untouched, when a
         recompute (no-replay, reference, proximal, stale) or a loss forward gives NaN / +inf."""
         cfg = self.cfg
-        distill = cfg.algo.advantage == "on_policy_distill"
+        distill, student = self.algo.needs_teacher, self.algo.needs_proximal
         mask, beh = batch.mask, batch.behaviour_logprobs
         self._routing_used = {}
         noreplay = self.routing.noreplay(self, batch) if self.routing is not None else {}  # R3, before any weight change
         if noreplay:
             nonfinite_check(noreplay["logprobs"], batch, "the no-replay (natural routing) recompute")
 
+        # the staleness gate, once per step: versions only; every correction below reuses it
+        gate = staleness_gate(batch.versions, mask, self.version, cfg.async_.max_staleness, batch.rollout_index)
+
         def correct(prox: torch.Tensor, rows: slice = slice(None)):
             T = prox.shape[1]
-            return apply_correction(cfg.correction, beh[rows, :T], batch.versions[rows, :T], prox, mask[rows, :T],
-                                    self.version, cfg.async_.max_staleness, seq_index=batch.rollout_index[rows])
+            return correct_tokens(cfg.correction, gate if rows == slice(None) else gate.rows(rows), beh[rows, :T],
+                                  prox, mask[rows, :T])
 
         # 1. recompute (no grad): reference logprobs; proximal logprobs unless fused
         fused = self.fused_recompute_ok(batch)
@@ -394,8 +395,8 @@ class Trainer:
             token_rewards = (-self.kl_coef * kl_estimate(prox_ok, ref_lp, cfg.algo.kl_estimator)) * kl_keep
         adv, returns = compute_advantages(
             cfg.algo, batch.rewards, batch.group_index, batch.rollout_index, mask, values=old_values,
-            token_rewards=token_rewards, student_logprobs=prox_ok if distill else None,
-            teacher_logprobs=batch.teacher_logprobs if distill else None)
+            token_rewards=token_rewards, student_logprobs=prox_ok if student else None,
+            teacher_logprobs=batch.teacher_logprobs if distill else None, estimator=self.algo.estimator)
 
         # 3. update; measure the tokens of older versions under theirs; keep this version (settle)
         t_check = time.perf_counter()
@@ -446,7 +447,8 @@ class Trainer:
         t_check += t_wait
 
         # 4. metrics of the step's batch (before the update)
-        corr = correct(prox)  # the correction the update used (per row, so identical per micro-batch)
+        if fused:  # the correction the update used (per row, so identical per micro-batch); unfused: corr
+            corr = correct(prox)
         if fused and not torch.equal(corr.loss_mask, train_mask):
             raise RuntimeError("internal: the fused recompute changed the gate's loss mask; report this bug")
         metrics.update(batch_metrics(self, batch, corr, prox, ent, ref_lp, kl_keep, onpol, num_tokens, noreplay))
@@ -564,7 +566,7 @@ class Trainer:
         separate no-grad recompute pass is skipped and ``lp.detach()`` of the loss forward
         (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
         Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
-        (``on_policy_distill``, KL as reward); and a loss-token count that does not depend
+        (one naming ``student_logprobs``: ``on_policy_distill``; KL as reward); and a loss-token count that does not depend
         on them (not ``is_mode = "mask"``, which can reject tokens -- out-of-support ones at
         every level, ``off`` included). ``fuse_recompute = False``
         on the instance forces the separate pass. With ``batch`` given, also not for
@@ -575,7 +577,7 @@ class Trainer:
         multi_row = batch is not None and bool((torch.bincount(batch.rollout_index) > 1).any())
         return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1
                 and not (multi_row and cfg.correction.is_level in ("seq", "geo"))
-                and cfg.algo.advantage != "on_policy_distill"
+                and not self.algo.needs_proximal
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
                 and cfg.correction.is_mode != "mask")
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from molt_core.algo.kl import kl_loss
-from molt_core.algo.losses import policy_loss
+from molt_core.train.algorithms import policy_loss
 from molt_core.train.ingress import Batch, nonfinite_check
 
 __all__ = ["in_support", "lr_factor", "merge_loss_metrics", "policy_update"]
@@ -46,7 +46,7 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                   ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """``ppo_epochs`` optimizer steps of ``trainer``'s policy over the batch's micro-batches.
 
-    Per micro-batch: :func:`molt_core.algo.losses.policy_loss` (normalised by the step's
+    Per micro-batch: the registered loss, :func:`molt_core.train.algorithms.policy_loss` (normalised by the step's
     ``num_tokens``, so micro-batch losses sum, B15) plus ``kl_coef *``
     :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip
     and one optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``,
@@ -115,14 +115,14 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 w, oos = weights[rows, :T], out_of_support[rows, :T]
             # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
             # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
-            # under trunc/clip (a weight-0 token), see apply_correction. A later PPO epoch
+            # under trunc/clip (a weight-0 token), see correction.correct. A later PPO epoch
             # can push a token out of the current support too: same treatment (a NaN / +inf
             # one too until the epoch's end, where ``bad`` refuses its rollout).
             oos = oos.to(dev) | ~torch.isfinite(lp.detach())
             m = train_mask[rows, :T].to(dev) & ~oos
             lp = torch.where(oos, torch.zeros((), device=dev), lp)
             p_mb = torch.where(oos, torch.zeros((), device=dev), prox[rows, :T].to(dev))
-            loss, lm = policy_loss(cfg.algo, lp, p_mb, adv[rows, :T].to(dev), m, w.to(dev), num_tokens)
+            loss, lm = policy_loss(cfg.algo, lp, p_mb, adv[rows, :T].to(dev), m, w.to(dev), num_tokens, trainer.algo.loss_fn)
             pol += float(loss.detach())
             merge_loss_metrics(extra, lm, int(m.sum()) / num_tokens)
             if ref_lp is not None and not cfg.algo.kl_as_reward and trainer.kl_coef > 0:
