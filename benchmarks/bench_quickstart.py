@@ -92,7 +92,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' gradi
 
 import torch
 
-from molt_core.config import load_config
+from molt_core.cli.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "quickstart.toml"

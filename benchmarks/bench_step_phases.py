@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quickstart as bq  # noqa: E402  (the plain loop's pieces: prompt ids, generate, reward, GRPO)
 
-from molt_core.config import load_config  # noqa: E402
+from molt_core.cli.recipe import load_config  # noqa: E402
 
 
 def plain_update(model, opt, params, trajs, group: int, grad_clip: float) -> None:

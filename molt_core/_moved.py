@@ -41,6 +41,9 @@ MOVED = {
 MOVED_NAMES = {
     "molt_core.rewards": {"RewardRunner": "molt_core.rollout.scoring", "score_group": "molt_core.rollout.scoring",
                           "component_metrics": "molt_core.rollout.scoring"},
+    "molt_core.config": {n: "molt_core.cli.recipe" for n in (
+        "load_config", "validate_config", "apply_overrides", "parse_override", "find_recipe", "recipes_dir",
+        "list_recipes", "RECIPES_DIR")},
 }
 """Module -> {name that moved out of it: the module it lives in now}."""
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from molt_core.config import ConfigError, RunConfig, apply_overrides, load_config, parse_override
+from molt_core.config import ConfigError, RunConfig
+from molt_core.cli.recipe import apply_overrides, load_config, parse_override
 
 
 def write(tmp_path, text):

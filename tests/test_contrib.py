@@ -81,7 +81,8 @@ GRPO_VARIANT = ROOT / "contrib" / "molt-grpo-variant" / "molt_grpo_variant" / "_
 def test_grpo_variant_registers_and_is_refused_without_its_plugin(monkeypatch):
     """The contrib estimator resolves with ``--plugin``; without it, ``algo.advantage`` is refused
     by name, listing the registered estimators and how to load one."""
-    from molt_core.config import ConfigError, load_config
+    from molt_core.config import ConfigError
+    from molt_core.cli.recipe import load_config
     from molt_core.train.algorithms import resolve_algorithms
 
     monkeypatch.setenv("MOLT_LOAD_PLUGINS", "")  # no installed third-party plugin (the reward example above)
@@ -112,7 +113,8 @@ def test_grpo_variant_runs_quickstart_through_plugin_path(tmp_path):
 def test_an_estimator_whose_signature_cannot_be_filled_is_refused_by_name(tmp_path, monkeypatch):
     """A registered estimator or loss names only the documented inputs; anything else is refused
     when the run resolves it (never a TypeError mid-step)."""
-    from molt_core.config import ConfigError, load_config
+    from molt_core.config import ConfigError
+    from molt_core.cli.recipe import load_config
     from molt_core.train.algorithms import resolve_algorithms
 
     monkeypatch.setenv("MOLT_LOAD_PLUGINS", "")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_core.config import RunConfig, load_config
+from molt_core.config import RunConfig
+from molt_core.cli.recipe import load_config
 from molt_core.models import load_model, load_tokenizer
 from molt_core.runtime import RolloutWorker
 from molt_core.train import Trainer

@@ -280,7 +280,7 @@ def test_dataset_recipe_learns_on_its_jsonl(tmp_path, monkeypatch):
     by >= 0.05 more (measured: 0.307 -> 0.400 at step 100 in the full run, README); `molt eval`
     of the final checkpoint gives the run's last pass@1."""
     from molt_core import runtime
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.plugins import load_plugins
 
     cfg = load_config("dataset", ["run.steps=100", "eval.every=0", "checkpoint.every=0"])

@@ -77,7 +77,7 @@ def _recipe(tmp_path: Path) -> Path:
 
 
 def _cfg(tmp_path: Path) -> RunConfig:
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
 
     return load_config(str(_recipe(tmp_path)), ())
 

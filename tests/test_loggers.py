@@ -105,7 +105,8 @@ def test_logger_json_schema_lists_options():
 # -- [loggers.NAME] option tables -------------------------------------------------------------
 
 def test_loggers_list_and_table_forms():
-    from molt_core.config import ConfigError, RunConfig, apply_overrides, validate_config
+    from molt_core.config import ConfigError, RunConfig
+    from molt_core.cli.recipe import apply_overrides, validate_config
 
     assert RunConfig.model_validate({"loggers": ["wandb", "tensorboard"]}).loggers == {"wandb": {}, "tensorboard": {}}
     cfg = RunConfig.model_validate({"loggers": {"wandb": {"mode": "online", "project": "p"}}})

@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("peft")
 
-from molt_core.config import ConfigError, load_config  # noqa: E402
+from molt_core.config import ConfigError  # noqa: E402
+from molt_core.cli.recipe import load_config  # noqa: E402
 from molt_core.models import load_model, load_tokenizer  # noqa: E402
 from molt_core.train import Trainer, build_batch  # noqa: E402
 from molt_core.train.lora import base_state_dict, merged_state_dict  # noqa: E402

@@ -20,9 +20,9 @@ from packaging.requirements import Requirement
 from rich.markup import escape
 from packaging.utils import canonicalize_name
 
-from molt_core import config as config_mod
+from molt_core.cli import recipe as config_mod
 from molt_core.cli import _brief, main
-from molt_core.config import find_recipe, list_recipes, load_config, recipes_dir
+from molt_core.cli.recipe import find_recipe, list_recipes, load_config, recipes_dir
 from molt_core.plugins.extras import MODULE_EXTRAS, install_hint, missing_module, missing_requirements, with_install_hint
 from molt_core.plugins import PluginError, load_plugins
 from molt_plugins.envs.gymnasium_env import GymnasiumTextEnv

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from molt_core.agents import make_agent
-from molt_core.config import load_config
+from molt_core.cli.recipe import load_config
 from molt_core.plugins import load_plugins
 from molt_plugins.rewards.base import check_options
 

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 import molt_core.runtime.loop as loop
-from molt_core.config import RunConfig, load_config
+from molt_core.config import RunConfig
+from molt_core.cli.recipe import load_config
 from molt_core.rollout.evalstats import eval_seed, sample_seed
 from molt_core.plugins import load_plugins
 from molt_core.runtime import RolloutWorker, main_job

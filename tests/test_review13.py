@@ -156,7 +156,7 @@ def test_set_on_plugin_option_tables_keeps_dates_as_text_and_says_how_to_quote_n
     plugin's option table (loggers.NAME, agent.options, rewards.NAME) is untyped there, so
     `--set loggers.wandb.name=2024-01-01` became a date and `project=123` an int: both failed
     with a bare "Input should be a valid string" (issue 13 items 8b and 9)."""
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.plugins import load_plugins
     from molt_core.runtime.rundir import check_loggers
 
@@ -194,7 +194,7 @@ def test_run_threads_is_what_the_trainer_and_molt_sft_use(tmp_path):
     from the ambient thread count (issue 13 item 3)."""
     import torch
 
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.runtime import TrainerWorker
 
     try:

@@ -41,7 +41,7 @@ def hit(task, salt):
 
 def test_quickstart_with_nan_and_slow_rewards_counts_exactly_those_failed(tmp_path):
     from molt_core.cli import main
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.plugins import load_plugins
     from molt_core.runtime import load_agent
 

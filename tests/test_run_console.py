@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from molt_core.cli import main
-from molt_core.config import load_config
+from molt_core.cli.recipe import load_config
 
 MOLT = [sys.executable, "-m", "molt_core.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from molt_core.config import RunConfig, load_config
+from molt_core.config import RunConfig
+from molt_core.cli.recipe import load_config
 from molt_core.plugins import load_plugins
 from molt_core.runtime import RolloutWorker, assemble_batch, load_agent, pass_at_k
 from molt_core.types import Group, Segment, Trajectory

@@ -86,7 +86,7 @@ class Finite(Env):
 
 
 def run(tmp_path, n, repeat=True, steps=3):
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.plugins import load_plugins
     from molt_core.runtime import main_job
 

@@ -163,7 +163,7 @@ def test_in_run_warm_start_is_molt_sft(tmp_path):
     """The warm start inside `molt run` (TrainerWorker.sft) and `molt sft` are one computation:
     same recipe -> bit-identical weights, with run.threads torch threads (not every core)."""
     from molt_core.cli import main
-    from molt_core.config import load_config
+    from molt_core.cli.recipe import load_config
     from molt_core.runtime import TrainerWorker
 
     (tmp_path / "agent.py").write_text(AGENT_FILE)

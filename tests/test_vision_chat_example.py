@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from molt_core.agents import load_agent
-from molt_core.config import load_config
+from molt_core.cli.recipe import load_config
 from molt_core.identity import TokenCheck, check_tokens
 from molt_core.plugins import load_plugins
 from molt_core.train.sft import examples_from_agent

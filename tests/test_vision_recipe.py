@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from molt_core.agents import make_agent
-from molt_core.config import load_config
+from molt_core.cli.recipe import load_config
 from molt_core.plugins import load_plugins
 from molt_plugins.envs.visual import VisualEnv, png_bytes
 

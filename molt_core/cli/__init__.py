@@ -17,7 +17,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from molt_core import __version__
-from molt_core.config import RECIPES_DIR, AgentSection, ConfigError, RunConfig, list_recipes, load_config
+from molt_core.config import AgentSection, ConfigError, RunConfig
+from molt_core.cli.recipe import RECIPES_DIR, list_recipes, load_config
 from molt_core.plugins.extras import missing_requirements, with_install_hint
 from molt_core.plugins import PluginError, PluginHost, load_plugins
 

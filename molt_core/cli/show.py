@@ -86,7 +86,7 @@ def _task_line(task: dict[str, Any]) -> str:
 def _tokenizer_of(run_dir: Path) -> Any:
     """The tokenizer of the run's model (from ``config.toml``), or None when it cannot load."""
     try:
-        from molt_core.config import load_config
+        from molt_core.cli.recipe import load_config
         from molt_core.models import load_tokenizer
 
         cfg = load_config(str(run_dir / "config.toml"), [])
