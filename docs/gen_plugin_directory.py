@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "plugins" / "directory.md"
 KIND_TITLES = {"rewards": "reward", "envs": "env", "judges": "judge", "teachers": "teacher",
                "replay_backends": "replay backend", "engines": "engine", "loggers": "logger",
-               "sandbox_backends": "sandbox backend"}
+               "sandbox_backends": "sandbox backend", "adapters": "adapter", "trainer_backends": "trainer backend"}
 
 
 def contrib_packages() -> list[tuple[str, str, str, Path]]:

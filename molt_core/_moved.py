@@ -31,6 +31,7 @@ MOVED = {
     "molt_core.datafiles": "molt_core.rollout.datafiles",
     "molt_core.evalstats": "molt_core.rollout.evalstats",
     "molt_core._reward_worker": "molt_core.rollout.reward_worker",
+    "molt_core.train.lora": "molt_plugins.lora.adapter",
 }
 """Old dotted module path -> the path it moved to."""
 

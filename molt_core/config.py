@@ -239,7 +239,7 @@ class LoraSection(_Section):
     scale ``alpha`` (the update is ``(alpha / r) B A``), ``dropout`` (must stay 0: the trainer
     runs without dropout so an on-policy importance ratio is exactly 1), ``target_modules``
     (module-name suffixes such as ``q_proj``; None: peft's default for the model type, or
-    ``"all-linear"``). Needs the ``lora`` extra (:mod:`molt_core.train.lora`)."""
+    ``"all-linear"``). Needs the ``lora`` extra and the ``lora`` adapter (:mod:`molt_plugins.lora`)."""
 
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)

@@ -89,6 +89,25 @@ def molt_register_sandbox_backends(register: Register) -> None:
     client of a remote sandbox service. Selected by ``MOLT_SANDBOX_BACKEND=<name>``."""
 
 
+@hookspec
+def molt_register_adapters(register: Register) -> None:
+    """Register trainer adapters: ``register(name, adapter)``; ``[trainer.<name>]`` selects one
+    (first party: ``lora``, :mod:`molt_plugins.lora`). The adapter provides, each taking the
+    policy ``model`` (an ``nn.Module``):
+
+    * ``wrap(model, options) -> nn.Module`` -- the policy the trainer trains (``options``: the
+      ``[trainer.<name>]`` section); called once, before the optimizer sees the parameters;
+    * ``reference(model) -> nn.Module`` -- the frozen KL reference (e.g. the adapter disabled);
+    * ``merged_state_dict(model) -> dict[str, Tensor]`` -- plain weights under the base model's
+      names, what engines load and ``model/`` of a checkpoint holds;
+    * ``base_training(model)`` -- a context manager yielding ``(forward model, parameters)``
+      the SFT warm start optimises;
+    * ``save(model, d: Path)`` / ``load(model, d: Path)`` -- the adapter's checkpoint files in
+      checkpoint directory ``d`` (``model/`` included); ``load`` raises ``FileNotFoundError``
+      for a checkpoint it did not write.
+    """
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -114,4 +133,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
+    "adapters": "molt_register_adapters",
 }

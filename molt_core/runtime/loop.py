@@ -29,6 +29,7 @@ from molt_core.runtime.trainer_group import describe_ranks
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.rollout.tasks import TaskStream, check_train_split
+from molt_core.train.features import check_trainer_features
 from molt_core.types import Group, Trajectory
 
 __all__ = ["RunFailed", "assemble_batch", "main_job"]
@@ -327,6 +328,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
+    check_trainer_features(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local)
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         from molt_core.models import check_model_positions, check_model_source

@@ -16,8 +16,8 @@ skipped. A checkpoint written before checksums existed is accepted unverified.
 
 A sharded trainer's checkpoint (:func:`save_sharded_checkpoint`) adds ``dcp/``, whose state
 tree and reader are in :mod:`molt_core.train.dist_checkpoint`; one module's weight files
-are written and read by :mod:`molt_core.train.model_files`, a LoRA model's by
-:mod:`molt_core.train.lora`.
+are written and read by :mod:`molt_core.train.model_files`, an adapter's (LoRA) by its plugin
+(``trainer.adapter.save`` / ``load``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from molt_core.train.dist_checkpoint import dcp_state, full_state_dict, load_dcp
-from molt_core.train.lora import load_lora_checkpoint, save_lora_checkpoint
 from molt_core.train.model_files import load_model, load_optimizer, save_model
 
 __all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
@@ -146,8 +145,8 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
 
     Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-    with ``AutoModelForCausalLM.from_pretrained``; with LoRA the merged weights, plus
-    ``base/`` and ``adapter/``: :func:`molt_core.train.lora.save_lora_checkpoint`), ``ref/`` (the frozen reference, if
+    with ``AutoModelForCausalLM.from_pretrained``; with an adapter (LoRA) the merged weights,
+    plus the adapter's files: ``base/`` and ``adapter/`` for LoRA), ``ref/`` (the frozen reference, if
     any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
     schedulers, KL controller, RNG states of torch,
     numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
@@ -231,16 +230,16 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
         extra: more ``state.json`` entries (e.g. ``world_size``).
     """
     full = full or {}
-    lora = trainer.cfg.trainer.lora is not None
-    if lora:  # model/ merged, base/ and adapter/ (molt_core.train.lora)
-        save_lora_checkpoint(trainer.model, tmp)
+    adapter = trainer.adapter
+    if adapter is not None:  # model/ merged and the adapter's files (LoRA: base/ and adapter/)
+        adapter.save(trainer.model, tmp)
     else:
         save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
     if getattr(trainer, "vision_processor", None) is not None:  # preprocessor_config.json: model/ loads as model.path
         trainer.vision_processor.image_processor.save_pretrained(tmp / "model")
-    if trainer.ref_model is not None and not lora:  # with LoRA the reference is base/ (adapter disabled)
+    if trainer.ref_model is not None and adapter is None:  # an adapter's reference is its base (adapter disabled)
         save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
         save_model(trainer.critic, tmp / "critic", full.get("critic"))
@@ -328,13 +327,11 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/
         load_dcp(trainer, p / "dcp")
     else:
-        if trainer.cfg.trainer.lora is not None:
-            from molt_core.train.lora import load_lora_checkpoint
-
-            load_lora_checkpoint(trainer.model, p)
+        if trainer.adapter is not None:
+            trainer.adapter.load(trainer.model, p)
         else:
             load_model(trainer.model, p / "model")
-        if (p / "ref").is_dir() and trainer.cfg.trainer.lora is None:
+        if (p / "ref").is_dir() and trainer.adapter is None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
             load_model(trainer.ref_model, p / "ref")
