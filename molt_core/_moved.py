@@ -32,6 +32,8 @@ MOVED = {
     "molt_core.evalstats": "molt_core.rollout.evalstats",
     "molt_core._reward_worker": "molt_core.rollout.reward_worker",
     "molt_core.train.lora": "molt_plugins.lora.adapter",
+    "molt_core.train.distributed": "molt_plugins.distributed.sharded",
+    "molt_core.train.dist_checkpoint": "molt_plugins.distributed.checkpoint",
 }
 """Old dotted module path -> the path it moved to."""
 

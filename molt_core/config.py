@@ -272,7 +272,7 @@ class TrainerSection(_Section):
     ``invariants/tokens_unverified``; :mod:`molt_core.identity`); ``world_size`` -- trainer
     ranks (Ray actors, one placement-group bundle of ``num_cpus``/``num_gpus`` each) sharing
     one FSDP2-sharded model, each training on its share of a step's rows
-    (:mod:`molt_core.train.distributed`); ``lora`` -- a LoRA adapter instead of full
+    (:mod:`molt_plugins.distributed`); ``lora`` -- a LoRA adapter instead of full
     fine-tuning (:class:`LoraSection`; None: off); ``gradient_checkpointing`` -- recompute each
     decoder layer's activations in the backward instead of keeping them (less memory, one more
     forward per layer; same loss and gradients); ``shared_prefix`` -- run the prompt prefix a

@@ -108,6 +108,22 @@ def molt_register_adapters(register: Register) -> None:
     """
 
 
+@hookspec
+def molt_register_trainer_backends(register: Register) -> None:
+    """Register data-parallel trainer backends: ``register(name, backend)``; ``fsdp2`` (first
+    party, :mod:`molt_plugins.distributed`) runs ``trainer.world_size > 1``. The backend provides:
+
+    * ``init_process_group(rank: int, world_size: int, init_method: str) -> str`` -- join the
+      ranks' process group (``init_method``: a ``tcp://`` or ``file://`` rendezvous); returns
+      the collective backend (``gloo`` / ``nccl``);
+    * ``trainer(cfg: RunConfig) -> Trainer`` -- this rank's trainer (a ``Trainer`` subclass
+      with ``rank``, ``world_size`` and ``backend``; its ``save_checkpoint`` writes the
+      distributed checkpoint, every rank calling it);
+    * ``load_checkpoint(trainer, d: Path)`` -- load the distributed checkpoint directory ``d``
+      (``dcp/``) into any trainer, sharded at any world size or one plain ``Trainer``.
+    """
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -134,4 +150,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
     "adapters": "molt_register_adapters",
+    "trainer_backends": "molt_register_trainer_backends",
 }

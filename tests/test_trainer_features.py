@@ -7,8 +7,9 @@ import pytest
 
 from molt_core.config import ConfigError
 from molt_core.plugins import load_plugins
+from molt_core.runtime.trainer_group import ShardedTrainerWorker
 from molt_core.train import Trainer
-from molt_core.train.features import check_trainer_features, trainer_adapter
+from molt_core.train.features import check_trainer_features, trainer_adapter, trainer_backend
 from trainer_utils import tiny_cfg
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj"]}
@@ -27,3 +28,17 @@ def test_lora_without_the_adapter_plugin_is_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError, match=want):
         Trainer(cfg)
     check_trainer_features(tiny_cfg(), host)  # a run without the option needs no plugin
+
+
+def test_world_size_without_the_backend_plugin_is_refused_by_name(monkeypatch, tmp_path):
+    cfg = tiny_cfg(trainer={"world_size": 2})
+    assert type(trainer_backend(cfg)).__name__ == "Fsdp2Backend"  # the first-party plugin registers `fsdp2`
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_distributed")
+    host = load_plugins()
+    assert "fsdp2" not in host.names("trainer_backends")
+    want = r"trainer.world_size = 2 needs the trainer backend 'fsdp2'.*molt_plugins.distributed.*set trainer.world_size = 1"
+    with pytest.raises(ConfigError, match=want):
+        check_trainer_features(cfg, host)  # what `molt run` does before any compute
+    with pytest.raises(ConfigError, match=want):  # a rank refuses before it joins any process group
+        ShardedTrainerWorker(cfg).start(0, 2, f"file://{tmp_path / 'rdzv'}")
+    check_trainer_features(tiny_cfg(), host)  # one trainer process needs no backend

@@ -25,7 +25,7 @@ from molt_core.runtime.collective_sync import publish as publish_collective
 from molt_core.runtime.collective_sync import resolve_weight_sync
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog, check_loggers
-from molt_core.runtime.trainer_group import describe_ranks
+from molt_core.runtime.trainer_group import describe_ranks, start_trainer_group
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.rollout.tasks import TaskStream, check_train_split
@@ -360,8 +360,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     if cfg.trainer.world_size > 1 and local:
         raise ValueError(f"trainer.world_size = {cfg.trainer.world_size} needs Ray (one actor per rank); drop --local")
     if cfg.trainer.world_size > 1:  # N ranks in a placement group behind one actor-like handle
-        from molt_core.runtime.trainer_group import start_trainer_group
-
         trainer = start_trainer_group(ray, cfg, cfg_dict)
     else:
         trainer = Trainer_.remote(cfg_dict)

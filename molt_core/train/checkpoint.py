@@ -14,8 +14,8 @@ anything is loaded; a truncated, missing or bit-flipped file raises
 ``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
 skipped. A checkpoint written before checksums existed is accepted unverified.
 
-A sharded trainer's checkpoint (:func:`save_sharded_checkpoint`) adds ``dcp/``, whose state
-tree and reader are in :mod:`molt_core.train.dist_checkpoint`; one module's weight files
+A sharded trainer's checkpoint adds ``dcp/``, written and read by its trainer backend
+(``molt_register_trainer_backends``; first party: :mod:`molt_plugins.distributed`); one module's weight files
 are written and read by :mod:`molt_core.train.model_files`, an adapter's (LoRA) by its plugin
 (``trainer.adapter.save`` / ``load``).
 """
@@ -35,11 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from molt_core.train.dist_checkpoint import dcp_state, full_state_dict, load_dcp
+from molt_core.config import ConfigError
+from molt_core.train.features import trainer_backend
 from molt_core.train.model_files import load_model, load_optimizer, save_model
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
-           "load_checkpoint", "save_checkpoint", "save_sharded_checkpoint", "verify_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "begin_checkpoint", "commit_checkpoint", "cursor_json",
+           "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
+           "verify_checkpoint", "write_checkpoint_files"]
 
 _log = logging.getLogger("molt.checkpoint")
 
@@ -164,50 +166,27 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     Raises:
         TypeError: ``data_cursor`` is not JSON-serialisable.
     """
-    cursor = dict(data_cursor or {})
-    try:
-        cursor_json = json.dumps(cursor)
-    except TypeError as e:
-        raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-    final, tmp = _begin(run_dir, trainer.step, f"{os.getpid()}")
-    write_checkpoint_files(trainer, tmp, cursor_json)
-    return _commit(trainer, run_dir, tmp, final)
+    cursor = cursor_json(data_cursor)
+    final, tmp = begin_checkpoint(run_dir, trainer.step, f"{os.getpid()}")
+    write_checkpoint_files(trainer, tmp, cursor)
+    return commit_checkpoint(trainer, run_dir, tmp, final)
 
 
-def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-    """Write the checkpoint of a :class:`~molt_core.train.distributed.ShardedTrainer`
-    (every rank calls it): ``dcp/`` by every rank (:mod:`molt_core.train.dist_checkpoint`),
-    the rest by rank 0; atomic like :func:`save_checkpoint` (temp dir + rename, then pruned).
-
-    Returns:
-        The checkpoint directory (on every rank).
+def cursor_json(data_cursor: dict[str, Any] | None) -> str:
+    """``data_cursor`` (None: ``{}``) as JSON text.
 
     Raises:
-        TypeError: ``data_cursor`` is not JSON-serialisable.
+        TypeError: it is not JSON-serialisable.
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     try:
-        cursor_json = json.dumps(dict(data_cursor or {}))
+        return json.dumps(dict(data_cursor or {}))
     except TypeError as e:
         raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-    rank0 = dist.get_rank() == 0
-    paths: list[Any] = list(_begin(run_dir, trainer.step, "sharded")) if rank0 else [None, None]
-    dist.broadcast_object_list(paths, src=0)
-    final, tmp = Path(paths[0]), Path(paths[1])
-    dcp.save(dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
-    full = {name: full_state_dict(m) for name, m in
-            (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
-    if rank0:
-        write_checkpoint_files(trainer, tmp, cursor_json, full=full, extra={"world_size": dist.get_world_size()})
-        _commit(trainer, run_dir, tmp, final)
-    dist.barrier()
-    return final
 
 
-def _begin(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
-    """``(final, tmp)`` directories of the checkpoint of ``step``; ``tmp`` made empty."""
+def begin_checkpoint(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
+    """``(final, tmp)`` directories of the checkpoint of ``step`` (``tmp`` named with ``tag``,
+    made empty): write into ``tmp``, then :func:`commit_checkpoint`."""
     root = Path(run_dir) / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_CKPT_PREFIX}{step:08d}"
@@ -263,8 +242,8 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
          "time": time.time(), **(extra or {})}, indent=1))
 
 
-def _commit(trainer: Any, run_dir: str | Path, tmp: Path, final: Path) -> Path:
-    """Manifest, fsync, rename ``tmp`` to ``final``, prune to ``checkpoint.keep``."""
+def commit_checkpoint(trainer: Any, run_dir: str | Path, tmp: Path, final: Path) -> Path:
+    """Manifest, fsync, rename ``tmp`` to ``final``, prune to ``checkpoint.keep``; returns ``final``."""
     root = final.parent
     _write_manifest(tmp)
     _fsync_dir(tmp)
@@ -309,7 +288,7 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
             print(f"warning: {msg}", flush=True)
     try:
         _load_checkpoint_files(trainer, p)
-    except (CheckpointCorrupt, FileNotFoundError):  # named already (e.g. no critic for algo 'gae')
+    except (CheckpointCorrupt, FileNotFoundError, ConfigError):  # named already (e.g. no critic for algo 'gae')
         raise
     except Exception as e:  # an unverified (pre-checksum) checkpoint that does not load
         raise CheckpointCorrupt(f"{p}: cannot be loaded ({type(e).__name__}: {e}); resume from an earlier "
@@ -324,8 +303,9 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
     if trainer.critic is not None and not (p / "critic").is_dir():
         raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
-    if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/
-        load_dcp(trainer, p / "dcp")
+    if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/, read by its backend
+        backend = trainer.backend or trainer_backend(trainer.cfg, option=f"resuming the distributed checkpoint {p}")
+        backend.load_checkpoint(trainer, p / "dcp")
     else:
         if trainer.adapter is not None:
             trainer.adapter.load(trainer.model, p)

@@ -10,10 +10,12 @@ from typing import Any
 from molt_core.config import ConfigError, RunConfig
 from molt_core.plugins import PluginHost, load_plugins
 
-__all__ = ["ADAPTERS", "check_trainer_features", "trainer_adapter"]
+__all__ = ["ADAPTERS", "SHARDED_BACKEND", "check_trainer_features", "trainer_adapter", "trainer_backend"]
 
 #: ``[trainer]`` option -> (adapter name, first-party plugin module that registers it)
 ADAPTERS = {"lora": ("lora", "molt_plugins.lora")}
+#: (name, first-party plugin module) of the trainer backend of ``trainer.world_size > 1``
+SHARDED_BACKEND = ("fsdp2", "molt_plugins.distributed")
 
 
 def _missing(option: str, kind: str, name: str, module: str, host: PluginHost, undo: str) -> ConfigError:
@@ -44,10 +46,31 @@ def trainer_adapter(cfg: RunConfig, host: PluginHost | None = None) -> Any:
     return host.get("adapters", name)
 
 
+def trainer_backend(cfg: RunConfig, host: PluginHost | None = None, option: str | None = None) -> Any:
+    """The registered sharded trainer backend (``fsdp2``), whatever ``trainer.world_size``
+    (a rank builds its trainer with it; a single trainer reads a distributed checkpoint with it).
+
+    Args:
+        host: the plugin host; built from the entry points and ``cfg.plugins`` when None.
+        option: what needs the backend, for the error (default: ``trainer.world_size = N``).
+
+    Raises:
+        ConfigError: no plugin registers it.
+    """
+    name, module = SHARDED_BACKEND
+    host = host or load_plugins(cfg.plugins)
+    if name not in host.registries["trainer_backends"]:
+        raise _missing(option or f"trainer.world_size = {cfg.trainer.world_size}", "trainer_backends", name, module,
+                       host, "set trainer.world_size = 1")
+    return host.get("trainer_backends", name)
+
+
 def check_trainer_features(cfg: RunConfig, host: PluginHost) -> None:
     """Refuse, before any compute, a trainer option whose plugin is not loaded in ``host``.
 
     Raises:
-        ConfigError: see :func:`trainer_adapter`.
+        ConfigError: see :func:`trainer_adapter` and :func:`trainer_backend` (``trainer.world_size > 1``).
     """
     trainer_adapter(cfg, host)
+    if cfg.trainer.world_size > 1:
+        trainer_backend(cfg, host)

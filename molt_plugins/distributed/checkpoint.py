@@ -1,5 +1,5 @@
-"""The ``dcp/`` part of a sharded trainer's checkpoint: its state tree and its reader (the
-writer, :func:`molt_core.train.checkpoint.save_sharded_checkpoint`, writes the rest too).
+"""A sharded trainer's checkpoint: the ``dcp/`` state tree, its writer
+(:func:`save_sharded_checkpoint`, which writes the rest too) and its reader (:func:`load_dcp`).
 
 A sharded checkpoint is the layout of :mod:`molt_core.train.checkpoint` (``model/`` -- the
 *full* weights gathered onto rank 0, ``save_pretrained`` safetensors + tokenizer, loadable
@@ -10,7 +10,8 @@ policy, its AdamW state, the reference and the critic (and its AdamW), each rank
 own shards. ``trainer_state.pt`` then holds no optimizer state (``optimizer`` is None): the
 optimizers live in ``dcp/``.
 
-Resume (:func:`load_dcp`, called by :func:`molt_core.train.checkpoint.load_checkpoint`):
+Resume (:func:`load_dcp`, called by :func:`molt_core.train.checkpoint.load_checkpoint` through the
+``fsdp2`` backend):
 the distributed checkpoint is loaded into whatever sharding the resuming trainer has -- the
 same world size (exact), another world size, or one plain :class:`Trainer` (DCP reshards the
 tensors on load); :func:`molt_core.train.checkpoint.load_checkpoint` says when the world
@@ -24,15 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
-__all__ = ["dcp_state", "full_state_dict", "load_dcp"]
+from molt_core.train.checkpoint import begin_checkpoint, commit_checkpoint, cursor_json, write_checkpoint_files
+
+__all__ = ["dcp_state", "full_state_dict", "load_dcp", "save_sharded_checkpoint"]
 
 
 def dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
     """The state dict tree ``{"model", "optim", "ref", "critic", "critic_optim"}`` of
     ``trainer`` (sharded DTensors for a sharded trainer), restricted to ``parts``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     state: dict[str, Any] = {}
     state["model"], state["optim"] = get_state_dict(trainer.model, trainer.optimizer)
     if trainer.ref_model is not None:
@@ -48,8 +52,6 @@ def full_state_dict(module: Any) -> dict[str, Any]:
     (``lm_head.weight`` = ``model.embed_tokens.weight``) one tensor under both names as in a
     plain module's state dict -- the gather returns a copy per name, which
     ``save_pretrained`` would save and the weight packers would send twice."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     first: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -68,9 +70,6 @@ def load_dcp(trainer: Any, d: str | Path) -> None:
         FileNotFoundError: ``d`` is not a distributed checkpoint, or it lacks a part the
             trainer needs (a critic for ``gae``).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     d = Path(d)
     if not (d / ".metadata").is_file():
         raise FileNotFoundError(f"{d}: no distributed checkpoint (.metadata missing)")
@@ -89,3 +88,30 @@ def load_dcp(trainer: Any, d: str | Path) -> None:
                        optim_state_dict=state["critic_optim"])
     if dist.is_initialized():
         dist.barrier()
+
+
+def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of a :class:`~molt_plugins.distributed.sharded.ShardedTrainer`
+    (every rank calls it): ``dcp/`` by every rank (:func:`dcp_state`), the rest by rank 0
+    (:func:`molt_core.train.checkpoint.write_checkpoint_files` of the gathered full state dicts);
+    atomic like :func:`molt_core.train.checkpoint.save_checkpoint` (temp dir + rename, then pruned).
+
+    Returns:
+        The checkpoint directory (on every rank).
+
+    Raises:
+        TypeError: ``data_cursor`` is not JSON-serialisable.
+    """
+    cursor = cursor_json(data_cursor)
+    rank0 = dist.get_rank() == 0
+    paths: list[Any] = list(begin_checkpoint(run_dir, trainer.step, "sharded")) if rank0 else [None, None]
+    dist.broadcast_object_list(paths, src=0)
+    final, tmp = Path(paths[0]), Path(paths[1])
+    dcp.save(dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
+    full = {name: full_state_dict(m) for name, m in
+            (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
+    if rank0:
+        write_checkpoint_files(trainer, tmp, cursor, full=full, extra={"world_size": dist.get_world_size()})
+        commit_checkpoint(trainer, run_dir, tmp, final)
+    dist.barrier()
+    return final
