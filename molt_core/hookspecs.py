@@ -120,7 +120,9 @@ def molt_register_trainer_backends(register: Register) -> None:
       with ``rank``, ``world_size`` and ``backend``; its ``save_checkpoint`` writes the
       distributed checkpoint, every rank calling it);
     * ``load_checkpoint(trainer, d: Path)`` -- load the distributed checkpoint directory ``d``
-      (``dcp/``) into any trainer, sharded at any world size or one plain ``Trainer``.
+      (``dcp/``) into any trainer, sharded at any world size or one plain ``Trainer``;
+    * ``load_model(module, d: Path)`` / ``load_optimizer(module, optimizer, state: dict)`` -- a
+      plain checkpoint's weight files / ``optimizer.state_dict()`` into a rank's sharded module.
     """
 
 

@@ -96,7 +96,7 @@ def test_bf16_bound_misses_one_stale_publish_at_the_gpu_recipe_lr(tmp_path):
 
 
 def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
-    """A plain checkpoint's model/ resumed on a sharded trainer (molt_core.train.model_files.load_model)
+    """A plain checkpoint's model/ resumed on a sharded trainer (molt_plugins.distributed.checkpoint.load_model)
     loaded with ``strict=False`` and no check: a missing tensor kept the rank's current weights, an
     unknown one was dropped, silently (the plain path raises for both). Now the same checks, before
     anything is loaded; a good directory (tied lm_head saved once) still loads exactly. One process,
@@ -107,7 +107,8 @@ def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
 
     from molt_core.models import load_model as build
     from molt_plugins.distributed.sharded import init_distributed, shard_module
-    from molt_core.train.model_files import load_model, save_model
+    from molt_core.train.model_files import save_model
+    from molt_plugins.distributed.checkpoint import load_model
 
     src = build("builtin:tiny-qwen3", seed=7)
     save_model(src, tmp_path / "good")

@@ -306,19 +306,21 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/, read by its backend
         backend = trainer.backend or trainer_backend(trainer.cfg, option=f"resuming the distributed checkpoint {p}")
         backend.load_checkpoint(trainer, p / "dcp")
-    else:
+    else:  # a sharded rank loads the full tensors into its shards (its backend's loaders)
+        load_module, load_optim = ((trainer.backend.load_model, trainer.backend.load_optimizer) if trainer.backend
+                                   else (load_model, load_optimizer))
         if trainer.adapter is not None:
             trainer.adapter.load(trainer.model, p)
         else:
-            load_model(trainer.model, p / "model")
+            load_module(trainer.model, p / "model")
         if (p / "ref").is_dir() and trainer.adapter is None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
-            load_model(trainer.ref_model, p / "ref")
-        load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
+            load_module(trainer.ref_model, p / "ref")
+        load_optim(trainer.model, trainer.optimizer, st["optimizer"])
         if trainer.critic is not None:
-            load_model(trainer.critic, p / "critic")
-            load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
+            load_module(trainer.critic, p / "critic")
+            load_optim(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
     trainer.scheduler.load_state_dict(st["scheduler"])
     if trainer.critic is not None:
         trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])

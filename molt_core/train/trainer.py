@@ -196,9 +196,8 @@ class Trainer:
         #: ``[saved, total]`` token positions of the loss forwards while an update runs, else None
         self.prefix_stats: list[int] | None = None
 
-    # -- data-parallel seams, overridden by a trainer backend's subclass (molt_register_trainer_backends;
-    #    fsdp2: molt_plugins.distributed.sharded.ShardedTrainer) -------------------------------
-    #: the trainer backend of a sharded rank (what reads its distributed checkpoints); None: one process
+    # -- data-parallel seams, overridden by a trainer backend's subclass (molt_register_trainer_backends) --
+    #: the trainer backend of a sharded rank (its checkpoint loaders); None: one process
     backend: Any = None
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
     #: nothing to train still runs its forward and a zero backward

@@ -26,12 +26,15 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule
 
+from molt_core.train import model_files
 from molt_core.train.checkpoint import begin_checkpoint, commit_checkpoint, cursor_json, write_checkpoint_files
 
-__all__ = ["dcp_state", "full_state_dict", "load_dcp", "save_sharded_checkpoint"]
+__all__ = ["dcp_state", "full_state_dict", "load_dcp", "load_model", "load_optimizer", "save_sharded_checkpoint"]
 
 
 def dcp_state(trainer: Any, parts: set[str] | None = None) -> dict[str, Any]:
@@ -115,3 +118,45 @@ def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict
         commit_checkpoint(trainer, run_dir, tmp, final)
     dist.barrier()
     return final
+
+
+def load_model(model: torch.nn.Module, d: Path) -> None:
+    """Load the ``*.safetensors`` of directory ``d`` (a plain checkpoint's ``model/``) into a
+    sharded ``model``: full tensors into this rank's shards (a tied key saved once loads both);
+    a plain module: :func:`molt_core.train.model_files.load_model`.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``d``.
+        ValueError: weights for parameters the model lacks, or missing untied weights (checked
+            before anything is loaded into a sharded model).
+    """
+    if not isinstance(model, FSDPModule):
+        return model_files.load_model(model, d)
+    state = model_files.read_weights(d)
+    # the same key checks as the plain path, made before anything is loaded
+    owner: dict[str, int] = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    live_keys = set(owner) | {n for n, _ in model.named_buffers()}
+    unexpected = [k for k in state if k not in live_keys]
+    if unexpected:
+        raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
+    saved = {owner[k] for k in state if k in owner}
+    untied = [k for k in sorted(owner) if k not in state and owner[k] not in saved]
+    if untied:
+        raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """A plain checkpoint's optimizer ``state`` into the optimizer of a sharded ``model`` (a
+    checkpoint of one rank resumed on several): the parameter indices of ``state`` become
+    parameter names and each rank keeps its shard of every moment (``set_optimizer_state_dict``,
+    full state dict); a plain module: ``optimizer.load_state_dict(state)``."""
+    if not isinstance(model, FSDPModule):
+        return model_files.load_optimizer(model, optimizer, state)
+    names: dict[int, str] = {}
+    for n, prm in model.named_parameters():
+        names.setdefault(id(prm), n)
+    fqns = [names[id(prm)] for g in optimizer.param_groups for prm in g["params"]]
+    full = {"state": {fqns[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

@@ -46,7 +46,7 @@ from molt_core.config import RunConfig
 from molt_core.train.ingress import Batch
 from molt_core.train.trainer import Trainer
 from molt_core.train.version_history import VersionHistory
-from molt_plugins.distributed.checkpoint import full_state_dict, load_dcp, save_sharded_checkpoint
+from molt_plugins.distributed.checkpoint import full_state_dict, load_dcp, load_model, load_optimizer, save_sharded_checkpoint
 
 __all__ = ["Fsdp2Backend", "ShardedTrainer", "init_distributed", "local_param_bytes", "merge_loss_metrics", "row_share",
            "shard_module"]
@@ -194,6 +194,14 @@ class Fsdp2Backend:
     def load_checkpoint(self, trainer: Any, d: Any) -> None:
         """:func:`molt_plugins.distributed.checkpoint.load_dcp` of ``dcp/`` directory ``d``."""
         load_dcp(trainer, d)
+
+    def load_model(self, module: torch.nn.Module, d: Any) -> None:
+        """A plain checkpoint's weights into this rank's shards: :func:`molt_plugins.distributed.checkpoint.load_model`."""
+        load_model(module, d)
+
+    def load_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A plain checkpoint's AdamW state into this rank's shards: :func:`molt_plugins.distributed.checkpoint.load_optimizer`."""
+        load_optimizer(module, optimizer, state)
 
 
 FSDP2 = Fsdp2Backend()
