@@ -4,8 +4,8 @@
 placement group (one bundle of ``trainer.num_cpus`` CPUs / ``trainer.num_gpus`` GPUs per
 rank, packed), has rank 0 pick a TCP rendezvous address, and starts every rank's trainer from
 the ``fsdp2`` trainer backend (``molt_register_trainer_backends``, :mod:`molt_plugins.distributed`:
-one torch.distributed group, gloo on CPU, NCCL on GPU). The :class:`TrainerGroup` it returns looks like one trainer actor to the
-step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
+one torch.distributed group, gloo on CPU, NCCL on GPU). The :class:`TrainerGroup` it returns
+looks like one trainer actor to the step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
 in the object store once) and returns rank 0's object ref.
 
 Weights go to the engines without the driver in the path: each rank joins the gather of the
