@@ -2,9 +2,9 @@
 against one plain :class:`~molt_core.train.Trainer` measured in the same run.
 
 For each world size ``n`` in ``--world-sizes``, ``n`` processes (gloo on CPU) each build a
-:class:`~molt_core.train.distributed.ShardedTrainer` on the same model, take one optimizer
+:class:`~molt_plugins.distributed.sharded.ShardedTrainer` on the same model, take one optimizer
 step on the same synthetic batch (so AdamW's moments exist), and report the bytes they hold
-(:func:`molt_core.train.distributed.local_param_bytes`: their parameter shards and their
+(:func:`molt_plugins.distributed.sharded.local_param_bytes`: their parameter shards and their
 optimizer-state shards) and the time of a second step. The peer is one plain ``Trainer`` (world size 1,
 no sharding) on the same batch, in this process. Printed per world size: the largest rank's
 bytes, its ratio to the plain trainer's (the target is about ``1/n``; a rank holds
@@ -50,7 +50,7 @@ def _batch(version: int):
 
 def _rank(rank: int, world: int, init: str, model: str, out: str) -> None:
     torch.set_num_threads(1)
-    from molt_core.train.distributed import ShardedTrainer, init_distributed, local_param_bytes
+    from molt_plugins.distributed.sharded import ShardedTrainer, init_distributed, local_param_bytes
 
     init_distributed(rank, world, init)
     tr = ShardedTrainer(_config(model))
@@ -71,7 +71,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     from molt_core.train import Trainer
-    from molt_core.train.distributed import local_param_bytes
+    from molt_plugins.distributed.sharded import local_param_bytes
 
     plain = Trainer(_config(a.model))
     plain.train_step(_batch(plain.version))  # warm-up, as for the ranks

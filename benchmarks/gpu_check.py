@@ -391,7 +391,7 @@ def part_rl(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
 # -- 4. FSDP2 parity over NCCL ------------------------------------------------------------------
 def part_fsdp(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     """The 1-vs-2-rank parity of ``tests/test_distributed.py`` on GPUs: two
-    :class:`~molt_core.train.distributed.ShardedTrainer` processes (``tests/distributed_worker.py``,
+    :class:`~molt_plugins.distributed.sharded.ShardedTrainer` processes (``tests/distributed_worker.py``,
     one GPU each, so NCCL) and one plain :class:`~molt_core.train.Trainer` on GPU 0 take the same
     two RL steps (12 rows, micro-batches of 4, a sharded KL reference, an active clip, a stale
     second step) on the builtin tiny Qwen3 in float32; the loss, grad norm and updated weights must

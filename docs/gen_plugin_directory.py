@@ -29,7 +29,8 @@ PAGE = ROOT / "docs" / "plugins" / "directory.md"
 KIND_TITLES = {"rewards": "reward", "envs": "env", "judges": "judge", "teachers": "teacher",
                "replay_backends": "replay backend", "routing_tools": "routing tool", "engines": "engine",
                "loggers": "logger", "sandbox_backends": "sandbox backend",
-               "weight_sync_transports": "weight-sync transport", "estimators": "estimator", "losses": "loss"}
+               "weight_sync_transports": "weight-sync transport", "estimators": "estimator", "losses": "loss",
+               "adapters": "adapter", "trainer_backends": "trainer backend"}
 
 
 def contrib_packages() -> list[tuple[str, str, str, Path]]:

@@ -35,6 +35,9 @@ MOVED = {
     "molt_core.engines.vllm_weight_sync": "molt_plugins.engines.vllm.weight_sync",
     "molt_core.routing": "molt_plugins.moe.routing",
     "molt_core.train.routing_replay": "molt_plugins.moe.routing_replay",
+    "molt_core.train.lora": "molt_plugins.lora.adapter",
+    "molt_core.train.distributed": "molt_plugins.distributed.sharded",
+    "molt_core.train.dist_checkpoint": "molt_plugins.distributed.checkpoint",
 }
 """Old dotted module path -> the path it moved to."""
 

@@ -213,7 +213,7 @@ class LoraSection(_Section):
     scale ``alpha`` (the update is ``(alpha / r) B A``), ``dropout`` (must stay 0: the trainer
     runs without dropout so an on-policy importance ratio is exactly 1), ``target_modules``
     (module-name suffixes such as ``q_proj``; None: peft's default for the model type, or
-    ``"all-linear"``). Needs the ``lora`` extra (:mod:`molt_core.train.lora`)."""
+    ``"all-linear"``). Needs the ``lora`` extra and the ``lora`` adapter (:mod:`molt_plugins.lora`)."""
 
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
@@ -246,7 +246,7 @@ class TrainerSection(_Section):
     ``invariants/tokens_unverified``; :mod:`molt_core.identity`); ``world_size`` -- trainer
     ranks (Ray actors, one placement-group bundle of ``num_cpus``/``num_gpus`` each) sharing
     one FSDP2-sharded model, each training on its share of a step's rows
-    (:mod:`molt_core.train.distributed`); ``lora`` -- a LoRA adapter instead of full
+    (:mod:`molt_plugins.distributed`); ``lora`` -- a LoRA adapter instead of full
     fine-tuning (:class:`LoraSection`; None: off); ``gradient_checkpointing`` -- recompute each
     decoder layer's activations in the backward instead of keeping them (less memory, one more
     forward per layer; same loss and gradients); ``shared_prefix`` -- run the prompt prefix a

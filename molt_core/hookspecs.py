@@ -159,6 +159,42 @@ def molt_register_losses(register: Register) -> None:
     """
 
 
+@hookspec
+def molt_register_adapters(register: Register) -> None:
+    """Register trainer adapters: ``register(name, adapter)``; ``[trainer.<name>]`` selects one
+    (first party: ``lora``, :mod:`molt_plugins.lora`). The adapter provides, each taking the
+    policy ``model`` (an ``nn.Module``):
+
+    * ``wrap(model, options) -> nn.Module`` -- the policy the trainer trains (``options``: the
+      ``[trainer.<name>]`` section); called once, before the optimizer sees the parameters;
+    * ``reference(model) -> nn.Module`` -- the frozen KL reference (e.g. the adapter disabled);
+    * ``merged_state_dict(model) -> dict[str, Tensor]`` -- plain weights under the base model's
+      names, what engines load and ``model/`` of a checkpoint holds;
+    * ``base_training(model)`` -- a context manager yielding ``(forward model, parameters)``
+      the SFT warm start optimises;
+    * ``save(model, d: Path)`` / ``load(model, d: Path)`` -- the adapter's checkpoint files in
+      checkpoint directory ``d`` (``model/`` included); ``load`` raises ``FileNotFoundError``
+      for a checkpoint it did not write.
+    """
+
+@hookspec
+def molt_register_trainer_backends(register: Register) -> None:
+    """Register data-parallel trainer backends: ``register(name, backend)``; ``fsdp2`` (first
+    party, :mod:`molt_plugins.distributed`) runs ``trainer.world_size > 1``. The backend provides:
+
+    * ``init_process_group(rank: int, world_size: int, init_method: str) -> str`` -- join the
+      ranks' process group (``init_method``: a ``tcp://`` or ``file://`` rendezvous); returns
+      the collective backend (``gloo`` / ``nccl``);
+    * ``trainer(cfg: RunConfig) -> Trainer`` -- this rank's trainer (a ``Trainer`` subclass
+      with ``rank``, ``world_size`` and ``backend``; its ``save_checkpoint`` writes the
+      distributed checkpoint, every rank calling it);
+    * ``load_checkpoint(trainer, d: Path)`` -- load the distributed checkpoint directory ``d``
+      (``dcp/``) into any trainer, sharded at any world size or one plain ``Trainer``;
+    * ``load_model(module, d: Path)`` / ``load_optimizer(module, optimizer, state: dict)`` -- a
+      plain checkpoint's weight files / ``optimizer.state_dict()`` into a rank's sharded module.
+    """
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -188,4 +224,6 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "weight_sync_transports": "molt_register_weight_sync_transports",
     "estimators": "molt_register_estimators",
     "losses": "molt_register_losses",
+    "adapters": "molt_register_adapters",
+    "trainer_backends": "molt_register_trainer_backends",
 }

@@ -35,7 +35,7 @@ def main(spec_path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from molt_core.config import RunConfig
-    from molt_core.train.distributed import ShardedTrainer, init_distributed
+    from molt_plugins.distributed.sharded import ShardedTrainer, init_distributed
     from molt_core.types import Trajectory
 
     spec = json.loads(open(spec_path).read())

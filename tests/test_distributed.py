@@ -1,4 +1,4 @@
-"""Sharded data-parallel training (molt_core/train/distributed.py): 2 ranks == 1 rank.
+"""Sharded data-parallel training (molt_plugins/distributed/sharded.py): 2 ranks == 1 rank.
 
 Two ranks (separate processes, gloo on CPU, FSDP2) and one plain :class:`Trainer` train on
 the same rollouts from the same seed; the loss, grad norm, every metric and the updated
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from molt_core.train import Trainer
-from molt_core.train.distributed import merge_loss_metrics, row_share
+from molt_plugins.distributed.sharded import merge_loss_metrics, row_share
 from trainer_utils import clone_params, set_behaviour, synthetic_rollouts, tiny_cfg
 
 WORKER = Path(__file__).with_name("distributed_worker.py")

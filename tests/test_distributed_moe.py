@@ -1,7 +1,7 @@
 """MoE routing replay (R3) on 2 sharded ranks (FSDP2, gloo) == 1 rank.
 
 Each rank replays and records the routing of its own rows only; the R3 metrics must still be
-those of the whole batch (:meth:`molt_core.train.distributed.ShardedTrainer._routing_metrics`
+those of the whole batch (:meth:`molt_plugins.distributed.sharded.ShardedTrainer._routing_metrics`
 gathers every rank's record). Rollouts of the tiny Qwen3-MoE sampled by a bfloat16 engine
 (the trainer is fp32, so the natural routers flip on a few (position, layer) pairs: the flip
 rate is > 0 and replay brings the used routing to the record's). Fault injection: a backend

@@ -1,4 +1,4 @@
-"""LoRA through peft ([trainer.lora], molt_core.train.lora) and gradient checkpointing."""
+"""LoRA through peft ([trainer.lora], molt_plugins.lora) and gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from molt_core.config import ConfigError  # noqa: E402
 from molt_core.cli.recipe import load_config  # noqa: E402
 from molt_core.models import load_model, load_tokenizer  # noqa: E402
 from molt_core.train import Trainer, build_batch  # noqa: E402
-from molt_core.train.lora import base_state_dict, merged_state_dict  # noqa: E402
+from molt_plugins.lora.adapter import base_state_dict, merged_state_dict  # noqa: E402
 from molt_core.types import SampledSpan, Segment, Trajectory  # noqa: E402
 from tests.trainer_utils import set_behaviour, synthetic_rollouts, tiny_cfg  # noqa: E402
 

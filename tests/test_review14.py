@@ -96,7 +96,7 @@ def test_bf16_bound_misses_one_stale_publish_at_the_gpu_recipe_lr(tmp_path):
 
 
 def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
-    """A plain checkpoint's model/ resumed on a sharded trainer (molt_core.train.model_files.load_model)
+    """A plain checkpoint's model/ resumed on a sharded trainer (molt_plugins.distributed.checkpoint.load_model)
     loaded with ``strict=False`` and no check: a missing tensor kept the rank's current weights, an
     unknown one was dropped, silently (the plain path raises for both). Now the same checks, before
     anything is loaded; a good directory (tied lm_head saved once) still loads exactly. One process,
@@ -106,8 +106,9 @@ def test_sharded_load_model_refuses_missing_and_unknown_weights(tmp_path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from molt_core.models import load_model as build
-    from molt_core.train.distributed import init_distributed, shard_module
-    from molt_core.train.model_files import load_model, save_model
+    from molt_plugins.distributed.sharded import init_distributed, shard_module
+    from molt_core.train.model_files import save_model
+    from molt_plugins.distributed.checkpoint import load_model
 
     src = build("builtin:tiny-qwen3", seed=7)
     save_model(src, tmp_path / "good")
@@ -144,7 +145,7 @@ def test_sharded_stale_shadow_is_the_only_unsharded_copy(tmp_path):
     the trainer's device) on first use: one copy. One process, a gloo group of one."""
     import torch.distributed as dist
 
-    from molt_core.train.distributed import ShardedTrainer, init_distributed
+    from molt_plugins.distributed.sharded import ShardedTrainer, init_distributed
 
     init_distributed(0, 1, f"file://{tmp_path / 'rdzv'}", backend="gloo")
     try:
@@ -170,7 +171,7 @@ def test_sharded_weights_keep_the_tied_head_one_tensor(tmp_path):
     import torch.distributed as dist
 
     from molt_core.runtime.weightpack import pack_tensors
-    from molt_core.train.distributed import ShardedTrainer, init_distributed
+    from molt_plugins.distributed.sharded import ShardedTrainer, init_distributed
 
     plain = Trainer(_config())
     init_distributed(0, 1, f"file://{tmp_path / 'rdzv'}", backend="gloo")

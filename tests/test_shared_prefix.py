@@ -290,7 +290,7 @@ def test_a_micro_batch_that_samples_nothing_plans_no_prefix():
 
 def test_a_lora_runs_kl_reference_shares_its_prefix():
     """A LoRA run's KL reference is the policy under ``disable_adapter()``
-    (:class:`molt_core.train.lora.AdapterDisabled`): it shares the prefix too (two forward
+    (:class:`molt_plugins.lora.adapter.AdapterDisabled`): it shares the prefix too (two forward
     calls; the old code saw no cache keyword on the wrapper and ran it in full), with the
     logprobs of its full forward -- the base weights', not the adapter's (after an update
     has moved the adapter, they differ from the policy's)."""

@@ -25,10 +25,11 @@ from molt_core.runtime.collective_sync import publish as publish_collective
 from molt_core.runtime.collective_sync import resolve_weight_sync
 from molt_core.runtime.raycluster import init_ray
 from molt_core.runtime.rundir import RunLog, check_loggers
-from molt_core.runtime.trainer_group import describe_ranks
+from molt_core.runtime.trainer_group import describe_ranks, start_trainer_group
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.rollout.tasks import TaskStream, check_train_split
+from molt_core.train.features import check_trainer_features
 from molt_core.types import Group, Trajectory
 
 __all__ = ["RunFailed", "assemble_batch", "main_job"]
@@ -327,6 +328,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
+    check_trainer_features(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         from molt_core.models import check_model_positions, check_model_source
@@ -358,8 +360,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     if cfg.trainer.world_size > 1 and local:
         raise ValueError(f"trainer.world_size = {cfg.trainer.world_size} needs Ray (one actor per rank); drop --local")
     if cfg.trainer.world_size > 1:  # N ranks in a placement group behind one actor-like handle
-        from molt_core.runtime.trainer_group import start_trainer_group
-
         trainer = start_trainer_group(ray, cfg, cfg_dict)
     else:
         trainer = Trainer_.remote(cfg_dict)

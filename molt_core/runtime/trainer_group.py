@@ -2,10 +2,10 @@
 
 :func:`start_trainer_group` places one :class:`ShardedTrainerWorker` per rank in a Ray
 placement group (one bundle of ``trainer.num_cpus`` CPUs / ``trainer.num_gpus`` GPUs per
-rank, packed), has rank 0 pick a TCP rendezvous address, and starts every rank's
-:class:`~molt_core.train.distributed.ShardedTrainer` (one torch.distributed group: gloo on
-CPU, NCCL on GPU). The :class:`TrainerGroup` it returns looks like one trainer actor to the
-step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
+rank, packed), has rank 0 pick a TCP rendezvous address, and starts every rank's trainer from
+the ``fsdp2`` trainer backend (``molt_register_trainer_backends``, :mod:`molt_plugins.distributed`:
+one torch.distributed group, gloo on CPU, NCCL on GPU). The :class:`TrainerGroup` it returns
+looks like one trainer actor to the step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
 in the object store once) and returns rank 0's object ref.
 
 Weights go to the engines without the driver in the path: each rank joins the gather of the
@@ -20,13 +20,15 @@ from typing import Any
 
 from molt_core.config import RunConfig
 from molt_core.runtime.workers import TrainerWorker, where
+from molt_core.train.features import trainer_backend
 
 __all__ = ["ShardedTrainerWorker", "TrainerGroup", "describe_ranks", "start_trainer_group"]
 
 
 class ShardedTrainerWorker(TrainerWorker):
     """One trainer rank for Ray: built empty, then :meth:`start` joins the process group and
-    builds the rank's :class:`~molt_core.train.distributed.ShardedTrainer`."""
+    builds the rank's trainer, both through the sharded trainer backend
+    (:func:`molt_core.train.features.trainer_backend`)."""
 
     def __init__(self, cfg: RunConfig | dict) -> None:  # noqa: D107 - the trainer is built in start()
         super().__init__(cfg, build=False)
@@ -42,12 +44,16 @@ class ShardedTrainerWorker(TrainerWorker):
 
     def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
         """Join the process group as ``rank`` and build the sharded trainer; returns where this
-        rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``)."""
-        from molt_core.models import check_model_positions
-        from molt_core.train.distributed import ShardedTrainer, init_distributed
+        rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``).
 
-        backend = init_distributed(rank, world_size, init_method)
-        self.trainer = ShardedTrainer(self.cfg)
+        Raises:
+            ConfigError: no plugin registers the trainer backend (names ``trainer.world_size``).
+        """
+        from molt_core.models import check_model_positions  # (as TrainerWorker: at first use, not at import)
+
+        sharded = trainer_backend(self.cfg)
+        backend = sharded.init_process_group(rank, world_size, init_method)
+        self.trainer = sharded.trainer(self.cfg)
         check_model_positions(self.cfg.model.path, self.trainer.model.config)  # as TrainerWorker does (GGUF)
         return {"rank": str(rank), **where(), "backend": backend}
 

@@ -10,9 +10,9 @@
   replay (R3) is a routing tool's (``molt_register_routing_tools``; molt-sdk's: :mod:`molt_plugins.moe`).
 * :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints
   (:mod:`molt_core.train.model_files`: one module's weight files).
-* :mod:`molt_core.train.distributed` -- :class:`ShardedTrainer`: ``trainer.world_size`` ranks,
-  one FSDP2-sharded model; :mod:`molt_core.train.dist_checkpoint` -- the ``dcp/`` part of its checkpoints
-  (``torch.distributed.checkpoint``; written by :func:`molt_core.train.checkpoint.save_sharded_checkpoint`).
+* :mod:`molt_core.train.features` -- optional features from plugins: the adapter of
+  ``[trainer.lora]`` (:mod:`molt_plugins.lora`), the sharded backend of ``trainer.world_size > 1``
+  (:mod:`molt_plugins.distributed`: FSDP2 ranks and their ``dcp/`` checkpoints).
 """
 
 from molt_core.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints

@@ -14,10 +14,10 @@ anything is loaded; a truncated, missing or bit-flipped file raises
 ``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
 skipped. A checkpoint written before checksums existed is accepted unverified.
 
-A sharded trainer's checkpoint (:func:`save_sharded_checkpoint`) adds ``dcp/``, whose state
-tree and reader are in :mod:`molt_core.train.dist_checkpoint`; one module's weight files
-are written and read by :mod:`molt_core.train.model_files`, a LoRA model's by
-:mod:`molt_core.train.lora`.
+A sharded trainer's checkpoint adds ``dcp/``, written and read by its trainer backend
+(``molt_register_trainer_backends``; first party: :mod:`molt_plugins.distributed`); one module's weight files
+are written and read by :mod:`molt_core.train.model_files`, an adapter's (LoRA) by its plugin
+(``trainer.adapter.save`` / ``load``).
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from molt_core.train.dist_checkpoint import dcp_state, full_state_dict, load_dcp
-from molt_core.train.lora import load_lora_checkpoint, save_lora_checkpoint
+from molt_core.config import ConfigError
+from molt_core.train.features import trainer_backend
 from molt_core.train.model_files import load_model, load_optimizer, save_model
 
-__all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints",
-           "load_checkpoint", "save_checkpoint", "save_sharded_checkpoint", "verify_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "CheckpointCorrupt", "begin_checkpoint", "commit_checkpoint", "cursor_json",
+           "latest_checkpoint", "latest_intact_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
+           "verify_checkpoint", "write_checkpoint_files"]
 
 _log = logging.getLogger("molt.checkpoint")
 
@@ -146,8 +147,8 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
 
     Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-    with ``AutoModelForCausalLM.from_pretrained``; with LoRA the merged weights, plus
-    ``base/`` and ``adapter/``: :func:`molt_core.train.lora.save_lora_checkpoint`), ``ref/`` (the frozen reference, if
+    with ``AutoModelForCausalLM.from_pretrained``; with an adapter (LoRA) the merged weights,
+    plus the adapter's files: ``base/`` and ``adapter/`` for LoRA), ``ref/`` (the frozen reference, if
     any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
     schedulers, KL controller, RNG states of torch,
     numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
@@ -165,50 +166,27 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     Raises:
         TypeError: ``data_cursor`` is not JSON-serialisable.
     """
-    cursor = dict(data_cursor or {})
-    try:
-        cursor_json = json.dumps(cursor)
-    except TypeError as e:
-        raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-    final, tmp = _begin(run_dir, trainer.step, f"{os.getpid()}")
-    write_checkpoint_files(trainer, tmp, cursor_json)
-    return _commit(trainer, run_dir, tmp, final)
+    cursor = cursor_json(data_cursor)
+    final, tmp = begin_checkpoint(run_dir, trainer.step, f"{os.getpid()}")
+    write_checkpoint_files(trainer, tmp, cursor)
+    return commit_checkpoint(trainer, run_dir, tmp, final)
 
 
-def save_sharded_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-    """Write the checkpoint of a :class:`~molt_core.train.distributed.ShardedTrainer`
-    (every rank calls it): ``dcp/`` by every rank (:mod:`molt_core.train.dist_checkpoint`),
-    the rest by rank 0; atomic like :func:`save_checkpoint` (temp dir + rename, then pruned).
-
-    Returns:
-        The checkpoint directory (on every rank).
+def cursor_json(data_cursor: dict[str, Any] | None) -> str:
+    """``data_cursor`` (None: ``{}``) as JSON text.
 
     Raises:
-        TypeError: ``data_cursor`` is not JSON-serialisable.
+        TypeError: it is not JSON-serialisable.
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     try:
-        cursor_json = json.dumps(dict(data_cursor or {}))
+        return json.dumps(dict(data_cursor or {}))
     except TypeError as e:
         raise TypeError(f"data_cursor must be JSON-serialisable: {e}") from None
-    rank0 = dist.get_rank() == 0
-    paths: list[Any] = list(_begin(run_dir, trainer.step, "sharded")) if rank0 else [None, None]
-    dist.broadcast_object_list(paths, src=0)
-    final, tmp = Path(paths[0]), Path(paths[1])
-    dcp.save(dcp_state(trainer), checkpoint_id=str(tmp / "dcp"))
-    full = {name: full_state_dict(m) for name, m in
-            (("model", trainer.model), ("ref", trainer.ref_model), ("critic", trainer.critic)) if m is not None}
-    if rank0:
-        write_checkpoint_files(trainer, tmp, cursor_json, full=full, extra={"world_size": dist.get_world_size()})
-        _commit(trainer, run_dir, tmp, final)
-    dist.barrier()
-    return final
 
 
-def _begin(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
-    """``(final, tmp)`` directories of the checkpoint of ``step``; ``tmp`` made empty."""
+def begin_checkpoint(run_dir: str | Path, step: int, tag: str) -> tuple[Path, Path]:
+    """``(final, tmp)`` directories of the checkpoint of ``step`` (``tmp`` named with ``tag``,
+    made empty): write into ``tmp``, then :func:`commit_checkpoint`."""
     root = Path(run_dir) / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_CKPT_PREFIX}{step:08d}"
@@ -231,16 +209,16 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
         extra: more ``state.json`` entries (e.g. ``world_size``).
     """
     full = full or {}
-    lora = trainer.cfg.trainer.lora is not None
-    if lora:  # model/ merged, base/ and adapter/ (molt_core.train.lora)
-        save_lora_checkpoint(trainer.model, tmp)
+    adapter = trainer.adapter
+    if adapter is not None:  # model/ merged and the adapter's files (LoRA: base/ and adapter/)
+        adapter.save(trainer.model, tmp)
     else:
         save_model(trainer.model, tmp / "model", full.get("model"))
     if trainer.tokenizer is not None and hasattr(trainer.tokenizer, "save_pretrained"):
         trainer.tokenizer.save_pretrained(tmp / "model")
     if getattr(trainer, "vision_processor", None) is not None:  # preprocessor_config.json: model/ loads as model.path
         trainer.vision_processor.image_processor.save_pretrained(tmp / "model")
-    if trainer.ref_model is not None and not lora:  # with LoRA the reference is base/ (adapter disabled)
+    if trainer.ref_model is not None and adapter is None:  # an adapter's reference is its base (adapter disabled)
         save_model(trainer.ref_model, tmp / "ref", full.get("ref"))
     if trainer.critic is not None:
         save_model(trainer.critic, tmp / "critic", full.get("critic"))
@@ -264,8 +242,8 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
          "time": time.time(), **(extra or {})}, indent=1))
 
 
-def _commit(trainer: Any, run_dir: str | Path, tmp: Path, final: Path) -> Path:
-    """Manifest, fsync, rename ``tmp`` to ``final``, prune to ``checkpoint.keep``."""
+def commit_checkpoint(trainer: Any, run_dir: str | Path, tmp: Path, final: Path) -> Path:
+    """Manifest, fsync, rename ``tmp`` to ``final``, prune to ``checkpoint.keep``; returns ``final``."""
     root = final.parent
     _write_manifest(tmp)
     _fsync_dir(tmp)
@@ -310,7 +288,7 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
             print(f"warning: {msg}", flush=True)
     try:
         _load_checkpoint_files(trainer, p)
-    except (CheckpointCorrupt, FileNotFoundError):  # named already (e.g. no critic for algo 'gae')
+    except (CheckpointCorrupt, FileNotFoundError, ConfigError):  # named already (e.g. no critic for algo 'gae')
         raise
     except Exception as e:  # an unverified (pre-checksum) checkpoint that does not load
         raise CheckpointCorrupt(f"{p}: cannot be loaded ({type(e).__name__}: {e}); resume from an earlier "
@@ -325,23 +303,24 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     st = torch.load(p / "trainer_state.pt", map_location="cpu", weights_only=False)
     if trainer.critic is not None and not (p / "critic").is_dir():
         raise FileNotFoundError(f"{p}: no critic in this checkpoint, but algo.advantage = 'gae' needs one")
-    if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/
-        load_dcp(trainer, p / "dcp")
-    else:
-        if trainer.cfg.trainer.lora is not None:
-            from molt_core.train.lora import load_lora_checkpoint
-
-            load_lora_checkpoint(trainer.model, p)
+    if st["optimizer"] is None:  # written by a sharded trainer: weights and optimizers in dcp/, read by its backend
+        backend = trainer.backend or trainer_backend(trainer.cfg, option=f"resuming the distributed checkpoint {p}")
+        backend.load_checkpoint(trainer, p / "dcp")
+    else:  # a sharded rank loads the full tensors into its shards (its backend's loaders)
+        load_module, load_optim = ((trainer.backend.load_model, trainer.backend.load_optimizer) if trainer.backend
+                                   else (load_model, load_optimizer))
+        if trainer.adapter is not None:
+            trainer.adapter.load(trainer.model, p)
         else:
-            load_model(trainer.model, p / "model")
-        if (p / "ref").is_dir() and trainer.cfg.trainer.lora is None:
+            load_module(trainer.model, p / "model")
+        if (p / "ref").is_dir() and trainer.adapter is None:
             if trainer.ref_model is None:
                 trainer.reset_reference()
-            load_model(trainer.ref_model, p / "ref")
-        load_optimizer(trainer.model, trainer.optimizer, st["optimizer"])
+            load_module(trainer.ref_model, p / "ref")
+        load_optim(trainer.model, trainer.optimizer, st["optimizer"])
         if trainer.critic is not None:
-            load_model(trainer.critic, p / "critic")
-            load_optimizer(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
+            load_module(trainer.critic, p / "critic")
+            load_optim(trainer.critic, trainer.critic_optimizer, st["critic_optimizer"])
     trainer.scheduler.load_state_dict(st["scheduler"])
     if trainer.critic is not None:
         trainer.critic_scheduler.load_state_dict(st["critic_scheduler"])

@@ -1,5 +1,5 @@
 """One module's weights (and optimizer state) on disk: the files every checkpoint layout
-shares (:mod:`molt_core.train.checkpoint`, :mod:`molt_core.train.lora`)."""
+shares (:mod:`molt_core.train.checkpoint`, adapter and trainer-backend plugins)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_sharded", "load_model", "load_optimizer", "save_model"]
+__all__ = ["load_model", "load_optimizer", "read_weights", "save_model"]
 
 
 def save_model(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor] | None = None) -> None:
@@ -31,15 +31,11 @@ def save_model(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor] |
         save_file(out, str(d / "model.safetensors"))
 
 
-def load_model(model: torch.nn.Module, d: Path) -> None:
-    """Load the ``*.safetensors`` of directory ``d`` into ``model`` (a sharded model: full
-    tensors into this rank's shards). Keys ``save_pretrained`` dropped because they are tied
-    to a saved parameter are accepted.
+def read_weights(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of directory ``d`` (name -> CPU tensor).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``d``.
-        ValueError: weights for parameters the model lacks, or missing untied weights (sharded
-            or not: checked before anything is loaded into a sharded model).
     """
     from safetensors.torch import load_file
 
@@ -49,21 +45,19 @@ def load_model(model: torch.nn.Module, d: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    if is_sharded(model):  # full tensors into this rank's shards (a tied key saved once loads both)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    return state
 
-        # the same key checks as the plain path, made before anything is loaded
-        owner: dict[str, int] = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-        live_keys = set(owner) | {n for n, _ in model.named_buffers()}
-        unexpected = [k for k in state if k not in live_keys]
-        if unexpected:
-            raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
-        saved = {owner[k] for k in state if k in owner}
-        untied = [k for k in sorted(owner) if k not in state and owner[k] not in saved]
-        if untied:
-            raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        return
+
+def load_model(model: torch.nn.Module, d: Path) -> None:
+    """Load the ``*.safetensors`` of directory ``d`` into ``model``. Keys ``save_pretrained``
+    dropped because they are tied to a saved parameter are accepted (a sharded model's loader
+    is its trainer backend's).
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``d``.
+        ValueError: weights for parameters the model lacks, or missing untied weights.
+    """
+    state = read_weights(d)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"{d}: weights for unknown parameters {unexpected[:5]}; wrong model for this checkpoint?")
@@ -75,26 +69,6 @@ def load_model(model: torch.nn.Module, d: Path) -> None:
         raise ValueError(f"{d}: checkpoint lacks weights for {untied[:5]}")
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is an FSDP2-sharded module."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state)``; for a sharded ``model`` (a checkpoint of one rank
-    resumed on several) the parameter indices of ``state`` become parameter names and each
-    rank keeps its shard of every moment (``set_optimizer_state_dict``, full state dict)."""
-    if not is_sharded(model):
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names: dict[int, str] = {}
-    for n, prm in model.named_parameters():
-        names.setdefault(id(prm), n)
-    fqns = [names[id(prm)] for g in optimizer.param_groups for prm in g["params"]]
-    full = {"state": {fqns[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+    """``optimizer.load_state_dict(state)`` (a sharded model's loader is its trainer backend's)."""
+    optimizer.load_state_dict(state)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -37,6 +38,12 @@ __all__ = ["Example", "render_example", "render_with_images", "collate", "sft", 
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
+
+
+@contextmanager
+def _trainable(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """The warm start's scope without an adapter: ``(model, its trainable parameters)``."""
+    yield model, [p for p in model.parameters() if p.requires_grad]
 
 
 def _end_of_turn_ids(tokenizer: Any) -> set[int]:
@@ -225,9 +232,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     kw = cfg.model.chat_template_kwargs
     vp = _vision_processor(trainer)
     rendered = [render_with_images(tok, vp, m, c, kw) for m, c in examples]
-    from molt_core.train.lora import base_training
-
-    scope = base_training(trainer.model)  # with LoRA: the base weights, adapter disabled
+    adapter = trainer.adapter
+    scope = adapter.base_training(trainer.model) if adapter is not None else _trainable(trainer.model)  # LoRA: the base
     model, params = scope.__enter__()
     tc = cfg.trainer
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)

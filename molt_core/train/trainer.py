@@ -63,6 +63,7 @@ from molt_core.models import routing_tool
 from molt_core.train.algorithms import compute_advantages, correct_tokens, resolve_algorithms
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
+from molt_core.train.features import trainer_adapter
 from molt_core.train.forward import forward_rows, model_vocab, recompute_logprobs, token_logprobs
 from molt_core.train.ingress import Batch, NonFiniteLogprobs, admit, build_batch, nonfinite_check
 from molt_core.train.metrics import batch_metrics
@@ -133,12 +134,12 @@ class Trainer:
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = model.to(self.device)
         critic = None
-        if cfg.trainer.lora is not None:  # a LoRA adapter (peft): molt_core.train.lora
-            from molt_core.train.lora import wrap
-
-            if self.algo.needs_critic:  # the critic copies the plain decoder, before peft injects adapters
+        #: the adapter plugin of ``[trainer.lora]`` (``molt_register_adapters``), else None
+        self.adapter = trainer_adapter(cfg)
+        if self.adapter is not None:
+            if self.algo.needs_critic:  # the critic copies the plain decoder, before adapters are injected
                 critic = ValueModel(self.model).eval()
-            self.model = wrap(self.model, cfg.trainer.lora)
+            self.model = self.adapter.wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
         if cfg.trainer.gradient_checkpointing:
             from molt_core.train.grad_ckpt import enable_gradient_checkpointing
@@ -206,7 +207,9 @@ class Trainer:
         #: ``[saved, total]`` token positions of the loss forwards while an update runs, else None
         self.prefix_stats: list[int] | None = None
 
-    # -- data-parallel seams, overridden by molt_core.train.distributed.ShardedTrainer ---------
+    # -- data-parallel seams, overridden by a trainer backend's subclass (molt_register_trainer_backends) --
+    #: the trainer backend of a sharded rank (its checkpoint loaders); None: one process
+    backend: Any = None
     #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
     #: nothing to train still runs its forward and a zero backward
     lockstep = False
@@ -239,11 +242,9 @@ class Trainer:
     # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
         """Make the frozen reference a copy of the current policy weights (no grad); with
-        LoRA, the policy with its adapter disabled (:class:`molt_core.train.lora.AdapterDisabled`)."""
-        if self.cfg.trainer.lora is not None:
-            from molt_core.train.lora import AdapterDisabled
-
-            self.ref_model = AdapterDisabled(self.model)
+        an adapter (LoRA), the adapter's reference: the policy with its adapter disabled."""
+        if self.adapter is not None:
+            self.ref_model = self.adapter.reference(self.model)
             return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
@@ -587,13 +588,10 @@ class Trainer:
 
         The tensors are the live parameters (no copy): an engine must copy them (as
         ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
-        With LoRA: the merged weights under the base model's names
-        (:func:`molt_core.train.lora.merged_state_dict`).
+        With an adapter (LoRA): its merged weights under the base model's names.
         """
-        if self.cfg.trainer.lora is not None:
-            from molt_core.train.lora import merged_state_dict
-
-            return merged_state_dict(self.model)
+        if self.adapter is not None:
+            return self.adapter.merged_state_dict(self.model)
         return self.model.state_dict()
 
     def publish(self, engines: Iterable[Any]) -> int:

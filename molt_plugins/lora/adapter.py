@@ -1,6 +1,7 @@
 """LoRA through peft: wrap the policy, publish merged weights, checkpoint adapter + merged model.
 
 With ``[trainer.lora]`` (:class:`molt_core.config.LoraSection`) the trainer wraps its model
+(through the ``lora`` adapter, :class:`LoraAdapter`, registered by :mod:`molt_plugins.lora`)
 with ``peft.get_peft_model`` (LoRA, Hu et al. 2021, arXiv 2106.09685): every targeted
 ``nn.Linear`` computes ``W x + (alpha / r) B A x`` with ``A`` ``[r, in]`` (Kaiming-uniform)
 and ``B`` ``[out, r]`` (zeros, so the adapter starts as the identity), and only ``A``/``B``
@@ -35,7 +36,10 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["AdapterDisabled", "base_training", "base_state_dict", "is_lora", "load_lora_checkpoint",
+from molt_core.plugins.extras import with_install_hint
+from molt_core.train.model_files import save_model
+
+__all__ = ["AdapterDisabled", "LoraAdapter", "base_training", "base_state_dict", "is_lora", "load_lora_checkpoint",
            "merged_state_dict", "save_lora_checkpoint", "wrap"]
 
 
@@ -43,8 +47,6 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as e:
-        from molt_core.plugins.extras import with_install_hint
-
         raise ImportError(with_install_hint("trainer.lora needs peft", e)) from e
     return peft
 
@@ -218,8 +220,6 @@ def base_training(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, lis
 
 
 def _save_pretrained(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor]) -> None:
-    from molt_core.train.model_files import save_model
-
     save_model(model.get_base_model(), d, state)
 
 
@@ -261,3 +261,33 @@ def load_lora_checkpoint(model: torch.nn.Module, d: Path) -> None:
     res = peft.set_peft_model_state_dict(model, adapter)
     if getattr(res, "unexpected_keys", None):
         raise ValueError(f"{d / 'adapter'}: weights for unknown adapter parameters {res.unexpected_keys[:5]}")
+
+
+class LoraAdapter:
+    """The ``lora`` trainer adapter (``molt_register_adapters``): what the trainer, its
+    checkpoints and the SFT warm start call when ``[trainer.lora]`` is set. Stateless; every
+    method takes the policy (a peft model once :meth:`wrap` returned it)."""
+
+    def wrap(self, model: torch.nn.Module, options: Any) -> torch.nn.Module:
+        """:func:`wrap`: the policy with a LoRA adapter (``options``: the ``LoraSection``)."""
+        return wrap(model, options)
+
+    def reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The frozen KL reference: the policy with its adapter disabled (:class:`AdapterDisabled`)."""
+        return AdapterDisabled(model)
+
+    def merged_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights to publish: :func:`merged_state_dict`."""
+        return merged_state_dict(model)
+
+    def base_training(self, model: torch.nn.Module) -> Any:
+        """The SFT warm start's scope: :func:`base_training`."""
+        return base_training(model)
+
+    def save(self, model: torch.nn.Module, d: Path) -> None:
+        """Write ``d/model``, ``d/base``, ``d/adapter``: :func:`save_lora_checkpoint`."""
+        save_lora_checkpoint(model, d)
+
+    def load(self, model: torch.nn.Module, d: Path) -> None:
+        """Restore base weights and adapter from ``d``: :func:`load_lora_checkpoint`."""
+        load_lora_checkpoint(model, d)

@@ -1,4 +1,5 @@
-"""Sharded data-parallel training: ``trainer.world_size`` processes, one FSDP2 model.
+"""Sharded data-parallel training: ``trainer.world_size`` processes, one FSDP2 model (the
+``fsdp2`` trainer backend, :class:`Fsdp2Backend`).
 
 Every process (a *rank*) holds a shard of the policy, the reference and the critic
 (``torch.distributed.fsdp.fully_shard`` on each decoder block, then on the root: a block's
@@ -38,13 +39,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from molt_core.config import RunConfig
 from molt_core.train.ingress import Batch
 from molt_core.train.trainer import Trainer
 from molt_core.train.version_history import VersionHistory
+from molt_plugins.distributed.checkpoint import full_state_dict, load_dcp, load_model, load_optimizer, save_sharded_checkpoint
 
-__all__ = ["ShardedTrainer", "init_distributed", "local_param_bytes", "merge_loss_metrics", "row_share", "shard_module"]
+__all__ = ["Fsdp2Backend", "ShardedTrainer", "init_distributed", "local_param_bytes", "merge_loss_metrics", "row_share",
+           "shard_module"]
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None,
@@ -107,8 +112,6 @@ def shard_module(module: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
     Returns:
         ``module`` (now an ``FSDPModule``; its parameters are DTensors sharded on dim 0).
     """
-    from torch.distributed.fsdp import fully_shard
-
     for part in [*_blocks(module), module]:
         # the root too: FSDP2 leaves a root unsharded after its forward by default, and then
         # module.parameters() would hand out the unsharded tensors (no grads land there)
@@ -142,8 +145,6 @@ def merge_loss_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _is_sharded(model: torch.nn.Module | None) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
@@ -162,8 +163,6 @@ class _FullStateHistory(VersionHistory):
     def record(self, version: int, model: torch.nn.Module) -> None:
         if self.keep == 0:
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
         class _Full:
@@ -177,6 +176,36 @@ class _FullStateHistory(VersionHistory):
             self.shadow = self.template.to(self.device) if self.device is not None else self.template
             self.template = None
         return super().load(version, like)
+
+
+class Fsdp2Backend:
+    """The ``fsdp2`` trainer backend (``molt_register_trainer_backends``): what the kernel calls
+    for ``trainer.world_size > 1`` -- join the ranks' process group, build a rank's
+    :class:`ShardedTrainer`, and read a distributed checkpoint into any trainer."""
+
+    def init_process_group(self, rank: int, world_size: int, init_method: str) -> str:
+        """:func:`init_distributed` (backend picked by device); returns ``gloo`` or ``nccl``."""
+        return init_distributed(rank, world_size, init_method)
+
+    def trainer(self, cfg: RunConfig) -> "ShardedTrainer":
+        """This rank's :class:`ShardedTrainer` (the process group joined first)."""
+        return ShardedTrainer(cfg)
+
+    def load_checkpoint(self, trainer: Any, d: Any) -> None:
+        """:func:`molt_plugins.distributed.checkpoint.load_dcp` of ``dcp/`` directory ``d``."""
+        load_dcp(trainer, d)
+
+    def load_model(self, module: torch.nn.Module, d: Any) -> None:
+        """A plain checkpoint's weights into this rank's shards: :func:`molt_plugins.distributed.checkpoint.load_model`."""
+        load_model(module, d)
+
+    def load_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A plain checkpoint's AdamW state into this rank's shards: :func:`molt_plugins.distributed.checkpoint.load_optimizer`."""
+        load_optimizer(module, optimizer, state)
+
+
+FSDP2 = Fsdp2Backend()
+"""The backend instance the plugin registers (and every :class:`ShardedTrainer` carries)."""
 
 
 class ShardedTrainer(Trainer):
@@ -198,6 +227,7 @@ class ShardedTrainer(Trainer):
         RuntimeError: the default process group is not initialised.
     """
 
+    backend = FSDP2
     lockstep = True
     overlap_onpolicy_check = False  # its forwards are collectives: one thread, one order on every rank
 
@@ -205,7 +235,7 @@ class ShardedTrainer(Trainer):
                  ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ShardedTrainer needs torch.distributed initialised: call "
-                               "molt_core.train.distributed.init_distributed(rank, world_size, init_method) first")
+                               "molt_plugins.distributed.sharded.init_distributed(rank, world_size, init_method) first")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         super().__init__(cfg, model, tokenizer, ref_model, replay_backend)
@@ -290,19 +320,15 @@ class ShardedTrainer(Trainer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, run_dir, data_cursor: dict[str, Any] | None = None):
-        """Every rank: :func:`molt_core.train.checkpoint.save_sharded_checkpoint` (a
+        """Every rank: :func:`molt_plugins.distributed.checkpoint.save_sharded_checkpoint` (a
         distributed checkpoint in ``dcp/`` plus the Hugging Face ``model/`` of the full weights)."""
-        from molt_core.train.checkpoint import save_sharded_checkpoint
-
         return save_sharded_checkpoint(self, run_dir, data_cursor)
 
     # -- weights out ---------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
         """The full policy state dict on rank 0 (CPU tensors, gathered from every shard, a tied
-        head one tensor with the embedding: :func:`molt_core.train.dist_checkpoint.full_state_dict`;
+        head one tensor with the embedding: :func:`molt_plugins.distributed.checkpoint.full_state_dict`;
         a collective: every rank must call it); an empty dict on the other ranks."""
-        from molt_core.train.dist_checkpoint import full_state_dict
-
         return full_state_dict(self.model)
 
     def publish(self, engines) -> int:
