@@ -25,7 +25,7 @@ MOVED = {
     "molt_core.show": "molt_core.cli.show",
     "molt_core.plugin_listing": "molt_core.cli.plugin_listing",
     "molt_core.server.router": "molt_core.cli.router",
-    "molt_core.progress": "molt_core.runtime.progress",
+    "molt_core.progress": "molt_core.train.progress",
     "molt_core.sft": "molt_core.train.sft",
     "molt_core.tasks": "molt_core.rollout.tasks",
     "molt_core.datafiles": "molt_core.rollout.datafiles",

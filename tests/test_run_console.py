@@ -31,7 +31,7 @@ def steps_of(run_dir):
 
 
 def test_step_progress_plain_lines_when_not_a_terminal():
-    from molt_core.runtime.progress import step_progress
+    from molt_core.train.progress import step_progress
 
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=200)

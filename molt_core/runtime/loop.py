@@ -18,7 +18,7 @@ from typing import Any
 from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost
-from molt_core.runtime.progress import step_progress
+from molt_core.train.progress import step_progress
 from molt_core.rollout.scoring import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
 from molt_core.runtime.collective_sync import publish as publish_collective

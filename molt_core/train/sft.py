@@ -477,7 +477,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
 
     from rich.console import Console
 
-    from molt_core.runtime.progress import step_progress
+    from molt_core.train.progress import step_progress
     from molt_core.agents import load_agent
     from molt_core.train import Trainer
 
