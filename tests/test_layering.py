@@ -1,0 +1,59 @@
+"""The layering contracts of pyproject.toml (``[tool.importlinter]``, docs/architecture.md) hold on
+this checkout, and each kind of break is caught: a kernel module importing a plugin, the ledger
+importing an engine, an import up the layers, and a cycle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` over the packages under ``root`` with ``root/pyproject.toml``."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                           "sys.argv = ['lint-imports', 'pyproject.toml', '--no-cache']; lint_imports_command()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_every_contract_is_kept_on_this_checkout():
+    r = lint(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Contracts: 5 kept, 0 broken." in r.stdout
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """A copy of the two packages' sources and pyproject.toml, to break."""
+    t = tmp_path_factory.mktemp("layering")
+    for pkg in ("molt_core", "molt_plugins"):
+        shutil.copytree(ROOT / pkg, t / pkg, ignore=shutil.ignore_patterns("__pycache__", "assets", "templates"))
+    shutil.copy(ROOT / "pyproject.toml", t / "pyproject.toml")
+    return t
+
+
+@pytest.mark.parametrize("module,line,broken", [
+    ("molt_core/train/update.py", "import molt_plugins.lora", "the kernel never imports molt_plugins"),
+    ("molt_core/ledger/commit.py", "import molt_core.engines.base", "the ledger imports only the records"),
+    ("molt_core/algo/losses.py", "import molt_core.config", "algo/ imports nothing of molt but the records"),
+    ("molt_core/engines/base.py", "import molt_core.runtime.weightpack", "no import up"),
+    ("molt_core/ledger/records.py", "import molt_core.ledger.session", "no import cycle"),
+])
+def test_each_kind_of_break_is_reported_by_its_contract(tree, module, line, broken):
+    path = tree / module
+    clean = path.read_text()
+    path.write_text(clean + f"\n{line}  # injected\n")
+    try:
+        r = lint(tree)
+    finally:
+        path.write_text(clean)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Contracts: 4 kept, 1 broken." in r.stdout, r.stdout
+    assert f"{broken}" in r.stdout.split("Broken contracts", 1)[1]
