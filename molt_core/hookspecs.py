@@ -89,6 +89,24 @@ def molt_register_sandbox_backends(register: Register) -> None:
     client of a remote sandbox service. Selected by ``MOLT_SANDBOX_BACKEND=<name>``."""
 
 
+@hookspec
+def molt_register_modalities(register: Register) -> None:
+    """Register an input modality (images): ``register(name, modality)``; the kernel reaches
+    images only through it (none registered: a text-only run, image parts and the ``[images]``
+    section refused). The object provides (``molt_plugins.vision.modality.VisionModality``):
+    ``error`` (the ValueError type of a refused image, with ``field``); ``decode_part(part,
+    where, policy)`` -> ``.sha256`` (hex), ``.data`` (bytes) of an internal image part;
+    ``is_model(model)``; ``processor_for(model, path, tokenizer)`` -> the model's processor or
+    None, whose methods the ledger, ingress, trainer and SFT call (``expand(ids, shas, pool,
+    offset)`` -> ``(ids, [ImageRef])``, ``extra_tokens(shas, pool)``, ``expand_placeholders(ids,
+    images)``, ``check_runs(ids, grids, refs)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
+    [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
+    ``pixel_values``, ``image_grid_thw [N, 3]``); ``row_images(model, processor, ids, images,
+    is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` for the embedded
+    engine; ``wire_images(policy, processor)`` -> a request's collector (``openai_part``,
+    ``anthropic_block``, ``responses_part``, ``remote``, ``check()``)."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -114,4 +132,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
+    "modalities": "molt_register_modalities",
 }

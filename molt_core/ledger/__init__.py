@@ -40,10 +40,10 @@ context of the new segment (never trained on); those tokens are counted in the l
 ``info["context_reencoded_tokens"]``. A generation cut by ``max_tokens`` (finish reason
 ``length``) marks the trajectory ``truncated``, whatever the agent did next.
 
-Images (vision-language models): a user or tool message may carry image parts (the internal
-part of :mod:`molt_core.images`). The template renders one placeholder per image; the ledger's
-``vision`` (the model's :class:`~molt_core.vision.VisionProcessor`) expands each into the run of
-image tokens the engine sees (:func:`~molt_core.vision.expand_placeholders`), and the segment records one
+Images (vision-language models): a user or tool message may carry image parts (the
+internal part, read by the modality plugin's ``decode_part``). The template renders one placeholder
+per image; the ledger's ``vision`` (the model's image processor, from the modality plugin) expands
+each into the run of image tokens the engine sees (its ``expand``), and the segment records one
 :class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
 An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
 held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
@@ -66,8 +66,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from molt_core.engines.base import GenerationOutput
-from molt_core.images import ImagePolicy
-from molt_core.ledger.images import expand_images, extra_image_tokens
 from molt_core.ledger.messages import NormalizeCache, image_shas, normalize_messages
 from molt_core.ledger.render import WindowMessages, WindowProof, prove_window, window_start
 from molt_core.ledger.parsers import HermesParser, ToolParser, get_tool_parser
@@ -230,6 +228,27 @@ class AssistantTurn:
         return msg
 
 
+
+def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
+                  offset: int) -> tuple[list[int], list[ImageRef]]:
+    """``ids`` with each image placeholder expanded into its run and the runs' refs (``vision.expand``);
+    ``(ids, [])`` for a text-only model and no images.
+
+    Raises:
+        ValueError: images and no vision processor, or as ``vision.expand``.
+    """
+    if vision is None:
+        if shas:
+            raise ValueError(f"the messages carry {len(shas)} image(s) but this model has no vision processor; "
+                             "serve a vision-language model (see docs/vision.md) or send text only")
+        return ids, []
+    return vision.expand(ids, shas, pool, offset)
+
+
+def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:
+    """Tokens the images ``shas`` add to a render by expansion (``vision.extra_tokens``); 0 for none."""
+    return vision.extra_tokens(shas, pool) if vision is not None and shas else 0
+
 @dataclass
 class Prepared:
     """The plan for one request (from :meth:`Ledger.prepare`; nothing mutated yet).
@@ -313,10 +332,13 @@ class Ledger:
             chat template is proven window-local (:mod:`molt_core.ledger.render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
             renders the whole conversation (the reference path, kept for benchmarks and tests).
-        vision: the model's :class:`~molt_core.vision.VisionProcessor` (its placeholder
-            expansion); None for a text-only model (a message with an image is then refused).
-        image_policy: limits for image parts (:class:`~molt_core.images.ImagePolicy`; default
+        vision: the model's image processor from the modality plugin (``molt_register_modalities``:
+            its ``expand`` / ``extra_tokens``); None for a text-only model (a message with an
+            image is then refused).
+        image_policy: limits for image parts (:class:`~molt_core.config.ImagePolicy`; default
             limits, no remote URLs).
+        modality: the registered modality (its ``decode_part`` reads image parts); default
+            ``vision``'s own ``decode_part``; None with no ``vision``: image parts are refused.
 
     Raises:
         ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
@@ -327,7 +349,7 @@ class Ledger:
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
                  tool_parser: str | ToolParser | None = None, window_render: bool = True, vision: Any = None,
-                 image_policy: ImagePolicy | None = None) -> None:
+                 image_policy: Any = None, modality: Any = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
         self.tokenizer = tokenizer
@@ -359,7 +381,7 @@ class Ledger:
         #: request that later failed stays too; the trajectory stores only those its segments show)
         self._images: dict[str, bytes] = {}
         # normalize_messages, reusing the previous request's normalized prefix
-        self._normalize = NormalizeCache(self._images, image_policy)
+        self._normalize = NormalizeCache(self._images, image_policy, getattr(modality or vision, "decode_part", None))
         #: extend checks decided by a window render / by the full render (see ``window_render``)
         self.render_stats = {"window": 0, "full": 0}
         # per window scan: indices of the committed history's messages that satisfy it, and

@@ -39,7 +39,8 @@ from molt_core import hookspecs
 from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
-__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name"]
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name", "default_host",
+           "modality", "check_modality_options"]
 
 
 class PluginError(RuntimeError):
@@ -326,3 +327,38 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
         host.load_local(spec)
     host.collect()
     return host
+
+
+_DEFAULT_HOST: PluginHost | None = None
+
+
+def default_host() -> PluginHost:
+    """The process's host of the installed entry points (built once, on first use): where a
+    part built without a run's host (an engine or ledger made by hand) finds the registries.
+
+    Raises:
+        PluginError: as :func:`load_plugins`.
+    """
+    global _DEFAULT_HOST
+    if _DEFAULT_HOST is None:
+        _DEFAULT_HOST = load_plugins()
+    return _DEFAULT_HOST
+
+
+def modality(host: PluginHost | None = None) -> Any:
+    """The registered input modality (``molt_register_modalities``; the first by name), or None
+    for a text-only run. ``host`` defaults to :func:`default_host`."""
+    reg = (host or default_host()).registries["modalities"]
+    return reg[min(reg)].obj if reg else None
+
+
+def check_modality_options(config: Any, host: PluginHost) -> None:
+    """Refuse a recipe that sets the ``[images]`` section when no modality plugin is loaded.
+
+    Raises:
+        PluginError: naming ``images`` and the fix.
+    """
+    if "images" in config.model_fields_set and modality(host) is None:
+        raise PluginError("images: the recipe sets [images] but no modality plugin is loaded (images need one); "
+                          "enable molt_plugins.vision (unset MOLT_DISABLE_PLUGINS=molt_vision, or pip install molt-sdk) "
+                          "or remove the [images] section")

@@ -20,7 +20,7 @@ from typing import Any
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
-from molt_core.plugins import PluginHost, load_plugins
+from molt_core.plugins import PluginHost, load_plugins, modality
 from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
@@ -142,6 +142,8 @@ class RolloutWorker:
 
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        #: the registered image modality (the run's host's; None: text only)
+        self.modality = modality(getattr(self, "host", None))
         self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
         self.teacher = None
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
@@ -176,14 +178,15 @@ class RolloutWorker:
             from molt_core.server.app import start_server
 
             self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
-                                       image_policy=self.cfg.images)
+                                       image_policy=self.cfg.images, modality=self.modality)
         return self.server
 
     def _ledger(self, group_id: str):
         from molt_core.ledger import Ledger
 
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
-                        vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images)
+                        vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images,
+                        modality=self.modality)
         seen = _EPISODE.get()
         if seen is not None:  # rewards that want the whole rollout read its messages
             seen["ledgers"].append(ledger)
