@@ -353,12 +353,13 @@ def modality(host: PluginHost | None = None) -> Any:
 
 
 def check_modality_options(config: Any, host: PluginHost) -> None:
-    """Refuse a recipe that sets the ``[images]`` section when no modality plugin is loaded.
+    """Refuse a recipe that sets the ``[images]`` section (to other than its defaults: a saved
+    run config lists every section) when no modality plugin is loaded.
 
     Raises:
         PluginError: naming ``images`` and the fix.
     """
-    if "images" in config.model_fields_set and modality(host) is None:
+    if "images" in config.model_fields_set and config.images != type(config.images)() and modality(host) is None:
         raise PluginError("images: the recipe sets [images] but no modality plugin is loaded (images need one); "
                           "enable molt_plugins.vision (unset MOLT_DISABLE_PLUGINS=molt_vision, or pip install molt-sdk) "
                           "or remove the [images] section")
