@@ -99,7 +99,7 @@ def molt_register_modalities(register: Register) -> None:
     ``is_model(model)``; ``processor_for(model, path, tokenizer)`` -> the model's processor or
     None, whose methods the ledger, ingress, trainer and SFT call (``expand(ids, shas, pool,
     offset)`` -> ``(ids, [ImageRef])``, ``extra_tokens(shas, pool)``, ``expand_placeholders(ids,
-    images)``, ``check_runs(ids, grids, refs)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
+    images)``, ``check_segment(ids, refs, images)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
     [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
     ``pixel_values``, ``image_grid_thw [N, 3]``); ``row_images(model, processor, ids, images,
     is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` for the embedded

@@ -156,7 +156,7 @@ def build_batch(
             with one per-token list per segment, a float on each sampled token.
         vision: the model's image processor (the modality plugin's): each segment's image
             runs are checked against its ``images`` (one run per ref, where the ref says, of
-            the length its grid gives; its ``check_runs``), and each image's
+            the length its grid gives; its ``check_segment``), and each image's
             grid as this processor computes it (what the trainer's forward will use) must
             equal the recorded ``grid_thw`` (what the engine expanded). None skips those
             checks (the images' bytes are still checked against their digests).
@@ -385,20 +385,11 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
                                        "key; the stored bytes are not the image the segment records")
                 decoded[key] = data
             imgs.append(decoded[key])
-        if vision is not None:
+        if vision is not None:  # the runs where the refs say, each image's grid as the trainer's processor gives it
             try:
-                vision.check_runs(seg.token_ids, [ref.grid_thw for ref in seg.images], seg.images)
+                vision.check_segment(seg.token_ids, seg.images, imgs)
             except ValueError as e:
                 raise IngressError(f"{where[b]}: {e}") from None
-            for k, (ref, data) in enumerate(zip(seg.images, imgs)):
-                try:
-                    grid = vision.process(data)[1]  # cached by digest: the forward reuses it
-                except ValueError as e:
-                    raise IngressError(f"{where[b]}: images[{k}]: {e}") from None
-                if list(grid) != list(ref.grid_thw):
-                    raise IngressError(f"{where[b]}: images[{k}] records grid {list(ref.grid_thw)} but the trainer's "
-                                       f"image processor gives {list(grid)}: the engine and the trainer process "
-                                       "images differently (use the same model.path processor for both)")
         out.append(imgs)
     return out
 

@@ -169,9 +169,23 @@ class VisionProcessor:
         """:func:`expand_placeholders` with this processor."""
         return expand_placeholders(ids, images, self, offset=offset)
 
-    def check_runs(self, ids: Sequence[int], grids: Sequence[Sequence[int]], refs: Sequence[ImageRef] | None = None) -> None:
-        """:func:`check_runs` with this processor. Raises: ValueError as it does."""
-        check_runs(ids, grids, self, refs)
+    def check_segment(self, ids: Sequence[int], refs: Sequence[ImageRef], images: Sequence[bytes]) -> None:
+        """Trainer ingress: ``ids`` hold one run per ref, where the ref records it, and each
+        image's grid as this processor computes it (what the forward will use) is the ref's.
+
+        Raises:
+            ValueError: the first mismatch (``images[k]: ...`` for an image's own fault).
+        """
+        check_runs(ids, [ref.grid_thw for ref in refs], self, refs)
+        for k, (ref, data) in enumerate(zip(refs, images)):
+            try:
+                grid = self.process(data)[1]  # cached by digest: the forward reuses it
+            except ValueError as e:
+                raise ValueError(f"images[{k}]: {e}") from None
+            if list(grid) != list(ref.grid_thw):
+                raise ValueError(f"images[{k}] records grid {list(ref.grid_thw)} but the trainer's image processor "
+                                 f"gives {list(grid)}: the engine and the trainer process images differently (use "
+                                 "the same model.path processor for both)")
 
     def padded_inputs(self, model: Any, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]], width: int,
                       device: Any = None) -> dict[str, torch.Tensor]:
