@@ -60,6 +60,7 @@ from molt_core.server.guard import (
     until_disconnect,
     wire_error_response,
 )
+from molt_core.server.images import ImagePartRefused, request_images
 from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.tool_results import match_tool_results
@@ -71,7 +72,6 @@ from molt_core.server.wires import (
     anthropic_stream,
     openai_response,
     openai_stream,
-    request_images,
     validation_message,
 )
 from molt_core.types import SamplingParams, Trajectory
@@ -245,7 +245,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     if modality is ...:
         modality = registered_modality()
     policy = image_policy or ImagePolicy()
-    image_error = (modality.error,) if modality is not None else ()  # a refused image: a 400 naming its field
+    # a refused image: a 400 naming its field
+    image_error = (ImagePartRefused, modality.error) if modality is not None else (ImagePartRefused,)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser, vision=vision,
                          image_policy=policy, modality=modality)
     app.state.sessions = store

@@ -23,7 +23,8 @@ from typing import Any, Iterator
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields, convert_checked
+from molt_core.server.images import convert_checked
+from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
 
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
 

@@ -3,7 +3,7 @@ responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropi
 
 Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
 schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part (through
-the request's image collector, :func:`request_images`: the modality plugin's) -- and both encode an
+the request's image collector, :mod:`molt_core.server.images`) -- and both encode an
 :class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
 ``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
 """
@@ -18,11 +18,10 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core.ledger import AssistantTurn
-from molt_core.plugins import modality
+from molt_core.server.images import convert_checked
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
-           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message",
-           "NoImages", "request_images", "convert_checked"]
+           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
 
 
 class WireError(Exception):
@@ -32,55 +31,6 @@ class WireError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-
-
-class NoImages(list):
-    """The image collector of a run with no modality plugin (always empty): each wire's image
-    part is refused with a 400 naming its field and the fix."""
-
-    remote = False
-
-    def _refuse(self, field: str) -> Any:
-        raise WireError(400, f"{field}: an image part, but no modality plugin is loaded (this server takes text "
-                             "only); enable molt_plugins.vision (see docs/vision.md) or send text only",
-                        field, "invalid_image")
-
-    def openai_part(self, part: dict[str, Any], where: str) -> dict[str, Any]:
-        """Refuse an OpenAI ``image_url`` part. Raises: WireError 400 naming ``<where>.image_url.url``."""
-        return self._refuse(f"{where}.image_url.url")
-
-    def anthropic_block(self, block: dict[str, Any], where: str) -> dict[str, Any]:
-        """Refuse an Anthropic ``image`` block. Raises: WireError 400 naming ``<where>.source``."""
-        return self._refuse(f"{where}.source")
-
-    def responses_part(self, part: dict[str, Any], where: str) -> dict[str, Any]:
-        """Refuse a Responses ``input_image`` part. Raises: WireError 400 naming ``<where>.image_url``."""
-        return self._refuse(f"{where}.image_url")
-
-    def check(self) -> None:
-        """Nothing to check (no image is ever collected)."""
-
-
-def request_images(mod: Any, policy: Any = None, vision: Any = None) -> Any:
-    """A request's image collector: the modality's ``wire_images(policy, vision)`` (``mod`` the
-    registered modality), or :class:`NoImages` when ``mod`` is None."""
-    return mod.wire_images(policy, vision) if mod is not None else NoImages()
-
-
-def convert_checked(convert: Any, pending: Any) -> list[dict[str, Any]]:
-    """``convert(images)`` (a wire's message conversion, which hands the image parts it meets to
-    ``images``, a request's collector); with ``pending`` None the images are collected by the
-    registered modality's collector and checked here, else left in ``pending`` for the caller
-    to check (off the event loop).
-
-    Raises:
-        WireError: from ``convert``; the modality's error: a refused image (``pending`` None).
-    """
-    checks = request_images(modality()) if pending is None else pending
-    out = convert(checks)
-    if pending is None:
-        checks.check()
-    return out
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
