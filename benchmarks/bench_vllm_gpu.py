@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 
 from molt_core.engines.transformers_engine import TransformersEngine
-from molt_core.engines.vllm_engine import VLLMEngine
+from molt_plugins.engines.vllm.engine import VLLMEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.sampling import processed_logprobs
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory

@@ -5,7 +5,7 @@ cut short keeps what it measured).
 
 Parts (each records ``ok`` / ``failed`` / ``skipped`` with its reason and figures):
 
-1. ``sync`` -- the collective weight sync (:mod:`molt_core.engines.vllm_weight_sync`) between
+1. ``sync`` -- the collective weight sync (:mod:`molt_plugins.engines.vllm.weight_sync`) between
    processes: a sender (the trainer's rank 0) and ``--receivers`` receivers, each on its own
    GPU when there are enough (then the group must pick NCCL), else sharing GPU 0 (gloo through
    host memory: NCCL refuses two ranks on one GPU). fp32 master weights of the policy go out as
@@ -144,7 +144,7 @@ def policy_dir(args: argparse.Namespace) -> tuple[str, str]:
 # -- 1. collective sync between processes -------------------------------------------------------
 def _sync_member(rank: int, world: int, host: str, port: int, device: str, model_dir: str, reps: int, q: Any) -> None:
     """One member of the sync group (a spawned process): rank 0 sends, the others receive."""
-    from molt_core.engines.vllm_weight_sync import SyncGroup, receive_weights, send_weights
+    from molt_plugins.engines.vllm.weight_sync import SyncGroup, receive_weights, send_weights
     from molt_core.models import load_model
 
     try:
@@ -199,7 +199,7 @@ def _sync_member(rank: int, world: int, host: str, port: int, device: str, model
 def part_sync(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from molt_core.engines.vllm_weight_sync import free_address
+    from molt_plugins.engines.vllm.weight_sync import free_address
 
     n_gpu = torch.cuda.device_count()
     world = 1 + args.receivers
@@ -288,7 +288,7 @@ def part_bf16(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     teng.load_weights(bf16, 0)
     engines.append(("transformers", teng))
     if importlib.util.find_spec("vllm") is not None and gpu:
-        from molt_core.engines.vllm_engine import VLLMEngine
+        from molt_plugins.engines.vllm.engine import VLLMEngine
 
         veng = VLLMEngine(model_dir, tok, dtype="bfloat16", max_batch_size=32, seed=0, gpu_memory_utilization=0.3,
                           enforce_eager=True)

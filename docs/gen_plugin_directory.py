@@ -27,8 +27,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "plugins" / "directory.md"
 KIND_TITLES = {"rewards": "reward", "envs": "env", "judges": "judge", "teachers": "teacher",
-               "replay_backends": "replay backend", "engines": "engine", "loggers": "logger",
-               "sandbox_backends": "sandbox backend"}
+               "replay_backends": "replay backend", "routing_tools": "routing tool", "engines": "engine",
+               "loggers": "logger", "sandbox_backends": "sandbox backend",
+               "weight_sync_transports": "weight-sync transport", "modalities": "modality"}
 
 
 def contrib_packages() -> list[tuple[str, str, str, Path]]:

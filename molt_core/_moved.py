@@ -35,8 +35,32 @@ MOVED = {
     "molt_core.datafiles": "molt_core.rollout.datafiles",
     "molt_core.evalstats": "molt_core.rollout.evalstats",
     "molt_core._reward_worker": "molt_core.rollout.reward_worker",
+    "molt_core.engines.vllm_engine": "molt_plugins.engines.vllm.engine",
+    "molt_core.engines.vllm_weight_sync": "molt_plugins.engines.vllm.weight_sync",
+    "molt_core.routing": "molt_plugins.moe.routing",
+    "molt_core.train.routing_replay": "molt_plugins.moe.routing_replay",
 }
 """Old dotted module path -> the path it moved to."""
+
+MOVED_NAMES = {
+    "molt_core.rewards": {"RewardRunner": "molt_core.rollout.scoring", "score_group": "molt_core.rollout.scoring",
+                          "component_metrics": "molt_core.rollout.scoring"},
+}
+"""Module -> {name that moved out of it: the module it lives in now}."""
+
+
+def moved_attr(module: str, name: str) -> object:
+    """A module ``__getattr__`` body (PEP 562): warn and return ``name`` from its new module.
+
+    Raises:
+        AttributeError: ``name`` never lived in ``module``.
+    """
+    new = MOVED_NAMES.get(module, {}).get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"{module}.{name} moved to {new}.{name}: import it from there "
+                  "(the old path is removed in the next minor release)", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new), name)
 
 
 class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -135,7 +135,7 @@ class EngineSection(_Section):
     ``weight_sync`` -- how a publish reaches the engines: ``ray`` (the trainer packs the
     weights into one buffer that each rollout worker fetches from Ray's object store),
     ``collective`` (the trainer's rank 0 broadcasts into every vLLM worker through a process
-    group, NCCL between distinct GPUs, gloo otherwise: :mod:`molt_core.engines.vllm_weight_sync`;
+    group, NCCL between distinct GPUs, gloo otherwise: :mod:`molt_plugins.engines.vllm.weight_sync`;
     vllm engine and a Ray run only) or ``auto`` (collective for the vllm engine with
     ``num_gpus > 0`` under Ray, else ray)."""
 

@@ -60,7 +60,26 @@ def molt_register_teachers(register: Register) -> None:
 
 @hookspec
 def molt_register_replay_backends(register: Register) -> None:
-    """Register MoE routing-replay (R3) backends: ``register(model_type, backend)``."""
+    """Register MoE routing-replay (R3) backends: ``register(model_type, backend)``, a
+    ``molt_plugins.moe.routing.ReplayBackend``: ``route(router, hidden_states [..., H],
+    recorded [N, K] int64) -> (logits [N, E], weights [N, K], indices [N, K])`` and
+    ``replay(model, routed_experts [B, T, L, K])``, a context manager (-1 rows: natural)."""
+
+
+@hookspec
+def molt_register_routing_tools(register: Register) -> None:
+    """Register MoE routing tools (R3 record / replay / metrics): ``register(name, tool)``.
+
+    The kernel asks one only for a model whose config declares experts
+    (:func:`molt_core.models.declares_experts`); the first registered (by name) whose
+    ``is_moe(model) -> bool`` holds serves it. A tool provides ``recorder(model)`` (engine:
+    ``attach()``, ``clear()``, ``take() -> [N, L, K]`` int64 of the last forward's ``N``
+    tokens, ``num_layers``, ``top_k``); ``collate(routed, T, where) -> [B, T, L, K]`` int64
+    or None (ingress: per-row ``[T_b, L, K]`` lists or None, -1 padding; ValueError names the
+    row); and the trainer's ``init_trainer(trainer, backend)`` (sets ``trainer.replay_backend``,
+    may raise ValueError), ``forward(trainer, model, batch, rows, T)`` (a context manager
+    around each policy forward), ``noreplay(trainer, batch) -> dict`` and ``metrics(trainer,
+    batch, prox [B, T] float32, noreplay) -> dict[str, float]``."""
 
 
 @hookspec
@@ -90,6 +109,24 @@ def molt_register_sandbox_backends(register: Register) -> None:
 
 
 @hookspec
+def molt_register_weight_sync_transports(register: Register) -> None:
+    """Register weight-sync transports: ``register(name, factory)``; ``factory()`` returns the
+    transport used when ``engine.weight_sync`` resolves to ``name`` (``ray``, the object-store
+    path, is built in). Group ranks: 0 is the trainer's rank 0, then each rollout worker's engine
+    members in turn. The transport provides (each call blocks until every member is done):
+
+    * ``free_address() -> (host, port)``: where rank 0 hosts the group;
+    * ``sender(host, port, world_size, device, timeout_s) -> group``: rank 0 joins (``group.backend``: str);
+    * ``send(group, state, version, dtype) -> int``: ``state`` name -> full tensor, floating-point
+      ones cast to ``dtype`` (the engine's ``torch.dtype``); returns the bytes each receiver got;
+    * ``receivers(engine) -> int``: members one engine adds;
+    * ``join(engine, host, port, rank_offset, world_size, timeout_s) -> str``: the backend;
+    * ``receive(engine, version) -> int``: loads ``version`` between decode steps; bytes received
+      (raises ``ValueError`` when it refuses the sync, leaving the old weights in place).
+    """
+
+
+@hookspec
 def molt_register_modalities(register: Register) -> None:
     """Register an input modality (images): ``register(name, modality)``; the kernel reaches
     images only through it (none registered: a text-only run, image parts and the ``[images]``
@@ -103,7 +140,8 @@ def molt_register_modalities(register: Register) -> None:
     [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
     ``pixel_values``, ``image_grid_thw [N, 3]``); ``row_images(model, processor, ids, images,
     is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` for the embedded
-    engine; ``wire_images(policy, processor)`` -> a request's collector (``openai_part``,
+    engine; ``rope_index(model)`` -> its ``get_rope_index`` (what a LoRA wrapper delegates to);
+    ``wire_images(policy, processor)`` -> a request's collector (``openai_part``,
     ``anthropic_block``, ``responses_part``, ``remote``, ``check()``)."""
 
 
@@ -129,8 +167,10 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "judges": "molt_register_judges",
     "teachers": "molt_register_teachers",
     "replay_backends": "molt_register_replay_backends",
+    "routing_tools": "molt_register_routing_tools",
     "engines": "molt_register_engines",
     "loggers": "molt_register_loggers",
     "sandbox_backends": "molt_register_sandbox_backends",
+    "weight_sync_transports": "molt_register_weight_sync_transports",
     "modalities": "molt_register_modalities",
 }

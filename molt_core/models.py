@@ -47,8 +47,12 @@ from typing import Any
 
 import torch
 
+from molt_core.config import ConfigError
+from molt_core.plugins import shared_host
+
 __all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_positions", "check_model_source", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
-           "load_model", "load_tokenizer", "local_model_dir"]
+           "load_model", "load_tokenizer", "local_model_dir",
+           "MOE_KEYS", "declares_experts", "routing_tool"]
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
 BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large", "tiny-qwen2.5-vl")
@@ -288,6 +292,44 @@ def returned_cache(out: Any) -> Any:
     """The KV cache a transformers forward with ``use_cache=True`` returned (``out.cache``, or
     ``out.past_key_values`` before transformers 5.x), or None."""
     return out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+
+
+#: config fields by which a Hugging Face model declares its experts per MoE layer
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def declares_experts(model: Any) -> bool:
+    """Whether ``model.config`` (or its text config) declares more than one expert (an int
+    ``> 1`` in a :data:`MOE_KEYS` field): the kernel's only MoE test, so a dense model never
+    looks for a routing tool (:func:`routing_tool`)."""
+    cfg = getattr(model, "config", None)
+    cfgs = [cfg, cfg.get_text_config()] if hasattr(cfg, "get_text_config") else [cfg]
+    return any(isinstance(v := getattr(c, k, None), int) and v > 1 for c in cfgs for k in MOE_KEYS)
+
+
+def routing_tool(model: Any = None, plugins: list[str] | tuple[str, ...] = (), replay: bool = False) -> Any:
+    """The MoE routing tool (hook ``molt_register_routing_tools``, read from
+    :func:`molt_core.plugins.shared_host` of the entry points and ``plugins``) serving
+    ``model``: the first registered, by name, whose ``is_moe(model)`` holds. None for a model
+    that declares no experts (:func:`declares_experts`; nothing is loaded), or when no tool
+    serves it. ``model`` None: the first registered tool (ingress collates without a model).
+
+    Raises:
+        ConfigError: ``replay`` (``model.routing_replay``) is on for a model that declares
+            experts and no routing tool is loaded at all.
+    """
+    if model is not None and not declares_experts(model):
+        return None
+    host = shared_host(plugins)
+    tools = [host.get("routing_tools", n) for n in host.names("routing_tools")]
+    if replay and not tools:
+        mt = getattr(getattr(model, "config", None), "model_type", "?")
+        raise ConfigError(
+            f"model.routing_replay = true for a mixture-of-experts model ({mt!r}), but no loaded plugin registers "
+            "an MoE routing tool (molt_register_routing_tools; registered: (none)). molt-sdk's plugin molt_moe "
+            "(molt_plugins.moe) registers it: do not disable it with MOLT_DISABLE_PLUGINS, or load a plugin that "
+            "registers one with --plugin; else set model.routing_replay = false")
+    return next((t for t in tools if model is None or t.is_moe(model)), None)
 
 
 def length_dependent_rope(config: Any) -> str | None:

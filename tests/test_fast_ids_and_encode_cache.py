@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from molt_core import ledger as ledger_mod
+from molt_core.ledger import template as ledger_mod
 from molt_core import types
 from molt_core.ledger import Ledger
 from molt_core.models import load_tokenizer

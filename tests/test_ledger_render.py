@@ -322,7 +322,7 @@ def test_deep_think_stripping_rewrite_is_caught_through_the_window(toks):
 def test_a_wrong_proof_is_caught_by_the_comparison(toks, monkeypatch):
     """Fault injection: force a window proof on the user-gate template (outside the class).
     The window then misses the rewrite at the 6th user turn, and the exactness check flags it."""
-    import molt_core.ledger as ledger_mod
+    import molt_core.ledger.template as ledger_mod
 
     tok = load_tokenizer("builtin:tiny-qwen3")
     tok.chat_template = USER_GATE + "{#- forced -#}"  # a template text of its own (fresh template facts)

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from molt_core.rewards import (Rollout, as_score, component_metrics, group_reward, judge_endpoint, reward_spec,
-                               score_group)
+from molt_core.rewards import Rollout, as_score, group_reward, judge_endpoint, reward_spec
+from molt_core.rollout.scoring import component_metrics, score_group
 from molt_core.types import Group, RewardFailed, Segment, Trajectory
 from molt_plugins.rewards.base import RewardOptions, check_options, reward
 
@@ -371,7 +371,7 @@ def _timed_with_ticks(coro_fn):
 
 
 def test_process_reward_holding_the_gil_is_killed_at_its_deadline_and_the_loop_runs():
-    from molt_core import rewards as R
+    from molt_core.rollout import scoring as R
 
     s = spec("hog", gil_hog, timeout_s=1.0, isolation="process")
     assert (s.isolation, s.timeout_s) == ("process", 1.0)
@@ -383,7 +383,7 @@ def test_process_reward_holding_the_gil_is_killed_at_its_deadline_and_the_loop_r
 
 
 def test_math_answer_runs_in_a_killed_process_whatever_sympy_does():
-    from molt_core.rewards import RewardRunner
+    from molt_core.rollout.scoring import RewardRunner
     from molt_plugins.rewards.math_answer import math_answer
 
     s = reward_spec("math_answer", math_answer, {"timeout_s": 2})
@@ -586,7 +586,7 @@ def proc_quarter(response, task):
 
 
 def test_reward_process_never_outlives_the_thread_that_started_it():
-    from molt_core import rewards as R
+    from molt_core.rollout import scoring as R
 
     s = spec("q", proc_quarter, isolation="process")
     box = {}

@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from molt_core.routing import RoutingRecorder, find_routers, flip_mask, get_replay_backend, routing_shape
+from molt_plugins.moe.routing import RoutingRecorder, find_routers, flip_mask, get_replay_backend, routing_shape
 from molt_core.types import SamplingParams
 from molt_plugins.replay.topk import MixtralReplay, OlmoeReplay, Qwen3MoeReplay
 
@@ -352,7 +352,7 @@ def test_replay_to_wrong_experts_is_flagged(bf16_rollouts):
 
 
 def test_flip_rate_counts_scoring_positions():
-    from molt_core.routing import flip_rate
+    from molt_plugins.moe.routing import flip_rate
 
     rec = torch.tensor([[[[0, 1]], [[2, 3]], [[-1, -1]]]])  # [1, 3, 1, 2]
     sel = torch.tensor([[[[1, 0]], [[2, 1]], [[0, 1]]]])
@@ -421,3 +421,49 @@ def test_a_nan_in_the_noreplay_recompute_refuses_its_rollout():
     assert m["invariants/routing_flip_rate"] == want["invariants/routing_flip_rate"]
     assert m["loss/total"] == want["loss/total"]
     assert all(torch.equal(a, b) for a, b in zip(tr.model.parameters(), clean.model.parameters()))
+
+
+# ------------------------------------------------------------------ the routing tool is a plugin
+def test_moe_without_routing_plugin_is_refused_by_name(monkeypatch):
+    """Issue 26: with molt-sdk's routing plugin (``molt_moe``) disabled no routing tool is
+    loaded: an MoE policy with ``model.routing_replay`` on is refused naming the option and the
+    fix; with it off the trainer builds without R3 and the engine records no routing. With the
+    replay backends' plugin (``molt_replay``) disabled instead, the model type has no backend:
+    refused by name too."""
+    from molt_core.config import ConfigError, RunConfig
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.train import Trainer
+
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_moe")
+    with pytest.raises(ConfigError, match=r"model\.routing_replay = true for a mixture-of-experts model \('qwen3_moe'\), "
+                                          r"but no loaded plugin registers an MoE routing tool .*molt_plugins\.moe.*"
+                                          r"else set model\.routing_replay = false"):
+        Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe"}}))
+    tr = Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe", "routing_replay": False}}))
+    assert tr.routing is None and tr.replay_backend is None
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_replay")  # the tool, but no replay backend for the model type
+    with pytest.raises(ValueError, match="model.routing_replay is true but no routing-replay backend is registered "
+                                         "for model type 'qwen3_moe'"):
+        Trainer(RunConfig.model_validate({"model": {"path": "builtin:tiny-qwen3-moe"}}))
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_moe")
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=1, seed=0)
+    try:
+        assert asyncio.run(eng.generate([1, 20, 30], SamplingParams(max_tokens=2, seed=0))).routed_experts is None
+    finally:
+        eng.close()
+
+
+def test_dense_model_looks_up_no_routing_tool(monkeypatch):
+    """A dense policy never loads plugins for routing: trainer and engine build with the
+    plugin host unreachable."""
+    import molt_core.models
+    from molt_core.config import RunConfig
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.train import Trainer
+
+    def unreachable(*a, **k):
+        raise AssertionError("a dense model looked up a routing tool")
+
+    monkeypatch.setattr(molt_core.models, "shared_host", unreachable)
+    assert Trainer(RunConfig()).routing is None
+    TransformersEngine("builtin:tiny-qwen3", max_batch_size=1, seed=0).close()

@@ -29,9 +29,8 @@ def _png_url() -> str:
 @pytest.fixture()
 def bare(monkeypatch):
     """A process whose plugin host has no modality (as with the vision plugin disabled)."""
-    host = load_plugins(entry_points=False)
-    monkeypatch.setattr(plugins, "_DEFAULT_HOST", host)
-    return host
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_vision")
+    return plugins.shared_host()
 
 
 def test_the_vision_plugin_registers_the_modality():

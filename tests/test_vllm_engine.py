@@ -50,7 +50,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def engine(hf):
-    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_plugins.engines.vllm.engine import VLLMEngine
 
     eng = VLLMEngine("builtin:tiny-qwen3", max_batch_size=32, seed=0, kv_cache_memory_bytes=32 << 20)
     yield eng
@@ -112,7 +112,7 @@ def test_registered_and_missing_extra_is_named(monkeypatch):
 
 @vllm_test
 def test_r3_refused_on_cpu():
-    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_plugins.engines.vllm.engine import VLLMEngine
 
     with pytest.raises(NotImplementedError, match="routing replay.*not supported.*CPU"):
         VLLMEngine("builtin:tiny-qwen3-moe", return_routed_experts=True)
@@ -216,7 +216,7 @@ def test_collective_weight_sync_into_vllm_workers(fresh, hf):
     and leaves weights and version as they were; the group stays usable after a refusal."""
     import threading
 
-    from molt_core.engines.vllm_weight_sync import SyncGroup, free_address, send_weights
+    from molt_plugins.engines.vllm.weight_sync import SyncGroup, free_address, send_weights
 
     model, tok = hf
     jobs = grid(tok, max_tokens=12)
@@ -407,7 +407,7 @@ def _vl_importable() -> str | None:
 def test_images_as_multi_modal_data_equal_hf():
     """Images go to vLLM as multi_modal_data next to the expanded token prompt; each logprob
     equals a direct HF forward with the same images (<= BOUND)."""
-    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_plugins.engines.vllm.engine import VLLMEngine
     from molt_plugins.vision.processor import expand_placeholders, load_vision_processor, pixel_inputs
     from tests.test_vision import VL, png
 
@@ -446,7 +446,7 @@ def test_images_as_multi_modal_data_equal_hf():
 def test_image_requests_are_checked_before_vllm_sees_them():
     """The engine's image checks (no vLLM needed): images for a text model, a count other than
     the prompt's image runs, image runs without images, undecodable bytes."""
-    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_plugins.engines.vllm.engine import VLLMEngine
     from tests.test_vision import png
 
     eng = VLLMEngine.__new__(VLLMEngine)  # only the checks; no vLLM behind it
@@ -469,7 +469,7 @@ def test_image_requests_are_checked_before_vllm_sees_them():
 def test_load_weights_maps_the_vl_state_dict_to_the_saved_layout(tmp_path, monkeypatch):
     """A trainer's Qwen2.5-VL state_dict (``model.language_model.*``, ``model.visual.*``) is
     accepted against the checkpoint vLLM loaded (``model.*``, ``visual.*``), no tensor missing."""
-    from molt_core.engines.vllm_engine import VLLMEngine, _checkpoint_shapes
+    from molt_plugins.engines.vllm.engine import VLLMEngine, _checkpoint_shapes
     from tests.test_vision import VL
 
     model = load_model(VL)
@@ -526,7 +526,7 @@ def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
     ``vision_processor`` (None: a text-only model, whose image requests get a 400). The vLLM
     engine had none, so every image request to a VL model on vLLM was refused as text-only.
     vLLM itself is not started here (its Qwen2.5-VL needs torchvision): its worker is stubbed."""
-    from molt_core.engines.vllm_engine import VLLMEngine
+    from molt_plugins.engines.vllm.engine import VLLMEngine
     from molt_plugins.vision.images import data_url
     from molt_core.ledger import Ledger
     from molt_core.server import create_app
@@ -569,7 +569,7 @@ def test_a_builtin_models_temporary_directory_goes_when_the_process_ends_without
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("from molt_core.engines.vllm_engine import VLLMEngine\n"
+    code = ("from molt_plugins.engines.vllm.engine import VLLMEngine\n"
             "e = VLLMEngine('builtin:tiny-qwen3', max_batch_size=2, seed=0, kv_cache_memory_bytes=32 << 20)\n"
             "import os; assert os.path.isdir(e._tmpdir); print(e._tmpdir, flush=True)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

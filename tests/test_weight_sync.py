@@ -1,4 +1,4 @@
-"""The collective weight sync (issue 14; :mod:`molt_core.engines.vllm_weight_sync`) without vLLM:
+"""The collective weight sync (issue 14; :mod:`molt_plugins.engines.vllm.weight_sync`) without vLLM:
 a sender and two receivers in threads of this process, joined by a gloo group over a TCP store
 (what runs between the trainer's rank 0 and the vLLM workers on CPU; NCCL on GPU is covered by
 ``benchmarks/gpu_check.py``).
@@ -18,8 +18,8 @@ import threading
 import pytest
 import torch
 
-from molt_core.engines import vllm_weight_sync as ws
-from molt_core.engines.vllm_weight_sync import SyncGroup, check_full_state, free_address, receive_weights, send_weights
+from molt_plugins.engines.vllm import weight_sync as ws
+from molt_plugins.engines.vllm.weight_sync import SyncGroup, check_full_state, free_address, receive_weights, send_weights
 
 torch.set_num_threads(1)
 
@@ -281,3 +281,46 @@ def test_two_sharded_ranks_broadcast_the_gathered_weights(tmp_path):
     assert set(got["named"]) == set(expected)
     for name, t in got["named"].items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, sd[name].to(torch.bfloat16)), name
+
+
+def test_weight_sync_without_its_transport_plugin_is_refused_by_name(tmp_path):
+    """Issue 26: the ``collective`` transport enters through ``molt_register_weight_sync_transports``
+    (first-party plugin ``molt_engines``). Without it, ``engine.weight_sync = "collective"`` (or
+    ``auto`` resolving to it) is refused naming the option and the fix -- in the driver before any
+    compute (``molt run``: exit 2, no run directory), and in a trainer actor; ``ray`` needs none."""
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+    from molt_core.config import ConfigError, RunConfig
+    from molt_core.plugins import load_plugins
+    from molt_core.runtime.collective_sync import resolve_weight_sync, worker_transport
+
+    def cfg(**e):
+        return RunConfig.model_validate({"engine": e})
+
+    full, bare = load_plugins(), load_plugins(entry_points=False)
+    assert full.names("weight_sync_transports") == ["collective"]
+    assert resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), False, full) == "collective"
+    with pytest.raises(ConfigError, match=r'engine.weight_sync = "collective": no loaded plugin registers the weight-sync '
+                                          r'transport "collective" \(registered: \(none\)\).*molt_plugins.engines.*'
+                                          r'engine.weight_sync = "ray"'):
+        resolve_weight_sync(cfg(name="vllm", weight_sync="collective"), False, bare)
+    with pytest.raises(ConfigError, match=r'engine.weight_sync = "auto" resolves to "collective" here'):
+        resolve_weight_sync(cfg(name="vllm", num_gpus=1), False, bare)
+    assert resolve_weight_sync(cfg(name="vllm", num_gpus=1), True, bare) == "ray"  # --local: the Ray path, no plugin
+    assert resolve_weight_sync(cfg(name="vllm", num_gpus=1, weight_sync="ray"), False, bare) == "ray"
+
+    class Worker:  # what worker_transport reads of a trainer or rollout actor
+        cfg = RunConfig.model_validate({"engine": {"name": "vllm", "weight_sync": "collective"}})
+
+    w = Worker()
+    assert worker_transport(w, full) is worker_transport(w, bare)  # built once, kept on the worker
+    assert hasattr(w._weight_sync_transport, "send")
+    with pytest.raises(ConfigError, match="engine.weight_sync"):
+        worker_transport(Worker(), bare)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["run", "quickstart", "--out", str(out), "--set", "engine.name=vllm",
+                                  "--set", "engine.weight_sync=collective"], env={"MOLT_DISABLE_PLUGINS": "molt_engines"})
+    assert r.exit_code == 2, r.output
+    assert 'engine.weight_sync = "collective"' in r.output and 'engine.weight_sync = "ray"' in " ".join(r.output.split())
+    assert not out.exists()

@@ -31,7 +31,7 @@ from molt_core.agents import AgentContext
 from molt_core.config import RunConfig, TeacherSection
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, load_plugins
-from molt_core.rewards import RewardRunner
+from molt_core.rollout.scoring import RewardRunner
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import _EPISODE, RolloutWorker
 from molt_core.types import Result, SamplingParams, Trajectory

@@ -9,57 +9,11 @@ MoE models, the routed experts. Weights arrive through one ``load_weights(state,
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from molt_core.types import SamplingParams
+from molt_core.types import GenerationOutput, SamplingParams
 
 __all__ = ["GenerationOutput", "RolloutEngine", "WorkerThreadEngine"]
-
-
-class GenerationOutput(BaseModel):
-    """One generation's result.
-
-    Fields (``N`` = number of sampled tokens):
-      * ``token_ids`` ``[N]`` ints, exactly as sampled (a stop token, if hit, is included).
-      * ``logprobs`` ``[N]`` floats, behaviour logprob of each sampled token (natural log).
-      * ``versions`` ``[N]`` ints, policy version of the weights that sampled each token.
-      * ``finish_reason``: ``stop`` (stop token or stop string) or ``length`` (max_tokens),
-        ``abort`` (cancelled).
-      * ``stop_reason``: the stop token id or stop string that ended it, or None.
-      * ``routed_experts``: ``[P + N, num_moe_layers, top_k]`` for MoE engines (prompt
-        positions included), else None.
-      * ``prompt_len``: ``P``, the number of prompt ids the engine saw.
-      * ``sampled_digest``: the engine's record of what it sampled -- the BLAKE2b-128 hex
-        digest of ``token_ids`` computed where its sampler emitted them
-        (:class:`molt_core.identity.IdDigest`); checked per action token at trainer ingress.
-        None from an engine that keeps no record (its tokens then count as unverified).
-
-    Raises:
-        pydantic.ValidationError: if per-token lengths differ.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: Literal["stop", "length", "abort"]
-    stop_reason: int | str | None = None
-    routed_experts: list[list[list[int]]] | None = None
-    prompt_len: int = Field(0, ge=0)
-    sampled_digest: str | None = None
-
-    @model_validator(mode="after")
-    def _aligned(self) -> GenerationOutput:
-        n = len(self.token_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"token_ids ({n}), logprobs ({len(self.logprobs)}) and versions "
-                f"({len(self.versions)}) must have one entry per sampled token"
-            )
-        return self
 
 
 @runtime_checkable

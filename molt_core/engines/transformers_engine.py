@@ -39,11 +39,12 @@ one that completed the string kept. ``max_tokens`` or the model's context limit 
 ``"length"``. The reported token count is the single source of the loss mask downstream
 (cases B06/B07: a pad id equal to a stop id is never scanned for).
 
-Routing (R3, arXiv 2510.11370): for an MoE model (one with ``*TopKRouter`` modules, see
-:mod:`molt_core.routing`) forward hooks record the top-k expert ids every MoE layer chose at
-every position the engine ran -- the prompt's positions in prefill (padding columns dropped)
-and each fed-back token in decode -- and ``GenerationOutput.routed_experts`` returns them as
-``[P + N, num_moe_layers, top_k]`` by absolute position. The last sampled token was never fed
+Routing (R3, arXiv 2510.11370): for an MoE model (one a routing tool serves,
+:func:`molt_core.models.routing_tool`) the tool's forward hooks record the top-k expert ids
+every MoE layer chose at every position the engine ran -- the prompt's positions in prefill
+(padding columns dropped) and each fed-back token in decode -- and
+``GenerationOutput.routed_experts`` returns them as ``[P + N, num_moe_layers, top_k]`` by
+absolute position. The last sampled token was never fed
 through the model, so its row is ``-1`` (the next turn's prefill supplies it).
 """
 
@@ -57,13 +58,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from molt_core.engines.base import GenerationOutput, WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
-from molt_core.models import cache_keyword, load_model, load_tokenizer, mask_vision_tokens, returned_cache
+from molt_core.models import cache_keyword, load_model, load_tokenizer, mask_vision_tokens, returned_cache, routing_tool
 from molt_core.plugins import modality
 from molt_core.sampling import draw_tokens, processed_logprobs
-from molt_core.types import SamplingParams
+from molt_core.types import GenerationOutput, SamplingParams
 
 __all__ = ["TransformersEngine"]
 
@@ -203,9 +204,8 @@ class TransformersEngine(WorkerThreadEngine):
         # every state_dict name (tied aliases such as lm_head.weight included) -> live tensor
         self._params = dict(model.state_dict(keep_vars=True))
         self._cache_kw = cache_keyword(model) or "past_key_values"
-        from molt_core.routing import RoutingRecorder, is_moe
-
-        self._routing = RoutingRecorder(model).attach() if is_moe(model) else None
+        tool = routing_tool(model)  # MoE routing record (R3); None for a dense model
+        self._routing = tool.recorder(model).attach() if tool is not None else None
         self._last_route: torch.Tensor | None = None  # [B * T, L, K] of the last forward
         self.prefix_cache = PrefixCache(0 if self._routing is not None else int(prefix_cache_mb * 2**20))
         self._worker.start()

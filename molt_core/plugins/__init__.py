@@ -22,6 +22,7 @@ identical there), so no registry is shipped between processes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
 import importlib.util
@@ -39,7 +40,7 @@ from molt_core import hookspecs
 from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
-__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "unknown_name", "default_host",
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name",
            "modality", "check_modality_options"]
 
 
@@ -329,26 +330,27 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
     return host
 
 
-_DEFAULT_HOST: PluginHost | None = None
-
-
-def default_host() -> PluginHost:
-    """The process's host of the installed entry points (built once, on first use): where a
-    part built without a run's host (an engine or ledger made by hand) finds the registries.
+def shared_host(local: list[str] | tuple[str, ...] = ()) -> PluginHost:
+    """The :func:`load_plugins` host of the entry points and ``local``, built once per process
+    for each ``local`` list and value of ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for
+    kernel code that is handed no host (an engine, the trainer, ingress, a ledger made by hand)
+    and only reads registries. Never mutate it.
 
     Raises:
         PluginError: as :func:`load_plugins`.
     """
-    global _DEFAULT_HOST
-    if _DEFAULT_HOST is None:
-        _DEFAULT_HOST = load_plugins()
-    return _DEFAULT_HOST
+    return _shared_host(tuple(local), os.environ.get("MOLT_DISABLE_PLUGINS"), os.environ.get("MOLT_LOAD_PLUGINS"))
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_host(local: tuple[str, ...], _disabled: str | None, _allowed: str | None) -> PluginHost:
+    return load_plugins(local)
 
 
 def modality(host: PluginHost | None = None) -> Any:
     """The registered input modality (``molt_register_modalities``; the first by name), or None
-    for a text-only run. ``host`` defaults to :func:`default_host`."""
-    reg = (host or default_host()).registries["modalities"]
+    for a text-only run. ``host`` defaults to :func:`shared_host`."""
+    reg = (host or shared_host()).registries["modalities"]
     return reg[min(reg)].obj if reg else None
 
 

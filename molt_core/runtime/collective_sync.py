@@ -1,8 +1,10 @@
-"""The driver's side of ``engine.weight_sync = "collective"``: it only orders the calls; the
-weights go from the trainer's rank 0 straight into every vLLM worker
-(:mod:`molt_core.engines.vllm_weight_sync`), never through the driver or Ray's object store.
+"""The driver's side of a weight-sync transport (``engine.weight_sync = "collective"``): it only
+orders the calls; the weights go from the trainer's rank 0 straight into every engine worker
+through the transport a plugin registers (hook ``molt_register_weight_sync_transports``; the
+first-party ``collective`` one: :mod:`molt_plugins.engines.vllm.weight_sync`), never through the
+driver or Ray's object store.
 
-Group ranks: 0 is the trainer's rank 0; engine ``i``'s vLLM workers take the next
+Group ranks: 0 is the trainer's rank 0; engine ``i``'s workers take the next
 ``sync_world_size`` ranks. Each call launches the receivers first (they block in the engine
 between two decode steps), then the trainer, whose call returns once every rank is done.
 """
@@ -11,26 +13,57 @@ from __future__ import annotations
 
 from typing import Any
 
-from molt_core.config import RunConfig
+from molt_core.config import ConfigError, RunConfig
+from molt_core.plugins import PluginHost, load_plugins
 
-__all__ = ["connect", "publish", "resolve_weight_sync"]
+__all__ = ["connect", "publish", "resolve_weight_sync", "worker_transport"]
 
 
-def resolve_weight_sync(cfg: RunConfig, local: bool) -> str:
+def resolve_weight_sync(cfg: RunConfig, local: bool, host: PluginHost | None = None) -> str:
     """``"ray"`` or ``"collective"`` for ``cfg.engine.weight_sync`` (``auto``: collective for the
-    vllm engine with ``engine.num_gpus > 0`` in a Ray run).
+    vllm engine with ``engine.num_gpus > 0`` in a Ray run). With ``host``, a transport other than
+    ``ray`` must be registered there (hook ``molt_register_weight_sync_transports``).
 
     Raises:
         ValueError: ``collective`` in a ``--local`` run (the sender and the engines must run at
             once, in separate actors).
+        ConfigError: no plugin of ``host`` registers the transport (names ``engine.weight_sync``,
+            the plugin that provides it and ``engine.weight_sync = "ray"``).
     """
     e = cfg.engine
     if e.weight_sync == "collective" and local:
         raise ValueError("engine.weight_sync = \"collective\" needs Ray (the trainer and engines broadcast at once); "
                          "drop --local or set engine.weight_sync = \"ray\"")
-    if e.weight_sync == "auto":
-        return "collective" if e.name == "vllm" and e.num_gpus > 0 and not local else "ray"
-    return e.weight_sync
+    mode = e.weight_sync
+    if mode == "auto":
+        mode = "collective" if e.name == "vllm" and e.num_gpus > 0 and not local else "ray"
+    if host is not None and mode != "ray" and mode not in host.names("weight_sync_transports"):
+        how = f' resolves to "{mode}" here (the vllm engine on a GPU in a Ray run), but' if e.weight_sync != mode else ":"
+        raise ConfigError(
+            f'engine.weight_sync = "{e.weight_sync}"{how} no loaded plugin registers the weight-sync transport "{mode}" '
+            f"(registered: {', '.join(host.names('weight_sync_transports')) or '(none)'}). molt-sdk's plugin "
+            f"molt_engines (molt_plugins.engines) registers it: do not disable it with MOLT_DISABLE_PLUGINS, "
+            f'or load a plugin that registers it with --plugin; else set engine.weight_sync = "ray"')
+    return mode
+
+
+def worker_transport(worker: Any, host: PluginHost | None = None) -> Any:
+    """The weight-sync transport a trainer or rollout actor's ``worker.cfg`` resolves to in a Ray
+    run (:func:`resolve_weight_sync`), built by the factory its plugin registered; ``host``: the
+    worker's plugins, else loaded from ``cfg.plugins``. Built once and kept on the worker.
+
+    Raises:
+        ConfigError: no plugin registers the transport.
+        RuntimeError: ``engine.weight_sync`` resolves to ``ray`` (no sync group to join).
+    """
+    transport = getattr(worker, "_weight_sync_transport", None)
+    if transport is None:
+        host = host if host is not None else load_plugins(worker.cfg.plugins)
+        mode = resolve_weight_sync(worker.cfg, False, host)
+        if mode == "ray":
+            raise RuntimeError('engine.weight_sync resolves to "ray" here: there is no weight-sync group to join')
+        transport = worker._weight_sync_transport = host.get("weight_sync_transports", mode)()
+    return transport
 
 
 def connect(ray: Any, trainer: Any, workers: list[Any], timeout_s: float = 600.0) -> str:

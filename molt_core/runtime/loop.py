@@ -19,7 +19,7 @@ from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, check_modality_options
 from molt_core.runtime.progress import step_progress
-from molt_core.rewards import component_metrics
+from molt_core.rollout.scoring import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
 from molt_core.runtime.collective_sync import publish as publish_collective
 from molt_core.runtime.collective_sync import resolve_weight_sync
@@ -48,7 +48,7 @@ def assemble_batch(groups: list[Group], dynamic_filter: bool,
     (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
     ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts) and, for each name in
     ``reward_names``, ``reward/NAME/mean`` and ``reward/NAME/failed``
-    (:func:`molt_core.rewards.component_metrics`).
+    (:func:`molt_core.rollout.scoring.component_metrics`).
     """
     out: list[Trajectory] = []
     failed = truncated = dropped = filtered = 0
@@ -328,7 +328,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_rewards(cfg, host)
     check_loggers(cfg, host)
     check_modality_options(cfg, host)
-    sync_mode = resolve_weight_sync(cfg, local)
+    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         from molt_core.models import check_model_positions, check_model_source
 
@@ -382,16 +382,16 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     # process); its start-up overlaps the first rollouts (not awaited)
     trainer.start_check_process.remote()
 
-    if sync_mode == "collective":
+    if sync_mode != "ray":
         backend = connect_collective(ray, trainer, workers)
-        console.print(f"weight sync: collective ({backend}) from the trainer's rank 0 into the vLLM workers",
+        console.print(f"weight sync: {sync_mode} ({backend}) from the trainer's rank 0 into the vLLM workers",
                       highlight=False)
 
     # the driver does not wait for the engines to load a step's weights: it launches the next
     # groups at once with min_version (each worker prepares prompts meanwhile and samples
     # nothing before it holds that version -- as if it had waited; groups already in flight
     # take the weights between decode steps, as before); the loads are awaited before take()
-    overlap_publish = sync_mode != "collective"
+    overlap_publish = sync_mode == "ray"
     loading: list[Any] = []
 
     def loaded() -> None:
@@ -401,7 +401,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             loading.clear()
 
     def publish(wait: bool = True) -> int:
-        if sync_mode == "collective":  # trainer rank 0 -> every vLLM worker, one broadcast
+        if sync_mode != "ray":  # trainer rank 0 -> every vLLM worker, one broadcast
             return publish_collective(ray, trainer, workers)
         # two object refs, resolved inside each worker: weights never pass through the driver
         state_ref, version_ref = trainer.weights.options(num_returns=2).remote()

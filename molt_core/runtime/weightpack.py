@@ -53,7 +53,7 @@ def pack_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
     """Copy ``state`` (name -> tensor) into one flat ``uint8`` torch buffer per dtype.
 
     The packing behind :func:`pack_state` (Ray path, CPU numpy buffers) and
-    :mod:`molt_core.engines.vllm_weight_sync` (collective path, buffers stay on ``device``).
+    :mod:`molt_plugins.engines.vllm.weight_sync` (collective path, buffers stay on ``device``).
 
     Args:
         state: name -> tensor, any device and dtype.

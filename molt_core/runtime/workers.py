@@ -19,9 +19,12 @@ from typing import Any
 
 from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
 from molt_core.config import RunConfig
+from molt_core.ledger import Ledger, take_turn
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins, modality
-from molt_core.rewards import JudgeEndpoint, RewardRunner, Rollout, reward_spec
+from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
+from molt_core.rollout.scoring import RewardRunner
+from molt_core.runtime.collective_sync import worker_transport
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k", "where"]
@@ -138,8 +141,6 @@ class RolloutWorker:
         """The state every worker holds besides its config, agent and plugins: engine,
         tokenizer, reward runner, stop ids and counters (shared by ``__init__`` and
         :meth:`from_parts`, so neither can miss an attribute the other sets)."""
-        from molt_core.ledger import Ledger
-
         self.engine = engine
         self.tokenizer = engine.tokenizer
         #: the registered image modality (the run's host's; None: text only)
@@ -164,7 +165,7 @@ class RolloutWorker:
         teacher): what :func:`molt_core.testing.run_episode` drives an episode with.
 
         Raises:
-            ValueError: as :class:`~molt_core.rewards.RewardRunner` for bad reward options.
+            ValueError: as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options.
         """
         w = cls.__new__(cls)
         w.cfg, w.agent = cfg, agent
@@ -182,8 +183,6 @@ class RolloutWorker:
         return self.server
 
     def _ledger(self, group_id: str):
-        from molt_core.ledger import Ledger
-
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
                         vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images,
                         modality=self.modality)
@@ -237,18 +236,16 @@ class RolloutWorker:
         """One model turn of an Env episode through the ledger: the action text (stop token
         dropped) and the history with the assistant turn, or None when the prompt leaves no
         room under ``rollout.max_total_tokens``."""
-        prep = ledger.prepare(messages, params=params)
-        room = self.cfg.rollout.max_total_tokens - len(prep.prompt_ids)
-        if room <= 0:
+        async def weights(p: SamplingParams) -> SamplingParams:
+            await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
+            return p
+
+        turn = await take_turn(ledger, self.engine, messages, params, max_total_tokens=self.cfg.rollout.max_total_tokens,
+                               before_engine=weights)
+        if turn is None:
             return None
-        p = params.model_copy(update={"max_tokens": min(params.max_tokens, room)})
-        await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
-        if prep.images:  # the prompt's images, in token order (a text-only engine is never passed any)
-            out = await self.engine.generate(prep.prompt_ids, p, images=prep.images)
-        else:
-            out = await self.engine.generate(prep.prompt_ids, p)
-        ledger.commit(prep, out, p)
-        ids = out.token_ids[:-1] if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in self._stop_ids) else out.token_ids
+        out = turn.token_ids  # the engine's finish reason "stop" reads "tool_calls" once calls are parsed
+        ids = out[:-1] if (turn.finish_reason in ("stop", "tool_calls") and out and out[-1] in self._stop_ids) else out
         return self.tokenizer.decode(ids, skip_special_tokens=False), ledger.history
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
@@ -303,7 +300,7 @@ class RolloutWorker:
     async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int,
                      seeds: list[int] | None = None) -> list[Trajectory]:
         """``n`` rollouts of ``task``, scored together by the reward plugins
-        (:func:`molt_core.rewards.score_group`), then annotated by the teacher if any.
+        (:func:`molt_core.rollout.scoring.score_group`), then annotated by the teacher if any.
         ``seeds`` (``n`` of them) seeds rollout ``j``'s sampling with ``seeds[j]``."""
         ps = [params] * n if seeds is None else [params.model_copy(update={"seed": s}) for s in seeds]
         items = await asyncio.gather(*(self._episode(task, group_id, p) for p in ps))
@@ -428,20 +425,21 @@ class RolloutWorker:
                 self._weights_event = asyncio.Event()
             await self._weights_event.wait()
 
-    # -- collective weight sync (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
+    # -- weight-sync transport (engine.weight_sync = "collective": molt_core.runtime.collective_sync)
     def sync_world_size(self) -> int:
         """Members this worker's engine adds to the weight-sync group (its vLLM workers)."""
-        return int(self.engine.sync_world_size)
+        return int(worker_transport(self, self.host).receivers(self.engine))
 
     async def sync_init(self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float = 600.0) -> str:
         """Join the engine to the weight-sync group (blocks until it formed); returns the backend."""
         return await asyncio.get_running_loop().run_in_executor(
-            None, self.engine.init_weight_sync, host, port, rank_offset, world_size, timeout_s)
+            None, worker_transport(self, self.host).join, self.engine, host, port, rank_offset, world_size, timeout_s)
 
     async def sync_receive(self, version: int) -> int:
         """Receive policy ``version`` broadcast by the trainer (applied between decode steps);
         returns the bytes received. Raises the engine's ``ValueError`` when it refuses the sync."""
-        got = await asyncio.get_running_loop().run_in_executor(None, self.engine.receive_weights, version)
+        got = await asyncio.get_running_loop().run_in_executor(None, worker_transport(self, self.host).receive,
+                                                               self.engine, version)
         self._loaded(version)
         return got
 
@@ -555,21 +553,17 @@ class TrainerWorker:
         """The trainer's current policy version."""
         return int(self.trainer.version)
 
-    # -- collective weight sync (the sender is rank 0: molt_core.engines.vllm_weight_sync)
+    # -- weight-sync transport (the sender is rank 0: molt_core.runtime.collective_sync)
     def sync_address(self) -> tuple[str, int]:
         """``(ip, port)`` where this rank can host the weight-sync group's store."""
-        from molt_core.engines.vllm_weight_sync import free_address
-
-        return free_address()
+        return worker_transport(self).free_address()
 
     def sync_init(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> str:
         """Rank 0: join the weight-sync group as its sender (rank 0) on the trainer's device,
         blocking until every engine joined; returns the backend. Other ranks: ``""``."""
-        from molt_core.engines.vllm_weight_sync import SyncGroup
-
         if getattr(self.trainer, "rank", 0) != 0:
             return ""
-        self._sync_group = SyncGroup(host, port, 0, world_size, self.trainer.device, timeout_s)
+        self._sync_group = worker_transport(self).sender(host, port, world_size, self.trainer.device, timeout_s)
         return self._sync_group.backend
 
     def sync_send(self) -> int:
@@ -580,7 +574,6 @@ class TrainerWorker:
         Raises:
             RuntimeError: :meth:`sync_init` was not called on rank 0.
         """
-        from molt_core.engines.vllm_weight_sync import send_weights
         from molt_core.models import DTYPES
 
         state = self.trainer.weights()
@@ -588,8 +581,8 @@ class TrainerWorker:
             group = getattr(self, "_sync_group", None)
             if group is None:
                 raise RuntimeError("sync_send before sync_init: the trainer has not joined a weight-sync group")
-            header = send_weights(group, state, self.trainer.version, dtype=DTYPES[self.cfg.engine.dtype])
-            self._sync_bytes = header.nbytes
+            self._sync_bytes = worker_transport(self).send(group, state, self.trainer.version,
+                                                           DTYPES[self.cfg.engine.dtype])
         return int(self.trainer.version)
 
     def save(self, run_dir: str, cursor: dict) -> str:

@@ -40,7 +40,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -48,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from molt_core.config import ImagePolicy
-from molt_core.ledger import AssistantTurn, Ledger, PromptTooLong
+from molt_core.ledger import AssistantTurn, Ledger, Prepared, PromptTooLong, take_turn
 from molt_core.plugins import modality as registered_modality
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
@@ -74,7 +73,7 @@ from molt_core.server.wires import (
     openai_stream,
     validation_message,
 )
-from molt_core.types import SamplingParams, Trajectory
+from molt_core.types import GenerationOutput, SamplingParams, Trajectory
 
 __all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
 
@@ -281,34 +280,27 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                        allow_tool_calls: bool = True, body_bytes: int = 0) -> AssistantTurn:
         fresh = any(v.strip() in ("no-cache", "no-store")
                     for v in request.headers.get("cache-control", "").lower().split(","))
-        async with s.lock:
-            led = s.ledger
-            prepare = partial(led.prepare, messages, tools, params.model_copy(update={"max_tokens": max_tokens or 1}),
-                              max_prompt_tokens=max_model_len, fresh=fresh, allow_tool_calls=allow_tool_calls)
+
+        async def prepare(plan: Callable[[], Prepared]) -> Prepared:
             try:  # a big request renders and tokenizes off the event loop: it stalls no other session; a
                 # small one inline (a thread hop costs more than its work, and a scheduler slice under load)
-                prepared = await asyncio.to_thread(prepare) if body_bytes > INLINE_PREPARE_BYTES else prepare()
+                return await asyncio.to_thread(plan) if body_bytes > INLINE_PREPARE_BYTES else plan()
             except PromptTooLong as e:
                 raise WireError(400, str(e), "messages", "context_length_exceeded") from None
             except image_error as e:
                 raise WireError(400, str(e), e.field, "invalid_image") from None
             except ValueError as e:
                 raise WireError(400, str(e), "messages") from None
-            if prepared.mode == "retry":
-                return led.commit(prepared, None)  # type: ignore[arg-type]
-            n = len(prepared.prompt_ids)
-            budget = default_max_tokens if max_tokens is None else max_tokens
-            if max_model_len is not None:
-                budget = min(budget, max_model_len - n)
-            params = params.model_copy(update={"max_tokens": budget,
-                                               "stop_token_ids": sorted(set(params.stop_token_ids) | set(led.stop_token_ids))})
-            if s.seed is not None and params.seed is None:  # a seeded session: turn t samples with seed + t
-                params = params.model_copy(update={"seed": (s.seed + s.turns) % (1 << 63)})
+
+        async def seeded(run: SamplingParams) -> SamplingParams:
+            if s.seed is not None and run.seed is None:  # a seeded session: turn t samples with seed + t
+                run = run.model_copy(update={"seed": (s.seed + s.turns) % (1 << 63)})
             s.turns += 1
+            return run
+
+        async def generate(start: Callable[[], Any]) -> GenerationOutput:
             try:  # a client that leaves cancels the generation; nothing is committed
-                gen = (engine.generate(prepared.prompt_ids, params, images=prepared.images) if prepared.images
-                       else engine.generate(prepared.prompt_ids, params))  # a text-only engine need not take images
-                out = await until_disconnect(request, gen)
+                out = await until_disconnect(request, start())
             except ClientDisconnected:
                 raise
             except Exception as e:  # the engine failed: nothing is recorded
@@ -316,7 +308,15 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             if out.finish_reason == "abort":  # a cut no wire's stop reason names: a failure, nothing is recorded
                 raise WireError(503, f"the engine aborted the generation after {len(out.token_ids)} tokens; nothing "
                                      "was recorded: retry the request")
-            return led.commit(prepared, out, params)
+            return out
+
+        async with s.lock:  # the retry key holds the request's own max_tokens (1 when it gave none)
+            turn = await take_turn(s.ledger, engine, messages, params.model_copy(update={"max_tokens": max_tokens or 1}),
+                                   tools=tools, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                                   max_model_len=max_model_len, fresh=fresh, allow_tool_calls=allow_tool_calls,
+                                   prepare_with=prepare, before_engine=seeded, call=generate)
+        assert turn is not None  # None only under max_total_tokens
+        return turn
 
     def params_of(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
                   stop: list[str]) -> SamplingParams:

@@ -36,10 +36,9 @@ import asyncio
 import contextlib
 from typing import Any, Callable, Iterator, Literal, Sequence
 
-from molt_core.engines.base import GenerationOutput
 from molt_core.identity import digest_ids
 from molt_core.testing.reward_probe import RewardCallFailed, score_reward
-from molt_core.types import Group, SamplingParams
+from molt_core.types import GenerationOutput, Group, SamplingParams
 
 __all__ = ["ScriptedEngine", "EchoEngine", "FailingEngine", "tiny_tokenizer", "tiny_engine", "loopback_server",
            "run_episode", "RewardCallFailed", "score_reward", "check_plugins", "TINY_MODEL"]
@@ -188,7 +187,7 @@ def _worker(agent: Any, engine: Any, rewards: dict[str, dict[str, Any]], lookup:
     plugin loading, no model loading): the runtime's own episode, ledger and reward code."""
     from molt_core.config import RunConfig
     from molt_core.ledger import Ledger
-    from molt_core.rewards import RewardRunner
+    from molt_core.rollout.scoring import RewardRunner
     from molt_core.runtime import RolloutWorker
 
     cfg = RunConfig.model_validate({"agent": {"name": "molt_testing"}, "rollout": rollout,

@@ -11,9 +11,11 @@ Each check is about one registered object (or one plugin's hooks) and gives a
 * ``shape`` -- the object is what its hookspec says (:mod:`molt_core.hookspecs`): a reward is
   callable; an env is an ``Env`` / ``ChatAgent`` subclass or a factory; a judge has ``score``;
   a teacher has ``annotate``; a replay backend has ``route``, ``replay`` and a
-  ``router_class``; an engine is callable; a logger has ``log`` and ``close``; a sandbox
-  backend has ``available``, ``describe`` and ``run``; a modality has ``decode_part``,
-  ``is_model``, ``processor_for``, ``row_images``, ``forward_kwargs`` and ``wire_images``;
+  ``router_class``; a routing tool has ``is_moe``, ``recorder``, ``collate``, ``init_trainer``,
+  ``forward``, ``noreplay`` and ``metrics``; an engine is callable; a logger has ``log`` and
+  ``close``; a sandbox backend has ``available``, ``describe`` and ``run``; a modality has
+  ``decode_part``, ``is_model``, ``processor_for``, ``row_images``, ``forward_kwargs`` and
+  ``wire_images``;
 * ``options`` -- when the object has ``Options``, it is a Pydantic model whose JSON schema
   builds and which validates ``{}`` (every field has a default) -- or, for fields that cannot
   have a sensible default, the object's ``molt_example["options"]`` validates;
@@ -56,6 +58,7 @@ _SHAPE: dict[str, tuple[str, ...]] = {
     "judges": ("score",),
     "teachers": ("annotate",),
     "replay_backends": ("route", "replay"),
+    "routing_tools": ("is_moe", "recorder", "collate", "init_trainer", "forward", "noreplay", "metrics"),
     "loggers": ("log", "close"),
     "sandbox_backends": ("available", "describe", "run"),
     "modalities": ("decode_part", "is_model", "processor_for", "row_images", "forward_kwargs", "wire_images"),

@@ -2,7 +2,7 @@
 
 :func:`score_reward` (re-exported by :mod:`molt_core.testing`, used by the conformance checks
 of :mod:`molt_core.testing.conformance`) builds a one-segment rollout per response and calls
-:func:`molt_core.rewards.score_group`; a call the runtime would mark failed raises
+:func:`molt_core.rollout.scoring.score_group`; a call the runtime would mark failed raises
 :class:`RewardCallFailed` with the trajectory's error text.
 """
 
@@ -43,7 +43,7 @@ def score_reward(reward: Any, responses: str | Sequence[str], tasks: dict[str, A
                  *, name: str | None = None, table: dict[str, Any] | None = None, tokenizer: Any | None = None,
                  **options: Any) -> float | list[float]:
     """Score ``responses`` with ``reward`` the way the runtime does
-    (:func:`molt_core.rewards.reward_spec` + :func:`molt_core.rewards.score_group`).
+    (:func:`molt_core.rewards.reward_spec` + :func:`molt_core.rollout.scoring.score_group`).
 
     ``reward`` is a registered reward object or a name looked up among the installed plugins;
     ``name`` (default: that name, else ``reward.__name__``) is the name in error messages.
@@ -64,7 +64,8 @@ def score_reward(reward: Any, responses: str | Sequence[str], tasks: dict[str, A
             the wrong number of scores -- the error text is the one the run records.
         KeyError: an unknown reward name; ValueError: invalid ``weight`` / ``timeout_s``.
     """
-    from molt_core.rewards import reward_spec, score_group
+    from molt_core.rewards import reward_spec
+    from molt_core.rollout.scoring import score_group
 
     if isinstance(reward, str):
         from molt_core.plugins import load_plugins

@@ -6,8 +6,8 @@
 * :mod:`molt_core.train.forward` -- logprob forwards (:func:`token_logprobs`);
   :mod:`molt_core.train.update` -- LR schedule (:func:`lr_factor`), policy loss over
   micro-batches, optimizer steps; :mod:`molt_core.train.critic` -- the GAE critic
-  (:class:`ValueModel`); :mod:`molt_core.train.routing_replay` -- MoE routing replay (R3);
-  :mod:`molt_core.train.metrics` -- the metrics of a step.
+  (:class:`ValueModel`); :mod:`molt_core.train.metrics` -- the metrics of a step. MoE routing
+  replay (R3) is a routing tool's (``molt_register_routing_tools``; molt-sdk's: :mod:`molt_plugins.moe`).
 * :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints
   (:mod:`molt_core.train.model_files`: one module's weight files).
 * :mod:`molt_core.train.distributed` -- :class:`ShardedTrainer`: ``trainer.world_size`` ranks,

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from molt_core.models import routing_tool
 from molt_core.types import Trajectory
 
 __all__ = ["Batch", "IngressError", "NonFiniteLogprobs", "admit", "build_batch", "nonfinite_check", "refuse_malformed"]
@@ -107,7 +108,8 @@ class Batch:
       ``group_id`` is a group of its own).
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
     * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
-      per position (R3), -1 on padding / unrecorded positions; None if no segment has one.
+      per position (R3), -1 on padding / unrecorded positions, collated by the routing tool
+      (:func:`molt_core.models.routing_tool`); None if no segment has one or no tool is loaded.
     * ``images`` -- per row, the encoded bytes of the segment's images in token order (from
       ``Trajectory.images`` by each ``ImageRef``'s SHA-256); None if no segment has one.
     """
@@ -334,10 +336,10 @@ def build_batch(
                     raise IngressError(f"{where[b]}: teacher logprob of sampled token {i} is {x!r}; expected a finite float")
                 teacher[b, i] = float(x)
 
-    from molt_core.routing import batch_routed_experts
-
+    routed_rows = [seg.routed_experts for _, seg, _ in rows]
+    tool = routing_tool() if any(r is not None for r in routed_rows) else None  # MoE routing (R3)
     try:
-        routed = batch_routed_experts([seg.routed_experts for _, seg, _ in rows], T, where)
+        routed = tool.collate(routed_rows, T, where) if tool is not None else None
     except ValueError as e:
         raise IngressError(str(e)) from None
     images = _row_images(usable, rows, where, vision)

@@ -35,6 +35,8 @@ from typing import Any, Iterator
 
 import torch
 
+from molt_core.plugins import modality
+
 __all__ = ["AdapterDisabled", "base_training", "base_state_dict", "is_lora", "load_lora_checkpoint",
            "merged_state_dict", "save_lora_checkpoint", "wrap"]
 
@@ -190,10 +192,8 @@ class AdapterDisabled(torch.nn.Module):
         return next(self._policy[0].parameters()).dtype
 
     def get_rope_index(self, *args: Any, **kw: Any) -> Any:
-        """The policy's ``get_rope_index`` (vision-language models; see :func:`molt_core.vision.rope_positions`)."""
-        from molt_core.vision import _rope_index_fn
-
-        return _rope_index_fn(self._policy[0])(*args, **kw)
+        """The policy's ``get_rope_index`` (vision-language models; the modality's ``rope_index``)."""
+        return modality().rope_index(self._policy[0])(*args, **kw)
 
 
 @contextmanager

@@ -19,8 +19,8 @@ held older version otherwise; see :mod:`molt_core.train.version_history`; NaN wh
 nothing could be measured; finite: an on-policy token outside its own version's
 support counts in ``invariants/onpolicy_out_of_support_tokens`` instead),
 ``invariants/onpolicy_tokens`` / ``_stale_tokens``,
-for an MoE policy with recorded routing the R3 metrics of
-:func:`molt_core.train.routing_replay.routing_metrics` (``invariants/routing_flip_rate``,
+for an MoE policy with recorded routing the R3 metrics of its routing tool
+(:func:`molt_plugins.moe.routing_replay.routing_metrics`: ``invariants/routing_flip_rate``,
 ``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
 ``invariants/staleness_max`` (over every sampled token, before the gate; see
 :func:`molt_core.algo.correction.apply_correction`), ``correction/*`` (incl.

@@ -31,8 +31,9 @@ framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finishe
 The jobs live in their own modules; :class:`Trainer` orchestrates them:
 :mod:`~molt_core.train.ingress` (rollouts -> :class:`Batch`), :mod:`~molt_core.train.forward`
 (logprob forwards), :mod:`~molt_core.train.update` (LR schedule, policy loss, optimizer),
-:mod:`~molt_core.train.critic` (GAE critic), :mod:`~molt_core.train.routing_replay` (MoE R3),
-:mod:`~molt_core.train.metrics` (the step's metrics), :mod:`~molt_core.train.checkpoint`.
+:mod:`~molt_core.train.critic` (GAE critic), :mod:`~molt_core.train.metrics` (the step's metrics),
+:mod:`~molt_core.train.checkpoint`; MoE routing replay (R3) is a routing tool's
+(:attr:`Trainer.routing`, hook ``molt_register_routing_tools``).
 
 Checkpoints (:meth:`Trainer.save_checkpoint`, :mod:`molt_core.train.checkpoint`) are Hugging Face-loadable directories
 (``save_pretrained``, safetensors, tokenizer) plus optimizer, scheduler, RNG states, step,
@@ -48,6 +49,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -57,13 +59,13 @@ from molt_core.algo.advantages import compute_advantages
 from molt_core.algo.correction import apply_correction
 from molt_core.algo.kl import kl_estimate
 from molt_core.config import RunConfig
+from molt_core.models import routing_tool
 from molt_core.plugins import modality
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
 from molt_core.train.forward import forward_rows, model_vocab, recompute_logprobs, token_logprobs
 from molt_core.train.ingress import Batch, NonFiniteLogprobs, admit, build_batch, nonfinite_check
 from molt_core.train.metrics import batch_metrics
-from molt_core.train.routing_replay import init_routing, routing, routing_metrics, routing_noreplay
 from molt_core.train.update import in_support, lr_factor, policy_update
 from molt_core.types import Trajectory
 from molt_core.train.version_history import VersionHistory, stale_absdiff
@@ -87,6 +89,8 @@ class Trainer:
         ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0`` a
             frozen copy of the initial policy is made (:meth:`reset_reference` re-snapshots
             it, e.g. after an SFT warm start).
+        replay_backend: the MoE routing-replay backend to use instead of the one registered
+            for the model type (``molt_register_replay_backends``).
 
     Attributes:
         version: the policy version of the current weights (0 = initial; +1 per
@@ -100,7 +104,10 @@ class Trainer:
 
     Raises:
         ValueError: a bad option combination (KL as reward with a sequence-level estimator,
-            ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy).
+            ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy;
+            ``model.routing_replay`` with no replay backend for the MoE model's type;
+            :class:`~molt_core.config.ConfigError`: ``model.routing_replay`` for an MoE model
+            and no routing tool loaded).
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
@@ -186,7 +193,13 @@ class Trainer:
         self.history = VersionHistory(cfg.async_.max_staleness if cfg.async_.onpolicy_rows != 0 else 0)
         self._check_proc: Any = None  # the on-policy check's process (CheckProcess), started on first use
         self._check_proc_failed = False
-        init_routing(self, replay_backend)
+        #: the MoE routing tool (R3 record / replay / metrics, :func:`molt_core.models.routing_tool`)
+        #: serving the policy, None for a dense one; it keeps its state on this trainer
+        self.routing = routing_tool(self.model, cfg.plugins, cfg.model.routing_replay)
+        self.replay_backend: Any = None  # set by the routing tool when it replays
+        self._routing_used: dict[int, torch.Tensor] = {}  # first row -> the selection its forward used
+        if self.routing is not None:
+            self.routing.init_trainer(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
         #: forwards run a prompt prefix the rows share once (:func:`molt_core.train.forward.shared_prefix`);
@@ -236,7 +249,7 @@ class Trainer:
             return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
-    # -- forwards (molt_core.train.forward), R3 (molt_core.train.routing_replay) -------------
+    # -- forwards (molt_core.train.forward), R3 (the routing tool) ----------------------------
     def autocast(self) -> Any:
         """The mixed-precision context of every forward: ``torch.autocast`` to
         ``model.dtype`` (bfloat16 / float16) on the trainer's device; a no-op for float32.
@@ -264,12 +277,12 @@ class Trainer:
         return recompute_logprobs(self, batch, model if model is not None else self.model, with_entropy)
 
     def _routing(self, model: torch.nn.Module, batch: Batch, rows: slice, T: int):
-        """:func:`molt_core.train.routing_replay.routing` (a context manager around a forward)."""
-        return routing(self, model, batch, rows, T)
+        """The routing tool's context around a forward over ``rows`` (replay + record); none for a dense policy."""
+        return self.routing.forward(self, model, batch, rows, T) if self.routing is not None else nullcontext()
 
     def _routing_metrics(self, batch: Batch, prox: torch.Tensor, noreplay: dict[str, Any]) -> dict[str, float]:
-        """:func:`molt_core.train.routing_replay.routing_metrics` (a sharded trainer merges ranks first)."""
-        return routing_metrics(self, batch, prox, noreplay)
+        """The routing tool's R3 metrics, ``{}`` for a dense policy (a sharded trainer merges ranks first)."""
+        return self.routing.metrics(self, batch, prox, noreplay) if self.routing is not None else {}
 
     # -- critic (GAE): molt_core.train.critic ------------------------------------------------
     def critic_values(self, batch: Batch) -> torch.Tensor:
@@ -337,7 +350,7 @@ class Trainer:
         distill = cfg.algo.advantage == "on_policy_distill"
         mask, beh = batch.mask, batch.behaviour_logprobs
         self._routing_used = {}
-        noreplay = routing_noreplay(self, batch)  # R3 diagnostic, before any weight change
+        noreplay = self.routing.noreplay(self, batch) if self.routing is not None else {}  # R3, before any weight change
         if noreplay:
             nonfinite_check(noreplay["logprobs"], batch, "the no-replay (natural routing) recompute")
 

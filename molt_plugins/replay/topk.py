@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from molt_core.routing import ReplayBackend
+from molt_plugins.moe.routing import ReplayBackend
 
 __all__ = ["MixtralReplay", "OlmoeReplay", "Qwen3MoeReplay", "replayed_topk"]
 
@@ -54,7 +54,7 @@ class Qwen3MoeReplay(ReplayBackend):
     router_class = "Qwen3MoeTopKRouter"
 
     def route(self, router, hidden_states, recorded):
-        """See :meth:`molt_core.routing.ReplayBackend.route`."""
+        """See :meth:`molt_plugins.moe.routing.ReplayBackend.route`."""
         h = hidden_states.reshape(-1, router.hidden_dim)
         logits = F.linear(h, router.weight)
         w, idx = replayed_topk(logits, recorded, router.top_k, bool(router.norm_topk_prob))
@@ -74,7 +74,7 @@ class MixtralReplay(ReplayBackend):
     router_class = "MixtralTopKRouter"
 
     def route(self, router, hidden_states, recorded):
-        """See :meth:`molt_core.routing.ReplayBackend.route`."""
+        """See :meth:`molt_plugins.moe.routing.ReplayBackend.route`."""
         h = hidden_states.reshape(-1, router.hidden_dim)
         logits = F.linear(h, router.weight)
         w, idx = replayed_topk(logits.float(), recorded, router.top_k, True)

@@ -14,6 +14,7 @@ from molt_core.config import ImagePolicy
 from molt_plugins.vision.images import DecodedImage, ImageError, decode_part
 from molt_plugins.vision.processor import (
     VisionProcessor,
+    _rope_index_fn,
     image_runs,
     image_sha256,
     is_vision_model,
@@ -72,6 +73,14 @@ class VisionModality:
     def is_model(self, model: Any) -> bool:
         """True for a model that takes images (its config has a ``vision_config``)."""
         return is_vision_model(model)
+
+    def rope_index(self, model: Any) -> Any:
+        """``model``'s own ``get_rope_index`` (a Qwen2-VL-family model, peft-wrapped or not).
+
+        Raises:
+            TypeError: a model without one.
+        """
+        return _rope_index_fn(model)
 
     def processor_for(self, model: Any, path: str, tokenizer: Any = None) -> VisionProcessor | None:
         """The image processor of ``model`` loaded from ``path``; None for a text-only model.

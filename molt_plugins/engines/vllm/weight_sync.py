@@ -26,7 +26,7 @@ One sync (:func:`send_weights` on the trainer, :func:`receive_weights` in each v
    the sync is refused);
 3. each receiver checks the version against the one its engine was asked to load, each
    buffer's checksum, and the index against the model's checkpoint names and shapes (the
-   same check as :meth:`molt_core.engines.vllm_engine.VLLMEngine.load_weights`: a skipped or
+   same check as :meth:`molt_plugins.engines.vllm.engine.VLLMEngine.load_weights`: a skipped or
    extra tensor, or a wrong shape, is refused) -- and only then loads views into the buffers.
 
 A refused sync raises in the engine (the step fails with the reason) and leaves the old
@@ -45,12 +45,12 @@ import torch
 
 from molt_core.runtime.weightpack import buffer_checksum, pack_tensors, state_views
 
-__all__ = ["CHECKPOINT_PREFIXES", "EXTENSION", "SyncGroup", "SyncHeader", "WeightSyncExtension", "check_full_state",
-           "checkpoint_name", "choose_backend",
+__all__ = ["CHECKPOINT_PREFIXES", "EXTENSION", "CollectiveTransport", "SyncGroup", "SyncHeader", "TRANSPORT",
+           "WeightSyncExtension", "check_full_state", "checkpoint_name", "choose_backend",
            "free_address", "load_into_worker", "receive_weights", "send_weights"]
 
 #: the ``worker_extension_cls`` qualname the vLLM engine passes to vLLM
-EXTENSION = "molt_core.engines.vllm_weight_sync.WeightSyncExtension"
+EXTENSION = "molt_plugins.engines.vllm.weight_sync.WeightSyncExtension"
 _PREFIX = "molt-weight-sync"
 
 
@@ -361,3 +361,48 @@ class WeightSyncExtension:
     def molt_load_weights(self, named: list[tuple[str, torch.Tensor]], tied: bool) -> None:
         """Load tensors handed over by the engine (the Ray path): :func:`load_into_worker`."""
         load_into_worker(self, named, tied)
+
+
+class CollectiveTransport:
+    """The ``collective`` weight-sync transport (hook ``molt_register_weight_sync_transports``):
+    the calls the kernel's trainer and rollout actors make, mapped onto :class:`SyncGroup`,
+    :func:`send_weights` and the vLLM engine's worker extension (:class:`WeightSyncExtension`)."""
+
+    def free_address(self) -> tuple[str, int]:
+        """Where the sender hosts the group's store: :func:`free_address`."""
+        return free_address()
+
+    def sender(self, host: str, port: int, world_size: int, device: torch.device | str,
+               timeout_s: float = 600.0) -> SyncGroup:
+        """Join the group at ``host:port`` as its sender (rank 0) on ``device``; blocks until all
+        ``world_size`` members joined. The group's ``backend`` is ``"nccl"`` or ``"gloo"``."""
+        return SyncGroup(host, port, 0, world_size, device, timeout_s)
+
+    def send(self, group: SyncGroup, state: dict[str, torch.Tensor], version: int,
+             dtype: torch.dtype | None = None) -> int:
+        """Broadcast ``state`` as policy ``version`` (floats cast to ``dtype``): :func:`send_weights`;
+        returns the bytes each receiver got."""
+        return send_weights(group, state, version, dtype=dtype).nbytes
+
+    def receivers(self, engine: Any) -> int:
+        """Members ``engine`` adds to the group: its vLLM workers (``engine.sync_world_size``)."""
+        return int(engine.sync_world_size)
+
+    def join(self, engine: Any, host: str, port: int, rank_offset: int, world_size: int,
+             timeout_s: float = 600.0) -> str:
+        """Join ``engine``'s workers as ranks ``rank_offset ..``; returns the backend
+        (``engine.init_weight_sync``)."""
+        return str(engine.init_weight_sync(host, port, rank_offset, world_size, timeout_s))
+
+    def receive(self, engine: Any, version: int) -> int:
+        """Receive and load policy ``version`` into ``engine`` between two decode steps
+        (``engine.receive_weights``); returns the bytes received.
+
+        Raises:
+            ValueError: the engine refused the sync (:func:`receive_weights`).
+        """
+        return int(engine.receive_weights(version))
+
+
+#: the transport ``molt_plugins.engines`` registers as ``collective``
+TRANSPORT = CollectiveTransport()

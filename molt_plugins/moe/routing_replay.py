@@ -1,4 +1,5 @@
-"""MoE routing replay in the trainer (R3, arXiv 2510.11370) and its metrics.
+"""MoE routing replay in the trainer (R3, arXiv 2510.11370) and its metrics (moved from
+``molt_core.train.routing_replay``; reached through the routing tool, :mod:`molt_plugins.moe.tool`).
 
 The engine records which experts routed every sampled token (``batch.routed_experts``); the
 trainer's policy forwards replay that selection through a registered backend
@@ -11,12 +12,14 @@ trainer can merge it across ranks.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from molt_core.routing import RoutingRecorder, flip_rate, get_replay_backend, is_moe
-from molt_core.train.ingress import Batch
+from molt_plugins.moe.routing import RoutingRecorder, flip_rate, get_replay_backend, is_moe
+
+if TYPE_CHECKING:  # (importing molt_core.train would load the trainer with every plugin host)
+    from molt_core.train.ingress import Batch
 
 __all__ = ["init_routing", "routing", "routing_metrics", "routing_noreplay"]
 
@@ -83,11 +86,11 @@ def routing_noreplay(trainer: Any, batch: Batch) -> dict[str, Any]:
 def routing_metrics(trainer: Any, batch: Batch, prox: torch.Tensor, noreplay: dict[str, Any]) -> dict[str, float]:
     """R3 metrics of a step (empty for a dense policy or a batch without routing).
 
-    Both rates are :func:`molt_core.routing.flip_rate`: the fraction of (position, MoE
+    Both rates are :func:`molt_plugins.moe.routing.flip_rate`: the fraction of (position, MoE
     layer) pairs whose selected top-k *set* differs from the engine's recorded one, at the
     positions whose logits score a sampled token (``t - 1`` for a sampled ``t``) that have
     a complete recorded selection. The selections are what the routers returned, captured
-    by forward hooks on the router modules (:class:`molt_core.routing.RoutingRecorder`).
+    by forward hooks on the router modules (:class:`molt_plugins.moe.routing.RoutingRecorder`).
 
     * ``invariants/routing_flip_rate`` -- always the trainer's *natural* router (no
       replay) against the engine's record: the no-replay pass when a replay backend is

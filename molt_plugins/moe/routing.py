@@ -5,9 +5,10 @@ for every position and MoE layer, the top-k expert ids its router chose; the tra
 forward then uses exactly those experts, while the gate weights over them are recomputed
 from the *live* router logits (so the router keeps receiving gradient).
 
-This module is the model-agnostic plumbing; the per-model arithmetic (how a router turns
-logits into weights) lives in replay-backend plugins (``molt_register_replay_backends``,
-first-party ones in :mod:`molt_plugins.replay`), selected by ``config.model_type``.
+This module is the model-agnostic plumbing (moved from ``molt_core.routing``, which still
+imports with a ``DeprecationWarning``); the per-model arithmetic (how a router turns logits
+into weights) lives in replay-backend plugins (``molt_register_replay_backends``, first-party
+ones in :mod:`molt_plugins.replay`), selected by ``config.model_type``.
 
 Routers are found by transformers' (>= 5) convention: every sparse MoE block owns a
 ``<Model>TopKRouter`` module whose forward maps hidden states ``[..., H]`` to
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+from molt_core.plugins import shared_host
 
 __all__ = [
     "ReplayBackend",
@@ -331,16 +334,14 @@ def get_replay_backend(model: torch.nn.Module, host: Any = None, plugins: list[s
 
     Args:
         model: the policy.
-        host: a :class:`molt_core.plugins.PluginHost`; built with
-            :func:`molt_core.plugins.load_plugins` (entry points + ``plugins``) when None.
+        host: a :class:`molt_core.plugins.PluginHost`; when None, the process's
+            :func:`molt_core.plugins.shared_host` of the entry points + ``plugins``.
         plugins: ``--plugin`` specs, used only when ``host`` is None.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return None
     if host is None:
-        from molt_core.plugins import load_plugins
-
-        host = load_plugins(list(plugins))
+        host = shared_host(plugins)
     reg = host.registries.get("replay_backends", {})
     return reg[model_type].obj if model_type in reg else None

@@ -1,0 +1,324 @@
+"""Planning one request of a session (:meth:`Ledger.prepare`, pure: nothing changes until
+:meth:`~molt_core.ledger.Ledger.commit`). The modes:
+
+* **extend** -- the request repeats, message for message, the history the ledger committed
+  (the earlier requests plus the assistant messages it returned: as committed, or exactly as
+  the wire sent them -- matched against the stored reply of that turn, never re-tokenized;
+  its reasoning may be left out, nothing else may differ: whitespace, a call id, an
+  argument's type or key order all count), and the chat template does
+  not rewrite that history once the new messages follow. The engine prompt is then the exact
+  ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
+  *tail*: the template's close of the last assistant turn after the sampled stop token (the
+  ``"\\n"`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when the generation ended
+  without it) followed by the rendering of every new message and the generation prompt.
+  Only template and new-message text is tokenized. The check renders only a window of the
+  conversation (its first messages and its last few) when the chat template is proven
+  window-local (:mod:`molt_core.ledger.render`): the same verdict and tail as rendering the
+  whole conversation, at a cost that does not grow with the turn count; any other template,
+  or a window that does not pass, takes the full render. Reading a request reuses the
+  previous request's normalized messages for the unchanged prefix
+  (:class:`~molt_core.ledger.messages.NormalizeCache`).
+* **rewrite** -- anything else (context compaction, an edited history, a template that
+  re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
+  follows, B03): the open segment is sealed and a new one starts from the full render; the
+  cause is counted (:data:`REWRITE_CAUSES`, ``info["rewrite_causes"]``).
+* **start** -- the first request of the session.
+* **retry** -- the same messages, tools and sampling settings as the last committed request:
+  answered from the cached turn, nothing recorded twice.
+
+Images (vision-language models): a user or tool message may carry image parts (the
+internal part, read by the modality plugin's ``decode_part``). The template renders one placeholder
+per image; the ledger's ``vision`` (the model's image processor, from the modality plugin) expands
+each into the run of image tokens the engine sees (its ``expand``), and the segment records one
+:class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
+An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
+held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
+distinct image's bytes are held once per rollout (a pool keyed by SHA-256, however many turns
+show it); ``Prepared.images`` hands the engine the prompt's images in token order and
+``Trajectory.images`` stores each once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from molt_core.ledger.compare import _chat_form, _echoes_reply, _same_json, _same_messages
+from molt_core.ledger.messages import image_shas
+from molt_core.ledger.records import Prepared, PromptTooLong
+from molt_core.ledger.render import window_start
+from molt_core.types import ImageRef, SamplingParams
+
+__all__ = ["Planning", "expand_images", "extra_image_tokens", "max_token_bytes"]
+
+_MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
+                  offset: int) -> tuple[list[int], list[ImageRef]]:
+    """``ids`` with each image placeholder expanded into its run and the runs' refs (``vision.expand``);
+    ``(ids, [])`` for a text-only model and no images.
+
+    Raises:
+        ValueError: images and no vision processor, or as ``vision.expand``.
+    """
+    if vision is None:
+        if shas:
+            raise ValueError(f"the messages carry {len(shas)} image(s) but this model has no vision processor; "
+                             "serve a vision-language model (see docs/vision.md) or send text only")
+        return ids, []
+    return vision.expand(ids, shas, pool, offset)
+
+
+def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:
+    """Tokens the images ``shas`` add to a render by expansion (``vision.extra_tokens``); 0 for none."""
+    return vision.extra_tokens(shas, pool) if vision is not None and shas else 0
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes (hence characters) of text any one token of
+    ``tokenizer`` stands for: the longest vocabulary entry (added tokens included) in UTF-8
+    bytes -- a byte-level BPE entry spells each byte as one character of 1-2 bytes, a
+    SentencePiece entry its text with ``\u2581`` for a space, a byte-fallback entry
+    ``<0xNN>`` one byte. So a text of ``c`` characters is at least ``ceil(c / bound)`` tokens
+    (cached per tokenizer; 2**20 -- no cheap rejection -- when the vocabulary cannot be read)."""
+    try:
+        return _MAX_TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        bound = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()) or 1 << 20
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary
+        bound = 1 << 20
+    try:  # cached per tokenizer object (never by id: a freed tokenizer's id is reused)
+        _MAX_TOKEN_BYTES[tokenizer] = bound
+    except TypeError:  # not weak-referenceable: computed each time
+        pass
+    return bound
+
+
+class Planning:
+    """The planning half of :class:`~molt_core.ledger.Ledger` (a mixin over the session's state):
+    :meth:`prepare` and the extend check."""
+
+    def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                params: SamplingParams | None = None, max_prompt_tokens: int | None = None,
+                fresh: bool = False, allow_tool_calls: bool = True) -> Prepared:
+        """Plan a request without changing the ledger (see the module doc for the modes).
+
+        Args:
+            messages: the request's chat messages (OpenAI form; normalized here).
+            tools: OpenAI-form tool schemas (``[{"type": "function", "function": {...}}]``).
+            params: sampling settings (part of the retry key only).
+            max_prompt_tokens: refuse a prompt of this many tokens or more (the context
+                length). Checked cheaply *before* tokenizing -- the text to encode is at least
+                ``ceil(chars / max_token_bytes(tokenizer))`` tokens -- and exactly after.
+            fresh: never answer from the cached turn (a new sample of an identical request; on
+                the same messages that is a rewrite: a new segment).
+            allow_tool_calls: False for ``tool_choice: none``: the turn is not parsed for
+                calls (part of the retry key).
+
+        On a rewrite, ``Prepared.reencoded`` is the token count, in the chat template's render
+        (without generation prompt), of every request message that equals a committed history
+        message (compared as the extend check does, matched in order wherever it sits: after a
+        prepended system message or an edited earlier message too, assistant replies included)
+        -- history the ledger held as ids and now re-encodes from text; the whole prompt when
+        the template refuses to render a prefix.
+
+        Returns:
+            A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
+
+        Raises:
+            ValueError: malformed messages (see :func:`normalize_messages`) or no messages.
+            PromptTooLong: the prompt has ``max_prompt_tokens`` tokens or more (a ValueError).
+        """
+        msgs = self._normalize(messages)
+        if not msgs:
+            raise ValueError("messages is empty; send at least one message")
+        tools = tools or None
+        key = (msgs, tools, params.model_dump() if params else None, allow_tool_calls)
+        with self._lock:
+            epoch = self._epoch
+            last = self._last_req
+            if (self._last_turn is not None and key == last and not fresh and last is not None
+                    and _same_messages(msgs, last[0]) and _same_json(tools, last[1])):
+                return Prepared("retry", [], [], msgs, tools, self._last_prompt_text, key, epoch, cached=self._last_turn)
+            ext = self._try_extend(msgs, tools, max_prompt_tokens)
+            if not isinstance(ext, str):
+                text, tail = ext
+                o = self._open
+                new = msgs[len(self._history):]
+                tail, refs = expand_images(self.vision, tail, image_shas(new), self._images, len(o.token_ids))
+                self._check_fits(len(o.token_ids) + len(tail), max_prompt_tokens)
+                return Prepared("extend", o.token_ids + tail, tail, self._history + new, tools, text, key, epoch,
+                                allow_tool_calls=allow_tool_calls, image_refs=refs,
+                                images=[self._images[r.sha256] for r in o.images + refs])
+            text = self.render(msgs, tools)
+            self._check_fits_text(0, text, max_prompt_tokens)
+            ids, refs = expand_images(self.vision, self._encode(text), image_shas(msgs), self._images, 0)
+            self._check_fits(len(ids), max_prompt_tokens)
+            images = [self._images[r.sha256] for r in refs]
+            if not self._open.token_ids:
+                return Prepared("start", ids, list(ids), msgs, tools, text, key, epoch, allow_tool_calls=allow_tool_calls,
+                                images=images, image_refs=refs)
+            return Prepared("rewrite", ids, list(ids), msgs, tools, text, key, epoch,
+                            reencoded=self._reencoded(msgs, tools, len(ids)), allow_tool_calls=allow_tool_calls,
+                            images=images, image_refs=refs, cause=ext)
+
+    def _check_fits_text(self, held: int, text: str, limit: int | None) -> None:
+        """Cheap pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
+        if limit is None:
+            return
+        low = held + -(-len(text) // max_token_bytes(self.tokenizer))
+        if low >= limit:
+            raise PromptTooLong(f"the prompt is at least {low} tokens ({len(text)} characters, at most "
+                                f"{max_token_bytes(self.tokenizer)} per token); the model's context is {limit} tokens. "
+                                "Shorten the conversation (or compact it)", low, limit, True)
+
+    @staticmethod
+    def _check_fits(n: int, limit: int | None) -> None:
+        if limit is not None and n >= limit:
+            raise PromptTooLong(f"the prompt is {n} tokens; the model's context is {limit} tokens. "
+                                "Shorten the conversation (or compact it)", n, limit, False)
+
+    def _reencoded(self, msgs: list[dict[str, Any]], tools: Any, prompt_len: int) -> int:
+        """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`).
+
+        Every request message equal to a committed history message (matched in order, as a
+        subsequence: a prepended system message or an edited earlier message does not hide
+        the held messages after it, model replies included) counts with its rendered tokens:
+        ``len(encode(render(msgs[:i + 1]))) - len(encode(render(msgs[:i])))`` (no generation
+        prompt), plus its images' expansion (each run's length - 1). The whole prompt counts
+        when the template refuses to render a prefix."""
+        hist = self._history
+        matched: list[int] = []
+        j = 0
+        for i, m in enumerate(msgs):
+            for jj in range(j, len(hist)):
+                if self._echoes(jj, m):
+                    matched.append(i)
+                    j = jj + 1
+                    break
+        if not matched:
+            return 0
+        lens: dict[int, int] = {0: 0}
+
+        def upto(k: int) -> int:
+            if k not in lens:
+                lens[k] = len(self._encode(self.render(msgs[:k], tools, add_generation_prompt=False)))
+            return lens[k]
+
+        try:
+            return sum(max(0, upto(i + 1) - upto(i)) + extra_image_tokens(self.vision, image_shas(msgs[i:i + 1]), self._images)
+                       for i in matched)
+        except ValueError:  # the template refuses a prefix (e.g. must end on a user turn)
+            return prompt_len
+
+    def _echoes(self, i: int, m: dict[str, Any]) -> bool:
+        """Request message ``m`` repeats committed history message ``i``: equal field for field
+        (:func:`_same_messages`), or the reply the wire sent for that turn
+        (:func:`_echoes_reply`)."""
+        reply = self._replies.get(i)
+        return _same_messages([self._history[i]], [m]) or (reply is not None and _echoes_reply(reply, m))
+
+    def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
+                    max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | str:
+        """``(new prompt text, tail ids)`` when ``msgs`` extends the committed history, else
+        the cause (one of :data:`REWRITE_CAUSES`; the first request: ``history_edited``)."""
+        hist = self._history
+        k = len(hist)
+        if self.turn_close is None:
+            return "template_unprobed"
+        if not k or len(msgs) < k:
+            return "history_edited"
+        if not _same_json(tools, self._tools):
+            return "tools_changed"
+        # fast path: the client echoed its previous request verbatim; then only the assistant
+        # message we returned needs checking (as committed or as the wire sent it)
+        prev = self._last_req[0] if self._last_req is not None else None
+        fast = prev is not None and len(prev) == k - 1 and _same_messages(msgs[: k - 1], prev)
+        for i in range(k - 1 if fast else 0, k):
+            if not self._echoes(i, msgs[i]):
+                return "reply_edited" if hist[i]["role"] == "assistant" else "history_edited"
+        # render with the committed history (it holds what the model really produced, e.g. a
+        # think block a client did not echo), then require the template to keep it verbatim
+        win = self._window_check(hist, msgs[k:], tools) if self.window_proof is not None else None
+        if win is not None:
+            held_new, after = win
+            held = self._last_prompt_text + held_new
+            full = held + after
+            self.render_stats["window"] += 1
+        else:
+            full = self.render(hist + msgs[k:], tools)
+            held = self.render(hist, tools, add_generation_prompt=False)
+            self.render_stats["full"] += 1
+            if not (full.startswith(held) and held.startswith(self._last_prompt_text) and held.endswith(self.turn_close)):
+                return "template_rewrites_history"
+        close = self.turn_close
+        o = self._open
+        if o.finish_reason == "stop" and o.token_ids and o.loss_mask[-1] and self._last_stop_token:
+            last = self.tokenizer.decode([o.token_ids[-1]], skip_special_tokens=False)
+            if last and close.startswith(last):
+                close = close[len(last):]
+        tail = close + full[len(held):]
+        self._check_fits_text(len(o.token_ids), tail, max_prompt_tokens)
+        return full, self._encode(tail)
+
+    def _window_check(self, hist: list[dict[str, Any]], new: list[dict[str, Any]],
+                      tools: Any) -> tuple[str, str] | None:
+        """The extend check through a window (:mod:`molt_core.ledger.render`).
+
+        Renders ``W = hist[:head] + hist[j:]`` three ways -- without its last (assistant)
+        message and with the generation prompt (the previous prompt), as is without it (the
+        held history), with ``new`` and the generation prompt (the new prompt) -- and requires
+        each to extend the one before, with the held history ending on the turn close. Returns
+        ``(held[len(previous prompt):], new prompt[len(held):])``, equal to those of the full
+        renders by the window proof, or None when no proven window applies or the window does
+        not pass (the caller then renders the whole conversation, so the verdict is always the
+        full render's)."""
+        proof = self.window_proof
+        assert proof is not None and self._compiled is not None and self.turn_close is not None
+        head, close = hist[: proof.head], self.turn_close
+        try:
+            last_prev, last_full = self._scan_lasts(hist, new)
+            j = window_start(proof, len(hist) - 1, last_prev, last_full)
+            if j is None:
+                return None
+            prev = self._render_window(head + hist[j:-1], tools, True)
+            held = self._render_window(head + hist[j:], tools, False)
+            full = self._render_window(head + hist[j:] + new, tools, True)
+        except Exception:  # noqa: BLE001 - NegativeIndex, a template error: the full render decides (and raises)
+            return None
+        if not (full.startswith(held) and held.startswith(prev) and len(held) - len(prev) >= len(close)
+                and held.endswith(close)):
+            return None
+        return held[len(prev):], full[len(held):]
+
+    def _scan_lasts(self, hist: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """Per window scan: the last index satisfying it in ``hist[:-1]`` and in ``hist + new``
+        (-1: none). The committed history's hits are cached (scanned once per message)."""
+        proof = self.window_proof
+        assert proof is not None
+        if self._scan_n > len(hist):  # pragma: no cover - the cache follows the history
+            self._scan_hits, self._scan_n = [[] for _ in proof.scans], 0
+        found: list[list[int]] = [[] for _ in proof.scans]
+        for i in range(self._scan_n, len(hist)):
+            m = _chat_form(hist[i])
+            for hits, scan in zip(found, proof.scans):
+                if scan.pred(m):
+                    hits.append(i)
+        for hits, more in zip(self._scan_hits, found):  # only once every predicate ran (one may raise)
+            hits += more
+        self._scan_n = len(hist)
+        n_prev = len(hist) - 1
+        last_prev, last_full = [], []
+        for hits, scan in zip(self._scan_hits, proof.scans):
+            lp = hits[-1] if hits and hits[-1] < n_prev else (hits[-2] if len(hits) > 1 else -1)
+            lf = hits[-1] if hits else -1
+            for i in range(len(new) - 1, -1, -1):
+                if scan.pred(_chat_form(new[i])):
+                    lf = len(hist) + i
+                    break
+            last_prev.append(lp)
+            last_full.append(lf)
+        return last_prev, last_full
