@@ -30,7 +30,8 @@ KIND_TITLES = {"rewards": "reward", "envs": "env", "judges": "judge", "teachers"
                "replay_backends": "replay backend", "routing_tools": "routing tool", "engines": "engine",
                "loggers": "logger", "sandbox_backends": "sandbox backend",
                "weight_sync_transports": "weight-sync transport", "estimators": "estimator", "losses": "loss",
-               "adapters": "adapter", "trainer_backends": "trainer backend"}
+               "adapters": "adapter", "trainer_backends": "trainer backend",
+               "modalities": "modality"}
 
 
 def contrib_packages() -> list[tuple[str, str, str, Path]]:

@@ -14,7 +14,11 @@ from types import ModuleType
 MOVED = {
     "molt_core.ledger_render": "molt_core.ledger.render",
     "molt_core.ledger_messages": "molt_core.ledger.messages",
-    "molt_core.ledger_images": "molt_core.ledger.images",
+    "molt_core.ledger_images": "molt_plugins.vision.expand",
+    "molt_core.ledger.images": "molt_plugins.vision.expand",
+    "molt_core.vision": "molt_plugins.vision.processor",
+    "molt_core.images": "molt_plugins.vision.images",
+    "molt_core.server.wire_images": "molt_plugins.vision.wire",
     "molt_core.parsers": "molt_core.ledger.parsers",
     "molt_core.version_history": "molt_core.train.version_history",
     "molt_core.extras": "molt_core.plugins.extras",

@@ -16,9 +16,27 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from molt_core import _moved
-from molt_core.images import ImagePolicy
 
-__all__ = ["ConfigError", "RunConfig", "text_hint"]
+__all__ = ["ConfigError", "ImagePolicy", "RunConfig", "text_hint"]
+
+
+class ImagePolicy(BaseModel):
+    """Limits and the remote-URL rule for image inputs (the recipe's ``[images]`` table; the
+    loopback server's ``create_app(image_policy=...)``), read by the vision modality plugin
+    (``molt_plugins.vision``); a recipe that sets it needs a modality plugin loaded.
+
+    Fields: ``max_bytes`` -- encoded size limit in bytes (default 20 MiB, the Anthropic API's
+    request-level image cap); ``max_pixels`` -- width x height limit (default 33,177,600 =
+    7680 x 4320); ``allow_remote_urls`` -- fetch ``http(s)://`` image URLs (default False: only
+    inline data); ``fetch_timeout_s`` -- total time for one fetch in seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    max_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(7680 * 4320, ge=1)
+    allow_remote_urls: bool = False
+    fetch_timeout_s: float = Field(10.0, gt=0)
 
 
 class ConfigError(ValueError):
@@ -345,7 +363,7 @@ class RunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     teacher: TeacherSection = Field(default_factory=TeacherSection)
-    #: ``[images]``: image input limits and ``allow_remote_urls`` (:class:`~molt_core.images.ImagePolicy`)
+    #: ``[images]``: image input limits and ``allow_remote_urls`` (:class:`ImagePolicy`)
     images: ImagePolicy = Field(default_factory=ImagePolicy)
     plugins: list[str] = Field(default_factory=list)
     rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)

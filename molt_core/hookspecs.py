@@ -177,6 +177,7 @@ def molt_register_adapters(register: Register) -> None:
       for a checkpoint it did not write.
     """
 
+
 @hookspec
 def molt_register_trainer_backends(register: Register) -> None:
     """Register data-parallel trainer backends: ``register(name, backend)``; ``fsdp2`` (first
@@ -193,6 +194,25 @@ def molt_register_trainer_backends(register: Register) -> None:
     * ``load_model(module, d: Path)`` / ``load_optimizer(module, optimizer, state: dict)`` -- a
       plain checkpoint's weight files / ``optimizer.state_dict()`` into a rank's sharded module.
     """
+
+
+@hookspec
+def molt_register_modalities(register: Register) -> None:
+    """Register an input modality (images): ``register(name, modality)``; the kernel reaches
+    images only through it (none registered: a text-only run, image parts and the ``[images]``
+    section refused). The object provides (``molt_plugins.vision.modality.VisionModality``):
+    ``error`` (the ValueError type of a refused image, with ``field``); ``decode_part(part,
+    where, policy)`` -> ``.sha256`` (hex), ``.data`` (bytes) of an internal image part;
+    ``is_model(model)``; ``processor_for(model, path, tokenizer)`` -> the model's processor or
+    None, whose methods the ledger, ingress, trainer and SFT call (``expand(ids, shas, pool,
+    offset)`` -> ``(ids, [ImageRef])``, ``extra_tokens(shas, pool)``, ``expand_placeholders(ids,
+    images)``, ``check_segment(ids, refs, images)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
+    [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
+    ``pixel_values``, ``image_grid_thw [N, 3]``); ``row_images(model, processor, ids, images,
+    is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` for the embedded
+    engine; ``rope_index(model)`` -> its ``get_rope_index`` (what a LoRA wrapper delegates to);
+    ``wire_images(policy, processor)`` -> a request's collector (``openai_part``,
+    ``anthropic_block``, ``responses_part``, ``remote``, ``check()``)."""
 
 
 @hookspec(historic=True)
@@ -226,4 +246,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "losses": "molt_register_losses",
     "adapters": "molt_register_adapters",
     "trainer_backends": "molt_register_trainer_backends",
+    "modalities": "molt_register_modalities",
 }

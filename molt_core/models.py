@@ -30,7 +30,7 @@ A model ``path`` is either
     tokenizer extended with ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
     ``<|video_pad|>`` (ids 512..515) and a template rendering image parts
     (:data:`molt_core.assets.build_tiny_tokenizer.VL_CHAT_TEMPLATE`); its image processor
-    is :func:`molt_core.vision.load_vision_processor` -- 661,312 parameters (200,896 in the
+    is :func:`molt_plugins.vision.processor.load_vision_processor` -- 661,312 parameters (200,896 in the
     vision tower).
 
 Builtin tokenizers use the project's Qwen3-style ChatML template
@@ -56,10 +56,10 @@ __all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TI
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_chatml"
 BUILTINS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-bigvocab", "tiny-qwen3-large", "tiny-qwen2.5-vl")
-#: builtin vision-language models (image inputs; see :mod:`molt_core.vision`)
+#: builtin vision-language models (image inputs; see :mod:`molt_plugins.vision`)
 VL_BUILTINS = ("tiny-qwen2.5-vl",)
 #: builtin ``tiny-qwen2.5-vl``: 7-pixel patches, 2x2 merge -> one image token per 14x14 pixels;
-#: its image processor (:func:`molt_core.vision.tiny_image_processor`) resizes so that
+#: its image processor (:func:`molt_plugins.vision.processor.tiny_image_processor`) resizes so that
 #: ``MIN <= height * width <= MAX`` pixels: 14x14 (1 token) up to 56x56 (16 tokens).
 TINY_VL_PATCH = 7
 TINY_VL_MERGE = 2

@@ -463,7 +463,7 @@ class Result(_Strict):
 
     ``reward`` (float, summed over turns by the Env runner), ``observation`` (the next user
     message the model sees: text, or a list of content parts -- ``{"type": "text", "text"}``
-    and images from :func:`molt_core.images.image_part` -- or None), ``terminated`` /
+    and images from :func:`molt_plugins.vision.images.image_part` -- or None), ``terminated`` /
     ``truncated`` (Gymnasium semantics), ``info``, ``score`` (task metric, may differ from
     reward), ``sampling_params`` for the next turn.
     """

@@ -34,7 +34,7 @@ def vl_tok():
 @pytest.fixture(scope="module")
 def vl_vp(vl_tok):
     """Its ``VisionProcessor`` (module scope: its processed-pixel cache is not shared across files)."""
-    from molt_core.vision import load_vision_processor
+    from molt_plugins.vision.processor import load_vision_processor
 
     return load_vision_processor(VL, vl_tok)
 

@@ -1,4 +1,4 @@
-"""molt_core.images: decode, validate and hash image parts (every refusal names its field)."""
+"""molt_plugins.vision.images: decode, validate and hash image parts (every refusal names its field)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import pytest
 from PIL import Image
 
-from molt_core.images import (
+from molt_plugins.vision.images import (
     ImageError,
     ImagePolicy,
     data_url,

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from fake_engine import ScriptedEngine
-from molt_core.images import ImageError, image_part
+from molt_plugins.vision.images import ImageError, image_part
 from molt_core.ledger import Ledger
 from molt_core.types import SamplingParams
 

@@ -18,7 +18,7 @@ import torch
 
 from fake_engine import FailingEngine, ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
-from molt_core.images import data_url
+from molt_plugins.vision.images import data_url
 from molt_core.server import start_server
 from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest

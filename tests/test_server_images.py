@@ -23,7 +23,7 @@ from PIL import Image
 
 from fake_engine import ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
-from molt_core.images import ImagePolicy, data_url
+from molt_plugins.vision.images import ImagePolicy, data_url
 from molt_core.server import create_app, start_server
 
 PAD = 514

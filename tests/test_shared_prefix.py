@@ -423,7 +423,7 @@ def test_rope_deltas_a_vl_model_keeps_between_calls_reach_no_forward(family):
     logprobs of a model that never ran anything (shared within 2e-5, full bit for bit), and a
     GRPO step runs on-policy."""
     from molt_core.models import load_tokenizer
-    from molt_core.vision import VisionProcessor, expand_placeholders, load_vision_processor, pixel_inputs
+    from molt_plugins.vision.processor import VisionProcessor, expand_placeholders, load_vision_processor, pixel_inputs
     from tests.test_vision import VL, png
     from tests.test_vision_qwen3vl import tiny_qwen3vl
 

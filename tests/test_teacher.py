@@ -88,7 +88,7 @@ def test_vl_teacher_sees_the_rollout_images():
 
     from molt_core.engines.transformers_engine import TransformersEngine
     from molt_core.types import SampledSpan, SamplingParams
-    from molt_core.vision import expand_placeholders, image_sha256
+    from molt_plugins.vision.processor import expand_placeholders, image_sha256
     from tests.test_vision import VL, png
 
     tok = load_tokenizer(VL)

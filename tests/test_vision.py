@@ -1,4 +1,4 @@
-"""molt_core.vision: placeholder expansion, pixel inputs and 3D positions for the builtin tiny
+"""molt_plugins.vision.processor: placeholder expansion, pixel inputs and 3D positions for the builtin tiny
 Qwen2.5-VL model, checked against hand-computed grids and transformers' own processor."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from molt_core.models import load_model, load_tokenizer
-from molt_core.vision import (
+from molt_plugins.vision.processor import (
     TINY_VL_MAX_PIXELS,
     check_runs,
     expand_placeholders,
@@ -151,7 +151,7 @@ def test_text_builtins_have_no_vision_processor():
 def test_a_saved_vl_directory_loads_back_with_its_processor(tmp_path, vl_tok, vl_vp):
     """A real VL model is a directory: config with a vision_config (AutoModelForImageTextToText),
     preprocessor_config.json, tokenizer with <|image_pad|>."""
-    from molt_core.vision import tiny_image_processor
+    from molt_plugins.vision.processor import tiny_image_processor
 
     model = load_model(VL)
     model.save_pretrained(tmp_path)
@@ -176,7 +176,7 @@ def test_processed_image_cache_is_bounded_in_bytes(vl_tok):
     of 3 * 2 * 7 * 7 = 294 float32 (16 * 294 * 4 = 18,816 bytes); with a 40,000-byte budget two
     fit, a third evicts the oldest, and an image over the budget (56x56: 64 rows, 75,264 bytes)
     is processed but not kept."""
-    from molt_core.vision import VisionProcessor, tiny_image_processor
+    from molt_plugins.vision.processor import VisionProcessor, tiny_image_processor
 
     vl_vp = VisionProcessor(tiny_image_processor(), 514, 2, cache_bytes=40_000)
     a, b, c = png(28, 28, (1, 0, 0)), png(28, 28, (2, 0, 0)), png(28, 28, (3, 0, 0))

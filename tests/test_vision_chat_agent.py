@@ -16,7 +16,7 @@ from PIL import Image
 
 from molt_core.agents import ChatAgent
 from molt_core.identity import TokenCheck, check_tokens
-from molt_core.images import data_url
+from molt_plugins.vision.images import data_url
 from molt_core.testing import run_episode
 from molt_core.types import Result
 
@@ -91,7 +91,7 @@ def test_chat_agent_images_through_the_openai_sdk_token_exact():
 def _image_env():
     """An Env whose first user turn shows an image (built with ``images.image_part``); two turns."""
     from molt_core.agents import Env
-    from molt_core.images import image_part
+    from molt_plugins.vision.images import image_part
 
     class _Env(Env):
         def first_messages(self, task):
@@ -112,7 +112,7 @@ def test_env_loop_passes_images_and_records_them():
     and stores each image once."""
     from fake_engine import ScriptedEngine
     from molt_core.models import load_tokenizer
-    from molt_core.vision import load_vision_processor
+    from molt_plugins.vision.processor import load_vision_processor
 
     tok = load_tokenizer(VL)
     eng = ScriptedEngine(tok, ["red", "still red"])

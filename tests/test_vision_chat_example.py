@@ -103,7 +103,7 @@ def _check(traj, tok, env, task, wire_ids):
 
 def test_scripted_replies_are_recorded_and_scored_exactly(monkeypatch):
     from fake_engine import ScriptedEngine
-    from molt_core.vision import load_vision_processor
+    from molt_plugins.vision.processor import load_vision_processor
 
     from molt_core.models import load_tokenizer
 

@@ -17,7 +17,7 @@ from molt_core.engines.transformers_engine import TransformersEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.sampling import processed_logprobs
 from molt_core.types import SamplingParams
-from molt_core.vision import expand_placeholders, pixel_inputs
+from molt_plugins.vision.processor import expand_placeholders, pixel_inputs
 from tests.test_vision import VL, png
 
 torch.set_num_threads(1)

@@ -53,10 +53,10 @@ def test_vision_recipe_validates_and_builds(vl_tok):
 
 
 def test_vision_recipe_prompt_matches_the_vision_module(vl_tok):
-    """molt's own expansion (molt_core.vision, what the ledger and SFT use) equals the
+    """molt's own expansion (molt_plugins.vision.processor, what the ledger and SFT use) equals the
     processor-style reference above for the recipe's images."""
     from molt_core.train.sft import render_with_images
-    from molt_core.vision import load_vision_processor
+    from molt_plugins.vision.processor import load_vision_processor
 
     cfg = load_config(RECIPE)
     env = VisualEnv(**cfg.agent.options)
@@ -109,7 +109,7 @@ def test_docs_images_table_states_the_defaults():
     import re
     import tomllib
 
-    from molt_core.images import ImagePolicy
+    from molt_plugins.vision.images import ImagePolicy
 
     text = (ROOT / "docs" / "vision.md").read_text()
     block = next(b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if b.startswith("[images]"))

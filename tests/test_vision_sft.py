@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from molt_core.images import image_part
+from molt_plugins.vision.images import image_part
 from molt_core.models import load_model
 from molt_core.train.sft import render_example, render_with_images, sft
 from molt_core.train import Trainer
-from molt_core.vision import load_vision_processor
+from molt_plugins.vision.processor import load_vision_processor
 from tests.test_vision import VL, png
 from trainer_utils import tiny_cfg
 
@@ -51,7 +51,7 @@ def test_sft_on_images_learns_the_colour(vl_tok):
     losses = sft(tr, examples, steps=40, batch_size=6, lr=3e-3, seed=0)
     assert losses[-1] < 0.1 * losses[0]
     vp = load_vision_processor(VL, vl_tok)
-    from molt_core.vision import padded_inputs
+    from molt_plugins.vision.processor import padded_inputs
 
     def score(m, shown: str, answer: str) -> float:
         p, c, images = render_with_images(vl_tok, vp, colour_example(shown)[0], answer)

@@ -17,7 +17,7 @@ from molt_core.engines.transformers_engine import TransformersEngine
 from molt_core.models import load_model, load_tokenizer
 from molt_core.train import Trainer, build_batch
 from molt_core.types import SampledSpan, SamplingParams, Segment, Trajectory
-from molt_core.vision import expand_placeholders, image_sha256, load_vision_processor
+from molt_plugins.vision.processor import expand_placeholders, image_sha256, load_vision_processor
 from tests.test_vision import VL, png
 from trainer_utils import tiny_cfg
 
@@ -163,7 +163,7 @@ def test_ingress_refuses_a_grid_the_trainers_processor_does_not_give(setup):
     checked against the run length, and the forward raised mid-step)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from molt_core.vision import VisionProcessor
+    from molt_plugins.vision.processor import VisionProcessor
 
     tok, vp, model, jobs, outs = setup
     tr = trainer(model, tok)

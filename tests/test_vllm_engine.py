@@ -408,7 +408,7 @@ def test_images_as_multi_modal_data_equal_hf():
     """Images go to vLLM as multi_modal_data next to the expanded token prompt; each logprob
     equals a direct HF forward with the same images (<= BOUND)."""
     from molt_plugins.engines.vllm.engine import VLLMEngine
-    from molt_core.vision import expand_placeholders, load_vision_processor, pixel_inputs
+    from molt_plugins.vision.processor import expand_placeholders, load_vision_processor, pixel_inputs
     from tests.test_vision import VL, png
 
     model, tok = load_model(VL), load_tokenizer(VL)
@@ -527,7 +527,7 @@ def test_vl_engine_has_the_vision_processor_the_server_reads(monkeypatch):
     engine had none, so every image request to a VL model on vLLM was refused as text-only.
     vLLM itself is not started here (its Qwen2.5-VL needs torchvision): its worker is stubbed."""
     from molt_plugins.engines.vllm.engine import VLLMEngine
-    from molt_core.images import data_url
+    from molt_plugins.vision.images import data_url
     from molt_core.ledger import Ledger
     from molt_core.server import create_app
     from tests.test_vision import VL, png

@@ -111,7 +111,7 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 _TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
 # :data:`CHAT_TEMPLATE` whose content parts may also be images: an image part (``type`` ``image``,
 # ``image_url`` or ``input_image``) renders as ``<|vision_start|><|image_pad|><|vision_end|>`` --
-# one placeholder per image, which :func:`molt_core.vision.expand_placeholders` expands into
+# one placeholder per image, which :func:`molt_plugins.vision.processor.expand_placeholders` expands into
 # the image processor's run (as Qwen2-VL's own template and processor do).
 VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_PART, (
     "{%- if part.type == 'text' -%}{{- part.text -}}"

@@ -32,7 +32,7 @@ class RolloutEngine(Protocol):
                        images: list[bytes] | None = None) -> GenerationOutput:
         """Sample a continuation of ``prompt_ids`` (list of int) under ``params``. ``images``: for
         vision-language engines, the encoded bytes of each image whose placeholder run
-        (:func:`molt_core.vision.expand_placeholders`) ``prompt_ids`` hold, in token order;
+        (:func:`molt_plugins.vision.processor.expand_placeholders`) ``prompt_ids`` hold, in token order;
         text-only engines may omit the argument."""
         ...
 

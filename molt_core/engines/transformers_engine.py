@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from molt_core.engines.base import WorkerThreadEngine
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.identity import IdDigest
-from molt_core.models import cache_keyword, returned_cache, routing_tool
+from molt_core.models import cache_keyword, load_model, load_tokenizer, mask_vision_tokens, returned_cache, routing_tool
+from molt_core.plugins import modality
 from molt_core.sampling import draw_tokens, processed_logprobs
 from molt_core.types import GenerationOutput, SamplingParams
 
@@ -84,7 +85,7 @@ class _Request:
     next_pos: int = 0  # real tokens already in this row's KV cache
     routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, L, K] chunks, by position
     digest: IdDigest = field(default_factory=IdDigest)  # the record of sampled ids (token identity)
-    vision: _RowImages | None = None  # the prompt's images (vision-language models)
+    vision: Any = None  # the prompt's images (the modality's row_images; vision-language models)
 
     @property
     def key(self) -> tuple:
@@ -96,35 +97,6 @@ class _Request:
         """Position offset of tokens after the prompt (M-RoPE: an image run spans fewer positions
         than tokens); 0 for text."""
         return self.vision.delta if self.vision is not None else 0
-
-
-@dataclass(eq=False)
-class _RowImages:
-    """A prompt's images: ``pixel_values`` ``[n, D]``, ``grid`` ``[N, 3]``, the prompt's 3D
-    positions ``pos`` ``[3, P]``, ``delta`` (position of token ``j >= P`` is ``j + delta``)."""
-
-    shas: tuple[str, ...]
-    pixel_values: torch.Tensor
-    grid: torch.Tensor
-    pos: torch.Tensor
-    delta: int
-    runs: tuple[tuple[str, int, int], ...]  # (sha256, start, end) of each image's run, in token order
-    rows: tuple[int, ...]  # pixel_values rows of each image: t * h * w
-
-    def after(self, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(pixel_values, grid)`` of the images whose runs start at or after token ``m`` (the
-        ones a prefill from a reused prefix of ``m`` tokens must encode), or ``(None, None)``."""
-        keep = [i for i, (_, s, _) in enumerate(self.runs) if s >= m]
-        if not keep:
-            return None, None
-        first = sum(self.rows[:keep[0]])
-        return self.pixel_values[first:], self.grid[keep[0]:]
-
-    def positions(self, length: int) -> torch.Tensor:
-        """``[3, length]`` positions of the prompt followed by ``length - P`` text tokens."""
-        P = self.pos.shape[1]
-        tail = (torch.arange(P, length) + self.delta).expand(3, -1)
-        return torch.cat([self.pos[:, :length], tail], 1)
 
 
 class TransformersEngine(WorkerThreadEngine):
@@ -149,15 +121,15 @@ class TransformersEngine(WorkerThreadEngine):
             prompt that starts with the same ids (:mod:`molt_core.engines.prefix_cache`: an
             agent's next turn prefills only its new tail); 0 disables it. Cleared whenever
             weights change; off for MoE models (their prefill records routing, R3).
-        vision_processor: a :class:`molt_core.vision.VisionProcessor` for a vision-language
-            model (Qwen2-VL family): requests may then carry images. Loaded from ``model`` when
-            that is a path; a model object needs it passed to accept images.
+        vision_processor: the modality plugin's image processor for a vision-language model
+            (``molt_plugins.vision``: Qwen2-VL family): requests may then carry images. Loaded
+            from ``model`` when that is a path; a model object needs it passed to accept images.
         dtype, gguf_file, model_seed, device: used only when ``model`` is a path
             (``model_seed`` is the builtin model's init seed).
 
     Images: a prompt with images is prefilled with their ``pixel_values`` and ``image_grid_thw``
     and the 3D (M-RoPE) positions of the model's own ``get_rope_index``
-    (:func:`molt_core.vision.rope_positions`); decode positions continue at ``j + delta``.
+    (the modality's ``row_images``); decode positions continue at ``j + delta``.
     Identical prompts share a prefill row only when their images are identical too; the prefix
     cache matches images as well as ids (a reused prefix never covers an image run whose image
     differs, and the prefill encodes only the images after it).
@@ -183,19 +155,14 @@ class TransformersEngine(WorkerThreadEngine):
         device: str | None = None,
         vision_processor: Any = None,
     ) -> None:
-        from molt_core.vision import is_vision_model
-
+        self._modality = modality()  # the registered image modality; None: a text-only run
         if isinstance(model, str):
-            from molt_core.models import load_model, load_tokenizer
-
             path = model
             model = load_model(path, dtype=dtype, gguf_file=gguf_file, seed=model_seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(path, gguf_file=gguf_file)
-            if vision_processor is None and is_vision_model(model):
-                from molt_core.vision import load_vision_processor
-
-                vision_processor = load_vision_processor(path, tokenizer)
+            if vision_processor is None and self._modality is not None:
+                vision_processor = self._modality.processor_for(model, path, tokenizer)
         if device is not None:
             model = model.to(device)
         if max_batch_size < 1:
@@ -216,10 +183,8 @@ class TransformersEngine(WorkerThreadEngine):
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         cfg = getattr(model, "config", None)
-        self.is_vision = is_vision_model(model)
+        self.is_vision = self._modality is not None and self._modality.is_model(model)
         if self.is_vision:  # never sample a vision special token (an image run with no image)
-            from molt_core.models import mask_vision_tokens
-
             mask_vision_tokens(model)
         self.vision_processor = vision_processor
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -265,7 +230,7 @@ class TransformersEngine(WorkerThreadEngine):
         Args:
             prompt_ids: ``[P]`` token ids, ``1 <= P < max_position_embeddings``, each in
                 ``[0, vocab_size)``; with images, each image's run of ``<|image_pad|>`` already
-                expanded (:func:`molt_core.vision.expand_placeholders`).
+                expanded (the modality's placeholder expansion).
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
             images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
                 order (vision-language models only).
@@ -313,53 +278,24 @@ class TransformersEngine(WorkerThreadEngine):
             self._cv.notify_all()
         return await req.future
 
-    def _row_images(self, ids: list[int], images: list[bytes] | None) -> _RowImages | None:
-        """Process a prompt's images (pixels, grids, 3D positions), or None for a text prompt.
-        Raises ValueError as :meth:`generate` documents."""
-        vp = self.vision_processor
-        if not images:
-            if self.is_vision and vp is not None and vp.image_token_id in ids:
-                raise ValueError(f"prompt_ids hold image tokens (id {vp.image_token_id}) but no images were given; "
-                                 "pass images=[...] in token order")
+    def _row_images(self, ids: list[int], images: list[bytes] | None) -> Any:
+        """A prompt's images as the modality's ``row_images`` processes them (pixels, grids, 3D
+        positions), or None for a text prompt. Raises ValueError as :meth:`generate` documents."""
+        if self._modality is None:
+            if images:
+                raise ValueError(f"{len(images)} image(s) given but no modality plugin is loaded; enable "
+                                 "molt_plugins.vision (see docs/vision.md) or send text only")
             return None
-        if not self.is_vision:
-            raise ValueError(f"{len(images)} image(s) given but the model ({type(self.model).__name__}) is not a "
-                             "vision-language model; use one such as builtin:tiny-qwen2.5-vl")
-        if vp is None:
-            raise ValueError("this engine has no vision processor: build it from a model path or pass "
-                             "vision_processor=molt_core.vision.load_vision_processor(path)")
-        from molt_core.vision import image_runs, image_sha256, pixel_inputs, rope_positions
-
-        pixels, grid = pixel_inputs(images, vp)
-        pos, delta = rope_positions(self.model, ids, grid.tolist(), vp)
-        shas = tuple(image_sha256(b) for b in images)
-        runs = tuple((h, s, e) for h, (s, e) in zip(shas, image_runs(ids, vp.image_token_id)))
-        return _RowImages(shas, pixels, grid, pos, delta, runs, tuple(int(g.prod()) for g in grid))
+        return self._modality.row_images(self.model, self.vision_processor, ids, images, self.is_vision)
 
     def _vision_kwargs(self, rows: list[_Request], spans: list[tuple[int, int]], n: int,
                        pos2d: torch.Tensor) -> dict[str, Any]:
-        """Model kwargs for a left-padded forward over ``rows``: row ``i`` runs its context tokens
-        ``[a, b)`` (``spans[i]``; ``a > 0`` after a reused prefix) right-aligned in ``n`` columns.
-        3D positions (text rows keep ``pos2d`` ``[B, n]`` on all three axes) and the images whose
-        runs lie in the tokens run, in row order; {} when no row has images."""
+        """Model kwargs for a left-padded forward over ``rows`` (the modality's ``forward_kwargs``:
+        row ``i`` runs its context tokens ``spans[i]`` right-aligned in ``n`` columns); {} when no
+        row has images."""
         if not any(r.vision is not None for r in rows):
             return {}
-        pos = pos2d.unsqueeze(0).expand(3, -1, -1).clone()
-        pixels: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        for i, (r, (a, b)) in enumerate(zip(rows, spans)):
-            if r.vision is None:
-                continue
-            pos[:, i, n - (b - a):] = r.vision.positions(b)[:, a:].to(pos.device)
-            pv, grid = r.vision.after(a)
-            if pv is not None and grid is not None:
-                pixels.append(pv)
-                grids.append(grid)
-        kw: dict[str, Any] = {"position_ids": pos}
-        if pixels:
-            dtype = next(self.model.parameters()).dtype
-            kw.update(pixel_values=torch.cat(pixels).to(self.device, dtype), image_grid_thw=torch.cat(grids).to(self.device))
-        return kw
+        return self._modality.forward_kwargs(self.model, [r.vision for r in rows], spans, n, pos2d)
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Copy ``state_dict`` (parameter/buffer name -> tensor, any float dtype) into the model

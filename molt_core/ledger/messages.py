@@ -6,8 +6,9 @@ object tool-call arguments) into the canonical form the ledger renders and compa
 unchanged prefix a chat client re-sends each turn, so reading a request costs in proportion to
 its new messages (plus one C-level comparison of the prefix).
 
-Images: a user or tool message may carry image parts (the internal part of
-:mod:`molt_core.images`, ``{"type": "image_url", "image_url": {"url": "data:..."}}``). Its
+Images: a user or tool message may carry image parts (the internal part,
+``{"type": "image_url", "image_url": {"url": "data:..."}}``), read by the modality plugin's
+``decode_part`` (``molt_register_modalities``; without one an image part is refused). Its
 canonical ``content`` is then a list of ``{"type": "text", "text"}`` and ``{"type": "image",
 "sha256"}`` parts (adjacent text joined; what the chat template renders, one placeholder per
 image); the decoded bytes go to the caller's ``images`` pool keyed by SHA-256 (each distinct
@@ -17,18 +18,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
-from molt_core.images import IMAGE_PART_TYPE, ImagePolicy, decode_part, is_image_part
+__all__ = ["normalize_messages", "NormalizeCache", "image_shas", "IMAGE_PART_TYPE", "Decode"]
 
-__all__ = ["normalize_messages", "NormalizeCache", "image_shas"]
+#: the ``type`` of the part the ledger renders in an image's place (``{"type": "image", "sha256": hex}``)
+IMAGE_PART_TYPE = "image"
+#: a modality's image-part reader: ``decode(part, where, policy)`` -> an object with ``sha256``
+#: (hex str) and ``data`` (encoded bytes); raises ValueError naming ``where``
+Decode = Callable[[dict[str, Any], str, Any], Any]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _IMAGE_ROLES = ("user", "tool")
 
 
 def _content(content: Any, where: str, role: str, images: dict[str, bytes] | None,
-             policy: ImagePolicy | None) -> str | list[dict[str, Any]]:
+             policy: Any, decode: Decode | None) -> str | list[dict[str, Any]]:
     """A message's canonical content: its text, or (with images) text and image parts."""
     if content is None:
         return ""
@@ -41,11 +46,15 @@ def _content(content: Any, where: str, role: str, images: dict[str, bytes] | Non
                 text = part
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 text = part["text"]
-            elif is_image_part(part):
+            elif isinstance(part, dict) and part.get("type") == "image_url":
                 if role not in _IMAGE_ROLES:
                     raise ValueError(f"{where}.content[{j}]: images are accepted in user and tool messages only, "
                                      f"not in a {role} message")
-                img = decode_part(part, f"{where}.content[{j}]", policy)
+                if decode is None:
+                    raise ValueError(f"{where}.content[{j}]: an image part, but there is no vision processor: no "
+                                     "modality plugin is loaded (enable molt_plugins.vision, see docs/vision.md) "
+                                     "or send text only")
+                img = decode(part, f"{where}.content[{j}]", policy)
                 if images is not None:
                     images.setdefault(img.sha256, img.data)
                 out.append({"type": IMAGE_PART_TYPE, "sha256": img.sha256})
@@ -90,7 +99,7 @@ def _arguments(args: Any, where: str) -> dict[str, Any]:
 
 
 def normalize_messages(messages: Any, images: dict[str, bytes] | None = None,
-                       policy: ImagePolicy | None = None) -> list[dict[str, Any]]:
+                       policy: Any = None, decode: Decode | None = None) -> list[dict[str, Any]]:
     """Canonical OpenAI-style chat messages for rendering and comparison.
 
     Each message becomes ``{"role", "content"}`` plus, where present, ``tool_calls``
@@ -98,22 +107,22 @@ def normalize_messages(messages: Any, images: dict[str, bytes] | None = None,
     arguments are parsed), ``tool_call_id``, ``name`` and ``reasoning_content``. Content
     parts are joined into a string when all are text; a user or tool message with image parts
     keeps a list of text and ``{"type": "image", "sha256"}`` parts (module doc), the bytes
-    going to ``images`` (a pool keyed by SHA-256) when given; ``policy`` limits the images.
+    going to ``images`` (a pool keyed by SHA-256) when given; ``decode`` (the modality's
+    :data:`Decode`) reads each image part under ``policy`` (None: image parts are refused).
 
     Raises:
         ValueError: naming ``messages[i].<field>`` -- not a list of objects, unknown role,
             a content part that is neither text nor image, an image outside a user or tool
             message, a tool call without a name, arguments that are not a JSON object;
-            :class:`~molt_core.images.ImageError` (a ValueError, with ``field``) for a
-            refused image.
+            the modality's error (a ValueError, with ``field``) for a refused image.
     """
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
-    return [_normalize_one(m, i, images, policy) for i, m in enumerate(messages)]
+    return [_normalize_one(m, i, images, policy, decode) for i, m in enumerate(messages)]
 
 
 def _normalize_one(m: Any, i: int, images: dict[str, bytes] | None = None,
-                   policy: ImagePolicy | None = None) -> dict[str, Any]:
+                   policy: Any = None, decode: Decode | None = None) -> dict[str, Any]:
     """``messages[i]`` normalized (see :func:`normalize_messages`)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
@@ -122,7 +131,7 @@ def _normalize_one(m: Any, i: int, images: dict[str, bytes] | None = None,
     if role not in _ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}")
     msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                           "content": _content(m.get("content"), where, role, images, policy)}
+                           "content": _content(m.get("content"), where, role, images, policy, decode)}
     calls = m.get("tool_calls")
     if calls:
         if role != "assistant" or not isinstance(calls, list):
@@ -214,23 +223,24 @@ class NormalizeCache:
     :func:`_frozen` for why ``==`` is safe here) and raises the same errors, with the same
     ``messages[i]`` names. Safe to call from several threads (a race only loses the reuse).
     Long data URLs (images) are kept as a SHA-256 (:class:`_Digest`): the cache never holds a
-    copy of an image (text is compared as before, in C). ``images`` / ``policy``: as :func:`normalize_messages` (a reused
+    copy of an image (text is compared as before, in C). ``images`` / ``policy`` / ``decode``: as :func:`normalize_messages` (a reused
     message's images are in the pool already).
     """
 
-    def __init__(self, images: dict[str, bytes] | None = None, policy: ImagePolicy | None = None) -> None:
+    def __init__(self, images: dict[str, bytes] | None = None, policy: Any = None, decode: Decode | None = None) -> None:
         self._state: tuple[list[Any], list[dict[str, Any]]] = ([], [])
-        self.images, self.policy = images, policy
+        self.images, self.policy, self.decode = images, policy, decode
 
     def __call__(self, messages: Any) -> list[dict[str, Any]]:
         """Normalize ``messages``; raises ValueError like :func:`normalize_messages`."""
         if not isinstance(messages, list):
-            return normalize_messages(messages, self.images, self.policy)
+            return normalize_messages(messages, self.images, self.policy, self.decode)
         raw, norm = self._state
         n = min(len(raw), len(messages))
         p = n if messages[:n] == raw[:n] else 0
         while p < n and messages[p] == raw[p]:
             p += 1
-        out = norm[:p] + [_normalize_one(messages[i], i, self.images, self.policy) for i in range(p, len(messages))]
+        out = norm[:p] + [_normalize_one(messages[i], i, self.images, self.policy, self.decode)
+                     for i in range(p, len(messages))]
         self._state = (raw[:p] + [_frozen(m) for m in messages[p:]], list(out))
         return out

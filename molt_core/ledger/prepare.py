@@ -26,10 +26,10 @@
 * **retry** -- the same messages, tools and sampling settings as the last committed request:
   answered from the cached turn, nothing recorded twice.
 
-Images (vision-language models): a user or tool message may carry image parts (the internal
-part of :mod:`molt_core.images`). The template renders one placeholder per image; the ledger's
-``vision`` (the model's :class:`~molt_core.vision.VisionProcessor`) expands each into the run of
-image tokens the engine sees (:func:`~molt_core.vision.expand_placeholders`), and the segment records one
+Images (vision-language models): a user or tool message may carry image parts (the
+internal part, read by the modality plugin's ``decode_part``). The template renders one placeholder
+per image; the ledger's ``vision`` (the model's image processor, from the modality plugin) expands
+each into the run of image tokens the engine sees (its ``expand``), and the segment records one
 :class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
 An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
 held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
@@ -44,15 +44,35 @@ import weakref
 from typing import Any
 
 from molt_core.ledger.compare import _chat_form, _echoes_reply, _same_json, _same_messages
-from molt_core.ledger.images import expand_images, extra_image_tokens
 from molt_core.ledger.messages import image_shas
 from molt_core.ledger.records import Prepared, PromptTooLong
 from molt_core.ledger.render import window_start
-from molt_core.types import SamplingParams
+from molt_core.types import ImageRef, SamplingParams
 
-__all__ = ["Planning", "max_token_bytes"]
+__all__ = ["Planning", "expand_images", "extra_image_tokens", "max_token_bytes"]
 
 _MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
+                  offset: int) -> tuple[list[int], list[ImageRef]]:
+    """``ids`` with each image placeholder expanded into its run and the runs' refs (``vision.expand``);
+    ``(ids, [])`` for a text-only model and no images.
+
+    Raises:
+        ValueError: images and no vision processor, or as ``vision.expand``.
+    """
+    if vision is None:
+        if shas:
+            raise ValueError(f"the messages carry {len(shas)} image(s) but this model has no vision processor; "
+                             "serve a vision-language model (see docs/vision.md) or send text only")
+        return ids, []
+    return vision.expand(ids, shas, pool, offset)
+
+
+def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> int:
+    """Tokens the images ``shas`` add to a render by expansion (``vision.extra_tokens``); 0 for none."""
+    return vision.extra_tokens(shas, pool) if vision is not None and shas else 0
 
 
 def max_token_bytes(tokenizer: Any) -> int:

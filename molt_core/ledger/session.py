@@ -12,7 +12,6 @@ import base64
 import threading
 from typing import Any, Literal
 
-from molt_core.images import ImagePolicy
 from molt_core.ledger.commit import Recording
 from molt_core.ledger.compare import _Reply
 from molt_core.ledger.messages import NormalizeCache
@@ -44,10 +43,13 @@ class Ledger(TemplateFacts, Planning, Recording):
             chat template is proven window-local (:mod:`molt_core.ledger.render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
             renders the whole conversation (the reference path, kept for benchmarks and tests).
-        vision: the model's :class:`~molt_core.vision.VisionProcessor` (its placeholder
-            expansion); None for a text-only model (a message with an image is then refused).
-        image_policy: limits for image parts (:class:`~molt_core.images.ImagePolicy`; default
+        vision: the model's image processor from the modality plugin (``molt_register_modalities``:
+            its ``expand`` / ``extra_tokens``); None for a text-only model (a message with an
+            image is then refused).
+        image_policy: limits for image parts (:class:`~molt_core.config.ImagePolicy`; default
             limits, no remote URLs).
+        modality: the registered modality (its ``decode_part`` reads image parts); default
+            ``vision``'s own ``decode_part``; None with no ``vision``: image parts are refused.
 
     Raises:
         ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
@@ -58,7 +60,7 @@ class Ledger(TemplateFacts, Planning, Recording):
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
                  tool_parser: str | ToolParser | None = None, window_render: bool = True, vision: Any = None,
-                 image_policy: ImagePolicy | None = None) -> None:
+                 image_policy: Any = None, modality: Any = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
         self.tokenizer = tokenizer
@@ -90,7 +92,7 @@ class Ledger(TemplateFacts, Planning, Recording):
         #: request that later failed stays too; the trajectory stores only those its segments show)
         self._images: dict[str, bytes] = {}
         # normalize_messages, reusing the previous request's normalized prefix
-        self._normalize = NormalizeCache(self._images, image_policy)
+        self._normalize = NormalizeCache(self._images, image_policy, getattr(modality or vision, "decode_part", None))
         #: extend checks decided by a window render / by the full render (see ``window_render``)
         self.render_stats = {"window": 0, "full": 0}
         # per window scan: indices of the committed history's messages that satisfy it, and

@@ -41,7 +41,8 @@ from molt_core import hookspecs
 from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
-__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name"]
+__all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name",
+           "modality", "check_modality_options"]
 
 
 class PluginError(RuntimeError):
@@ -355,8 +356,8 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
 def shared_host(local: list[str] | tuple[str, ...] = ()) -> PluginHost:
     """The :func:`load_plugins` host of the entry points and ``local``, built once per process
     for each ``local`` list and value of ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for
-    kernel code that is handed no host (an engine, the trainer, ingress) and only reads
-    registries. Never mutate it.
+    kernel code that is handed no host (an engine, the trainer, ingress, a ledger made by hand)
+    and only reads registries. Never mutate it.
 
     Raises:
         PluginError: as :func:`load_plugins`.
@@ -367,3 +368,23 @@ def shared_host(local: list[str] | tuple[str, ...] = ()) -> PluginHost:
 @functools.lru_cache(maxsize=16)
 def _shared_host(local: tuple[str, ...], _disabled: str | None, _allowed: str | None) -> PluginHost:
     return load_plugins(local)
+
+
+def modality(host: PluginHost | None = None) -> Any:
+    """The registered input modality (``molt_register_modalities``; the first by name), or None
+    for a text-only run. ``host`` defaults to :func:`shared_host`."""
+    reg = (host or shared_host()).registries["modalities"]
+    return reg[min(reg)].obj if reg else None
+
+
+def check_modality_options(config: Any, host: PluginHost) -> None:
+    """Refuse a recipe that sets the ``[images]`` section (to other than its defaults: a saved
+    run config lists every section) when no modality plugin is loaded.
+
+    Raises:
+        PluginError: naming ``images`` and the fix.
+    """
+    if "images" in config.model_fields_set and config.images != type(config.images)() and modality(host) is None:
+        raise PluginError("images: the recipe sets [images] but no modality plugin is loaded (images need one); "
+                          "enable molt_plugins.vision (unset MOLT_DISABLE_PLUGINS=molt_vision, or pip install molt-sdk) "
+                          "or remove the [images] section")

@@ -17,7 +17,7 @@ from typing import Any
 
 from molt_core.config import RunConfig
 from molt_core.rollout.evalstats import eval_metrics
-from molt_core.plugins import PluginHost
+from molt_core.plugins import PluginHost, check_modality_options
 from molt_core.train.progress import step_progress
 from molt_core.rollout.scoring import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
@@ -329,6 +329,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_rewards(cfg, host)
     check_loggers(cfg, host)
     check_trainer_features(cfg, host)
+    check_modality_options(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         from molt_core.models import check_model_positions, check_model_source

@@ -21,7 +21,7 @@ from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_ag
 from molt_core.config import RunConfig
 from molt_core.ledger import Ledger, take_turn
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
-from molt_core.plugins import PluginHost, load_plugins
+from molt_core.plugins import PluginHost, load_plugins, modality
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
 from molt_core.rollout.scoring import RewardRunner
 from molt_core.runtime.collective_sync import worker_transport
@@ -143,6 +143,8 @@ class RolloutWorker:
         :meth:`from_parts`, so neither can miss an attribute the other sets)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        #: the registered image modality (the run's host's; None: text only)
+        self.modality = modality(getattr(self, "host", None))
         self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
         self.teacher = None
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
@@ -177,12 +179,13 @@ class RolloutWorker:
             from molt_core.server.app import start_server
 
             self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
-                                       image_policy=self.cfg.images)
+                                       image_policy=self.cfg.images, modality=self.modality)
         return self.server
 
     def _ledger(self, group_id: str):
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
-                        vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images)
+                        vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images,
+                        modality=self.modality)
         seen = _EPISODE.get()
         if seen is not None:  # rewards that want the whole rollout read its messages
             seen["ledgers"].append(ledger)

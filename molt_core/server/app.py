@@ -46,8 +46,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from molt_core.images import ImageError, ImagePolicy
+from molt_core.config import ImagePolicy
 from molt_core.ledger import AssistantTurn, Ledger, Prepared, PromptTooLong, take_turn
+from molt_core.plugins import modality as registered_modality
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     ClientDisconnected,
@@ -58,10 +59,10 @@ from molt_core.server.guard import (
     until_disconnect,
     wire_error_response,
 )
+from molt_core.server.images import ImagePartRefused, request_images
 from molt_core.server.response_store import ResponseStore
 from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wire_images import Pending, check_images
 from molt_core.server.wires import (
     ChatCompletionRequest,
     MessagesRequest,
@@ -112,13 +113,16 @@ class SessionStore:
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
         tool_parser: the model family's tool-call parser (:mod:`molt_core.ledger.parsers`; default Hermes).
-        vision: the model's :class:`~molt_core.vision.VisionProcessor` (None: text only).
-        image_policy: image limits and the remote-URL rule (:class:`~molt_core.images.ImagePolicy`).
+        vision: the model's image processor (the modality plugin's; None: text only).
+        image_policy: image limits and the remote-URL rule (:class:`~molt_core.config.ImagePolicy`).
+        modality: the registered modality (``molt_register_modalities``; None: image parts refused).
     """
 
     def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
-                 tool_parser: Any = None, vision: Any = None, image_policy: ImagePolicy | None = None) -> None:
+                 tool_parser: Any = None, vision: Any = None, image_policy: ImagePolicy | None = None,
+                 modality: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.modality = modality
         self.tool_parser = tool_parser
         self.vision, self.image_policy = vision, image_policy or ImagePolicy()
         self.base_url = base_url
@@ -139,7 +143,8 @@ class SessionStore:
         sid = "s" + secrets.token_hex(12)
         kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
         ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs,
-                        tool_parser=self.tool_parser, vision=self.vision, image_policy=self.image_policy)
+                        tool_parser=self.tool_parser, vision=self.vision, image_policy=self.image_policy,
+                        modality=self.modality)
         s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger, seed=seed)
         with self._lock:
             self._sessions[sid] = s
@@ -192,7 +197,8 @@ def _key_of(request: Request) -> str | None:
 def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
                max_model_len: int | None = None, default_max_tokens: int = 1024,
                chat_template_kwargs: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               tool_parser: Any = None, image_policy: ImagePolicy | None = None, vision: Any = ...) -> FastAPI:
+               tool_parser: Any = None, image_policy: ImagePolicy | None = None, vision: Any = ...,
+               modality: Any = ...) -> FastAPI:
     """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
 
     Args:
@@ -208,10 +214,12 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         max_body_bytes: request body limit, enforced while reading (413 above it).
         tool_parser: tool-call parser name or object for every session (:mod:`molt_core.ledger.parsers`).
         image_policy: limits for image inputs and whether remote image URLs are fetched
-            (:class:`~molt_core.images.ImagePolicy`; default: inline images only). A refused
+            (:class:`~molt_core.config.ImagePolicy`; default: inline images only). A refused
             image is a 400 naming its field in the wire's shape (code ``invalid_image``).
-        vision: the model's :class:`~molt_core.vision.VisionProcessor` (default: the engine's
-            ``vision_processor``; None: a text-only model, messages with images get a 400).
+        vision: the model's image processor (default: the engine's ``vision_processor``; None:
+            a text-only model, messages with images get a 400).
+        modality: the registered image modality (default: :func:`molt_core.plugins.modality`;
+            None: no modality plugin, every image part gets a 400 naming its field).
 
     Raises:
         ValueError: an unknown ``tool_parser`` name.
@@ -233,9 +241,13 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         tool_parser = get_tool_parser(tool_parser, tokenizer)
     if vision is ...:
         vision = getattr(engine, "vision_processor", None)
+    if modality is ...:
+        modality = registered_modality()
     policy = image_policy or ImagePolicy()
+    # a refused image: a 400 naming its field
+    image_error = (ImagePartRefused, modality.error) if modality is not None else (ImagePartRefused,)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser, vision=vision,
-                         image_policy=policy)
+                         image_policy=policy, modality=modality)
     app.state.sessions = store
     install_http_error_handlers(app)
     app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
@@ -275,7 +287,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 return await asyncio.to_thread(plan) if body_bytes > INLINE_PREPARE_BYTES else plan()
             except PromptTooLong as e:
                 raise WireError(400, str(e), "messages", "context_length_exceeded") from None
-            except ImageError as e:
+            except image_error as e:
                 raise WireError(400, str(e), e.field, "invalid_image") from None
             except ValueError as e:
                 raise WireError(400, str(e), "messages") from None
@@ -311,22 +323,21 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         return SamplingParams(temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
                               top_k=-1 if top_k is None else top_k, stop=stop, seed=seed)
 
-    async def checked(pending: list[Pending], body_bytes: int) -> None:
+    async def checked(pending: Any, body_bytes: int) -> None:
         # a request's images: decoded (and, if allowed, fetched) off the event loop unless small
         if not pending:
             return
-        remote = any(p.url is not None and not p.url.startswith("data:") for p in pending)
-        if remote or body_bytes > INLINE_PREPARE_BYTES:
-            await asyncio.to_thread(check_images, pending, policy, vision)
+        if pending.remote or body_bytes > INLINE_PREPARE_BYTES:
+            await asyncio.to_thread(pending.check)
         else:
-            check_images(pending, policy, vision)
+            pending.check()
 
     async def guarded(wire: str, fn: Callable[[], Any]) -> Any:
         try:
             return await fn()
         except WireError as e:
             return error(wire, e)
-        except ImageError as e:  # a refused image, named by its wire field
+        except image_error as e:  # a refused image, named by its wire field
             return error(wire, WireError(400, str(e), e.field, "invalid_image"))
         except ClientDisconnected:  # nobody reads this answer (499: client closed request)
             return Response(status_code=499)
@@ -367,7 +378,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, ChatCompletionRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
-            pending: list[Pending] = []
+            pending = request_images(modality, policy, vision)
             msgs = req.internal_messages(pending)
             await checked(pending, size)
             msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
@@ -385,7 +396,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, MessagesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
-            pending: list[Pending] = []
+            pending = request_images(modality, policy, vision)
             msgs = req.openai_messages(pending)
             await checked(pending, size)
             msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
@@ -401,7 +412,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, ResponsesRequest)
             params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
-            pending: list[Pending] = []
+            pending = request_images(modality, policy, vision)
             msgs = s.responses.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
             await checked(pending, size)
             msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field

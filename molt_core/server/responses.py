@@ -5,7 +5,7 @@ sampled ids as a top-level ``token_ids`` (and in ``response.completed`` when str
 
 Input items: a string (one user message); messages ``{"role", "content"}`` with
 ``input_text`` / ``output_text`` parts (and ``input_image`` in a user message or a
-``function_call_output``, :mod:`molt_core.server.wire_images`); ``function_call`` (an assistant tool call; consecutive
+``function_call_output``, the modality's ``wire_images``); ``function_call`` (an assistant tool call; consecutive
 calls and the assistant message before them form one assistant turn); ``function_call_output``
 (a tool message); ``reasoning`` (the next assistant turn's reasoning). ``previous_response_id``
 continues a response stored in the same session (``store``, default true;
@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, convert_checked, responses_part
+from molt_core.server.images import convert_checked
 from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
 
 __all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
@@ -102,10 +102,10 @@ class ResponsesRequest(_Req):
             out.append({"type": "function", "function": fn})
         return out
 
-    def openai_messages(self, pending: list[Pending] | None = None) -> list[dict[str, Any]]:
+    def openai_messages(self, pending: Any = None) -> list[dict[str, Any]]:
         """Chat messages for the ledger: ``instructions`` first as the system message;
         ``input_image`` parts (a user message's or a ``function_call_output``'s) become internal
-        image parts (:mod:`molt_core.server.wire_images`), their checks appended to ``pending``
+        image parts (the modality's ``wire_images``), their checks appended to ``pending``
         (None: checked here).
 
         Raises:
@@ -114,7 +114,7 @@ class ResponsesRequest(_Req):
         """
         return convert_checked(self._convert, pending)
 
-    def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
+    def _convert(self, pending: Any) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
@@ -170,7 +170,7 @@ class ResponsesRequest(_Req):
         return out
 
 
-def _parts(content: Any, where: str, pending: list[Pending] | None, key: str = "content") -> str | list[Any]:
+def _parts(content: Any, where: str, pending: Any, key: str = "content") -> str | list[Any]:
     """``<where>.<key>`` (a string or a list of parts): the text joined, or with ``input_image``
     parts (allowed where ``pending`` is given) a list of text and internal image parts
     (:func:`~molt_core.server.wires._joined`)."""
@@ -181,7 +181,7 @@ def _parts(content: Any, where: str, pending: list[Pending] | None, key: str = "
     parts: list[Any] = []
     for j, p in enumerate(content):
         if isinstance(p, dict) and p.get("type") == "input_image" and pending is not None:
-            parts.append(responses_part(p, f"{where}.{key}[{j}]", pending))
+            parts.append(pending.responses_part(p, f"{where}.{key}[{j}]"))
             continue
         if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(p.get("text"), str):

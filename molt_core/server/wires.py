@@ -2,8 +2,8 @@
 responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropic Messages.
 
 Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
-schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part of
-:mod:`molt_core.images` (:mod:`molt_core.server.wire_images`) -- and both encode an
+schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part (through
+the request's image collector, :mod:`molt_core.server.images`) -- and both encode an
 :class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
 ``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
 """
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core.ledger import AssistantTurn
-from molt_core.server.wire_images import Pending, anthropic_block, convert_checked, openai_part
+from molt_core.server.images import convert_checked
 
 __all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
            "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
@@ -226,9 +226,9 @@ class ChatCompletionRequest(_Req):
         with tools still extends the conversation) and the reply is not parsed for calls."""
         return self.tool_choice != "none"
 
-    def internal_messages(self, pending: list[Pending]) -> list[dict[str, Any]]:
+    def internal_messages(self, pending: Any) -> list[dict[str, Any]]:
         """The messages with each ``image_url`` part as the internal part (a fresh dict; the
-        image's check is appended to ``pending``, see :mod:`molt_core.server.wire_images`);
+        image's check is appended to ``pending``, see the modality's ``wire_images``);
         other messages pass through as sent (the ledger validates them).
 
         Raises:
@@ -238,7 +238,7 @@ class ChatCompletionRequest(_Req):
         for i, m in enumerate(self.messages):
             c = m.get("content") if isinstance(m, dict) else None
             if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in c):
-                m = {**m, "content": [openai_part(p, f"messages[{i}].content[{j}]", pending)
+                m = {**m, "content": [pending.openai_part(p, f"messages[{i}].content[{j}]")
                                       if isinstance(p, dict) and p.get("type") == "image_url" else p
                                       for j, p in enumerate(c)]}
             out.append(m)
@@ -399,12 +399,12 @@ class MessagesRequest(_Req):
             out.append({"type": "function", "function": fn})
         return out
 
-    def openai_messages(self, pending: list[Pending] | None = None) -> list[dict[str, Any]]:
+    def openai_messages(self, pending: Any = None) -> list[dict[str, Any]]:
         """Convert to OpenAI-style messages: ``system`` first; ``tool_result`` blocks become
         ``role: tool`` messages (in order, before the user text of the same turn);
         ``thinking`` / ``text`` / ``tool_use`` assistant blocks become reasoning, content
         and ``tool_calls``; ``image`` blocks (a user turn's or a tool result's) become internal
-        image parts next to the text (:mod:`molt_core.server.wire_images`), their checks
+        image parts next to the text (the modality's ``wire_images``), their checks
         appended to ``pending`` (None: checked here).
 
         Raises:
@@ -413,7 +413,7 @@ class MessagesRequest(_Req):
         """
         return convert_checked(self._convert, pending)
 
-    def _convert(self, pending: list[Pending]) -> list[dict[str, Any]]:
+    def _convert(self, pending: Any) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.system:
             out.append({"role": "system", "content": self.system if isinstance(self.system, str)
@@ -432,7 +432,7 @@ class MessagesRequest(_Req):
                     if kind == "text" and isinstance(b.get("text"), str):
                         parts.append(b["text"])
                     elif kind == "image":
-                        parts.append(anthropic_block(b, f"{where}.content[{j}]", pending))
+                        parts.append(pending.anthropic_block(b, f"{where}.content[{j}]"))
                     elif kind == "tool_result":
                         c = b.get("content", "")
                         content = c if isinstance(c, str) else _block_content(c, f"{where}.content[{j}].content", pending)
@@ -475,14 +475,14 @@ def _joined(parts: list[Any]) -> str | list[Any]:
     return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
-def _block_content(blocks: Any, where: str, pending: list[Pending]) -> str | list[Any]:
+def _block_content(blocks: Any, where: str, pending: Any) -> str | list[Any]:
     """A tool result's content blocks: text and image blocks (:func:`_joined`)."""
     if not isinstance(blocks, list):
         raise WireError(400, f"{where} must be a string or a list of text and image blocks", where)
     parts: list[Any] = []
     for j, b in enumerate(blocks):
         if isinstance(b, dict) and b.get("type") == "image":
-            parts.append(anthropic_block(b, f"{where}[{j}]", pending))
+            parts.append(pending.anthropic_block(b, f"{where}[{j}]"))
         elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
             parts.append(b["text"])
         else:

@@ -13,7 +13,9 @@ Each check is about one registered object (or one plugin's hooks) and gives a
   a teacher has ``annotate``; a replay backend has ``route``, ``replay`` and a
   ``router_class``; a routing tool has ``is_moe``, ``recorder``, ``collate``, ``init_trainer``,
   ``forward``, ``noreplay`` and ``metrics``; an engine is callable; a logger has ``log`` and
-  ``close``; a sandbox backend has ``available``, ``describe`` and ``run``;
+  ``close``; a sandbox backend has ``available``, ``describe`` and ``run``; a modality has
+  ``decode_part``, ``is_model``, ``processor_for``, ``row_images``, ``forward_kwargs`` and
+  ``wire_images``;
 * ``options`` -- when the object has ``Options``, it is a Pydantic model whose JSON schema
   builds and which validates ``{}`` (every field has a default) -- or, for fields that cannot
   have a sensible default, the object's ``molt_example["options"]`` validates;
@@ -59,6 +61,7 @@ _SHAPE: dict[str, tuple[str, ...]] = {
     "routing_tools": ("is_moe", "recorder", "collate", "init_trainer", "forward", "noreplay", "metrics"),
     "loggers": ("log", "close"),
     "sandbox_backends": ("available", "describe", "run"),
+    "modalities": ("decode_part", "is_model", "processor_for", "row_images", "forward_kwargs", "wire_images"),
 }
 
 

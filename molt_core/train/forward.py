@@ -20,7 +20,7 @@ from molt_core.models import cache_keyword, length_dependent_rope, returned_cach
 from molt_core.sampling import processed_logprobs
 from molt_core.train.ingress import Batch
 
-__all__ = ["forward_rows", "model_vocab", "recompute_logprobs", "shared_prefix", "token_logprobs"]
+__all__ = ["forward_rows", "image_inputs", "model_vocab", "recompute_logprobs", "shared_prefix", "token_logprobs"]
 
 _log = logging.getLogger("molt.forward")
 
@@ -216,6 +216,23 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
     return logits
 
 
+def image_inputs(model: torch.nn.Module, vp: Any, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]], width: int,
+                 device: Any = None) -> dict[str, torch.Tensor]:
+    """Image kwargs of a right-padded forward (trainer recompute, SFT) over ``rows`` (per row its
+    real ids and its images' encoded bytes, in token order): ``vp.padded_inputs`` of the
+    modality's processor (``position_ids`` ``[3, B, width]``, ``pixel_values``,
+    ``image_grid_thw`` ``[N, 3]``); ``{}`` when no row has an image.
+
+    Raises:
+        ValueError: rows with images and no vision processor, or as ``vp.padded_inputs``.
+    """
+    if not any(imgs for _, imgs in rows):
+        return {}
+    if vp is None:
+        raise ValueError("rows carry images but the model has no vision processor")
+    return vp.padded_inputs(model, rows, width, device)
+
+
 def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) ``[b, T_rows]`` float32 of the sampled tokens of ``rows`` under
@@ -252,12 +269,9 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
             offset = int(cols[0]) - 1
             kw["logits_to_keep"] = torch.arange(offset, int(cols[-1]), device=trainer.device)
     if batch.images is not None:  # a vision-language model: pixels, grids and 3D positions of the rows' images
-        from molt_core.vision import padded_inputs
-
-        lens = batch.lengths[rows].tolist()
-        kw.update(padded_inputs(model, getattr(trainer, "vision_processor", None),
-                                [(r[:n].tolist(), im) for r, n, im in zip(ids, lens, batch.images[rows])], T,
-                                trainer.device))
+        kw.update(image_inputs(model, getattr(trainer, "vision_processor", None),
+                                [(r[:n].tolist(), im) for r, n, im in zip(ids, batch.lengths[rows].tolist(),
+                                                                          batch.images[rows])], T, trainer.device))
     with trainer._routing(model, batch, rows, T), trainer.autocast():
         logits = None
         if plan:  # the logits of a shared-prefix forward start at column L

@@ -10,6 +10,9 @@ rollout). Token identity against the engine's record is checked before this, by
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -153,9 +156,9 @@ def build_batch(
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
         need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
             with one per-token list per segment, a float on each sampled token.
-        vision: the model's :class:`~molt_core.vision.VisionProcessor`: each segment's image
+        vision: the model's image processor (the modality plugin's): each segment's image
             runs are checked against its ``images`` (one run per ref, where the ref says, of
-            the length its grid gives; :func:`molt_core.vision.check_runs`), and each image's
+            the length its grid gives; its ``check_segment``), and each image's
             grid as this processor computes it (what the trainer's forward will use) must
             equal the recorded ``grid_thw`` (what the engine expanded). None skips those
             checks (the images' bytes are still checked against their digests).
@@ -363,11 +366,6 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
     bytes hash to their key and, with ``vision``, the ids hold exactly the recorded runs."""
     if not any(seg.images for _, seg, _ in rows):
         return None
-    import base64
-    import binascii
-
-    from molt_core.vision import check_runs, image_sha256
-
     decoded: dict[tuple[int, str], bytes] = {}
     out: list[list[bytes]] = []
     for b, (r, seg, j) in enumerate(rows):
@@ -384,25 +382,16 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
                     data = base64.b64decode(b64, validate=True)
                 except (binascii.Error, ValueError):
                     raise IngressError(f"rollout {traj.rollout_id}: images[{ref.sha256[:12]}...] is not base64") from None
-                if image_sha256(data) != ref.sha256:
+                if hashlib.sha256(data).hexdigest() != ref.sha256:
                     raise IngressError(f"rollout {traj.rollout_id}: images[{ref.sha256[:12]}...] does not hash to its "
                                        "key; the stored bytes are not the image the segment records")
                 decoded[key] = data
             imgs.append(decoded[key])
-        if vision is not None:
+        if vision is not None:  # the runs where the refs say, each image's grid as the trainer's processor gives it
             try:
-                check_runs(seg.token_ids, [ref.grid_thw for ref in seg.images], vision, seg.images)
+                vision.check_segment(seg.token_ids, seg.images, imgs)
             except ValueError as e:
                 raise IngressError(f"{where[b]}: {e}") from None
-            for k, (ref, data) in enumerate(zip(seg.images, imgs)):
-                try:
-                    grid = vision.process(data)[1]  # cached by digest: the forward reuses it
-                except ValueError as e:
-                    raise IngressError(f"{where[b]}: images[{k}]: {e}") from None
-                if list(grid) != list(ref.grid_thw):
-                    raise IngressError(f"{where[b]}: images[{k}] records grid {list(ref.grid_thw)} but the trainer's "
-                                       f"image processor gives {list(grid)}: the engine and the trainer process "
-                                       "images differently (use the same model.path processor for both)")
         out.append(imgs)
     return out
 

@@ -16,10 +16,10 @@ so the warm start is imperfect and RL has something to improve.
 
 Images (vision-language models): a prompt whose user/tool messages hold image parts
 (``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``,
-:func:`molt_core.images.image_part`) is normalized and rendered as the ledger does
+:func:`molt_plugins.vision.images.image_part`) is normalized and rendered as the ledger does
 (:func:`molt_core.ledger.messages.normalize_messages`), each placeholder is expanded into the
-image's run (:func:`molt_core.vision.expand_placeholders`), and the forward gets the images'
-``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.vision.padded_inputs`)
+image's run (the modality processor's ``expand_placeholders``), and the forward gets the images'
+``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.train.forward.image_inputs`)
 -- the same inputs the engine and the RL trainer give the model.
 """
 
@@ -32,6 +32,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+from molt_core.ledger.messages import image_shas, normalize_messages
+from molt_core.plugins import modality
+from molt_core.train.forward import image_inputs
 
 __all__ = ["Example", "render_example", "render_with_images", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
            "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
@@ -97,11 +101,9 @@ def _vision_processor(trainer: Any) -> Any:
     """The trainer's vision processor (``trainer.vision_processor``), else the one of
     ``cfg.model.path`` for a vision-language model, else None."""
     vp = getattr(trainer, "vision_processor", None)
-    if vp is None:
-        from molt_core.vision import is_vision_model, load_vision_processor
-
-        if is_vision_model(trainer.model):
-            vp = load_vision_processor(trainer.cfg.model.path, trainer.tokenizer)
+    mod = modality()
+    if vp is None and mod is not None:
+        vp = mod.processor_for(trainer.model, trainer.cfg.model.path, trainer.tokenizer)
     return vp
 
 
@@ -113,33 +115,26 @@ def render_with_images(tokenizer: Any, vp: Any, messages: list[dict[str, Any]], 
 
     Raises:
         ValueError: as :func:`render_example`; images for a model without a vision processor;
-            :class:`~molt_core.images.ImageError` for a refused image (naming its field).
+            the modality's error for a refused image (naming its field).
     """
-    from molt_core.images import is_image_part
-
-    if not any(isinstance(m.get("content"), list) and any(is_image_part(p) for p in m["content"]) for m in messages):
+    if not any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                          for p in m["content"]) for m in messages):
         return (*render_example(tokenizer, messages, completion, chat_template_kwargs), [])
-    from molt_core.ledger.messages import image_shas, normalize_messages
-
     pool: dict[str, bytes] = {}
-    msgs = normalize_messages(messages, pool)
+    msgs = normalize_messages(messages, pool, decode=getattr(modality() or vp, "decode_part", None))
     if vp is None:
         raise ValueError(f"sft: an example carries {len(pool)} image(s) but the model is not a vision-language model")
     prompt, comp = render_example(tokenizer, msgs, completion, chat_template_kwargs)
-    from molt_core.vision import expand_placeholders
-
     images = [pool[h] for h in image_shas(msgs)]
-    return expand_placeholders(prompt, images, vp)[0], comp, images
+    return vp.expand_placeholders(prompt, images)[0], comp, images
 
 
 def _image_kwargs(model: Any, vp: Any, seqs: Sequence[tuple[list[int], list[int]]], imgs: Sequence[list[bytes]],
                   width: int, device: Any) -> dict[str, Any]:
-    """:func:`molt_core.vision.padded_inputs` of a micro-batch (``{}`` when no row has images)."""
+    """:func:`molt_core.train.forward.image_inputs` of a micro-batch (``{}`` when no row has images)."""
     if not any(imgs):
         return {}
-    from molt_core.vision import padded_inputs
-
-    return padded_inputs(model, vp, [(p + c, im) for (p, c), im in zip(seqs, imgs)], width, device)
+    return image_inputs(model, vp, [(p + c, im) for (p, c), im in zip(seqs, imgs)], width, device)
 
 
 def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

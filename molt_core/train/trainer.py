@@ -60,6 +60,7 @@ from molt_core.algo.correction import staleness_gate
 from molt_core.algo.kl import kl_estimate
 from molt_core.config import RunConfig
 from molt_core.models import routing_tool
+from molt_core.plugins import modality
 from molt_core.train.algorithms import compute_advantages, correct_tokens, resolve_algorithms
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
@@ -148,11 +149,10 @@ class Trainer:
             if critic is not None:
                 enable_gradient_checkpointing(critic.backbone)
         self.tokenizer = tokenizer
-        from molt_core.vision import is_vision_model, load_vision_processor
-
+        mod = modality()  # the registered image modality (None: a text-only run)
         #: a vision-language model's image processor (``cfg.model.path``'s), else None
-        self.vision_processor = (load_vision_processor(cfg.model.path, tokenizer)
-                                 if is_vision_model(model) and tokenizer is not None else None)
+        self.vision_processor = (mod.processor_for(model, cfg.model.path, tokenizer)
+                                 if mod is not None and tokenizer is not None else None)
         self.kl_coef = float(cfg.algo.kl_coef)
         self.ref_model = ref_model
         if self.ref_model is None and self.kl_coef > 0:

@@ -16,7 +16,7 @@ the reply is scored by exact match against the gold answer (binary reward). Thre
 A task dict is plain JSON: ``{"task", "params", "question", "answer"}`` where ``params`` holds
 every generating parameter (image size and shape side included), so :func:`draw` rebuilds
 the exact image from the task alone. The first message is a user message whose content is
-the image part (``molt_core.images.image_part`` of the PNG) followed by the question text.
+the image part (``molt_plugins.vision.images.image_part`` of the PNG) followed by the question text.
 
 Splits. The held-out split is the first ``eval_size`` distinct parameter sets drawn from
 ``random.Random(seed + EVAL_SEED_OFFSET)``; the train split is endless, drawn from
@@ -36,7 +36,7 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt_core.agents import EpisodeState, Env
-from molt_core.images import image_part
+from molt_plugins.vision.images import image_part
 from molt_core.types import Result
 from molt_plugins.envs.dataset import strip_end_markers
 

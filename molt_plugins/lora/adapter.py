@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
+from molt_core.plugins import modality
 from molt_core.plugins.extras import with_install_hint
 from molt_core.train.model_files import save_model
 
@@ -192,10 +193,8 @@ class AdapterDisabled(torch.nn.Module):
         return next(self._policy[0].parameters()).dtype
 
     def get_rope_index(self, *args: Any, **kw: Any) -> Any:
-        """The policy's ``get_rope_index`` (vision-language models; see :func:`molt_core.vision.rope_positions`)."""
-        from molt_core.vision import _rope_index_fn
-
-        return _rope_index_fn(self._policy[0])(*args, **kw)
+        """The policy's ``get_rope_index`` (vision-language models; the modality's ``rope_index``)."""
+        return modality().rope_index(self._policy[0])(*args, **kw)
 
 
 @contextmanager

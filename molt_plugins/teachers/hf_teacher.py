@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt_plugins.vision.processor import is_vision_model, load_vision_processor, padded_inputs
+
 __all__ = ["HFTeacher", "HFTeacherOptions", "check_same_vocab"]
 
 
@@ -84,8 +86,6 @@ class HFTeacher:
         self.model.eval()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
-        from molt_core.vision import is_vision_model, load_vision_processor
-
         #: sequences per forward: 1 when the rotary factors depend on a forward's longest position
         #: (longrope, dynamic NTK: :func:`molt_core.models.length_dependent_rope`), so a sequence's
         #: logprobs never depend on the sequences batched with it
@@ -103,7 +103,7 @@ class HFTeacher:
             images: per sequence, the encoded bytes of its images in token order (each image's
                 ``<|image_pad|>`` run expanded in the ids); None or empty lists for text. A
                 vision-language teacher sees them as the policy did (pixels and 3D positions,
-                :func:`molt_core.vision.padded_inputs`).
+                :func:`molt_plugins.vision.processor.padded_inputs`).
 
         Returns:
             One list per sequence, same length: ``None`` at position 0, else the float
@@ -139,8 +139,6 @@ class HFTeacher:
             for j, s in enumerate(chunk):  # right padding: positions of real tokens are unchanged
                 ids[j, : len(s)] = torch.tensor(s)
                 att[j, : len(s)] = 1
-            from molt_core.vision import padded_inputs
-
             kw = padded_inputs(self.model, self.vision, list(zip(chunk, imgs)), T)
             with torch.no_grad():
                 logits = self.model(input_ids=ids, attention_mask=att, **kw).logits.float()  # [B, T, V]

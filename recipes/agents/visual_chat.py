@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import openai
 
 from molt_core.agents import AgentContext, ChatAgent
-from molt_core.images import data_url
+from molt_plugins.vision.images import data_url
 from molt_core.types import Result
 from molt_plugins.envs.dataset import strip_end_markers
 from molt_plugins.envs.visual import VisualEnv, VisualOptions, png_bytes

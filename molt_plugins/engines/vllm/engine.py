@@ -67,6 +67,8 @@ from molt_core.models import DTYPES, is_builtin, load_model, load_tokenizer, loc
 from molt_core.types import GenerationOutput, SamplingParams
 from molt_plugins.engines.vllm.weight_sync import EXTENSION, check_full_state
 from molt_plugins.engines.vllm.weight_sync import checkpoint_name as _checkpoint_name
+from molt_plugins.vision.processor import (check_runs, decode_image, image_runs, is_vision_model, load_vision_processor,
+                                          tiny_image_processor)
 
 __all__ = ["VLLMEngine", "VLLM_MISSING"]
 
@@ -217,7 +219,7 @@ class VLLMEngine(WorkerThreadEngine):
         self.vocab_size = int(text_cfg.get("vocab_size") or cfg["vocab_size"])
         self.is_vision = "vision_config" in cfg
         self.image_token_id = cfg.get("image_token_id") if self.is_vision else None
-        #: the model's :class:`~molt_core.vision.VisionProcessor` (None for a text model): the loopback
+        #: the model's :class:`~molt_plugins.vision.processor.VisionProcessor` (None for a text model): the loopback
         #: server and the ledger read it to expand image placeholders, as with the transformers engine
         self.vision_processor = self._vision_processor(model, model_dir, tokenizer) if self.is_vision else None
         # never sample a vision special token (molt_core.models.mask_vision_tokens does the same in
@@ -277,7 +279,6 @@ class VLLMEngine(WorkerThreadEngine):
         elif tokenizer is None:
             raise ValueError("a model object needs its tokenizer: VLLMEngine(model, tokenizer)")
         from molt_core.models import TINY_VL_MERGE, TINY_VL_PATCH
-        from molt_core.vision import is_vision_model, tiny_image_processor
 
         if is_vision_model(model):  # only the builtin VL model's processor is known for a model object
             vc = model.config.vision_config
@@ -299,7 +300,6 @@ class VLLMEngine(WorkerThreadEngine):
         else the one in ``model_dir``. Raises: ValueError (a tokenizer without ``<|image_pad|>``),
         after removing a temporary model directory."""
         from molt_core.models import is_builtin
-        from molt_core.vision import load_vision_processor
 
         try:
             return load_vision_processor(model if isinstance(model, str) and is_builtin(model) else model_dir, tokenizer)
@@ -326,7 +326,7 @@ class VLLMEngine(WorkerThreadEngine):
         Args:
             prompt_ids: ``[P]`` token ids, ``1 <= P < max_model_len``, each in ``[0, vocab_size)``;
                 with images, each image's ``<|image_pad|>`` run already expanded
-                (:func:`molt_core.vision.expand_placeholders`).
+                (:func:`molt_plugins.vision.processor.expand_placeholders`).
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
             images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
                 order (vision-language models): passed to vLLM as
@@ -377,8 +377,6 @@ class VLLMEngine(WorkerThreadEngine):
         runs; None for a text prompt. Raises ValueError as :meth:`generate` documents."""
         runs = 0
         if self.is_vision and self.image_token_id is not None:
-            from molt_core.vision import image_runs
-
             runs = len(image_runs(ids, int(self.image_token_id)))
         if not images:
             if runs:
@@ -390,8 +388,6 @@ class VLLMEngine(WorkerThreadEngine):
                              "use one such as builtin:tiny-qwen2.5-vl")
         if runs != len(images):
             raise ValueError(f"prompt_ids hold {runs} image token run(s) but {len(images)} image(s) were given")
-        from molt_core.vision import check_runs, decode_image
-
         vp = getattr(self, "vision_processor", None)
         if vp is not None:  # each run as long as the processor expands its image (the ledger's expansion)
             check_runs(ids, [vp.process(b)[1] for b in images], vp)

@@ -1,5 +1,5 @@
 """Image parts on the three wires: each wire's image shape to the internal part
-(:mod:`molt_core.images`), and their validation with each refusal naming the wire's own field.
+(:mod:`molt_plugins.vision.images`), and their validation with each refusal naming the wire's own field.
 
 * OpenAI Chat: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
   "detail": ...}}`` (``detail`` is ignored: the model's processor decides the resolution);
@@ -11,10 +11,10 @@
   message's or a ``function_call_output``'s content (``file_id`` is refused); field
   ``input[i].content[j].image_url``.
 
-A wire's converter calls :func:`openai_part` / :func:`anthropic_block` / :func:`responses_part`,
-which return the internal part and record a :class:`Pending` check; the server then runs
-:func:`check_images` (off the event loop for a big body: decoding and any allowed remote fetch
-happen there) before the ledger sees the messages.
+A wire's converter calls the request's :class:`WireImages` (``openai_part`` / ``anthropic_block``
+/ ``responses_part``), which return the internal part and record a :class:`Pending` check; the
+server then runs its ``check()`` (:func:`check_images` (off the event loop for a big body: decoding and any allowed remote fetch
+happen there)) before the ledger sees the messages.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from molt_core.images import ImageError, ImagePolicy, data_url, decode_base64, decode_url
+from molt_core.config import ImagePolicy
+from molt_plugins.vision.images import ImageError, data_url, decode_base64, decode_url
 
-__all__ = ["Pending", "openai_part", "anthropic_block", "responses_part", "check_images", "convert_checked"]
+__all__ = ["Pending", "WireImages", "openai_part", "anthropic_block", "responses_part", "check_images"]
 
 
 @dataclass
@@ -100,11 +101,11 @@ def responses_part(part: dict[str, Any], where: str, pending: list[Pending]) -> 
 
 
 def check_images(pending: list[Pending], policy: ImagePolicy | None = None, vision: Any = None) -> None:
-    """Validate every pending image (:mod:`molt_core.images`; blocking: Pillow decode, and a
+    """Validate every pending image (:mod:`molt_plugins.vision.images`; blocking: Pillow decode, and a
     fetch for an allowed remote URL) and set each part's URL to its data URL.
 
     Args:
-        vision: the model's :class:`~molt_core.vision.VisionProcessor`, or None. When given,
+        vision: the model's :class:`~molt_plugins.vision.processor.VisionProcessor`, or None. When given,
             each image is also run through it (the result is cached by digest, so the ledger's
             expansion reuses it): an image the processor refuses -- e.g. Qwen2-VL's
             ``smart_resize`` refuses an aspect ratio of 200 or more -- is a bad image too.
@@ -128,16 +129,32 @@ def check_images(pending: list[Pending], policy: ImagePolicy | None = None, visi
                                  "send an image it accepts", p.field) from None
 
 
-def convert_checked(convert: Any, pending: list[Pending] | None) -> list[dict[str, Any]]:
-    """``convert(checks)`` (a wire's message conversion, which appends the images it meets to
-    ``checks``), then, when ``pending`` is None, the images checked here (:func:`check_images`);
-    else they are left in ``pending`` for the caller to check off the event loop.
+class WireImages(list):
+    """A request's images met by a wire's converter (a list of :class:`Pending`), what the
+    kernel's wires call (the vision modality's ``wire_images``): the three part converters,
+    then :meth:`check` (blocking) before the ledger sees the messages."""
 
-    Raises:
-        WireError: from ``convert``. ImageError: a refused image (``pending`` None).
-    """
-    checks: list[Pending] = [] if pending is None else pending
-    out = convert(checks)
-    if pending is None:
-        check_images(checks)
-    return out
+    def __init__(self, policy: ImagePolicy | None = None, vision: Any = None) -> None:
+        super().__init__()
+        self.policy, self.vision = policy, vision
+
+    def openai_part(self, part: dict[str, Any], where: str) -> dict[str, Any]:
+        """:func:`openai_part` into this collector. Raises: ImageError as it does."""
+        return openai_part(part, where, self)
+
+    def anthropic_block(self, block: dict[str, Any], where: str) -> dict[str, Any]:
+        """:func:`anthropic_block` into this collector. Raises: ImageError as it does."""
+        return anthropic_block(block, where, self)
+
+    def responses_part(self, part: dict[str, Any], where: str) -> dict[str, Any]:
+        """:func:`responses_part` into this collector. Raises: ImageError as it does."""
+        return responses_part(part, where, self)
+
+    @property
+    def remote(self) -> bool:
+        """True when an image is a remote URL (its check fetches it: run it off the event loop)."""
+        return any(p.url is not None and not p.url.startswith("data:") for p in self)
+
+    def check(self) -> None:
+        """:func:`check_images` over the collected images. Raises: ImageError, naming the field."""
+        check_images(self, self.policy, self.vision)

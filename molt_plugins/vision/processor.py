@@ -37,10 +37,18 @@ from molt_core.models import (  # noqa: F401 - the vision-token mask is part of 
     TINY_VL_MIN_PIXELS,
     TINY_VL_PATCH,
     VISION_TOKEN_LOGIT,
+    VL_BUILTINS,
+    _builtin_name,
+    hub_kwargs,
+    is_builtin,
+    load_tokenizer,
     mask_vision_tokens,
+    resolve_path,
     vision_token_ids,
 )
 from molt_core.types import ImageRef
+from molt_plugins.vision.expand import expand_images, extra_image_tokens
+from molt_plugins.vision.images import DecodedImage, decode_part
 
 __all__ = [
     "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "VisionProcessor",
@@ -143,6 +151,47 @@ class VisionProcessor:
         t, h, w = grid_thw
         return int(t) * int(h) * int(w) // self.merge_size**2
 
+    # -- what the kernel calls on the processor it holds (ledger, ingress, trainer forward, SFT)
+    def decode_part(self, part: dict[str, Any], where: str, policy: Any = None) -> DecodedImage:
+        """An internal image part read (:func:`molt_plugins.vision.images.decode_part`). Raises: ImageError."""
+        return decode_part(part, where, policy)
+
+    def expand(self, ids: list[int], shas: list[str], pool: dict[str, bytes], offset: int) -> tuple[list[int], list[ImageRef]]:
+        """The ledger's expansion (:func:`molt_plugins.vision.expand.expand_images`)."""
+        return expand_images(self, ids, shas, pool, offset)
+
+    def extra_tokens(self, shas: list[str], pool: dict[str, bytes]) -> int:
+        """Tokens the images ``shas`` add by expansion (:func:`molt_plugins.vision.expand.extra_image_tokens`)."""
+        return extra_image_tokens(self, shas, pool)
+
+    def expand_placeholders(self, ids: Sequence[int], images: Sequence[bytes], *,
+                            offset: int = 0) -> tuple[list[int], list[ImageRef]]:
+        """:func:`expand_placeholders` with this processor."""
+        return expand_placeholders(ids, images, self, offset=offset)
+
+    def check_segment(self, ids: Sequence[int], refs: Sequence[ImageRef], images: Sequence[bytes]) -> None:
+        """Trainer ingress: ``ids`` hold one run per ref, where the ref records it, and each
+        image's grid as this processor computes it (what the forward will use) is the ref's.
+
+        Raises:
+            ValueError: the first mismatch (``images[k]: ...`` for an image's own fault).
+        """
+        check_runs(ids, [ref.grid_thw for ref in refs], self, refs)
+        for k, (ref, data) in enumerate(zip(refs, images)):
+            try:
+                grid = self.process(data)[1]  # cached by digest: the forward reuses it
+            except ValueError as e:
+                raise ValueError(f"images[{k}]: {e}") from None
+            if list(grid) != list(ref.grid_thw):
+                raise ValueError(f"images[{k}] records grid {list(ref.grid_thw)} but the trainer's image processor "
+                                 f"gives {list(grid)}: the engine and the trainer process images differently (use "
+                                 "the same model.path processor for both)")
+
+    def padded_inputs(self, model: Any, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]], width: int,
+                      device: Any = None) -> dict[str, torch.Tensor]:
+        """:func:`padded_inputs` with this processor (shapes there)."""
+        return padded_inputs(model, self, rows, width, device)
+
 
 def tiny_image_processor() -> Any:
     """The image processor of ``builtin:tiny-qwen2.5-vl`` (Pillow backend: needs no torchvision):
@@ -167,8 +216,6 @@ def load_vision_processor(path: str, tokenizer: Any = None) -> VisionProcessor |
         ValueError: a vision model whose tokenizer has no ``<|image_pad|>`` token.
         FileNotFoundError: as :func:`molt_core.models.hub_kwargs`.
     """
-    from molt_core.models import VL_BUILTINS, _builtin_name, hub_kwargs, is_builtin, load_tokenizer, resolve_path
-
     if is_builtin(path):
         if _builtin_name(path) not in VL_BUILTINS:
             return None

@@ -7,7 +7,7 @@ OpenAI Chat shape with a base64 data URL::
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo..."}}
 
 :func:`image_part` builds it from encoded bytes (what an Env uses); the wires convert their own
-shapes to it (:mod:`molt_core.server.wires`). The ledger (:mod:`molt_core.ledger.messages`)
+shapes to it (:mod:`molt_plugins.vision.wire`). The ledger (:mod:`molt_core.ledger.messages`)
 reads it back with :func:`decode_part`, keeps the bytes once per rollout keyed by their
 SHA-256 and renders the message through the chat template with ``{"type": "image", "sha256":
 ...}`` in its place (:data:`IMAGE_PART_TYPE`).
@@ -39,7 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from molt_core.config import ImagePolicy
+from molt_core.ledger.messages import IMAGE_PART_TYPE
 
 __all__ = ["MEDIA_TYPES", "IMAGE_PART_TYPE", "ImagePolicy", "ImageError", "DecodedImage", "image_part",
            "data_url", "decode_bytes", "decode_base64", "decode_url", "decode_part", "fetch_url", "is_image_part"]
@@ -47,26 +48,6 @@ __all__ = ["MEDIA_TYPES", "IMAGE_PART_TYPE", "ImagePolicy", "ImageError", "Decod
 #: accepted media type -> the Pillow format name its bytes must have
 MEDIA_TYPES: dict[str, str] = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
 _FORMAT_MEDIA = {v: k for k, v in MEDIA_TYPES.items()}
-#: the ``type`` of the part the ledger renders in an image's place (``{"type": "image", "sha256": hex}``)
-IMAGE_PART_TYPE = "image"
-
-
-class ImagePolicy(BaseModel):
-    """Limits and the remote-URL rule for image inputs (the recipe's ``[images]`` table; the
-    loopback server's ``create_app(image_policy=...)``).
-
-    Fields: ``max_bytes`` -- encoded size limit in bytes (default 20 MiB, the Anthropic API's
-    request-level image cap); ``max_pixels`` -- width x height limit (default 33,177,600 =
-    7680 x 4320); ``allow_remote_urls`` -- fetch ``http(s)://`` image URLs (default False: only
-    inline data); ``fetch_timeout_s`` -- total time for one fetch in seconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    max_bytes: int = Field(20 * 1024 * 1024, ge=1)
-    max_pixels: int = Field(7680 * 4320, ge=1)
-    allow_remote_urls: bool = False
-    fetch_timeout_s: float = Field(10.0, gt=0)
 
 
 _DEFAULT = ImagePolicy()
