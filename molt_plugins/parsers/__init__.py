@@ -1,16 +1,11 @@
-"""Tool-call parsers per model family: find the tool calls in an assistant turn's text.
+"""First-party tool-call parsers of the model families, registered through
+``molt_register_tool_parsers`` (by the ``molt_engines`` entry point, :mod:`molt_plugins.engines`).
 
-A parser returns every call it finds with the character span of the block that held it; the
-ledger removes those spans from the visible text. Text that is not a well-formed call stays
-content (a call is never guessed). Parsing is JSON-aware: a closing tag inside a JSON string
-(``"text": "use </tool_call> to close"``) does not end the call, and every call of a
-parallel-call turn is kept.
+Each finds the calls in an assistant turn's visible text (the :class:`~molt_core.ledger.toolcall.ToolParser`
+protocol); a block that is not a well-formed call stays content. Families, chosen by name:
 
-Families (:data:`TOOL_PARSERS`, chosen by name):
-
-* ``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-  a block may hold several JSON objects or one JSON array of them; a block the generation
-  ended inside (no closing tag, only whitespace after the JSON) still counts.
+* ``hermes`` / ``qwen`` (Hermes, Qwen2.5, Qwen3): the ledger's own default,
+  :class:`~molt_core.ledger.toolcall.HermesParser`, ``<tool_call>{json}</tool_call>``.
 * ``qwen3_coder`` (Qwen3-Coder XML): ``<tool_call><function=NAME><parameter=P>VALUE</parameter>
   ...</function></tool_call>``; a value is JSON-decoded unless the tool's schema declares the
   parameter a string (then the raw text, one leading/trailing newline removed).
@@ -27,111 +22,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any
+
+from molt_core.ledger.toolcall import HermesParser, ParsedCall, ToolParser, call_of, flatten, json_values, skip_ws
+from molt_core.plugins import make_tool_parser
 
 __all__ = ["ParsedCall", "ToolParser", "HermesParser", "Qwen3CoderParser", "Llama3JsonParser", "MistralParser",
-           "TransformersResponseParser", "TOOL_PARSERS", "get_tool_parser"]
+           "TransformersResponseParser", "AutoParser", "TOOL_PARSERS", "get_tool_parser"]
 
-_DEC = json.JSONDecoder()
 _WS = " \t\r\n"
-
-
-@dataclass
-class ParsedCall:
-    """One tool call: ``name``, ``arguments`` (a dict) and ``span`` -- the ``(start, end)``
-    characters of the block that held it (calls of one block share the span)."""
-
-    name: str
-    arguments: dict[str, Any]
-    span: tuple[int, int]
-
-
-class ToolParser(Protocol):
-    """Finds tool calls in ``text[start:]``; ``tools`` are the request's OpenAI-form schemas."""
-
-    def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
-        """Every well-formed call in ``text[start:]``, in order (no exception on bad text)."""
-        ...
-
-
-def _skip(text: str, i: int, chars: str = _WS) -> int:
-    while i < len(text) and text[i] in chars:
-        i += 1
-    return i
-
-
-def _call_of(obj: Any, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, dict[str, Any]] | None:
-    """``(name, arguments)`` of a decoded call object, or None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args: Any = {}
-    for k in arg_keys:
-        if k in obj:
-            args = obj[k]
-            break
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            return None
-    return (obj["name"], args) if isinstance(args, dict) else None
-
-
-def _json_values(text: str, i: int, seps: str = _WS + ",") -> tuple[list[Any], int]:
-    """Decode consecutive JSON values from ``text[i:]`` (separated by ``seps``); returns them and
-    the index after the last one (and its separators)."""
-    out = []
-    while True:
-        i = _skip(text, i, seps)
-        if i >= len(text) or text[i] not in "[{":
-            return out, i
-        try:
-            obj, j = _DEC.raw_decode(text, i)
-        except ValueError:
-            return out, i
-        out.append(obj)
-        i = j
-
-
-def _flatten(objs: list[Any]) -> list[Any]:
-    return [x for o in objs for x in (o if isinstance(o, list) else [o])]
-
-
-class HermesParser:
-    """``<tool_call>{json}</tool_call>`` blocks, JSON-aware (see the module doc).
-
-    Args:
-        tags: the opening and closing tag.
-    """
-
-    def __init__(self, tags: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> None:
-        self.open, self.close = tags
-
-    def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
-        """Every well-formed block's calls; a malformed block stays content."""
-        out: list[ParsedCall] = []
-        i = start
-        while True:
-            a = text.find(self.open, i)
-            if a < 0:
-                return out
-            objs, j = _json_values(text, a + len(self.open))
-            j = _skip(text, j)
-            if text.startswith(self.close, j):
-                end = j + len(self.close)
-            elif j >= len(text):  # the generation ended inside the block, after its JSON
-                end = len(text)
-            else:
-                end = -1
-            calls = [_call_of(o) for o in _flatten(objs)]
-            if end < 0 or not calls or any(c is None for c in calls):
-                i = a + len(self.open)
-                continue
-            out += [ParsedCall(n, args, (a, end)) for n, args in calls]  # type: ignore[misc]
-            i = end
-
-
 _FUNC = re.compile(r"<function=([^>\n]+)>")
 _PARAM = re.compile(r"<parameter=([^>\n]+)>")
 
@@ -217,13 +116,13 @@ class Llama3JsonParser:
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
         """All calls when the whole visible text is calls, else none."""
-        a = i = _skip(text, start)
+        a = i = skip_ws(text, start)
         if text.startswith("<|python_tag|>", i):
-            i = _skip(text, i + len("<|python_tag|>"))
-        objs, j = _json_values(text, i, _WS + ";")
-        if not objs or _skip(text, j) != len(text):
+            i = skip_ws(text, i + len("<|python_tag|>"))
+        objs, j = json_values(text, i, _WS + ";")
+        if not objs or skip_ws(text, j) != len(text):
             return []
-        calls = [_call_of(o, ("parameters", "arguments")) for o in _flatten(objs)]
+        calls = [call_of(o, ("parameters", "arguments")) for o in flatten(objs)]
         if any(c is None for c in calls):
             return []
         return [ParsedCall(n, args, (a, len(text))) for n, args in calls]  # type: ignore[misc]
@@ -243,8 +142,8 @@ class MistralParser:
             a = text.find(self.tag, i)
             if a < 0:
                 return out
-            objs, j = _json_values(text, a + len(self.tag))
-            calls = [_call_of(o) for o in _flatten(objs)]
+            objs, j = json_values(text, a + len(self.tag))
+            calls = [call_of(o) for o in flatten(objs)]
             if not calls or any(c is None for c in calls):
                 i = a + len(self.tag)
                 continue
@@ -271,41 +170,42 @@ class TransformersResponseParser:
         at = text.find(content, start) if content else -1
         a = at + len(content) if at >= 0 else start
         for c in (msg.get("tool_calls") or []) if isinstance(msg, dict) else []:
-            call = _call_of(c.get("function", c) if isinstance(c, dict) else None)
+            call = call_of(c.get("function", c) if isinstance(c, dict) else None)
             if call is not None:
                 out.append(ParsedCall(call[0], call[1], (a, len(text))))
         return out
 
 
-def _auto(tokenizer: Any) -> ToolParser:
-    if tokenizer is not None and getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
-        return TransformersResponseParser(tokenizer)
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    for marker, name in (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json")):
-        if marker in template:
-            return TOOL_PARSERS[name]()
-    return HermesParser()
+class AutoParser(HermesParser):
+    """``auto``: the parser for a model, picked from its tokenizer by :meth:`for_tokenizer` (see
+    the module doc); built bare (no tokenizer known) it is Hermes, what ``auto`` picks then."""
+
+    @staticmethod
+    def for_tokenizer(tokenizer: Any) -> ToolParser:
+        """The tokenizer's own response schema where transformers provides one, else the family
+        whose call syntax its chat template writes (Hermes when none does)."""
+        if tokenizer is not None and getattr(tokenizer, "response_template", None) and hasattr(tokenizer, "parse_response"):
+            return TransformersResponseParser(tokenizer)
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        for marker, name in (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json")):
+            if marker in template:
+                return TOOL_PARSERS[name]()
+        return HermesParser()
 
 
-#: parser factories by model-family name (``Ledger(tool_parser=...)``, ``molt serve --tool-parser``)
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
-    "hermes": HermesParser, "qwen": HermesParser, "qwen3_coder": Qwen3CoderParser,
+#: parser classes by model-family name, as registered (``create_app(tool_parser=...)``, ``molt serve --tool-parser``)
+TOOL_PARSERS: dict[str, Any] = {
+    "auto": AutoParser, "hermes": HermesParser, "qwen": HermesParser, "qwen3_coder": Qwen3CoderParser,
     "llama3_json": Llama3JsonParser, "mistral": MistralParser,
 }
 
 
 def get_tool_parser(name: str | ToolParser, tokenizer: Any = None) -> ToolParser:
-    """The parser called ``name`` (see :data:`TOOL_PARSERS`; ``auto`` picks one for
-    ``tokenizer``), or ``name`` itself when it is one.
+    """The parser of :data:`TOOL_PARSERS` called ``name`` (``auto`` picks one for ``tokenizer``),
+    or ``name`` itself when it is one (:func:`molt_core.plugins.make_tool_parser` over this table;
+    the ledger's callers look names up in the registry instead: :func:`molt_core.plugins.tool_parser`).
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    if not isinstance(name, str):
-        return name
-    if name == "auto":
-        return _auto(tokenizer)
-    try:
-        return TOOL_PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tool parser {name!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}") from None
+    return make_tool_parser(name, tokenizer, TOOL_PARSERS)
