@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-__all__ = ["ParsedCall", "ToolParser", "HermesParser", "skip_ws", "call_of", "json_values", "flatten"]
+__all__ = ["ParsedCall", "ToolParser", "HermesParser", "skip_ws", "call_of", "calls_in", "json_values", "scan_blocks"]
 
 _DEC = json.JSONDecoder()
 _WS = " \t\r\n"
@@ -86,9 +86,30 @@ def json_values(text: str, i: int, seps: str = _WS + ",") -> tuple[list[Any], in
         i = j
 
 
-def flatten(objs: list[Any]) -> list[Any]:
-    """``objs`` with each list among them spliced in (a block may hold one JSON array of calls)."""
-    return [x for o in objs for x in (o if isinstance(o, list) else [o])]
+def calls_in(objs: list[Any], arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[tuple[str, dict[str, Any]]] | None:
+    """The ``(name, arguments)`` of decoded JSON values (a list among them spliced in: a block may
+    hold one JSON array of calls), or None unless there is one and every value is a call."""
+    calls = [call_of(x, arg_keys) for o in objs for x in (o if isinstance(o, list) else [o])]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def scan_blocks(text: str, start: int, tag: str,
+                block: Callable[[int], tuple[list[tuple[str, dict[str, Any]]], int] | None]) -> list[ParsedCall]:
+    """The calls of every block of ``text`` opening with ``tag`` at or after ``start``, in order:
+    ``block(a)`` gives ``(calls, end)`` for the block opening at ``a`` (its span ``(a, end)``),
+    or None for a malformed one, which stays content (the scan goes on after its tag)."""
+    out: list[ParsedCall] = []
+    i = start
+    while True:
+        a = text.find(tag, i)
+        if a < 0:
+            return out
+        got = block(a)
+        if got is None:
+            i = a + len(tag)
+            continue
+        out += [ParsedCall(n, args, (a, got[1])) for n, args in got[0]]
+        i = got[1]
 
 
 class HermesParser:
@@ -105,23 +126,16 @@ class HermesParser:
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
         """Every well-formed block's calls; a malformed block stays content."""
-        out: list[ParsedCall] = []
-        i = start
-        while True:
-            a = text.find(self.open, i)
-            if a < 0:
-                return out
-            objs, j = json_values(text, a + len(self.open))
-            j = skip_ws(text, j)
-            if text.startswith(self.close, j):
-                end = j + len(self.close)
-            elif j >= len(text):  # the generation ended inside the block, after its JSON
-                end = len(text)
-            else:
-                end = -1
-            calls = [call_of(o) for o in flatten(objs)]
-            if end < 0 or not calls or any(c is None for c in calls):
-                i = a + len(self.open)
-                continue
-            out += [ParsedCall(n, args, (a, end)) for n, args in calls]  # type: ignore[misc]
-            i = end
+        return scan_blocks(text, start, self.open, lambda a: self._block(text, a))
+
+    def _block(self, text: str, a: int) -> tuple[list[tuple[str, dict[str, Any]]], int] | None:
+        objs, j = json_values(text, a + len(self.open))
+        j = skip_ws(text, j)
+        if text.startswith(self.close, j):
+            end = j + len(self.close)
+        elif j >= len(text):  # the generation ended inside the block, after its JSON
+            end = len(text)
+        else:
+            return None
+        calls = calls_in(objs)
+        return None if calls is None else (calls, end)

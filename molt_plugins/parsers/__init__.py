@@ -24,7 +24,8 @@ import json
 import re
 from typing import Any
 
-from molt_core.ledger.toolcall import HermesParser, ParsedCall, ToolParser, call_of, flatten, json_values, skip_ws
+from molt_core.ledger.toolcall import (HermesParser, ParsedCall, ToolParser, call_of, calls_in, json_values, scan_blocks,
+                                       skip_ws)
 from molt_core.plugins import make_tool_parser
 
 __all__ = ["ParsedCall", "ToolParser", "HermesParser", "Qwen3CoderParser", "Llama3JsonParser", "MistralParser",
@@ -86,28 +87,19 @@ class Qwen3CoderParser:
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
         """Every ``<tool_call><function=...>`` block that closes; others stay content."""
-        out: list[ParsedCall] = []
-        i = start
+        return scan_blocks(text, start, self.open, lambda a: self._block(text, a, tools))
+
+    def _block(self, text: str, a: int, tools: list[dict[str, Any]] | None) -> tuple[list[tuple[str, dict[str, Any]]], int] | None:
+        # a block ends at the first closing tag right after a </function> (values may hold tags)
+        b = a + len(self.open)
         while True:
-            a = text.find(self.open, i)
-            if a < 0:
-                return out
-            # a block ends at the first closing tag right after a </function> (values may hold tags)
-            b, end = a + len(self.open), -1
-            while True:
-                c = text.find(self.close, b)
-                if c < 0:
-                    break
-                if text[:c].rstrip(_WS).endswith("</function>"):
-                    end = c
-                    break
-                b = c + len(self.close)
-            call = self._function(text[a + len(self.open): end], tools) if end >= 0 else None
-            if call is None:
-                i = a + len(self.open)
-                continue
-            out.append(ParsedCall(call[0], call[1], (a, end + len(self.close))))
-            i = end + len(self.close)
+            c = text.find(self.close, b)
+            if c < 0:
+                return None
+            if text[:c].rstrip(_WS).endswith("</function>"):
+                call = self._function(text[a + len(self.open): c], tools)
+                return None if call is None else ([call], c + len(self.close))
+            b = c + len(self.close)
 
 
 class Llama3JsonParser:
@@ -120,12 +112,8 @@ class Llama3JsonParser:
         if text.startswith("<|python_tag|>", i):
             i = skip_ws(text, i + len("<|python_tag|>"))
         objs, j = json_values(text, i, _WS + ";")
-        if not objs or skip_ws(text, j) != len(text):
-            return []
-        calls = [call_of(o, ("parameters", "arguments")) for o in flatten(objs)]
-        if any(c is None for c in calls):
-            return []
-        return [ParsedCall(n, args, (a, len(text))) for n, args in calls]  # type: ignore[misc]
+        calls = calls_in(objs, ("parameters", "arguments")) if skip_ws(text, j) == len(text) else None
+        return [ParsedCall(n, args, (a, len(text))) for n, args in calls or []]
 
 
 class MistralParser:
@@ -136,19 +124,12 @@ class MistralParser:
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
         """The calls of every well-formed ``[TOOL_CALLS]`` block."""
-        out: list[ParsedCall] = []
-        i = start
-        while True:
-            a = text.find(self.tag, i)
-            if a < 0:
-                return out
-            objs, j = json_values(text, a + len(self.tag))
-            calls = [call_of(o) for o in flatten(objs)]
-            if not calls or any(c is None for c in calls):
-                i = a + len(self.tag)
-                continue
-            out += [ParsedCall(n, args, (a, j)) for n, args in calls]  # type: ignore[misc]
-            i = j
+        return scan_blocks(text, start, self.tag, lambda a: self._block(text, a))
+
+    def _block(self, text: str, a: int) -> tuple[list[tuple[str, dict[str, Any]]], int] | None:
+        objs, j = json_values(text, a + len(self.tag))
+        calls = calls_in(objs)
+        return None if calls is None else (calls, j)
 
 
 class TransformersResponseParser:
