@@ -217,6 +217,23 @@ def molt_register_modalities(register: Register) -> None:
     ``anthropic_block``, ``responses_part``, ``remote``, ``check()``)."""
 
 
+@hookspec
+def molt_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers of model families: ``register(name, parser_cls)``; the server
+    (``create_app(tool_parser=NAME)``, ``molt serve --tool-parser NAME``) resolves a name once,
+    building ``parser_cls.for_tokenizer(tokenizer)`` when the class defines it (how ``auto``
+    picks one per model) else ``parser_cls()``, and hands the parser to every session's ledger
+    (default with none named: Hermes over the ledger's ``tool_call_tags``, no lookup). First
+    party, :mod:`molt_plugins.parsers`: ``hermes`` / ``qwen`` (Hermes, Qwen2.5, Qwen3),
+    ``qwen3_coder``, ``llama3_json``, ``mistral``, ``auto``. The parser provides
+    ``parse(text, start=0, tools=None) -> [ParsedCall(name, arguments: dict, span: (start,
+    end))]`` (:class:`molt_core.ledger.toolcall.ToolParser`): every well-formed call in
+    ``text[start:]`` of a turn's decoded body, in order, never raising on bad text; ``start`` is
+    where the visible text begins (the ledger splits the reasoning first, with its
+    ``think_tags``); ``tools`` the request's OpenAI-form schemas. The ledger removes each span
+    from the visible content; a malformed block stays content."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -249,4 +266,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "adapters": "molt_register_adapters",
     "trainer_backends": "molt_register_trainer_backends",
     "modalities": "molt_register_modalities",
+    "tool_parsers": "molt_register_tool_parsers",
 }

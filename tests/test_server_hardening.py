@@ -308,7 +308,7 @@ def test_tool_calls_json_aware_every_parallel_call_survives(tok, stack, wire, st
 
 
 def test_tool_parsers_per_family():
-    from molt_core.ledger.parsers import get_tool_parser
+    from molt_plugins.parsers import get_tool_parser
 
     def calls(name, text, tools=None):
         return [(c.name, c.arguments, c.span) for c in get_tool_parser(name).parse(text, 0, tools)]
@@ -340,8 +340,8 @@ def test_tool_parsers_per_family():
 def test_auto_tool_parser_follows_the_tokenizer():
     from types import SimpleNamespace
 
-    from molt_core.ledger.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
-                                   TransformersResponseParser, get_tool_parser)
+    from molt_plugins.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
+                                      TransformersResponseParser, get_tool_parser)
 
     def kind(template, **kw):
         return type(get_tool_parser("auto", SimpleNamespace(chat_template=template, **kw)))

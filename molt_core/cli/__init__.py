@@ -20,7 +20,7 @@ from molt_core import __version__
 from molt_core.config import AgentSection, ConfigError, RunConfig
 from molt_core.cli.recipe import RECIPES_DIR, list_recipes, load_config
 from molt_core.plugins.extras import missing_requirements, with_install_hint
-from molt_core.plugins import PluginError, PluginHost, load_plugins
+from molt_core.plugins import PluginError, PluginHost, load_plugins, shared_host
 
 console = Console(stderr=True)
 
@@ -446,14 +446,22 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
     import time
 
     from molt_core.engines.transformers_engine import TransformersEngine
-    from molt_core.ledger.parsers import TOOL_PARSERS
     from molt_core.server import start_server
 
     if not _is_loopback(host) and not admin_key:
         _fail(f"--host {host} listens beyond loopback: every session keeps its own key, but the admin routes need "
               "a key you chose. Pass --admin-key (or set MOLT_ADMIN_KEY), or keep the default --host 127.0.0.1")
-    if tool_parser is not None and tool_parser != "auto" and tool_parser not in TOOL_PARSERS:
-        _fail(f"--tool-parser {tool_parser}: unknown; known: auto, {', '.join(sorted(TOOL_PARSERS))}")
+    if tool_parser is not None:
+        try:
+            parsers = shared_host().names("tool_parsers")
+        except PluginError as e:
+            _fail(str(e))
+        if not parsers:
+            _fail(f"--tool-parser {tool_parser}: no tool-parser plugin is loaded (molt_register_tool_parsers; first "
+                  "party: molt_plugins.parsers, loaded by the molt_engines entry point: unset "
+                  "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk)")
+        if tool_parser not in parsers:
+            _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(parsers)}")
 
     try:
         engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype) for _ in range(num_engines)]

@@ -18,6 +18,10 @@ __all__ = ["summary", "compact_lines"]
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`a.b.C` -> a.b.C; :class:`~a.b.C` -> C
 
+#: kinds listed as one wrapped line of names: a name is the model family it serves, which a
+#: summary would only repeat (``molt plugins --verbose`` / ``--json`` still show each)
+NAMES_ONLY = ("tool_parsers",)
+
 
 def summary(obj: Any) -> str:
     """A one-line summary of a registered object: its ``describe()`` when it describes itself
@@ -44,7 +48,8 @@ def _cut(text: str, width: int) -> str:
 def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
     """The lines of the compact ``molt plugins`` view, none longer than ``width``.
 
-    Per kind with at least one name: ``kind (N)``, then ``  name  summary`` per name (a name
+    Per kind with at least one name: ``kind (N)``, then ``  name  summary`` per name (for a
+    kind of :data:`NAMES_ONLY`, ``kind (N): name, name, ...`` wrapped instead; a name
     from a third-party distribution is followed by ``[distribution]``; a name whose optional
     module is missing gets a line ``unusable here: pip install 'molt-sdk[EXTRA]' (...)``,
     :mod:`molt_core.plugins.extras`); then the plugins with
@@ -55,8 +60,12 @@ def compact_lines(host: PluginHost, width: int = 80) -> list[str]:
     lines: list[str] = []
     listed = host.plugin_registries()
     regs = [(k, listed[k]) for k in REGISTRATION_HOOKS if listed[k]]
-    label_w = min(max((len(n) for _, r in regs for n in r), default=0), 24)
+    label_w = min(max((len(n) for k, r in regs if k not in NAMES_ONLY for n in r), default=0), 24)
     for kind, reg in regs:
+        if kind in NAMES_ONLY:
+            lines += textwrap.wrap(f"{kind.replace('_', ' ')} ({len(reg)}): {', '.join(sorted(reg))}", width,
+                                   subsequent_indent="  ", break_on_hyphens=False)
+            continue
         lines.append(f"{kind.replace('_', ' ')} ({len(reg)})")
         for name in sorted(reg):
             r = reg[name]

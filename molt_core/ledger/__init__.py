@@ -6,7 +6,7 @@ retry), :mod:`~molt_core.ledger.commit` (recording a generation and parsing it),
 :mod:`~molt_core.ledger.turn` (the one turn: prepare -> engine -> commit),
 :mod:`~molt_core.ledger.template` (the chat template's facts), :mod:`~molt_core.ledger.compare`
 (message comparison), :mod:`~molt_core.ledger.records` (plans, turns, errors), besides
-messages, parsers and render.
+messages, the tool-call protocol (:mod:`~molt_core.ledger.toolcall`) and render.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class AssistantTurn:
 
     ``content``: visible text (no think block, no tool-call blocks, stop string/token
     removed). ``reasoning``: the think block's text or None. ``tool_calls``: ``[{"id",
-    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.ledger.parsers`,
+    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.ledger.toolcall`,
     default Hermes ``<tool_call>{json}</tool_call>``; malformed blocks stay in ``content``). ``raw``: the assistant
     turn's body as the model produced it (generation-prompt body prefix + sampled text,
     tool-call blocks removed) -- what the ledger's history holds. ``finish_reason``:

@@ -15,11 +15,11 @@ from typing import Any, Literal
 from molt_core.ledger.commit import Recording
 from molt_core.ledger.compare import _Reply
 from molt_core.ledger.messages import NormalizeCache
-from molt_core.ledger.parsers import HermesParser, ToolParser, get_tool_parser
 from molt_core.ledger.prepare import Planning
 from molt_core.ledger.records import REWRITE_CAUSES, AssistantTurn, _Open
 from molt_core.ledger.render import WindowProof
 from molt_core.ledger.template import TemplateFacts
+from molt_core.ledger.toolcall import HermesParser, ToolParser
 from molt_core.ledger.turn import take_turn
 from molt_core.types import SamplingParams, Segment, Trajectory, new_id
 
@@ -36,9 +36,9 @@ class Ledger(TemplateFacts, Planning, Recording):
         group_id: the group (prompt) this rollout belongs to.
         chat_template_kwargs: extra template variables, e.g. ``{"enable_thinking": False}``.
         think_tags / tool_call_tags: the model's reasoning and tool-call delimiters.
-        tool_parser: a :mod:`molt_core.ledger.parsers` family name (``hermes``, ``qwen3_coder``,
-            ``llama3_json``, ``mistral``, ``auto``: from the tokenizer) or a parser object;
-            default: Hermes with ``tool_call_tags``.
+        tool_parser: the model family's tool-call parser (:class:`~molt_core.ledger.toolcall.ToolParser`),
+            resolved from its name by the caller (:func:`molt_core.plugins.tool_parser`: the
+            ``molt_register_tool_parsers`` registry); default: Hermes with ``tool_call_tags``.
         window_render: check an extension by rendering a window of the conversation when the
             chat template is proven window-local (:mod:`molt_core.ledger.render`; same verdict
             and tail as the full render, cost independent of the turn count); False always
@@ -52,14 +52,15 @@ class Ledger(TemplateFacts, Planning, Recording):
             ``vision``'s own ``decode_part``; None with no ``vision``: image parts are refused.
 
     Raises:
-        ValueError: the tokenizer has no chat template, or an unknown ``tool_parser`` name.
+        ValueError: the tokenizer has no chat template, or ``tool_parser`` is a name (the ledger
+            takes a parser; its callers look names up).
     """
 
     def __init__(self, tokenizer: Any, rollout_id: str | None = None, group_id: str = "",
                  chat_template_kwargs: dict[str, Any] | None = None,
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 tool_parser: str | ToolParser | None = None, window_render: bool = True, vision: Any = None,
+                 tool_parser: ToolParser | None = None, window_render: bool = True, vision: Any = None,
                  image_policy: Any = None, modality: Any = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
@@ -68,7 +69,10 @@ class Ledger(TemplateFacts, Planning, Recording):
         self.group_id = group_id
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.think = think_tags
-        self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else get_tool_parser(tool_parser, tokenizer)
+        if isinstance(tool_parser, str):
+            raise ValueError(f"Ledger(tool_parser={tool_parser!r}): pass a parser, not a name; resolve the name "
+                             "with molt_core.plugins.tool_parser(name, tokenizer) (the molt_register_tool_parsers registry)")
+        self.tool_parser: ToolParser = HermesParser(tool_call_tags) if tool_parser is None else tool_parser
         self.counts = {"start": 0, "extend": 0, "rewrite": 0, "retry": 0}
         #: rewrites per cause (:data:`REWRITE_CAUSES`)
         self.rewrite_causes = dict.fromkeys(REWRITE_CAUSES, 0)

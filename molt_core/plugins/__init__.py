@@ -42,7 +42,7 @@ from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
 __all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name",
-           "modality", "check_modality_options"]
+           "modality", "check_modality_options", "make_tool_parser", "tool_parser"]
 
 
 class PluginError(RuntimeError):
@@ -375,6 +375,43 @@ def modality(host: PluginHost | None = None) -> Any:
     for a text-only run. ``host`` defaults to :func:`shared_host`."""
     reg = (host or shared_host()).registries["modalities"]
     return reg[min(reg)].obj if reg else None
+
+
+def make_tool_parser(name: Any, tokenizer: Any, parsers: dict[str, Any]) -> Any:
+    """The tool-call parser called ``name`` among ``parsers`` (name -> parser class), built for a
+    model with ``tokenizer`` -- ``cls.for_tokenizer(tokenizer)`` when the class defines it, else
+    ``cls()`` -- or ``name`` itself when it is not a str (already a parser).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str):
+        return name
+    if name not in parsers:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(parsers)) or '(none)'}")
+    make = getattr(parsers[name], "for_tokenizer", None)
+    return make(tokenizer) if make is not None else parsers[name]()
+
+
+def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None) -> Any:
+    """The registered tool-call parser ``name`` (``molt_register_tool_parsers``) for a model with
+    ``tokenizer``, or ``name`` itself when it is already a parser: what the ledger's callers
+    (the server, ``molt serve``) hand to a :class:`~molt_core.ledger.Ledger`. ``host`` defaults
+    to :func:`shared_host`; a name is looked up once per server, never per turn.
+
+    Raises:
+        ValueError: no plugin registered ``name``; the message names it, lists the registered
+            ones and the plugin the model families' parsers come from.
+    """
+    if not isinstance(name, str):
+        return name
+    reg = (host or shared_host()).registries["tool_parsers"]
+    if name not in reg:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(reg)) or '(none)'}. A model "
+                         "family's tool parser comes from a plugin (molt_register_tool_parsers; first party: "
+                         "molt_plugins.parsers, loaded by the molt_engines entry point: unset "
+                         "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk) or --plugin")
+    return make_tool_parser(name, tokenizer, {name: reg[name].obj})
 
 
 def check_modality_options(config: Any, host: PluginHost) -> None:

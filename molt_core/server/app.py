@@ -49,6 +49,7 @@ from pydantic import BaseModel, ValidationError
 from molt_core.config import ImagePolicy
 from molt_core.ledger import AssistantTurn, Ledger, Prepared, PromptTooLong, take_turn
 from molt_core.plugins import modality as registered_modality
+from molt_core.plugins import tool_parser as registered_tool_parser
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     ClientDisconnected,
@@ -112,7 +113,7 @@ class SessionStore:
         tokenizer: the served model's tokenizer (with a chat template).
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
-        tool_parser: the model family's tool-call parser (:mod:`molt_core.ledger.parsers`; default Hermes).
+        tool_parser: the model family's tool-call parser object (:func:`molt_core.plugins.tool_parser`; default Hermes).
         vision: the model's image processor (the modality plugin's; None: text only).
         image_policy: image limits and the remote-URL rule (:class:`~molt_core.config.ImagePolicy`).
         modality: the registered modality (``molt_register_modalities``; None: image parts refused).
@@ -212,7 +213,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
         max_body_bytes: request body limit, enforced while reading (413 above it).
-        tool_parser: tool-call parser name or object for every session (:mod:`molt_core.ledger.parsers`).
+        tool_parser: tool-call parser name (``molt_register_tool_parsers``, looked up once here:
+            :func:`molt_core.plugins.tool_parser`) or object for every session (None: Hermes).
         image_policy: limits for image inputs and whether remote image URLs are fetched
             (:class:`~molt_core.config.ImagePolicy`; default: inline images only). A refused
             image is a 400 naming its field in the wire's shape (code ``invalid_image``).
@@ -222,7 +224,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             None: no modality plugin, every image part gets a 400 naming its field).
 
     Raises:
-        ValueError: an unknown ``tool_parser`` name.
+        ValueError: a ``tool_parser`` name no plugin registered (the message names the plugin).
 
     Returns:
         A FastAPI app; ``app.state.sessions`` is its :class:`SessionStore`.
@@ -236,9 +238,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                 break
     app = FastAPI(title="molt loopback server", docs_url=None, redoc_url=None, openapi_url=None)
     if tool_parser is not None:
-        from molt_core.ledger.parsers import get_tool_parser
-
-        tool_parser = get_tool_parser(tool_parser, tokenizer)
+        tool_parser = registered_tool_parser(tool_parser, tokenizer)
     if vision is ...:
         vision = getattr(engine, "vision_processor", None)
     if modality is ...:

@@ -1,9 +1,11 @@
 """First-party rollout engines: ``transformers`` (embedded default) and ``vllm`` (extra
-``molt-sdk[vllm]``), and the vLLM engine's ``collective`` weight-sync transport."""
+``molt-sdk[vllm]``), the vLLM engine's ``collective`` weight-sync transport, and the model
+families' tool-call parsers (:mod:`molt_plugins.parsers`)."""
 
 from __future__ import annotations
 
 from molt_core.hookspecs import hookimpl
+from molt_plugins.parsers import TOOL_PARSERS
 
 
 def _transformers_engine(**kwargs):
@@ -48,3 +50,11 @@ def molt_register_engines(register):
 def molt_register_weight_sync_transports(register):
     """Register ``collective`` (imported lazily, on first use)."""
     register("collective", _collective_transport)
+
+
+@hookimpl
+def molt_register_tool_parsers(register):
+    """Register the tool-call parsers of :data:`molt_plugins.parsers.TOOL_PARSERS` (``auto``,
+    ``hermes``, ``qwen``, ``qwen3_coder``, ``llama3_json``, ``mistral``)."""
+    for name, parser_cls in TOOL_PARSERS.items():
+        register(name, parser_cls)
