@@ -42,7 +42,7 @@ from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
 __all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name",
-           "modality", "check_modality_options"]
+           "modality", "wires", "check_modality_options"]
 
 
 class PluginError(RuntimeError):
@@ -375,6 +375,12 @@ def modality(host: PluginHost | None = None) -> Any:
     for a text-only run. ``host`` defaults to :func:`shared_host`."""
     reg = (host or shared_host()).registries["modalities"]
     return reg[min(reg)].obj if reg else None
+
+
+def wires(host: PluginHost | None = None) -> dict[str, Any]:
+    """The registered wires (``molt_register_wires``), ``{name: wire}`` in registration order.
+    ``host`` defaults to :func:`shared_host`."""
+    return {n: r.obj for n, r in (host or shared_host()).registries["wires"].items()}
 
 
 def check_modality_options(config: Any, host: PluginHost) -> None:

@@ -62,6 +62,7 @@ _SHAPE: dict[str, tuple[str, ...]] = {
     "loggers": ("log", "close"),
     "sandbox_backends": ("available", "describe", "run"),
     "modalities": ("decode_part", "is_model", "processor_for", "row_images", "forward_kwargs", "wire_images"),
+    "wires": ("mount",),
 }
 
 

@@ -1,9 +1,11 @@
 """First-party rollout engines: ``transformers`` (embedded default) and ``vllm`` (extra
-``molt-sdk[vllm]``), and the vLLM engine's ``collective`` weight-sync transport."""
+``molt-sdk[vllm]``), and the vLLM engine's ``collective`` weight-sync transport; this entry point
+also carries the server's wire plugins (:mod:`molt_plugins.wires`: Responses, Anthropic)."""
 
 from __future__ import annotations
 
 from molt_core.hookspecs import hookimpl
+from molt_plugins.wires import molt_register_wires  # noqa: F401 -- the server's wire plugins ride this entry point
 
 
 def _transformers_engine(**kwargs):
