@@ -95,6 +95,11 @@ class _Session:
     turns: int = 0
     state: dict[str, Any] = field(default_factory=dict)  # wire plugins' per-session state, freed with the session
 
+    @property
+    def responses(self) -> Any:
+        """The Responses wire's stored responses of this session (its ``state["responses"]``; empty: ``()``)."""
+        return self.state.get("responses", ())
+
 
 class SessionStore:
     """Sessions of one server: the Python API the runtime uses without HTTP.
