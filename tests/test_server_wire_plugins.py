@@ -13,7 +13,7 @@ from molt_core.hookspecs import REGISTRATION_HOOKS
 from molt_core.models import load_tokenizer
 from molt_core.plugins import shared_host, wires
 from molt_core.server import create_app
-from molt_core.server.wires import WireError, _Req
+from molt_core.server.wires import WireError, WireRequest
 from molt_plugins.wires.anthropic import AnthropicWire
 from molt_plugins.wires.responses import ResponsesWire
 
@@ -59,7 +59,7 @@ def test_without_the_wire_plugin_its_path_is_a_404_naming_it(tok, path, wire):
     assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
 
 
-class _EchoReq(_Req):
+class _EchoReq(WireRequest):
     text: str
 
     def check(self) -> None:

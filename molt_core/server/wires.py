@@ -21,10 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt_core import _moved
 from molt_core.ledger import AssistantTurn
-from molt_core.server.images import convert_checked
 
-__all__ = ["WireError", "ChatCompletionRequest", "openai_response", "openai_stream", "openai_error",
-           "validation_message", "check_fields"]
+__all__ = ["WireError", "WireRequest", "ChatCompletionRequest", "openai_response", "openai_stream", "openai_error",
+           "validation_message", "check_fields", "sse", "token_logprobs", "SEED"]
 
 
 class WireError(Exception):
@@ -61,10 +60,12 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), first
 
 
-class _Req(BaseModel):
-    # strict: a wrong-typed field is an error (no "1" -> 1 coercion); unknown nested fields are
-    # ignored (e.g. a tool's "strict", a block's "cache_control"); unknown top-level fields are
-    # judged by check_fields()
+class WireRequest(BaseModel):
+    """The base of every wire's request model (the kernel's and the plugins'): strict -- a
+    wrong-typed field is an error (no ``"1"`` -> 1 coercion); unknown nested fields are ignored
+    (e.g. a tool's ``strict``, a block's ``cache_control``); unknown top-level fields land in
+    ``model_extra`` for :func:`check_fields`."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
 
@@ -151,24 +152,25 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
-_SEED = Field(None, ge=0, lt=2**63)
+#: the ``seed`` field every wire declares: None or an int in [0, 2**63)
+SEED = Field(None, ge=0, lt=2**63)
 
 
 # ------------------------------------------------------------------------------ OpenAI
 
 
-class OpenAIFunction(_Req):
+class OpenAIFunction(WireRequest):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class OpenAITool(_Req):
+class OpenAITool(WireRequest):
     type: str = "function"
     function: OpenAIFunction
 
 
-class ChatCompletionRequest(_Req):
+class ChatCompletionRequest(WireRequest):
     """``POST /v1/chat/completions`` body (fields the server honours; others are ignored)."""
 
     model: str | None = None
@@ -182,7 +184,7 @@ class ChatCompletionRequest(_Req):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
-    seed: int | None = _SEED
+    seed: int | None = SEED
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -255,7 +257,9 @@ def _now() -> int:
     return int(time.time())
 
 
-def _token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
+def token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` entries of ``turn``'s sampled tokens: ``{token, logprob
+    (nats, the behaviour logprob), bytes (UTF-8), top_logprobs: []}`` per token."""
     out = []
     for tid, lp in zip(turn.token_ids, turn.logprobs):
         s = tokenizer.decode([tid], skip_special_tokens=False)
@@ -289,12 +293,13 @@ def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str
     return {
         "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": _now(), "model": model,
         "choices": [{"index": 0, "message": msg, "finish_reason": _openai_finish(turn),
-                     "logprobs": {"content": _token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
+                     "logprobs": {"content": token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
         "usage": _usage(turn),
     }
 
 
-def _sse(data: Any, event: str | None = None) -> str:
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: ``data`` (a string as is, else JSON), under ``event`` when given."""
     head = f"event: {event}\n" if event else ""
     return head + "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
 
@@ -306,21 +311,21 @@ def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage
     cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
 
     yield chunk({"role": "assistant", "content": ""})
     if turn.reasoning is not None:
         yield chunk({"reasoning_content": turn.reasoning})
-    yield chunk({"content": turn.content}, logprobs={"content": _token_logprobs(tokenizer, turn)},
+    yield chunk({"content": turn.content}, logprobs={"content": token_logprobs(tokenizer, turn)},
                 token_ids=list(turn.token_ids))
     for i, c in enumerate(_openai_calls(turn)):
         yield chunk({"tool_calls": [{"index": i, **c}]})
     yield chunk({}, _openai_finish(turn))
     if include_usage:
-        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                     "usage": _usage(turn)})
-    yield _sse("[DONE]")
+    yield sse("[DONE]")
 
 
 def __getattr__(name: str) -> object:

@@ -18,7 +18,7 @@ from pydantic import Field
 from molt_core.ledger import AssistantTurn
 from molt_core.server.images import convert_checked
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import _SEED, WireError, _Req, _sse, check_fields
+from molt_core.server.wires import SEED, WireError, WireRequest, sse, check_fields
 from molt_plugins.wires.common import joined
 
 __all__ = ["AnthropicWire", "MessagesRequest", "IGNORED_ANTHROPIC", "REFUSED_ANTHROPIC", "anthropic_error",
@@ -41,18 +41,18 @@ def anthropic_error(status: int, message: str, param: str | None = None, code: s
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
 
 
-class AnthropicTool(_Req):
+class AnthropicTool(WireRequest):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 
 
-class AnthropicMessage(_Req):
+class AnthropicMessage(WireRequest):
     role: str
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(_Req):
+class MessagesRequest(WireRequest):
     """``POST /v1/messages`` body (fields the server honours; others are ignored)."""
 
     model: str | None = None
@@ -66,7 +66,7 @@ class MessagesRequest(_Req):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     stream: bool | None = False
-    seed: int | None = _SEED
+    seed: int | None = SEED
 
     def check(self) -> None:
         """Raises: WireError (400) for a forced tool choice, empty stop sequences, a refused
@@ -231,24 +231,24 @@ def anthropic_stream(turn: AssistantTurn, model: str) -> Iterator[str]:
     full = anthropic_response(turn, model)
     start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": turn.prompt_len, "output_tokens": 0}}
-    yield _sse({"type": "message_start", "message": start}, "message_start")
+    yield sse({"type": "message_start", "message": start}, "message_start")
     for i, b in enumerate(full["content"]):
         if b["type"] == "thinking":
-            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": b["thinking"]}}, "content_block_delta")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
+            yield sse({"type": "content_block_start", "index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}, "content_block_start")
+            yield sse({"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": b["thinking"]}}, "content_block_delta")
+            yield sse({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
         elif b["type"] == "text":
-            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": b["text"]}}, "content_block_delta")
+            yield sse({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+            yield sse({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": b["text"]}}, "content_block_delta")
         else:
-            yield _sse({"type": "content_block_start", "index": i,
+            yield sse({"type": "content_block_start", "index": i,
                         "content_block": {"type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i,
+            yield sse({"type": "content_block_delta", "index": i,
                         "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}, "content_block_delta")
-        yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
-    yield _sse({"type": "message_delta", "delta": {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
+        yield sse({"type": "content_block_stop", "index": i}, "content_block_stop")
+    yield sse({"type": "message_delta", "delta": {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
                 "usage": {"output_tokens": len(turn.token_ids)}}, "message_delta")
-    yield _sse({"type": "message_stop"}, "message_stop")
+    yield sse({"type": "message_stop"}, "message_stop")
 
 
 class AnthropicWire:

@@ -28,7 +28,7 @@ from pydantic import Field
 from molt_core.ledger import AssistantTurn
 from molt_core.server.images import convert_checked
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import _SEED, WireError, _Req, _sse, _token_logprobs, check_fields
+from molt_core.server.wires import SEED, WireError, WireRequest, sse, token_logprobs, check_fields
 from molt_plugins.wires.common import joined
 from molt_plugins.wires.response_store import ResponseStore
 
@@ -55,7 +55,7 @@ REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class ResponsesRequest(_Req):
+class ResponsesRequest(WireRequest):
     """``POST /v1/responses`` body (the one field rule: :func:`~molt_core.server.wires.check_fields`)."""
 
     model: str | None = None
@@ -68,7 +68,7 @@ class ResponsesRequest(_Req):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
-    seed: int | None = _SEED
+    seed: int | None = SEED
     previous_response_id: str | None = None
     store: bool | None = None  # None: true (OpenAI's default)
 
@@ -208,7 +208,7 @@ def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:
     if turn.content or not turn.tool_calls:
         items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": turn.content, "annotations": [],
-                                   "logprobs": _token_logprobs(tokenizer, turn)}]})
+                                   "logprobs": token_logprobs(tokenizer, turn)}]})
     for c in turn.tool_calls:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"], "name": c["name"],
                       "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"})
@@ -245,7 +245,7 @@ def responses_stream(full: dict[str, Any]) -> Iterator[str]:
     seq = iter(range(1 << 30))
 
     def ev(kind: str, **data: Any) -> str:
-        return _sse({"type": kind, "sequence_number": next(seq), **data}, kind)
+        return sse({"type": kind, "sequence_number": next(seq), **data}, kind)
 
     start = {**full, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
     start.pop("token_ids")
