@@ -84,7 +84,7 @@ def test_unknown_hook(tmp_path):
         def molt_register_rewardz(register):
             pass
     """)
-    with pytest.raises(PluginError, match=r"unknown hook\(s\) molt_register_rewardz; this molt-sdk speaks hook API version 2"):
+    with pytest.raises(PluginError, match=r"unknown hook\(s\) molt_register_rewardz; this molt-sdk speaks hook API version 3"):
         load_plugins([f], entry_points=False)
 
 
