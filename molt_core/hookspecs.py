@@ -21,7 +21,8 @@ HOOK_API_VERSION = 3
 """2: Reward API v2 -- async, group and trajectory rewards; ``weight`` / ``timeout_s`` per reward;
 and ``molt_register_sandbox_backends``. 3: the minimal core's seams -- ``molt_register_estimators``,
 ``molt_register_losses``, ``molt_register_weight_sync_transports``, ``molt_register_routing_tools``,
-``molt_register_modalities``, ``molt_register_adapters``, ``molt_register_trainer_backends``."""
+``molt_register_modalities``, ``molt_register_adapters``, ``molt_register_trainer_backends``,
+``molt_register_wires``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
