@@ -21,6 +21,8 @@ MOVED = {
     "molt_core.server.wire_images": "molt_plugins.vision.wire",
     "molt_core.parsers": "molt_plugins.parsers",
     "molt_core.ledger.parsers": "molt_plugins.parsers",
+    "molt_core.server.responses": "molt_plugins.wires.responses",
+    "molt_core.server.response_store": "molt_plugins.wires.response_store",
     "molt_core.version_history": "molt_core.train.version_history",
     "molt_core.extras": "molt_core.plugins.extras",
     "molt_core.conformance": "molt_core.testing.conformance",
@@ -49,6 +51,9 @@ MOVED = {
 MOVED_NAMES = {
     "molt_core.rewards": {"RewardRunner": "molt_core.rollout.scoring", "score_group": "molt_core.rollout.scoring",
                           "component_metrics": "molt_core.rollout.scoring"},
+    "molt_core.server.wires": {n: "molt_plugins.wires.anthropic" for n in (
+        "MessagesRequest", "AnthropicTool", "AnthropicMessage", "IGNORED_ANTHROPIC", "REFUSED_ANTHROPIC",
+        "anthropic_error", "anthropic_response", "anthropic_stream")},
     "molt_core.config": {n: "molt_core.cli.recipe" for n in (
         "load_config", "validate_config", "apply_overrides", "parse_override", "find_recipe", "recipes_dir",
         "list_recipes", "RECIPES_DIR")},

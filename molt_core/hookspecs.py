@@ -21,7 +21,8 @@ HOOK_API_VERSION = 3
 """2: Reward API v2 -- async, group and trajectory rewards; ``weight`` / ``timeout_s`` per reward;
 and ``molt_register_sandbox_backends``. 3: the minimal core's seams -- ``molt_register_estimators``,
 ``molt_register_losses``, ``molt_register_weight_sync_transports``, ``molt_register_routing_tools``,
-``molt_register_modalities``, ``molt_register_adapters``, ``molt_register_trainer_backends``."""
+``molt_register_modalities``, ``molt_register_adapters``, ``molt_register_trainer_backends``,
+``molt_register_tool_parsers``, ``molt_register_wires``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -234,6 +235,24 @@ def molt_register_tool_parsers(register: Register) -> None:
     from the visible content; a malformed block stays content."""
 
 
+@hookspec
+def molt_register_wires(register: Register) -> None:
+    """Register a wire (an HTTP API dialect of the loopback server beside the kernel's OpenAI chat
+    completions): ``register(name, wire)``; every registered wire is mounted on every server
+    (none: its paths are a 404 naming the missing plugin). The object provides
+    ``mount(server)``, called once per app with a ``molt_core.server.app.WireServer``: ``app``,
+    ``tokenizer``, ``model_name``, ``route(path, method)`` (a decorator for ``async fn(sid,
+    request)`` -> dict or Response), ``session_request(request, sid, Model)`` -> ``(session, req,
+    body_bytes)`` (``session.ledger``; ``session.state``, a dict for the wire's per-session state),
+    ``images()`` and ``checked(collector, body_bytes)``, ``params_of(temperature, top_p, top_k,
+    seed, stop)``, ``run_turn(session, request, messages, tools, params, max_tokens,
+    allow_tool_calls, body_bytes)`` -> ``AssistantTurn`` (the one turn, committed) and
+    ``guarded(wire, handle)`` (errors in the wire's shape); ``paths`` (the session paths it
+    serves, e.g. ``("/v1/messages",)``); optionally ``error_body(status, message, param, code)``
+    -> dict (its error shape; default OpenAI's), ``owns(path)`` (a path whose framework errors take
+    that shape) and ``server_error_type`` (the router's 5xx ``error.type``)."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -267,4 +286,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "trainer_backends": "molt_register_trainer_backends",
     "modalities": "molt_register_modalities",
     "tool_parsers": "molt_register_tool_parsers",
+    "wires": "molt_register_wires",
 }

@@ -20,8 +20,8 @@ from fake_engine import FailingEngine, ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
 from molt_plugins.vision.images import data_url
 from molt_core.server import start_server
-from molt_core.server.response_store import ResponseStore
-from molt_core.server.responses import ResponsesRequest
+from molt_plugins.wires.response_store import ResponseStore
+from molt_plugins.wires.responses import ResponsesRequest
 from molt_core.server.wires import WireError
 from test_server_images import png
 from test_server_responses import CALL, CHAT_TOOLS, TOOLS, enc, served, tok  # noqa: F401 -- fixtures

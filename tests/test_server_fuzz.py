@@ -15,8 +15,9 @@ from fake_engine import ScriptedEngine
 from molt_core.models import load_tokenizer
 from molt_core.ledger import normalize_messages
 from molt_core.server import create_app
-from molt_core.server.responses import ResponsesRequest
-from molt_core.server.wires import ChatCompletionRequest, MessagesRequest
+from molt_core.server.wires import ChatCompletionRequest
+from molt_plugins.wires.anthropic import MessagesRequest
+from molt_plugins.wires.responses import ResponsesRequest
 
 torch.set_num_threads(1)
 
@@ -188,7 +189,8 @@ KNOWN = set(ChatCompletionRequest.model_fields) | set(MessagesRequest.model_fiel
 @FUZZ
 @given(wire=st.sampled_from(["openai", "anthropic"]), name=st.text(min_size=1, max_size=12), value=json_any)
 def test_unknown_top_level_field_is_refused_by_name(env, wire, name, value):
-    from molt_core.server.wires import IGNORED_ANTHROPIC, IGNORED_OPENAI, REFUSED_ANTHROPIC, REFUSED_OPENAI
+    from molt_core.server.wires import IGNORED_OPENAI, REFUSED_OPENAI
+    from molt_plugins.wires.anthropic import IGNORED_ANTHROPIC, REFUSED_ANTHROPIC
 
     ignored, refused = (IGNORED_OPENAI, REFUSED_OPENAI) if wire == "openai" else (IGNORED_ANTHROPIC, REFUSED_ANTHROPIC)
     if name in KNOWN or name in ignored or name in refused:

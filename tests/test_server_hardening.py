@@ -21,7 +21,8 @@ from fake_engine import EchoEngine, ScriptedEngine
 from molt_core.models import load_tokenizer
 from molt_core.server import start_server
 from molt_core.cli.router import start_router
-from molt_core.server.wires import IGNORED_ANTHROPIC, IGNORED_OPENAI, REFUSED_ANTHROPIC, REFUSED_OPENAI
+from molt_core.server.wires import IGNORED_OPENAI, REFUSED_OPENAI
+from molt_plugins.wires.anthropic import IGNORED_ANTHROPIC, REFUSED_ANTHROPIC
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from fake_engine import ScriptedEngine
 from molt_core.identity import TokenCheck, check_tokens
 from molt_core.models import load_tokenizer
 from molt_core.server import start_server
-from molt_core.server.responses import IGNORED_RESPONSES, REFUSED_RESPONSES
+from molt_plugins.wires.responses import IGNORED_RESPONSES, REFUSED_RESPONSES
 from molt_core.cli.router import start_router
 
 torch.set_num_threads(1)

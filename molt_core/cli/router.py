@@ -32,17 +32,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from molt_core.plugins import wires as registered_wires
 from molt_core.server.app import ServerHandle, _key_of, serve_in_thread
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     ClientDisconnected,
+    error_body,
     install_http_error_handlers,
     read_body,
     until_disconnect,
     wire_error_response,
 )
 from molt_core.server.wires import WireError
-from molt_core.server.wires import anthropic_error, openai_error
 
 __all__ = ["Backend", "RouterHandle", "create_router_app", "start_router"]
 
@@ -69,15 +70,10 @@ class Backend:
         return n if isinstance(n, int) else self.in_flight
 
 
-def _error(wire: str, status: int, message: str, code: str | None = None) -> JSONResponse:
-    if wire == "anthropic":
-        body = anthropic_error(status, message, code=code)
-        if status >= 500:
-            body["error"]["type"] = "api_error"
-    else:
-        body = openai_error(status, message, code=code)
-        if status >= 500:
-            body["error"]["type"] = "server_error"
+def _error(wire: Any, status: int, message: str, code: str | None = None) -> JSONResponse:
+    body = error_body(wire, status, message, code=code)
+    if status >= 500:  # the wire's server-error type (OpenAI's by default)
+        body["error"]["type"] = getattr(wire, "server_error_type", "server_error")
     return JSONResponse(body, status_code=status)
 
 
@@ -116,6 +112,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
     owner: dict[str, int] = {}
     app.state.owner = owner
     app.state.base_url = ""  # set by start_router; else the URL the client used
+    app.state.wires = wires = registered_wires()  # their error shapes (the Anthropic wire's on .../v1/messages)
     install_http_error_handlers(app)
 
     def admin_ok(request: Request) -> bool:
@@ -126,7 +123,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
         return _error("openai", 401, "missing or wrong admin key: send the router's admin key as "
                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "invalid_api_key")
 
-    def down(wire: str, i: int, e: Exception, what: str) -> JSONResponse:
+    def down(wire: Any, i: int, e: Exception, what: str) -> JSONResponse:
         return _error(wire, 502, f"backend {i} at {backends[i].base_url} ({what}) is unreachable: "
                                  f"{type(e).__name__}: {str(e) or 'no response'}", "backend_unreachable")
 
@@ -211,7 +208,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
 
     @app.api_route("/s/{sid}/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def session_route(sid: str, rest: str, request: Request) -> Any:
-        wire = "anthropic" if rest.rstrip("/").endswith("v1/messages") else "openai"
+        wire = wires.get("anthropic", "openai") if rest.rstrip("/").endswith("v1/messages") else "openai"
         i = owner.get(sid)
         if i is None:
             return _error(wire, 404, f"unknown session {sid!r}; create one with POST /sessions", "session_not_found")

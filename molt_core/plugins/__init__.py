@@ -42,7 +42,7 @@ from molt_core.plugins.extras import with_install_hint
 from molt_core.hookspecs import PROJECT, REGISTRATION_HOOKS
 
 __all__ = ["PluginError", "PluginInfo", "Registration", "PluginHost", "load_plugins", "shared_host", "unknown_name",
-           "modality", "check_modality_options", "make_tool_parser", "tool_parser"]
+           "modality", "wires", "check_modality_options", "make_tool_parser", "tool_parser"]
 
 
 class PluginError(RuntimeError):
@@ -412,6 +412,12 @@ def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None
                          "molt_plugins.parsers, loaded by the molt_engines entry point: unset "
                          "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk) or --plugin")
     return make_tool_parser(name, tokenizer, {name: reg[name].obj})
+
+
+def wires(host: PluginHost | None = None) -> dict[str, Any]:
+    """The registered wires (``molt_register_wires``), ``{name: wire}`` in registration order.
+    ``host`` defaults to :func:`shared_host`."""
+    return {n: r.obj for n, r in (host or shared_host()).registries["wires"].items()}
 
 
 def check_modality_options(config: Any, host: PluginHost) -> None:

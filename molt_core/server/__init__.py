@@ -1,5 +1,6 @@
-"""Loopback ASGI server: OpenAI ``/v1/chat/completions`` and ``/v1/responses`` and Anthropic
-``/v1/messages`` per session, each session recorded token-exactly by its
+"""Loopback ASGI server: OpenAI ``/v1/chat/completions`` per session and every registered wire
+plugin's routes (``molt_register_wires``; first-party: OpenAI ``/v1/responses`` and Anthropic
+``/v1/messages``, :mod:`molt_plugins.wires`), each session recorded token-exactly by its
 :class:`~molt_core.ledger.Ledger`.
 
 ``start_server(engine)`` runs it on 127.0.0.1 with a random port in a background thread and

@@ -1,11 +1,12 @@
-"""The loopback server: OpenAI and Anthropic wires into one :class:`~molt_core.ledger.Ledger`
-per session, session admin, and a background-thread runner on 127.0.0.1 with a random port.
+"""The loopback server: the wires into one :class:`~molt_core.ledger.Ledger` per session,
+session admin, and a background-thread runner on 127.0.0.1 with a random port.
 
 Routes (``{sid}`` is a session id from ``POST /sessions``):
 
-* ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not).
-* ``POST /s/{sid}/v1/messages`` -- Anthropic Messages (stream or not).
-* ``POST /s/{sid}/v1/responses`` -- OpenAI Responses (stream or not; :mod:`molt_core.server.responses`).
+* ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not), the kernel's wire.
+* every registered wire's routes (``molt_register_wires``, :class:`WireServer`): the first-party
+  :mod:`molt_plugins.wires` mounts ``POST /s/{sid}/v1/responses`` (OpenAI Responses) and
+  ``POST /s/{sid}/v1/messages`` (Anthropic Messages); without it those paths are a 404 naming it.
 * ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
 * ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
   ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON
@@ -50,6 +51,7 @@ from molt_core.config import ImagePolicy
 from molt_core.ledger import AssistantTurn, Ledger, Prepared, PromptTooLong, take_turn
 from molt_core.plugins import modality as registered_modality
 from molt_core.plugins import tool_parser as registered_tool_parser
+from molt_core.plugins import wires as registered_wires
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     ClientDisconnected,
@@ -61,22 +63,11 @@ from molt_core.server.guard import (
     wire_error_response,
 )
 from molt_core.server.images import ImagePartRefused, request_images
-from molt_core.server.response_store import ResponseStore
-from molt_core.server.responses import ResponsesRequest, responses_response, responses_stream
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import (
-    ChatCompletionRequest,
-    MessagesRequest,
-    WireError,
-    anthropic_response,
-    anthropic_stream,
-    openai_response,
-    openai_stream,
-    validation_message,
-)
+from molt_core.server.wires import ChatCompletionRequest, WireError, openai_response, openai_stream, validation_message
 from molt_core.types import GenerationOutput, SamplingParams, Trajectory
 
-__all__ = ["SessionInfo", "SessionStore", "create_app", "start_server", "ServerHandle"]
+__all__ = ["SessionInfo", "SessionStore", "WireServer", "create_app", "start_server", "ServerHandle"]
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 #: requests whose body is at most this many bytes are rendered and tokenized on the event loop
@@ -103,7 +94,12 @@ class _Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     seed: int | None = None  # seeds turn t of a request without its own seed with seed + t (a seeded eval episode)
     turns: int = 0
-    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses wire's stored responses
+    state: dict[str, Any] = field(default_factory=dict)  # wire plugins' per-session state, freed with the session
+
+    @property
+    def responses(self) -> Any:
+        """The Responses wire's stored responses of this session (its ``state["responses"]``; empty: ``()``)."""
+        return self.state.get("responses", ())
 
 
 class SessionStore:
@@ -195,11 +191,45 @@ def _key_of(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+@dataclass(frozen=True)
+class WireServer:
+    """What a wire plugin's ``mount(server)`` receives (``molt_register_wires``): one per app.
+
+    * ``app`` -- the FastAPI app; ``tokenizer``, ``model_name`` -- the served model's.
+    * ``route(path, method="POST")`` -- decorator registering ``async fn(sid, request)`` at
+      ``path`` (with ``{sid}``); ``fn`` returns a JSON-ready dict or a ``Response``.
+    * ``await session_request(request, sid, Model)`` -> ``(session, req, body_bytes)``: the session
+      (key checked; ``session.ledger``, ``session.state`` -- a dict for the wire's per-session
+      state, freed with the session) and the body validated as pydantic ``Model`` with its ``check()`` run.
+    * ``images()`` -> a request's image collector (``openai_part``, ``anthropic_block``,
+      ``responses_part``); ``await checked(collector, body_bytes)`` runs its checks.
+    * ``params_of(temperature, top_p, top_k, seed, stop)`` -> :class:`~molt_core.types.SamplingParams`.
+    * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls,
+      body_bytes)`` -> :class:`~molt_core.ledger.AssistantTurn`: the one turn
+      (:func:`~molt_core.ledger.take_turn`) under the session's lock, committed when it returns.
+    * ``await guarded(wire, handle)`` -- ``await handle()``, each error answered in ``wire``'s error
+      shape (its ``error_body(status, message, param, code)``; ``"openai"``: the kernel's).
+
+    Raise :class:`~molt_core.server.wires.WireError` for a client error.
+    """
+
+    app: Any
+    tokenizer: Any
+    model_name: str
+    route: Callable[..., Any]
+    session_request: Callable[..., Any]
+    images: Callable[[], Any]
+    checked: Callable[..., Any]
+    params_of: Callable[..., SamplingParams]
+    run_turn: Callable[..., Any]
+    guarded: Callable[..., Any]
+
+
 def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
                max_model_len: int | None = None, default_max_tokens: int = 1024,
                chat_template_kwargs: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tool_parser: Any = None, image_policy: ImagePolicy | None = None, vision: Any = ...,
-               modality: Any = ...) -> FastAPI:
+               modality: Any = ..., wires: Any = ...) -> FastAPI:
     """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
 
     Args:
@@ -222,6 +252,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             a text-only model, messages with images get a 400).
         modality: the registered image modality (default: :func:`molt_core.plugins.modality`;
             None: no modality plugin, every image part gets a 400 naming its field).
+        wires: ``{name: wire}`` mounted next to the kernel's chat wire (default: the registered
+            ones, :func:`molt_core.plugins.wires`; each ``wire.mount(WireServer)``).
 
     Raises:
         ValueError: a ``tool_parser`` name no plugin registered (the message names the plugin).
@@ -252,6 +284,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     install_http_error_handlers(app)
     app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
     app.state.engine = engine
+    app.state.wires = dict(registered_wires() if wires is ... else wires)
 
     error = wire_error_response
 
@@ -332,7 +365,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         else:
             pending.check()
 
-    async def guarded(wire: str, fn: Callable[[], Any]) -> Any:
+    async def guarded(wire: Any, fn: Callable[[], Any]) -> Any:
         try:
             return await fn()
         except WireError as e:
@@ -391,42 +424,6 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
 
         return await guarded("openai", handle)
 
-    @session_route("/s/{sid}/v1/messages")
-    async def messages(sid: str, request: Request) -> Any:
-        async def handle() -> Any:
-            s, req, size = await session_request(request, sid, MessagesRequest)
-            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
-            pending = request_images(modality, policy, vision)
-            msgs = req.openai_messages(pending)
-            await checked(pending, size)
-            msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
-            turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_tokens, req.allow_tool_calls, size)
-            if req.stream:
-                return StreamingResponse(anthropic_stream(turn, model_name), media_type="text/event-stream")
-            return anthropic_response(turn, model_name)
-
-        return await guarded("anthropic", handle)
-
-    @session_route("/s/{sid}/v1/responses")
-    async def responses(sid: str, request: Request) -> Any:
-        async def handle() -> Any:
-            s, req, size = await session_request(request, sid, ResponsesRequest)
-            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
-            pending = request_images(modality, policy, vision)
-            msgs = s.responses.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
-            await checked(pending, size)
-            msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
-            turn = await run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
-                                  req.allow_tool_calls, size)
-            body = responses_response(turn, tokenizer, model_name, req)
-            # no await since run_turn committed: the ledger's history is this turn's (the session's lock is released)
-            s.responses.record(req, s.ledger.history, body)
-            if req.stream:
-                return StreamingResponse(responses_stream(body), media_type="text/event-stream")
-            return body
-
-        return await guarded("openai", handle)
-
     @session_route("/s/{sid}/v1/models", "GET")
     async def models(sid: str, request: Request) -> Any:
         async def handle() -> Any:
@@ -436,6 +433,11 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             return {"object": "list", "data": [entry], "has_more": False, "first_id": model_name, "last_id": model_name}
 
         return await guarded("openai", handle)
+
+    server = WireServer(app, tokenizer, model_name, session_route, session_request,
+                        lambda: request_images(modality, policy, vision), checked, params_of, run_turn, guarded)
+    for wire in app.state.wires.values():
+        wire.mount(server)
 
     @app.post("/sessions")
     async def create_session(request: Request) -> Any:

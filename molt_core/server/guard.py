@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from molt_core.server.wires import WireError, anthropic_error, openai_error
+from molt_core.server.wires import WireError, openai_error
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ClientDisconnected", "find_lone_surrogate", "parse_json", "read_body", "read_json", "wire_of_path",
-           "wire_error_response", "install_http_error_handlers", "until_disconnect"]
+           "error_body", "wire_error_response", "install_http_error_handlers", "until_disconnect"]
 
 #: default request body limit in bytes (``create_app(max_body_bytes=...)``)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -35,16 +35,25 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready (nothing is committed)."""
 
 
-def wire_of_path(path: str) -> str:
-    """``"anthropic"`` for a path ending in ``/v1/messages`` (or ``/messages``), else ``"openai"``."""
-    p = path.rstrip("/")
-    return "anthropic" if p.endswith("/messages") else "openai"
+#: session paths of the first-party wire plugins -> the wire (a 404 names the missing plugin)
+_PLUGIN_WIRES = {"/v1/responses": "OpenAI Responses", "/v1/messages": "Anthropic Messages"}
 
 
-def wire_error_response(wire: str, e: WireError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """``e`` as a JSON response in ``wire``'s error shape (OpenAI or Anthropic), status ``e.status``."""
-    body = (anthropic_error if wire == "anthropic" else openai_error)(e.status, e.message, e.param, e.code)
-    return JSONResponse(body, status_code=e.status, headers=headers)
+def wire_of_path(path: str, wires: Any = ()) -> Any:
+    """The wire of ``wires`` (registered wire objects) whose ``owns(path)`` is true (the Anthropic
+    wire's: a path ending in ``/messages``), else ``"openai"`` (the kernel's error shape)."""
+    return next((w for w in wires if getattr(w, "owns", lambda _: False)(path)), "openai")
+
+
+def error_body(wire: Any, status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An error body in ``wire``'s shape: its ``error_body(status, message, param, code)``, or
+    the OpenAI shape for ``"openai"`` (:func:`~molt_core.server.wires.openai_error`)."""
+    return getattr(wire, "error_body", openai_error)(status, message, param, code)
+
+
+def wire_error_response(wire: Any, e: WireError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``e`` as a JSON response in ``wire``'s error shape (:func:`error_body`), status ``e.status``."""
+    return JSONResponse(error_body(wire, e.status, e.message, e.param, e.code), status_code=e.status, headers=headers)
 
 
 def find_lone_surrogate(obj: Any, path: str = "") -> tuple[str, int, str] | None:
@@ -175,21 +184,28 @@ def _not_found_hint(path: str) -> str:
 
 def install_http_error_handlers(app: FastAPI) -> None:
     """Answer the framework's own errors (unknown route 404, wrong method 405, ...) in the
-    wire's error shape (:func:`wire_of_path`) instead of ``{"detail": ...}``. A 404 outside
-    ``/s/{sid}/`` (e.g. an SDK pointed at the server root + ``/v1``) says how to open a
-    session and which base URL to use."""
+    wire's error shape (:func:`wire_of_path` over ``app.state.wires``, the mounted wire plugins)
+    instead of ``{"detail": ...}``. A 404 outside ``/s/{sid}/`` (e.g. an SDK pointed at the server
+    root + ``/v1``) says how to open a session and which base URL to use; one on a first-party
+    plugin wire's path that no plugin mounted names the missing wire plugin."""
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        path = request.url.path
+        path, wires = request.url.path, getattr(app.state, "wires", {})
+        served = ["/v1/chat/completions", *(p for w in wires.values() for p in getattr(w, "paths", ())), "/v1/models"]
+        missing = next((w for p, w in _PLUGIN_WIRES.items() if path.rstrip("/").endswith(p) and p not in served), None)
         if exc.status_code == 404 and not path.startswith("/s/"):
             msg, code = _not_found_hint(path), "not_found"
-        elif exc.status_code == 404:
-            msg = f"no route {path} (a session serves /v1/chat/completions, /v1/responses, /v1/messages and /v1/models)"
+        elif exc.status_code == 404 and missing:
+            msg = (f"no route {path}: the {missing} wire is not loaded (no plugin registered it through "
+                   "molt_register_wires); enable molt_plugins.wires (unset MOLT_DISABLE_PLUGINS=molt_engines, or "
+                   "pip install molt-sdk) or use /v1/chat/completions")
             code = "not_found"
+        elif exc.status_code == 404:
+            msg, code = f"no route {path} (a session serves {', '.join(served[:-1])} and {served[-1]})", "not_found"
         elif exc.status_code == 405:
             msg, code = f"method {request.method} is not allowed on {path}", "method_not_allowed"
         else:
             msg, code = str(exc.detail), None
-        return wire_error_response(wire_of_path(path), WireError(exc.status_code, msg, code=code),
+        return wire_error_response(wire_of_path(path, wires.values()), WireError(exc.status_code, msg, code=code),
                                    headers=getattr(exc, "headers", None))

@@ -1,11 +1,13 @@
-"""The two wire formats: request validation, conversion to the ledger's chat messages, and
-responses (JSON and server-sent events) for OpenAI Chat Completions and Anthropic Messages.
+"""The kernel's wire, OpenAI Chat Completions: request validation, conversion to the ledger's
+chat messages, responses (JSON and server-sent events), the OpenAI error shape, and the one
+field rule every wire applies (:func:`check_fields`). The other wires (OpenAI Responses,
+Anthropic Messages) are plugins (``molt_register_wires``, :mod:`molt_plugins.wires`).
 
-Both wires decode into one canonical form -- OpenAI-style messages, OpenAI-style tool
+Every wire decodes into one canonical form -- OpenAI-style messages, OpenAI-style tool
 schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part (through
-the request's image collector, :mod:`molt_core.server.images`) -- and both encode an
-:class:`~molt_core.ledger.AssistantTurn`. Extension fields carry the exact sampled ids:
-``choices[i].token_ids`` (OpenAI) and a top-level ``token_ids`` (Anthropic).
+the request's image collector, :mod:`molt_core.server.images`) -- and encodes an
+:class:`~molt_core.ledger.AssistantTurn`. An extension field carries the exact sampled ids:
+``choices[i].token_ids``.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from molt_core import _moved
 from molt_core.ledger import AssistantTurn
-from molt_core.server.images import convert_checked
 
-__all__ = ["WireError", "ChatCompletionRequest", "MessagesRequest", "openai_response", "openai_stream",
-           "anthropic_response", "anthropic_stream", "openai_error", "anthropic_error", "validation_message"]
+__all__ = ["WireError", "WireRequest", "ChatCompletionRequest", "openai_response", "openai_stream", "openai_error",
+           "validation_message", "check_fields", "sse", "token_logprobs", "SEED"]
 
 
 class WireError(Exception):
@@ -35,8 +37,6 @@ class WireError(Exception):
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                  413: "invalid_request_error", 409: "conflict_error", 500: "server_error", 503: "server_error"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 409: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
 
 
 #: OpenAI error codes whose ``type`` is not their status's (OpenAI's 404 for an unknown previous_response_id)
@@ -50,11 +50,6 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def anthropic_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """Anthropic error body: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
-
-
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One readable line per Pydantic error (``field: problem``) and the first field's name."""
     parts, first = [], None
@@ -65,10 +60,12 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), first
 
 
-class _Req(BaseModel):
-    # strict: a wrong-typed field is an error (no "1" -> 1 coercion); unknown nested fields are
-    # ignored (e.g. a tool's "strict", a block's "cache_control"); unknown top-level fields are
-    # judged by check_fields()
+class WireRequest(BaseModel):
+    """The base of every wire's request model (the kernel's and the plugins'): strict -- a
+    wrong-typed field is an error (no ``"1"`` -> 1 coercion); unknown nested fields are ignored
+    (e.g. a tool's ``strict``, a block's ``cache_control``); unknown top-level fields land in
+    ``model_extra`` for :func:`check_fields`."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
 
@@ -82,8 +79,6 @@ class _Req(BaseModel):
 
 #: OpenAI chat fields accepted and ignored (they cannot change what is sampled)
 IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
-#: Anthropic messages fields accepted and ignored
-IGNORED_ANTHROPIC = frozenset({"metadata", "service_tier"})
 
 _NO_EFFECT = ("it would change the sampling distribution or the length, and neither the engine nor the trainer's "
               "logprob recompute applies it")
@@ -119,11 +114,6 @@ REFUSED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "the prompt is not echoed"),
     "add_generation_prompt": ((True,), "the ledger renders the prompt"),
     "continue_final_message": ((False,), "the ledger renders the prompt"),
-}
-#: Anthropic messages fields refused unless neutral
-REFUSED_ANTHROPIC: dict[str, tuple[tuple[Any, ...], str]] = {
-    "thinking": (({"type": "disabled"},), "thinking is set per session: POST /sessions with chat_template_kwargs "
-                                          "(e.g. {\"enable_thinking\": true}); a token budget is not applied"),
 }
 
 
@@ -162,24 +152,25 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
-_SEED = Field(None, ge=0, lt=2**63)
+#: the ``seed`` field every wire declares: None or an int in [0, 2**63)
+SEED = Field(None, ge=0, lt=2**63)
 
 
 # ------------------------------------------------------------------------------ OpenAI
 
 
-class OpenAIFunction(_Req):
+class OpenAIFunction(WireRequest):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class OpenAITool(_Req):
+class OpenAITool(WireRequest):
     type: str = "function"
     function: OpenAIFunction
 
 
-class ChatCompletionRequest(_Req):
+class ChatCompletionRequest(WireRequest):
     """``POST /v1/chat/completions`` body (fields the server honours; others are ignored)."""
 
     model: str | None = None
@@ -193,7 +184,7 @@ class ChatCompletionRequest(_Req):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
-    seed: int | None = _SEED
+    seed: int | None = SEED
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -266,7 +257,9 @@ def _now() -> int:
     return int(time.time())
 
 
-def _token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
+def token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` entries of ``turn``'s sampled tokens: ``{token, logprob
+    (nats, the behaviour logprob), bytes (UTF-8), top_logprobs: []}`` per token."""
     out = []
     for tid, lp in zip(turn.token_ids, turn.logprobs):
         s = tokenizer.decode([tid], skip_special_tokens=False)
@@ -300,12 +293,13 @@ def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str
     return {
         "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": _now(), "model": model,
         "choices": [{"index": 0, "message": msg, "finish_reason": _openai_finish(turn),
-                     "logprobs": {"content": _token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
+                     "logprobs": {"content": token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
         "usage": _usage(turn),
     }
 
 
-def _sse(data: Any, event: str | None = None) -> str:
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: ``data`` (a string as is, else JSON), under ``event`` when given."""
     head = f"event: {event}\n" if event else ""
     return head + "data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)) + "\n\n"
 
@@ -317,239 +311,23 @@ def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage
     cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
 
     yield chunk({"role": "assistant", "content": ""})
     if turn.reasoning is not None:
         yield chunk({"reasoning_content": turn.reasoning})
-    yield chunk({"content": turn.content}, logprobs={"content": _token_logprobs(tokenizer, turn)},
+    yield chunk({"content": turn.content}, logprobs={"content": token_logprobs(tokenizer, turn)},
                 token_ids=list(turn.token_ids))
     for i, c in enumerate(_openai_calls(turn)):
         yield chunk({"tool_calls": [{"index": i, **c}]})
     yield chunk({}, _openai_finish(turn))
     if include_usage:
-        yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                     "usage": _usage(turn)})
-    yield _sse("[DONE]")
+    yield sse("[DONE]")
 
 
-# --------------------------------------------------------------------------- Anthropic
-
-
-class AnthropicTool(_Req):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-
-
-class AnthropicMessage(_Req):
-    role: str
-    content: str | list[dict[str, Any]]
-
-
-class MessagesRequest(_Req):
-    """``POST /v1/messages`` body (fields the server honours; others are ignored)."""
-
-    model: str | None = None
-    max_tokens: int = Field(ge=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    stream: bool | None = False
-    seed: int | None = _SEED
-
-    def check(self) -> None:
-        """Raises: WireError (400) for a forced tool choice, empty stop sequences, a refused
-        field with a non-neutral value or an unknown field (:func:`check_fields`)."""
-        check_fields(self.model_extra, IGNORED_ANTHROPIC, REFUSED_ANTHROPIC, list(type(self).model_fields))
-        if self.tool_choice and self.tool_choice.get("type") not in ("auto", "none"):
-            raise WireError(400, "tool_choice.type may only be 'auto' or 'none' here (forcing a tool is not supported)",
-                            "tool_choice")
-        if self.stop_sequences is not None and not all(self.stop_sequences):
-            raise WireError(400, "stop_sequences must be non-empty strings", "stop_sequences")
-
-    @property
-    def allow_tool_calls(self) -> bool:
-        """False for ``tool_choice: {"type": "none"}`` (tools kept in the prompt, reply not parsed for calls)."""
-        return (self.tool_choice or {}).get("type") != "none"
-
-    def tool_result_fields(self) -> list[str]:
-        """``messages[i].content[j].tool_use_id`` of each ``tool_result`` block, in order (the tool
-        messages :meth:`openai_messages` makes; :func:`~molt_core.server.tool_results.match_tool_results`)."""
-        return [f"messages[{i}].content[{j}].tool_use_id" for i, m in enumerate(self.messages)
-                if m.role == "user" and isinstance(m.content, list)
-                for j, b in enumerate(m.content) if b.get("type") == "tool_result"]
-
-    def tools_openai(self) -> list[dict[str, Any]] | None:
-        """The tools in OpenAI form (also under ``tool_choice`` none), or None."""
-        if not self.tools:
-            return None
-        out = []
-        for t in self.tools:
-            fn: dict[str, Any] = {"name": t.name}
-            if t.description is not None:
-                fn["description"] = t.description
-            fn["parameters"] = t.input_schema
-            out.append({"type": "function", "function": fn})
-        return out
-
-    def openai_messages(self, pending: Any = None) -> list[dict[str, Any]]:
-        """Convert to OpenAI-style messages: ``system`` first; ``tool_result`` blocks become
-        ``role: tool`` messages (in order, before the user text of the same turn);
-        ``thinking`` / ``text`` / ``tool_use`` assistant blocks become reasoning, content
-        and ``tool_calls``; ``image`` blocks (a user turn's or a tool result's) become internal
-        image parts next to the text (the modality's ``wire_images``), their checks
-        appended to ``pending`` (None: checked here).
-
-        Raises:
-            WireError: 400 naming ``messages[i].content[j]`` for an unsupported or malformed block.
-            ImageError: a malformed or (``pending`` None) refused image, naming its field.
-        """
-        return convert_checked(self._convert, pending)
-
-    def _convert(self, pending: Any) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if self.system:
-            out.append({"role": "system", "content": self.system if isinstance(self.system, str)
-                        else _block_text(self.system, "system")})
-        for i, m in enumerate(self.messages):
-            where = f"messages[{i}]"
-            if m.role not in ("user", "assistant"):
-                raise WireError(400, f"{where}.role must be 'user' or 'assistant', got {m.role!r}", f"{where}.role")
-            if isinstance(m.content, str):
-                out.append({"role": m.role, "content": m.content})
-                continue
-            if m.role == "user":
-                parts: list[Any] = []  # text (str) and image parts, in order
-                for j, b in enumerate(m.content):
-                    kind = b.get("type")
-                    if kind == "text" and isinstance(b.get("text"), str):
-                        parts.append(b["text"])
-                    elif kind == "image":
-                        parts.append(pending.anthropic_block(b, f"{where}.content[{j}]"))
-                    elif kind == "tool_result":
-                        c = b.get("content", "")
-                        content = c if isinstance(c, str) else _block_content(c, f"{where}.content[{j}].content", pending)
-                        out.append({"role": "tool", "content": content, "tool_call_id": str(b.get("tool_use_id", ""))})
-                    else:
-                        raise WireError(400, f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
-                                             "(text, image and tool_result are supported)", f"{where}.content")
-                if parts or not any(b.get("type") == "tool_result" for b in m.content):
-                    out.append({"role": "user", "content": _joined(parts)})
-            else:
-                text, reasoning, calls = [], None, []
-                for j, b in enumerate(m.content):
-                    kind = b.get("type")
-                    if kind == "text" and isinstance(b.get("text"), str):
-                        text.append(b["text"])
-                    elif kind == "thinking" and isinstance(b.get("thinking"), str):
-                        reasoning = b["thinking"]
-                    elif kind == "redacted_thinking":
-                        continue
-                    elif kind == "tool_use" and isinstance(b.get("name"), str) and isinstance(b.get("input", {}), dict):
-                        calls.append({"id": str(b.get("id", "")), "type": "function",
-                                      "function": {"name": b["name"], "arguments": b.get("input", {})}})
-                    else:
-                        raise WireError(400, f"{where}.content[{j}]: unsupported or malformed block {kind!r} in an "
-                                             "assistant turn (text, thinking and tool_use are supported)", f"{where}.content")
-                msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-                if reasoning is not None:
-                    msg["reasoning_content"] = reasoning
-                if calls:
-                    msg["tool_calls"] = calls
-                out.append(msg)
-        return out
-
-
-def _joined(parts: list[Any]) -> str | list[Any]:
-    """Text parts (str) joined into one string when there is no image; else a content list
-    of text parts and the image parts, in order."""
-    if all(isinstance(p, str) for p in parts):
-        return "".join(parts)
-    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-
-
-def _block_content(blocks: Any, where: str, pending: Any) -> str | list[Any]:
-    """A tool result's content blocks: text and image blocks (:func:`_joined`)."""
-    if not isinstance(blocks, list):
-        raise WireError(400, f"{where} must be a string or a list of text and image blocks", where)
-    parts: list[Any] = []
-    for j, b in enumerate(blocks):
-        if isinstance(b, dict) and b.get("type") == "image":
-            parts.append(pending.anthropic_block(b, f"{where}[{j}]"))
-        elif isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
-            parts.append(b["text"])
-        else:
-            raise WireError(400, f"{where}[{j}] must be a text or image block", where)
-    return _joined(parts)
-
-
-def _block_text(blocks: list[dict[str, Any]], where: str) -> str:
-    parts = []
-    for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise WireError(400, f"{where}[{j}] must be a text block {{'type': 'text', 'text': ...}}", where)
-        parts.append(b["text"])
-    return "".join(parts)
-
-
-def _anthropic_stop(turn: AssistantTurn) -> str:
-    # a cut is a cut first: a turn cut by max_tokens right after a complete tool call is max_tokens
-    if turn.finish_reason == "length":
-        return "max_tokens"
-    if turn.tool_calls:
-        return "tool_use"
-    return "end_turn" if turn.stop_sequence is None else "stop_sequence"
-
-
-def _anthropic_blocks(turn: AssistantTurn) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
-    if turn.reasoning is not None:
-        blocks.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
-    if turn.content or not turn.tool_calls:
-        blocks.append({"type": "text", "text": turn.content})
-    for c in turn.tool_calls:
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]})
-    return blocks
-
-
-def anthropic_response(turn: AssistantTurn, model: str) -> dict[str, Any]:
-    """An Anthropic ``message`` object for ``turn`` with a top-level ``token_ids``."""
-    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(turn), "stop_reason": _anthropic_stop(turn),
-            "stop_sequence": turn.stop_sequence,
-            "usage": {"input_tokens": turn.prompt_len, "output_tokens": len(turn.token_ids)},
-            "token_ids": list(turn.token_ids)}
-
-
-def anthropic_stream(turn: AssistantTurn, model: str) -> Iterator[str]:
-    """Anthropic streaming events for ``turn``: ``message_start`` (its message carries
-    ``token_ids``), a start/delta/stop triple per content block, ``message_delta``,
-    ``message_stop``."""
-    full = anthropic_response(turn, model)
-    start = {**full, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": turn.prompt_len, "output_tokens": 0}}
-    yield _sse({"type": "message_start", "message": start}, "message_start")
-    for i, b in enumerate(full["content"]):
-        if b["type"] == "thinking":
-            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "thinking_delta", "thinking": b["thinking"]}}, "content_block_delta")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
-        elif b["type"] == "text":
-            yield _sse({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": b["text"]}}, "content_block_delta")
-        else:
-            yield _sse({"type": "content_block_start", "index": i,
-                        "content_block": {"type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}, "content_block_start")
-            yield _sse({"type": "content_block_delta", "index": i,
-                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}, "content_block_delta")
-        yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
-    yield _sse({"type": "message_delta", "delta": {"stop_reason": full["stop_reason"], "stop_sequence": full["stop_sequence"]},
-                "usage": {"output_tokens": len(turn.token_ids)}}, "message_delta")
-    yield _sse({"type": "message_stop"}, "message_stop")
+def __getattr__(name: str) -> object:
+    """The Anthropic wire's names that lived here (:data:`molt_core._moved.MOVED_NAMES`)."""
+    return _moved.moved_attr(__name__, name)

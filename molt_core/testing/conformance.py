@@ -63,6 +63,7 @@ _SHAPE: dict[str, tuple[str, ...]] = {
     "sandbox_backends": ("available", "describe", "run"),
     "modalities": ("decode_part", "is_model", "processor_for", "row_images", "forward_kwargs", "wire_images"),
     "tool_parsers": ("parse",),
+    "wires": ("mount",),
 }
 
 

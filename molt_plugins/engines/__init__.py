@@ -1,11 +1,13 @@
 """First-party rollout engines: ``transformers`` (embedded default) and ``vllm`` (extra
-``molt-sdk[vllm]``), the vLLM engine's ``collective`` weight-sync transport, and the model
-families' tool-call parsers (:mod:`molt_plugins.parsers`)."""
+``molt-sdk[vllm]``), the vLLM engine's ``collective`` weight-sync transport, the model families'
+tool-call parsers (:mod:`molt_plugins.parsers`); this entry point also carries the server's wire
+plugins (:mod:`molt_plugins.wires`: Responses, Anthropic)."""
 
 from __future__ import annotations
 
 from molt_core.hookspecs import hookimpl
 from molt_plugins.parsers import TOOL_PARSERS
+from molt_plugins.wires import molt_register_wires  # noqa: F401 -- the server's wire plugins ride this entry point
 
 
 def _transformers_engine(**kwargs):

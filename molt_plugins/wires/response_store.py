@@ -27,10 +27,12 @@ session and is freed with it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from molt_core.server.responses import ResponsesRequest
 from molt_core.server.wires import WireError
+
+if TYPE_CHECKING:  # annotations only: the Responses wire imports this module
+    from molt_plugins.wires.responses import ResponsesRequest
 
 __all__ = ["MAX_STORED_RESPONSES", "ResponseStore"]
 

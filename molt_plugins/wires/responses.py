@@ -1,4 +1,4 @@
-"""The OpenAI Responses wire (``POST /v1/responses``, the OpenAI Agents SDK's default): request
+"""The OpenAI Responses wire (``POST /s/{sid}/v1/responses``, the OpenAI Agents SDK's default): request
 validation, conversion of ``input`` items to the ledger's chat messages, and the ``response``
 object and its server-sent events. Token-exact like the other wires: the response carries the
 sampled ids as a top-level ``token_ids`` (and in ``response.completed`` when streaming).
@@ -9,8 +9,9 @@ Input items: a string (one user message); messages ``{"role", "content"}`` with
 calls and the assistant message before them form one assistant turn); ``function_call_output``
 (a tool message); ``reasoning`` (the next assistant turn's reasoning). ``previous_response_id``
 continues a response stored in the same session (``store``, default true;
-:mod:`molt_core.server.response_store`); ``conversation`` is refused (chain turns by
+:mod:`molt_plugins.wires.response_store`); ``conversation`` is refused (chain turns by
 ``previous_response_id`` or send the whole input: the session's ledger extends it token-exactly).
+Mounted through ``molt_register_wires`` (:class:`ResponsesWire`); errors in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ import time
 import uuid
 from typing import Any, Iterator
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from molt_core.ledger import AssistantTurn
 from molt_core.server.images import convert_checked
-from molt_core.server.wires import _SEED, WireError, _joined, _Req, _sse, _token_logprobs, check_fields
+from molt_core.server.tool_results import match_tool_results
+from molt_core.server.wires import SEED, WireError, WireRequest, sse, token_logprobs, check_fields
+from molt_plugins.wires.common import joined
+from molt_plugins.wires.response_store import ResponseStore
 
-__all__ = ["ResponsesRequest", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response", "responses_stream"]
+__all__ = ["ResponsesRequest", "ResponsesWire", "IGNORED_RESPONSES", "REFUSED_RESPONSES", "responses_response",
+           "responses_stream"]
 
 #: Responses fields accepted and ignored (they cannot change what is sampled)
 IGNORED_RESPONSES = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -48,7 +55,7 @@ REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-class ResponsesRequest(_Req):
+class ResponsesRequest(WireRequest):
     """``POST /v1/responses`` body (the one field rule: :func:`~molt_core.server.wires.check_fields`)."""
 
     model: str | None = None
@@ -61,7 +68,7 @@ class ResponsesRequest(_Req):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
-    seed: int | None = _SEED
+    seed: int | None = SEED
     previous_response_id: str | None = None
     store: bool | None = None  # None: true (OpenAI's default)
 
@@ -173,7 +180,7 @@ class ResponsesRequest(_Req):
 def _parts(content: Any, where: str, pending: Any, key: str = "content") -> str | list[Any]:
     """``<where>.<key>`` (a string or a list of parts): the text joined, or with ``input_image``
     parts (allowed where ``pending`` is given) a list of text and internal image parts
-    (:func:`~molt_core.server.wires._joined`)."""
+    (:func:`~molt_plugins.wires.common.joined`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -190,7 +197,7 @@ def _parts(content: Any, where: str, pending: Any, key: str = "content") -> str 
             raise WireError(400, f"{where}.{key}[{j}]: only {what} parts are supported here, got {kind!r}",
                             f"{where}.{key}")
         parts.append(p["text"])
-    return _joined(parts)
+    return joined(parts)
 
 
 def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:
@@ -201,7 +208,7 @@ def _items(turn: AssistantTurn, tokenizer: Any) -> list[dict[str, Any]]:
     if turn.content or not turn.tool_calls:
         items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": turn.content, "annotations": [],
-                                   "logprobs": _token_logprobs(tokenizer, turn)}]})
+                                   "logprobs": token_logprobs(tokenizer, turn)}]})
     for c in turn.tool_calls:
         items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": c["id"], "name": c["name"],
                       "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"})
@@ -238,7 +245,7 @@ def responses_stream(full: dict[str, Any]) -> Iterator[str]:
     seq = iter(range(1 << 30))
 
     def ev(kind: str, **data: Any) -> str:
-        return _sse({"type": kind, "sequence_number": next(seq), **data}, kind)
+        return sse({"type": kind, "sequence_number": next(seq), **data}, kind)
 
     start = {**full, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
     start.pop("token_ids")
@@ -267,3 +274,34 @@ def responses_stream(full: dict[str, Any]) -> Iterator[str]:
             yield ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0, text=text)
         yield ev("response.output_item.done", output_index=i, item=item)
     yield ev("response.incomplete" if full["status"] == "incomplete" else "response.completed", response=full)
+
+
+class ResponsesWire:
+    """The wire object ``molt_register_wires`` registers as ``responses``: mounts
+    ``POST /s/{sid}/v1/responses``; a session's stored responses live in its
+    ``state["responses"]`` (a :class:`~molt_plugins.wires.response_store.ResponseStore`)."""
+
+    paths = ("/v1/responses",)
+
+    def mount(self, server: Any) -> None:
+        """Add the route to ``server`` (a :class:`~molt_core.server.app.WireServer`)."""
+        @server.route("/s/{sid}/v1/responses")
+        async def responses(sid: str, request: Request) -> Any:
+            async def handle() -> Any:
+                s, req, size = await server.session_request(request, sid, ResponsesRequest)
+                store = s.state.setdefault("responses", ResponseStore())
+                params = server.params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
+                pending = server.images()
+                msgs = store.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
+                await server.checked(pending, size)
+                msgs = match_tool_results(msgs, req.tool_result_fields())  # before the engine: a 400 naming the field
+                turn = await server.run_turn(s, request, msgs, req.tools_openai(), params, req.max_output_tokens,
+                                             req.allow_tool_calls, size)
+                body = responses_response(turn, server.tokenizer, server.model_name, req)
+                # no await since run_turn committed: the ledger's history is this turn's (the session's lock is released)
+                store.record(req, s.ledger.history, body)
+                if req.stream:
+                    return StreamingResponse(responses_stream(body), media_type="text/event-stream")
+                return body
+
+            return await server.guarded("openai", handle)
