@@ -18,8 +18,8 @@ It accepts a template when:
   *last-index scan* ``{% for m in messages %}{% if P(m) %}{% set ns.x = loop.index0 %}{% endif
   %}{% endfor %}`` with ``P`` reading only ``m`` (``ns.x`` = index of the last message
   satisfying ``P``, or its constant initial value ``<= 0``), or its reversed form, Qwen3's
-  last-query scan (:meth:`~molt_core.ledger.window_analysis._Analysis.reverse_scan`); such an index is only compared with a loop
-  index (``<``, ``>``, ``==``, ...);
+  last-query scan (:meth:`~molt_core.ledger.window_analysis._Analysis.reverse_scan`); such an
+  index is only compared with a loop index (``<``, ``>``, ``==``, ...);
 * a loop index (``loop.index0`` / ``loop.index``) is only compared with another index or an
   integer constant ``k`` (the head then holds messages ``0..k``), or used as a neighbour
   subscript; ``loop.first`` and ``loop.last`` are free,

@@ -69,7 +69,7 @@ from molt_core.train.forward import forward_rows, model_vocab, recompute_logprob
 from molt_core.train.grad_ckpt import enable_gradient_checkpointing
 from molt_core.train.ingress import Batch, NonFiniteLogprobs, admit, build_batch, nonfinite_check
 from molt_core.train.metrics import batch_metrics
-from molt_core.train.onpolicy_check import OnPolicyChecks
+from molt_core.train.onpolicy import OnPolicyChecks
 from molt_core.train.update import in_support, lr_factor, policy_update
 from molt_core.types import Trajectory
 from molt_core.train.version_history import VersionHistory
