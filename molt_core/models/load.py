@@ -8,16 +8,8 @@ from typing import Any
 
 import torch
 
-from molt_core.models.builtin import (
-    VL_BUILTINS,
-    TINY_TOKENIZER_DIR,
-    _add_vision_tokens,
-    _builtin_config,
-    _builtin_name,
-    _vl_config,
-    bigvocab_tokenizer_dir,
-    is_builtin,
-)
+from molt_core.models.builtin import (TINY_TOKENIZER_DIR, VL_BUILTINS, _add_vision_tokens, _builtin_config,
+                                      _builtin_name, _vl_config, bigvocab_tokenizer_dir, is_builtin)
 from molt_core.models.hub import _hub_error, hub_kwargs, resolve_path
 
 __all__ = ["DTYPES", "VISION_TOKEN_LOGIT", "device_for", "load_model", "load_tokenizer", "mask_vision_tokens",
