@@ -20,15 +20,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from molt_core.config import RunConfig, text_hint
+from molt_core.plugins import PluginHost, import_path
 from molt_core.types import Result, SamplingParams
-
-if TYPE_CHECKING:
-    from molt_core.config import RunConfig
-    from molt_core.plugins import PluginHost
 
 __all__ = ["AgentOptions", "Agent", "Env", "ChatAgent", "EpisodeState", "AgentContext", "make_agent",
            "load_agent", "GymnasiumEnv", "from_gymnasium"]
@@ -55,8 +53,6 @@ class Agent:
         try:
             self.options = self.Options.model_validate(options)
         except ValidationError as e:
-            from molt_core.config import text_hint
-
             bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
                             for x in e.errors() for w in [f"agent.options.{'.'.join(map(str, x['loc']))}"])
             raise ValueError(f"{type(self).__name__}: invalid options: {bad}") from None
@@ -331,8 +327,6 @@ def load_agent(cfg: RunConfig, host: PluginHost) -> Agent:
             a missing file, not a ``.py`` file, a file that fails to import or defines no agent
             or several, or invalid options.
     """
-    from molt_core.plugins import import_path
-
     a = cfg.agent
     if bool(a.name) == bool(a.path):
         raise ValueError("set exactly one of agent.name (a registered env, see `molt plugins`) or agent.path (a .py file) / --agent")

@@ -456,7 +456,7 @@ def test_moe_without_routing_plugin_is_refused_by_name(monkeypatch):
 def test_dense_model_looks_up_no_routing_tool(monkeypatch):
     """A dense policy never loads plugins for routing: trainer and engine build with the
     plugin host unreachable."""
-    import molt_core.models
+    import molt_core.models.checks
     from molt_core.config import RunConfig
     from molt_core.engines.transformers_engine import TransformersEngine
     from molt_core.train import Trainer
@@ -464,6 +464,6 @@ def test_dense_model_looks_up_no_routing_tool(monkeypatch):
     def unreachable(*a, **k):
         raise AssertionError("a dense model looked up a routing tool")
 
-    monkeypatch.setattr(molt_core.models, "shared_host", unreachable)
+    monkeypatch.setattr(molt_core.models.checks, "shared_host", unreachable)
     assert Trainer(RunConfig()).routing is None
     TransformersEngine("builtin:tiny-qwen3", max_batch_size=1, seed=0).close()

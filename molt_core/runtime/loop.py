@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.config import RunConfig
+from molt_core.models import check_model_positions, check_model_source, load_tokenizer
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, check_modality_options
 from molt_core.train.progress import step_progress
@@ -29,6 +30,7 @@ from molt_core.runtime.trainer_group import describe_ranks, start_trainer_group
 from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.rollout.tasks import TaskStream, check_train_split
+from molt_core.train.checkpoint import latest_intact_checkpoint
 from molt_core.train.features import check_trainer_features
 from molt_core.types import Group, Trajectory
 
@@ -272,8 +274,6 @@ def _driver_tokenizer_future(cfg: RunConfig, local: bool) -> concurrent.futures.
 def _driver_tokenizer(cfg: RunConfig) -> Any:
     """The model's tokenizer in the driver (to decode sampled trajectories for display), or
     None when it cannot be loaded (the rows then keep token ids only)."""
-    from molt_core.models import load_tokenizer
-
     try:
         return load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
     except (OSError, ValueError, ImportError):
@@ -320,8 +320,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from molt_core.train.checkpoint import latest_intact_checkpoint
-
     console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
     # validate everything a worker will build before any compute starts (and before the run
     # directory exists, so a typo leaves no empty run behind)
@@ -332,8 +330,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_modality_options(cfg, host)
     sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
-        from molt_core.models import check_model_positions, check_model_source
-
         check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
         check_model_positions(cfg.model.path)  # rotary factors the engine and trainer compute alike
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molt_core.config import RunConfig
+from molt_core.config import RunConfig, text_hint
 from molt_core.plugins import PluginHost
 from molt_core.types import Trajectory
 
@@ -46,8 +46,6 @@ def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
             try:
                 model.model_validate(options)
             except ValidationError as e:
-                from molt_core.config import text_hint
-
                 bad = []
                 for err in e.errors():
                     where = f"loggers.{name}.{'.'.join(map(str, err['loc']))}"

@@ -19,6 +19,7 @@ import socket
 from typing import Any
 
 from molt_core.config import RunConfig
+from molt_core.models import check_model_positions
 from molt_core.runtime.workers import TrainerWorker, where
 from molt_core.train.features import trainer_backend
 
@@ -49,8 +50,6 @@ class ShardedTrainerWorker(TrainerWorker):
         Raises:
             ConfigError: no plugin registers the trainer backend (names ``trainer.world_size``).
         """
-        from molt_core.models import check_model_positions  # (as TrainerWorker: at first use, not at import)
-
         sharded = trainer_backend(self.cfg)
         backend = sharded.init_process_group(rank, world_size, init_method)
         self.trainer = sharded.trainer(self.cfg)

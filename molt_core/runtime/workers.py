@@ -17,14 +17,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from molt_core.agents import AgentContext, ChatAgent, Env, EpisodeState, load_agent
-from molt_core.config import RunConfig
+from molt_core.agents import AgentContext, Env, EpisodeState, load_agent
+from molt_core.config import RunConfig, text_hint
 from molt_core.ledger import Ledger, take_turn
+from molt_core.models import DTYPES, check_model_positions, device_for
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
 from molt_core.plugins import PluginHost, load_plugins, modality
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
 from molt_core.rollout.scoring import RewardRunner
 from molt_core.runtime.collective_sync import worker_transport
+from molt_core.runtime.weightpack import as_state_dict, pack_state
+from molt_core.train import Trainer
+from molt_core.train.sft import warm_start_steps
 from molt_core.types import Group, Result, RewardFailed, SamplingParams, Trajectory, new_id
 
 __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pass_at_k", "where"]
@@ -52,8 +56,6 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
             try:
                 model.model_validate(opts)
             except ValidationError as e:
-                from molt_core.config import text_hint
-
                 bad = "; ".join(f"{w}: {x['msg']}{text_hint(w, x)}"
                                 for x in e.errors() for w in [f"rewards.{name}.{'.'.join(map(str, x['loc']))}"])
                 raise ValueError(f"invalid reward options: {bad}") from None
@@ -80,8 +82,6 @@ def engine_kwargs(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
     ``max_batch_size``, ``dtype``, ``gguf_file``, ``model_seed``, ``seed``, ``engine.options``,
     and ``device`` (:func:`molt_core.models.device_for`: ``cuda`` when ``engine.num_gpus > 0``
     and a GPU is visible) when the engine asked for a GPU and ``engine.options`` names none."""
-    from molt_core.models import device_for
-
     e = cfg.engine
     kw: dict[str, Any] = dict(model=cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
                               gguf_file=cfg.model.gguf_file, model_seed=cfg.run.seed, seed=cfg.run.seed * 1000 + index)
@@ -176,6 +176,7 @@ class RolloutWorker:
     def _server(self):
         """The worker's loopback server (started on first use)."""
         if self.server is None:
+            # here, not at the top: the server's web stack (~0.5 s of imports) loads only in a ChatAgent run
             from molt_core.server.app import start_server
 
             self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
@@ -390,8 +391,6 @@ class RolloutWorker:
 
         ``state`` is a name -> tensor dict or the :class:`~molt_core.runtime.weightpack.PackedState`
         :meth:`TrainerWorker.weights` publishes (the engine gets views into its buffer)."""
-        from molt_core.runtime.weightpack import as_state_dict
-
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
         except BaseException as e:  # rollouts waiting for this version fail instead of waiting forever
@@ -464,8 +463,6 @@ class TrainerWorker:
         its process group: :mod:`molt_core.runtime.trainer_group`)."""
         import torch
 
-        from molt_core.train import Trainer
-
         self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
         torch.set_num_threads(self.cfg.run.threads)
         try:
@@ -476,8 +473,6 @@ class TrainerWorker:
             pass
         self.trainer = Trainer(self.cfg) if build else None
         if self.trainer is not None:  # (the driver read config.json; a GGUF file's config is known only here)
-            from molt_core.models import check_model_positions
-
             check_model_positions(self.cfg.model.path, self.trainer.model.config)
 
     def placement(self) -> dict[str, str]:
@@ -508,8 +503,6 @@ class TrainerWorker:
         Raises:
             ValueError: the agent cannot be built or its tasks have no answers.
         """
-        from molt_core.train.sft import warm_start_steps
-
         agent = load_agent(self.cfg, load_plugins(self.cfg.plugins))
         self._sft = warm_start_steps(self.trainer, agent)
         return max(0, self.cfg.sft.steps)
@@ -541,10 +534,6 @@ class TrainerWorker:
         engine as bf16: half the bytes), one object for Ray to move;
         :meth:`RolloutWorker.load_weights` unpacks it). A sharded
         trainer: the full weights on rank 0, an empty pack on the other ranks."""
-        from molt_core.runtime.weightpack import pack_state
-
-        from molt_core.models import DTYPES
-
         state = pack_state(self.trainer.weights(), dtype=DTYPES[self.cfg.engine.dtype])
         self._sync_bytes = state.nbytes
         return state, self.trainer.version
@@ -574,8 +563,6 @@ class TrainerWorker:
         Raises:
             RuntimeError: :meth:`sync_init` was not called on rank 0.
         """
-        from molt_core.models import DTYPES
-
         state = self.trainer.weights()
         if getattr(self.trainer, "rank", 0) == 0:
             group = getattr(self, "_sync_group", None)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from molt_core.identity import screen
 from molt_core.models import routing_tool
 from molt_core.types import Trajectory
 
@@ -466,8 +467,6 @@ def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | Non
         ``invariants/nonfinite_logprobs`` (:func:`refuse_malformed`), with
         ``ingress/refused_rollouts`` counting every refusal.
     """
-    from molt_core.identity import screen
-
     try:
         batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher, vision=vision)
         malformed = {"ingress/refused_malformed": 0.0, "ingress/refused_no_span": 0.0,

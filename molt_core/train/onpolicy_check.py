@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 
+from molt_core.train.forward import forward_rows, recompute_logprobs
 from molt_core.train.version_history import stale_absdiff, storage_key
 
 __all__ = ["CheckProcess"]
@@ -339,8 +340,6 @@ class _Forwarder:
         return torch.autocast("cpu", dtype=self.compute_dtype if enabled else None, enabled=enabled)
 
     def _forward(self, model: torch.nn.Module, batch: Any, rows: slice, with_entropy: bool = False):
-        from molt_core.train.forward import forward_rows
-
         return forward_rows(self, model, batch, rows, with_entropy)
 
 
@@ -361,8 +360,6 @@ def _serve(tmp: str) -> None:
     """The child: map the ring (then remove its files, in ``tmp``), then one check per
     message on stdin until it closes."""
     import copy
-
-    from molt_core.train.forward import recompute_logprobs
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     out = os.fdopen(os.dup(1), "wb")  # replies; anything a library prints goes to stderr

@@ -33,9 +33,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from molt_core.agents import Env, load_agent
 from molt_core.ledger.messages import image_shas, normalize_messages
 from molt_core.plugins import modality
+from molt_core.rollout.datafiles import load_rows
 from molt_core.train.forward import image_inputs
+from molt_core.train.progress import step_progress
+from molt_core.train.trainer import Trainer
+from molt_core.train.update import lr_factor
 
 __all__ = ["Example", "render_example", "render_with_images", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
            "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
@@ -213,8 +218,6 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
             (raised when the first step is drawn, before any compute).
     """
-    from molt_core.train import lr_factor
-
     lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
     if steps <= 0:
         return
@@ -314,8 +317,6 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
         ValueError: a task without ``answer`` (or, for a non-Env agent, without ``question``),
             or fewer than ``n`` tasks.
     """
-    from molt_core.agents import Env
-
     rng = random.Random(seed + 7919)
     out: list[tuple[list[dict[str, Any]], str]] = []
     answers: list[str] = []
@@ -439,8 +440,6 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
     if s.steps <= 0:
         return iter(())
     if s.data:
-        from molt_core.rollout.datafiles import load_rows
-
         examples = examples_from_rows(load_rows(s.data, what="sft.data"))
     else:
         examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
@@ -471,10 +470,6 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     from pathlib import Path
 
     from rich.console import Console
-
-    from molt_core.train.progress import step_progress
-    from molt_core.agents import load_agent
-    from molt_core.train import Trainer
 
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps is 0: nothing to do; set it in the recipe's [sft] table or --set sft.steps=N")

@@ -52,32 +52,34 @@ import logging
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from molt_core.algo.correction import staleness_gate
-from molt_core.algo.kl import kl_estimate
+from molt_core.algo.kl import AdaptiveKLController, kl_estimate
 from molt_core.config import RunConfig
-from molt_core.models import routing_tool
+from molt_core.models import DTYPES, device_for, load_model, load_tokenizer, mask_vision_tokens, routing_tool
 from molt_core.plugins import modality
 from molt_core.train.algorithms import compute_advantages, correct_tokens, resolve_algorithms
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
 from molt_core.train.features import trainer_adapter
 from molt_core.train.forward import forward_rows, model_vocab, recompute_logprobs, token_logprobs
+from molt_core.train.grad_ckpt import enable_gradient_checkpointing
 from molt_core.train.ingress import Batch, NonFiniteLogprobs, admit, build_batch, nonfinite_check
 from molt_core.train.metrics import batch_metrics
+from molt_core.train.onpolicy import OnPolicyChecks
 from molt_core.train.update import in_support, lr_factor, policy_update
 from molt_core.types import Trajectory
-from molt_core.train.version_history import VersionHistory, stale_absdiff
+from molt_core.train.version_history import VersionHistory
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Trainer", "ValueModel", "lr_factor", "token_logprobs"]
 
 
-class Trainer:
+class Trainer(OnPolicyChecks):
     """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
 
     Args:
@@ -119,18 +121,12 @@ class Trainer:
         self.algo = resolve_algorithms(cfg)
         torch.manual_seed(cfg.run.seed)  # global torch RNG, so a run is reproducible from its seed
         if model is None:
-            from molt_core.models import load_model, load_tokenizer
-
             # fp32 master weights whatever model.dtype: bf16/fp16 is the compute dtype (autocast)
             model = load_model(cfg.model.path, dtype="float32", gguf_file=cfg.model.gguf_file, seed=cfg.run.seed)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
-        from molt_core.models import device_for, mask_vision_tokens
-
         mask_vision_tokens(model)  # a VL model never samples a vision special token; same logits as the engine
         self.device = device_for(cfg.trainer.num_gpus)
-        from molt_core.models import DTYPES
-
         #: forwards run in ``model.dtype`` under autocast over fp32 master weights (:meth:`autocast`)
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = model.to(self.device)
@@ -143,8 +139,6 @@ class Trainer:
             self.model = self.adapter.wrap(self.model, cfg.trainer.lora)
         self.model.eval()  # no dropout: on-policy ratios are exactly 1
         if cfg.trainer.gradient_checkpointing:
-            from molt_core.train.grad_ckpt import enable_gradient_checkpointing
-
             enable_gradient_checkpointing(self.model)
             if critic is not None:
                 enable_gradient_checkpointing(critic.backbone)
@@ -161,8 +155,6 @@ class Trainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.kl_controller = None
         if cfg.algo.kl_target is not None and self.kl_coef > 0:
-            from molt_core.algo.kl import AdaptiveKLController
-
             self.kl_controller = AdaptiveKLController(self.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         tc = cfg.trainer
         if len(tc.betas) != 2:
@@ -476,89 +468,6 @@ class Trainer:
             raise RuntimeError(f"the on-policy check of step {self.step} failed after its update "
                                f"(the trainer is at version {self.version}): {check_error!r}") from check_error
         return metrics
-
-    def _onpolicy_stale(self, batch: Batch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
-        older versions, each under its own version's weights (see
-        :mod:`molt_core.train.version_history`); returns a function that waits for its ``(diffs, rows)``.
-
-        Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
-        images -- their processing and replay state live in this process) and pays (a CPU
-        trainer), the recompute runs in a child process beside the update
-        (:class:`molt_core.train.onpolicy_check.CheckProcess`, reading the version history in
-        shared memory): on a multi-core CPU its forward then costs the update nothing (on a
-        thread it would share the interpreter lock with it). On an accelerator it stays in
-        line: a second process's kernels would contend for the same device, and its logits
-        ``[rows, T, V]`` would sit in memory beside the update's activations. The result is
-        the same tensor either way (same weights, rows, micro-batches and thread count).
-        """
-        seed = self.cfg.run.seed * 1_000_003 + self.version  # a new sample each step
-        version = self.version
-        needed = (any(v < version for v in self.history.versions())
-                  and bool((batch.versions[batch.mask] < version).any()))
-        if needed and self._check_proc is not None and self._check_process_ok(batch) and self._check_ready():
-            return self._check_proc.submit(batch, version, self.history.slots(), self.cfg.async_.onpolicy_rows, seed)
-        gen = torch.Generator().manual_seed(seed)
-        out = stale_absdiff(batch, version, self.history, lambda b, m: self.recompute_logprobs(b, model=m)[0],
-                            self.model, self.cfg.async_.onpolicy_rows, generator=gen)
-        return lambda: out
-
-    def _check_process_ok(self, batch: Batch) -> bool:
-        """Whether the on-policy check of ``batch`` may run in the check process."""
-        # (the process exists only for a trainer that may use it: see _start_check_process)
-        return (self.overlap_onpolicy_check and self.device.type == "cpu" and batch.images is None
-                and (self.replay_backend is None or batch.routed_experts is None))
-
-    def _start_check_process(self) -> None:
-        """Start the on-policy check's process once, when this trainer may use it (a one-process
-        CPU trainer keeping versions, no VL model, no routing replay) -- after the first update,
-        so a trainer that never steps starts none (the run loop starts it earlier, after the
-        warm start: :meth:`start_check_process`). The version history moves to its shared
-        ring now; the checks run in line until the child is ready. A failure to start is logged
-        once and the check stays in line (it measures the same thing)."""
-        if (self._check_proc is not None or self._check_proc_failed or not self.overlap_onpolicy_check
-                or self.device.type != "cpu" or self.history.keep == 0 or self.vision_processor is not None
-                or self.replay_backend is not None):
-            return
-        from molt_core.train.onpolicy_check import CheckProcess
-
-        try:
-            proc = CheckProcess(self.model, self.history.keep + 1, self.cfg.trainer.micro_batch_size,
-                                self.compute_dtype, torch.get_num_threads(), self.shared_prefix)
-            self.history.share(proc.ring)  # the held versions move to shared memory
-            self._check_proc = proc
-        except Exception as e:  # noqa: BLE001 -- the in-line check measures the same thing
-            self._check_failed(e)
-
-    def start_check_process(self) -> bool:
-        """Start the on-policy check's process now rather than after the first update (the run
-        loop calls it once the warm start is done, so the child's start-up -- seconds of
-        imports -- overlaps the first rollouts instead of the first steps' checks, which run
-        in line until it is ready). Returns whether a check process runs (False for a trainer
-        that keeps no versions or may not use one: see :meth:`_start_check_process`)."""
-        self._start_check_process()
-        return self._check_proc is not None
-
-    def close(self) -> None:
-        """Stop the on-policy check's process, if one runs (it also stops when the trainer is
-        garbage-collected or the process exits); the check then runs in line. Idempotent."""
-        if self._check_proc is not None:
-            self._check_proc.close()
-            self._check_proc = None
-        self._check_proc_failed = True  # no new one
-
-    def _check_ready(self) -> bool:
-        """Whether the check process can take this step's check (never waits)."""
-        try:
-            return bool(self._check_proc is not None and self._check_proc.ready())
-        except RuntimeError as e:
-            self._check_proc = None
-            self._check_failed(e)
-            return False
-
-    def _check_failed(self, e: BaseException) -> None:
-        self._check_proc_failed = True
-        log.warning("the on-policy check runs in line (its process could not start: %s)", e)
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
         """Whether this step can take the proximal logprobs from the loss forward itself.
