@@ -467,3 +467,24 @@ def test_dense_model_looks_up_no_routing_tool(monkeypatch):
     monkeypatch.setattr(molt_core.models.checks, "shared_host", unreachable)
     assert Trainer(RunConfig()).routing is None
     TransformersEngine("builtin:tiny-qwen3", max_batch_size=1, seed=0).close()
+
+
+def test_a_routing_tool_loaded_with_plugin_reaches_the_engine(monkeypatch):
+    """Review of issue 26: with molt_moe disabled and loaded again by ``--plugin`` (what the MoE
+    refusal tells a user to do), the engine must record routing -- before, only the trainer saw
+    the --plugin tool, so no rollout carried ``routed_experts`` and replay was silently off."""
+    from molt_core import plugins
+    from molt_core.engines.transformers_engine import TransformersEngine
+    from molt_core.models import load_model, routing_tool
+
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_moe")
+    monkeypatch.setattr(plugins, "_RUN_PLUGINS", ())
+    model = load_model("builtin:tiny-qwen3-moe")
+    assert routing_tool(model) is None  # the entry point is disabled: nothing serves the model
+    plugins.use_run_plugins(["molt_plugins.moe"])
+    assert type(routing_tool(model)).__name__ == "MoeRouting"
+    eng = TransformersEngine("builtin:tiny-qwen3-moe", max_batch_size=2, seed=0)
+    try:
+        assert eng._routing is not None  # the engine records routed experts for every rollout
+    finally:
+        eng.close()

@@ -43,3 +43,21 @@ def test_world_size_without_the_backend_plugin_is_refused_by_name(monkeypatch, t
     _refused_without(monkeypatch, "molt_distributed", "trainer_backends", "fsdp2", cfg, want)
     with pytest.raises(ConfigError, match=want):  # a rank refuses before it joins any process group
         ShardedTrainerWorker(cfg).start(0, 2, f"file://{tmp_path / 'rdzv'}")
+
+
+def test_a_run_whose_engine_no_plugin_registers_is_refused_by_name_before_the_run_dir(tmp_path):
+    """Review of issue 26: with molt_engines disabled the run stopped with a KeyError traceback
+    after making its run directory; now it is refused by name, exit 2, no run directory."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "MOLT_DISABLE_PLUGINS": "molt_engines"}
+    r = subprocess.run([sys.executable, "-m", "molt_core.cli", "run", "quickstart", "--steps", "1", "--sft-steps", "0",
+                        "--local", "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "engine.name = 'transformers': no loaded plugin registers that engine (registered: (none))" in r.stderr
+    assert "molt_engines (molt_plugins.engines)" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()

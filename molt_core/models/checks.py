@@ -48,9 +48,9 @@ def declares_experts(model: Any) -> bool:
     return any(isinstance(v := getattr(c, k, None), int) and v > 1 for c in cfgs for k in MOE_KEYS)
 
 
-def routing_tool(model: Any = None, plugins: list[str] | tuple[str, ...] = (), replay: bool = False) -> Any:
+def routing_tool(model: Any = None, plugins: list[str] | tuple[str, ...] | None = None, replay: bool = False) -> Any:
     """The MoE routing tool (hook ``molt_register_routing_tools``, read from
-    :func:`molt_core.plugins.shared_host` of the entry points and ``plugins``) serving
+    :func:`molt_core.plugins.shared_host` of the entry points and ``plugins``, None: the run's) serving
     ``model``: the first registered, by name, whose ``is_moe(model)`` holds. None for a model
     that declares no experts (:func:`declares_experts`; nothing is loaded), or when no tool
     serves it. ``model`` None: the first registered tool (ingress collates without a model).

@@ -353,15 +353,28 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
     return host
 
 
-def shared_host(local: list[str] | tuple[str, ...] = ()) -> PluginHost:
-    """The :func:`load_plugins` host of the entry points and ``local``, built once per process
-    for each ``local`` list and value of ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for
-    kernel code that is handed no host (an engine, the trainer, ingress, a ledger made by hand)
-    and only reads registries. Never mutate it.
+_RUN_PLUGINS: tuple[str, ...] = ()
+
+
+def use_run_plugins(local: list[str] | tuple[str, ...]) -> None:
+    """Make ``local`` (the run's ``plugins`` / ``--plugin`` list) what :func:`shared_host` loads
+    in this process when it is not told a list: called by the actors and the trainer that a run
+    starts, so an engine, ingress or SFT reaching a registry finds a ``--plugin`` modality or
+    routing tool too."""
+    global _RUN_PLUGINS
+    _RUN_PLUGINS = tuple(local)
+
+
+def shared_host(local: list[str] | tuple[str, ...] | None = None) -> PluginHost:
+    """The :func:`load_plugins` host of the entry points and ``local`` (None: the run's list,
+    :func:`use_run_plugins`), built once per process for each list and value of
+    ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for kernel code that is handed no host (an
+    engine, the trainer, ingress, a ledger made by hand) and only reads registries. Never mutate it.
 
     Raises:
         PluginError: as :func:`load_plugins`.
     """
+    local = _RUN_PLUGINS if local is None else local
     return _shared_host(tuple(local), os.environ.get("MOLT_DISABLE_PLUGINS"), os.environ.get("MOLT_LOAD_PLUGINS"))
 
 

@@ -22,7 +22,7 @@ from molt_core.config import RunConfig, text_hint
 from molt_core.ledger import Ledger, take_turn
 from molt_core.models import DTYPES, check_model_positions, device_for
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
-from molt_core.plugins import PluginHost, load_plugins, modality
+from molt_core.plugins import PluginHost, load_plugins, modality, use_run_plugins
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
 from molt_core.rollout.scoring import RewardRunner
 from molt_core.runtime.collective_sync import worker_transport
@@ -123,6 +123,7 @@ class RolloutWorker:
 
         self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
         torch.set_num_threads(self.cfg.run.threads)
+        use_run_plugins(self.cfg.plugins)  # the engine reads the modality / routing tool registries
         self.host = load_plugins(self.cfg.plugins)
         self.agent = load_agent(self.cfg, self.host)
         factory = self.host.get("engines", self.cfg.engine.name)

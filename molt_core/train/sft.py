@@ -35,7 +35,7 @@ import torch
 
 from molt_core.agents import Env, load_agent
 from molt_core.ledger.messages import image_shas, normalize_messages
-from molt_core.plugins import modality
+from molt_core.plugins import modality, use_run_plugins
 from molt_core.rollout.datafiles import load_rows
 from molt_core.train.forward import image_inputs
 from molt_core.train.progress import step_progress
@@ -465,6 +465,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
         ValueError: ``sft.steps`` is 0, the agent cannot be built / has no answers, or
             ``sft.data`` cannot be read or has a bad row.
     """
+    use_run_plugins(cfg.plugins)  # the modality SFT reads before the trainer exists
     import json
     from datetime import datetime
     from pathlib import Path

@@ -60,7 +60,7 @@ from molt_core.algo.correction import staleness_gate
 from molt_core.algo.kl import AdaptiveKLController, kl_estimate
 from molt_core.config import RunConfig
 from molt_core.models import DTYPES, device_for, load_model, load_tokenizer, mask_vision_tokens, routing_tool
-from molt_core.plugins import modality
+from molt_core.plugins import modality, use_run_plugins
 from molt_core.train.algorithms import compute_advantages, correct_tokens, resolve_algorithms
 from molt_core.train.checkpoint import load_checkpoint, save_checkpoint
 from molt_core.train.critic import ValueModel, critic_values, update_critic
@@ -117,6 +117,7 @@ class Trainer(OnPolicyChecks):
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
                  ref_model: torch.nn.Module | None = None, replay_backend: Any = None) -> None:
         self.cfg = cfg
+        use_run_plugins(cfg.plugins)  # forwards, ingress and SFT read the modality / routing registries
         #: the registered estimator and loss of ``algo.advantage`` / ``algo.loss`` (validated here)
         self.algo = resolve_algorithms(cfg)
         torch.manual_seed(cfg.run.seed)  # global torch RNG, so a run is reproducible from its seed
