@@ -87,3 +87,32 @@ def test_a_recipe_setting_images_without_a_modality_plugin_is_refused():
         check_modality_options(cfg, load_plugins(entry_points=False))
     check_modality_options(cfg, load_plugins())  # the vision plugin loaded: accepted
     check_modality_options(load_config("quickstart"), load_plugins(entry_points=False))  # no [images]: accepted
+
+
+def test_a_vision_recipe_without_the_modality_plugin_is_refused_before_the_run_dir(tmp_path):
+    """Review of issue 26: `molt run vision` with molt_vision disabled loaded the model and failed
+    every rollout; now it is refused by name before any compute (exit 2, no run directory)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "MOLT_DISABLE_PLUGINS": "molt_vision"}
+    r = subprocess.run([sys.executable, "-m", "molt_core.cli", "run", "vision", "--steps", "1", "--sft-steps", "0",
+                        "--local", "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("model.path = 'builtin:tiny-qwen2.5-vl' is a vision-language model, but no loaded plugin registers a "
+            "modality") in r.stderr
+    assert not out.exists()
+
+
+def test_declares_vision_reads_the_name_or_the_config_only(tmp_path):
+    from molt_core.models import declares_vision
+
+    assert declares_vision("builtin:tiny-qwen2.5-vl") and not declares_vision("builtin:tiny-qwen3")
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text('{"model_type": "qwen2_5_vl", "vision_config": {}}')
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text('{"model_type": "qwen3"}')
+    assert declares_vision(str(tmp_path / "vl")) and not declares_vision(str(tmp_path / "text"))
+    assert not declares_vision("Qwen/Qwen2.5-VL-3B-Instruct")  # a Hub id: refused per request instead

@@ -46,10 +46,10 @@ from molt_core.models.builtin import (  # noqa: F401 - _builtin_name: read by th
 from molt_core.models.checks import (MOE_KEYS, cache_keyword, check_model_positions, declares_experts,
                                      length_dependent_rope, returned_cache, routing_tool)
 from molt_core.models.hub import check_model_source, hub_kwargs, hub_offline, local_model_dir, resolve_path
-from molt_core.models.load import (DTYPES, VISION_TOKEN_LOGIT, device_for, load_model, load_tokenizer,
+from molt_core.models.load import (DTYPES, VISION_TOKEN_LOGIT, declares_vision, device_for, load_model, load_tokenizer,
                                    mask_vision_tokens, vision_token_ids)
 
 __all__ = ["BUILTINS", "VL_BUILTINS", "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH", "DTYPES", "TINY_TOKENIZER_DIR", "bigvocab_tokenizer_dir", "cache_keyword", "check_model_positions", "check_model_source", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir",
            "MOE_KEYS", "declares_experts", "routing_tool",
-           "VISION_TOKEN_LOGIT", "device_for", "mask_vision_tokens", "resolve_path", "vision_token_ids"]
+           "VISION_TOKEN_LOGIT", "declares_vision", "device_for", "mask_vision_tokens", "resolve_path", "vision_token_ids"]

@@ -3,6 +3,7 @@ vision-token mask every loaded vision-language model gets."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +184,13 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
         if Path(path).is_dir():
             raise
         raise _hub_error(path, kw, e) from e
+
+
+def declares_vision(path: str) -> bool:
+    """Whether the model at ``path`` is a vision-language model by its name or its
+    ``config.json`` alone (no weights loaded): a builtin VL model, or a local directory whose
+    config has a ``vision_config``. A Hub id answers False (its images are refused per request)."""
+    if is_builtin(path):
+        return _builtin_name(path) in VL_BUILTINS
+    config = Path(path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from molt_core.config import ConfigError, RunConfig
-from molt_core.models import check_model_positions, check_model_source, load_tokenizer
+from molt_core.models import check_model_positions, check_model_source, declares_vision, load_tokenizer
 from molt_core.rollout.evalstats import eval_metrics
-from molt_core.plugins import PluginHost, check_modality_options
+from molt_core.plugins import PluginHost, check_modality_options, modality
 from molt_core.train.progress import step_progress
 from molt_core.rollout.scoring import component_metrics
 from molt_core.runtime.collective_sync import connect as connect_collective
@@ -337,6 +337,10 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
         check_model_positions(cfg.model.path)  # rotary factors the engine and trainer compute alike
+    if modality(host) is None and declares_vision(cfg.model.path):
+        raise ConfigError(f"model.path = {cfg.model.path!r} is a vision-language model, but no loaded plugin registers a "
+                          "modality (molt_register_modalities). molt-sdk's plugin molt_vision (molt_plugins.vision) "
+                          "does: do not disable it with MOLT_DISABLE_PLUGINS, or load one with --plugin")
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path
