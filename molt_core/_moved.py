@@ -54,6 +54,8 @@ MOVED_NAMES = {
     "molt_core.server.wires": {n: "molt_plugins.wires.anthropic" for n in (
         "MessagesRequest", "AnthropicTool", "AnthropicMessage", "IGNORED_ANTHROPIC", "REFUSED_ANTHROPIC",
         "anthropic_error", "anthropic_response", "anthropic_stream")},
+    "molt_core.algo": {n: "molt_core.train.algorithms" for n in ("compute_advantages", "policy_loss", "apply_correction")},
+    "molt_core.train.checkpoint": {"save_sharded_checkpoint": "molt_plugins.distributed.checkpoint"},
     "molt_core.config": {n: "molt_core.cli.recipe" for n in (
         "load_config", "validate_config", "apply_overrides", "parse_override", "find_recipe", "recipes_dir",
         "list_recipes", "RECIPES_DIR")},

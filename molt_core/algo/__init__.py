@@ -2,6 +2,7 @@
 correction (staleness gate + importance weights). Pure functions of tensors and numbers;
 the estimators and losses are looked up by name in the plugin host's registries."""
 
+from molt_core import _moved
 from molt_core.algo.advantages import estimate_advantages
 from molt_core.algo.correction import Correction, Gate, correct, staleness_gate
 from molt_core.algo.kl import AdaptiveKLController, kl_estimate, kl_loss
@@ -19,3 +20,8 @@ __all__ = [
     "Gate",
     "Correction",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Estimator-section wrappers that moved to :mod:`molt_core.train.algorithms` (deprecated here)."""
+    return _moved.moved_attr(__name__, name)

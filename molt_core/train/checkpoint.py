@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from molt_core import _moved
 from molt_core.config import ConfigError
 from molt_core.train.features import trainer_backend
 from molt_core.train.model_files import load_model, load_optimizer, save_model
@@ -346,3 +347,8 @@ def _fsync_dir(d: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def __getattr__(name: str) -> object:
+    """``save_sharded_checkpoint`` moved to the FSDP2 plugin (deprecated here)."""
+    return _moved.moved_attr(__name__, name)
