@@ -160,7 +160,7 @@ def test_a_publish_that_skips_one_tensor_is_caught(workers, monkeypatch):
     def faulty(state, **kw):  # the fault: one tensor never reaches the engine
         return real({k: v for k, v in state.items() if k != skip}, **kw)
 
-    monkeypatch.setattr(weightpack, "pack_state", faulty)
+    monkeypatch.setattr("molt_core.runtime.workers.pack_state", faulty)  # the trainer actor's own import
     differ, m = _publish_and_measure(tw, rw)
     assert differ == [skip]
     assert torch.equal(rw.engine.model.state_dict()[skip], old[skip])  # the old weights, bit for bit
