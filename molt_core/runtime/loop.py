@@ -328,12 +328,12 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     check_loggers(cfg, host)
     check_trainer_features(cfg, host)
     check_modality_options(cfg, host)
+    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if cfg.engine.name not in host.names("engines"):
         raise ConfigError(f"engine.name = {cfg.engine.name!r}: no loaded plugin registers that engine (registered: "
                           f"{', '.join(host.names('engines')) or '(none)'}). molt-sdk's plugin molt_engines "
                           "(molt_plugins.engines) registers 'transformers' and 'vllm': do not disable it with "
                           "MOLT_DISABLE_PLUGINS, or load a plugin that registers the engine with --plugin")
-    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
     if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
         check_model_positions(cfg.model.path)  # rotary factors the engine and trainer compute alike
