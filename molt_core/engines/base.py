@@ -126,3 +126,31 @@ class WorkerThreadEngine:
             self._closed = True
             self._cv.notify_all()
         self._worker.join(timeout=timeout)
+
+
+def checked_request(prompt_ids: Any, params: Any, context: int, vocab_size: int) -> tuple[list[int], SamplingParams]:
+    """A generate request's ``prompt_ids`` as ints and ``params`` as :class:`SamplingParams`
+    (None: defaults; a dict: validated), after the checks every engine makes.
+
+    Args:
+        prompt_ids: the prompt's token ids (any int sequence).
+        params: None, a dict or :class:`SamplingParams`.
+        context: the model's context in tokens; a prompt must leave room for one more.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: empty prompt, a prompt of ``context`` tokens or more, an id outside the vocabulary.
+    """
+    if params is None:
+        params = SamplingParams()
+    elif isinstance(params, dict):
+        params = SamplingParams.model_validate(params)
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("prompt_ids is empty; give at least one token id")
+    if len(ids) >= context:
+        raise ValueError(f"prompt_ids has {len(ids)} tokens but the model's context is {context}; shorten the prompt")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {vocab_size})")
+    return ids, params

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from molt_core.engines.base import WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine, checked_request
 from molt_core.engines.batch_rows import _default_eos_ids, _layers, _lpad, _past_cache, _Request
 from molt_core.engines.prefix_cache import PrefixCache
 from molt_core.models import cache_keyword, load_model, load_tokenizer, mask_vision_tokens, returned_cache, routing_tool
@@ -215,21 +215,7 @@ class TransformersEngine(WorkerThreadEngine):
                 ``images`` (count, or a run length other than the image's grid gives).
             RuntimeError: the engine is closed, or the forward pass failed.
         """
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.model_validate(params)
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty; give at least one token id")
-        if len(ids) >= self.max_positions:
-            raise ValueError(
-                f"prompt_ids has {len(ids)} tokens but the model's context is {self.max_positions}; "
-                f"shorten the prompt"
-            )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        ids, params = checked_request(prompt_ids, params, self.max_positions, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop needs a tokenizer to decode completions; the engine has none")
         vision = self._row_images(ids, images)

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_core.engines.base import WorkerThreadEngine
+from molt_core.engines.base import WorkerThreadEngine, checked_request
 from molt_core.engines.transformers_engine import _default_eos_ids
 from molt_core.identity import IdDigest
 from molt_core.models import DTYPES, is_builtin, load_model, load_tokenizer, local_model_dir
@@ -345,19 +345,7 @@ class VLLMEngine(WorkerThreadEngine):
                 undecodable image.
             RuntimeError: the engine is closed, or vLLM failed on the request.
         """
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams.model_validate(params)
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise ValueError("prompt_ids is empty; give at least one token id")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt_ids has {len(ids)} tokens but the model's context is {self.max_model_len}; "
-                             "shorten the prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_ids holds id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        ids, params = checked_request(prompt_ids, params, self.max_model_len, self.vocab_size)
         if 0 < params.temperature < _GREEDY_EPS:
             raise ValueError(f"temperature {params.temperature} is below vLLM's greedy threshold {_GREEDY_EPS}; "
                              "use temperature = 0 for greedy or a larger value")
