@@ -22,7 +22,7 @@ from molt_core.config import RunConfig, text_hint
 from molt_core.ledger import Ledger, take_turn
 from molt_core.models import DTYPES, check_model_positions, device_for
 from molt_core.rollout.evalstats import eval_metrics, eval_seed, pass_at_k, sample_seed, task_result
-from molt_core.plugins import PluginHost, load_plugins, modality, use_run_plugins
+from molt_core.plugins import PluginHost, load_plugins, modality, use_run_plugins, window_prover
 from molt_core.rewards import JudgeEndpoint, Rollout, reward_spec
 from molt_core.rollout.scoring import RewardRunner
 from molt_core.runtime.collective_sync import worker_transport
@@ -146,6 +146,7 @@ class RolloutWorker:
         self.tokenizer = engine.tokenizer
         #: the registered image modality (the run's host's; None: text only)
         self.modality = modality(getattr(self, "host", None))
+        self.window_prover = window_prover(getattr(self, "host", None))
         self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
         self.teacher = None
         self.template_kwargs = dict(self.cfg.model.chat_template_kwargs)
@@ -181,13 +182,14 @@ class RolloutWorker:
             from molt_core.server.app import start_server
 
             self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
-                                       image_policy=self.cfg.images, modality=self.modality)
+                                       image_policy=self.cfg.images, modality=self.modality,
+                                       window_prover=self.window_prover)
         return self.server
 
     def _ledger(self, group_id: str):
         ledger = Ledger(self.tokenizer, group_id=group_id, chat_template_kwargs=self.template_kwargs,
                         vision=getattr(self.engine, "vision_processor", None), image_policy=self.cfg.images,
-                        modality=self.modality)
+                        modality=self.modality, window_prover=self.window_prover)
         seen = _EPISODE.get()
         if seen is not None:  # rewards that want the whole rollout read its messages
             seen["ledgers"].append(ledger)

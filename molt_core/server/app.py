@@ -51,6 +51,7 @@ from molt_core.config import ImagePolicy
 from molt_core.ledger import AssistantTurn, Ledger, Prepared, PromptTooLong, take_turn
 from molt_core.plugins import modality as registered_modality
 from molt_core.plugins import tool_parser as registered_tool_parser
+from molt_core.plugins import window_prover as registered_window_prover
 from molt_core.plugins import wires as registered_wires
 from molt_core.server.guard import (
     DEFAULT_MAX_BODY_BYTES,
@@ -113,13 +114,14 @@ class SessionStore:
         vision: the model's image processor (the modality plugin's; None: text only).
         image_policy: image limits and the remote-URL rule (:class:`~molt_core.config.ImagePolicy`).
         modality: the registered modality (``molt_register_modalities``; None: image parts refused).
+        window_prover: the ledgers' window prover (:func:`molt_core.plugins.window_prover`; None: full renders).
     """
 
     def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
                  tool_parser: Any = None, vision: Any = None, image_policy: ImagePolicy | None = None,
-                 modality: Any = None) -> None:
+                 modality: Any = None, window_prover: Any = None) -> None:
         self.tokenizer = tokenizer
-        self.modality = modality
+        self.modality, self.window_prover = modality, window_prover
         self.tool_parser = tool_parser
         self.vision, self.image_policy = vision, image_policy or ImagePolicy()
         self.base_url = base_url
@@ -141,7 +143,7 @@ class SessionStore:
         kwargs = {**self.template_kwargs, **(chat_template_kwargs or {})}
         ledger = Ledger(self.tokenizer, rollout_id=rollout_id, group_id=group_id, chat_template_kwargs=kwargs,
                         tool_parser=self.tool_parser, vision=self.vision, image_policy=self.image_policy,
-                        modality=self.modality)
+                        modality=self.modality, window_prover=self.window_prover)
         s = _Session(sid, "sk-molt-" + secrets.token_hex(16), ledger, seed=seed)
         with self._lock:
             self._sessions[sid] = s
@@ -229,7 +231,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                max_model_len: int | None = None, default_max_tokens: int = 1024,
                chat_template_kwargs: dict[str, Any] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                tool_parser: Any = None, image_policy: ImagePolicy | None = None, vision: Any = ...,
-               modality: Any = ..., wires: Any = ...) -> FastAPI:
+               modality: Any = ..., wires: Any = ..., window_prover: Any = ...) -> FastAPI:
     """Build the ASGI app over ``engine`` (a :class:`~molt_core.engines.base.RolloutEngine`).
 
     Args:
@@ -254,6 +256,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             None: no modality plugin, every image part gets a 400 naming its field).
         wires: ``{name: wire}`` mounted next to the kernel's chat wire (default: the registered
             ones, :func:`molt_core.plugins.wires`; each ``wire.mount(WireServer)``).
+        window_prover: every session ledger's window prover (default: the registered one,
+            :func:`molt_core.plugins.window_prover`; None: full renders).
 
     Raises:
         ValueError: a ``tool_parser`` name no plugin registered (the message names the plugin).
@@ -275,11 +279,13 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         vision = getattr(engine, "vision_processor", None)
     if modality is ...:
         modality = registered_modality()
+    if window_prover is ...:
+        window_prover = registered_window_prover()
     policy = image_policy or ImagePolicy()
     # a refused image: a 400 naming its field
     image_error = (ImagePartRefused, modality.error) if modality is not None else (ImagePartRefused,)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser, vision=vision,
-                         image_policy=policy, modality=modality)
+                         image_policy=policy, modality=modality, window_prover=window_prover)
     app.state.sessions = store
     install_http_error_handlers(app)
     app.state.admin_key = admin_key or "molt-admin-" + secrets.token_hex(16)
