@@ -1,12 +1,8 @@
 """The session ledger: the single place where trajectories are assembled, token-exactly.
 
-One job a module: :mod:`~molt_core.ledger.session` (the :class:`Ledger` of one rollout and its
-read-out), :mod:`~molt_core.ledger.prepare` (planning a request: start, extend, rewrite,
-retry), :mod:`~molt_core.ledger.commit` (recording a generation and parsing it),
-:mod:`~molt_core.ledger.turn` (the one turn: prepare -> engine -> commit),
-:mod:`~molt_core.ledger.template` (the chat template's facts), :mod:`~molt_core.ledger.compare`
-(message comparison), :mod:`~molt_core.ledger.records` (plans, turns, errors), besides
-messages, the tool-call protocol (:mod:`~molt_core.ledger.toolcall`) and render.
+:mod:`~molt_core.ledger.session` holds the :class:`Ledger`; ``prepare`` plans a request, ``commit``
+records a generation, ``turn`` runs one turn; ``template``, ``compare``, ``messages``, ``toolcall``,
+``render`` and ``records`` serve them.
 """
 
 from __future__ import annotations

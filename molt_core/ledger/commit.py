@@ -1,15 +1,5 @@
 """Recording one generation (:meth:`Ledger.commit`, atomic) and parsing it into an
-:class:`~molt_core.ledger.AssistantTurn`.
-
-Template/prompt tokens carry ``loss_mask=False``; sampled tokens ``True``, their behaviour
-logprob, policy version and a :class:`~molt_core.types.SampledSpan` with the sampling
-transform and the engine's record of the ids it sampled (``digest``, ``sampled_ids``), which
-the trainer's ingress checks every action token against (:mod:`molt_core.identity`). All
-segments share the session's ``rollout_id``. Generated text is never re-encoded into action
-tokens. On a *rewrite* the earlier history, held as ids until then, is re-encoded from text as
-context of the new segment (never trained on); those tokens are counted in the ledger-owned
-``info["context_reencoded_tokens"]``. A generation cut by ``max_tokens`` (finish reason
-``length``) marks the trajectory ``truncated``, whatever the agent did next.
+:class:`~molt_core.ledger.AssistantTurn`. Generated text is never re-encoded into action tokens.
 """
 
 from __future__ import annotations
@@ -28,13 +18,10 @@ class Recording:
     def commit(self, prepared: Prepared, output: GenerationOutput, params: SamplingParams | None = None) -> AssistantTurn:
         """Record one successful generation atomically and return it parsed.
 
-        Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids``
-        (``loss_mask`` True, with ``output.logprobs`` / ``output.versions`` and a
-        :class:`SampledSpan` carrying ``params``' temperature / top-k / top-p and the engine's
-        record: ``output.sampled_digest`` with the ids, checked at trainer ingress). The mask
-        comes from the engine's reported tokens only -- nothing scans for an EOS id (B06/B07).
-        A ``retry`` plan records nothing and returns the cached turn. A failed request simply
-        never calls ``commit``.
+        Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids`` (True, with
+        their logprobs, versions and a :class:`SampledSpan` of ``params``' transform and the engine's
+        digest); the mask comes from the engine's tokens only, never an EOS scan (B06/B07). A
+        ``retry`` plan records nothing and returns the cached turn.
 
         Raises:
             LedgerConflict: another request was committed after ``prepared`` was made.
@@ -57,7 +44,6 @@ class Recording:
             start = n0 + len(prepared.tail_ids)
             n = len(output.token_ids)
             lps, vs = [float(x) for x in output.logprobs], [int(v) for v in output.versions]
-            # the engine's record travels with the span; ingress checks the segment against it
             span = SampledSpan(start=start, end=start + n, temperature=params.temperature, top_p=params.top_p,
                                top_k=params.top_k, digest=output.sampled_digest,
                                sampled_ids=list(output.token_ids) if output.sampled_digest is not None else None) if n else None
@@ -97,8 +83,7 @@ class Recording:
 
     @staticmethod
     def _routed(o: _Open, n0: int, output: GenerationOutput) -> None:
-        # routed_experts covers prompt + sampled positions of this request; keep the rows we
-        # already hold for the segment's earlier positions and add the new ones
+        # routed_experts covers this request's prompt + sampled positions: keep held rows, add new ones
         if output.routed_experts is None:
             if output.token_ids:
                 o.routed_ok = False
@@ -106,8 +91,7 @@ class Recording:
         if n0 == 0:
             o.routed = list(output.routed_experts)
         elif o.routed is not None:
-            # rows the segment holds without a selection (-1: the previous turn's last sampled
-            # token, which only this request's prefill ran) take this request's row
+            # a held -1 row (the last sampled token, which only this prefill ran) takes the new row
             new = output.routed_experts
             o.routed = [new[i] if i < len(new) and any(x < 0 for layer in row for x in layer) else row
                         for i, row in enumerate(o.routed)]
@@ -120,11 +104,9 @@ class Recording:
     def parse(self, prepared: Prepared, output: GenerationOutput) -> AssistantTurn:
         """Turn a generation into an :class:`AssistantTurn` (decoding only; ids stay exact).
 
-        Removes the stop token (``finish_reason == "stop"`` with a token stop reason, or an
-        id in :attr:`stop_token_ids`) or cuts the text at the stop string, splits the think
-        block (a generation prompt that opened ``<think>`` counts, B04) and extracts the
-        tool calls after it with :attr:`tool_parser` (JSON-aware; none when
-        ``prepared.allow_tool_calls`` is False).
+        Drops the stop token or cuts at the stop string, splits the think block (one the generation
+        prompt opened counts, B04) and extracts the tool calls after it with :attr:`tool_parser`
+        (none when ``prepared.allow_tool_calls`` is False).
         """
         ids = list(output.token_ids)
         stop_seq = output.stop_reason if isinstance(output.stop_reason, str) else None

@@ -1,18 +1,6 @@
-"""Chat messages as the ledger reads them: validation, canonical form, a prefix cache.
-
-:func:`normalize_messages` turns a request's messages (OpenAI form, content parts, string or
-object tool-call arguments) into the canonical form the ledger renders and compares;
-:class:`NormalizeCache` does the same while reusing the previous request's work for the
-unchanged prefix a chat client re-sends each turn, so reading a request costs in proportion to
-its new messages (plus one C-level comparison of the prefix).
-
-Images: a user or tool message may carry image parts (the internal part,
-``{"type": "image_url", "image_url": {"url": "data:..."}}``), read by the modality plugin's
-``decode_part`` (``molt_register_modalities``; without one an image part is refused). Its
-canonical ``content`` is then a list of ``{"type": "text", "text"}`` and ``{"type": "image",
-"sha256"}`` parts (adjacent text joined; what the chat template renders, one placeholder per
-image); the decoded bytes go to the caller's ``images`` pool keyed by SHA-256 (each distinct
-image held once, however many messages show it). A message without images keeps a string."""
+"""Chat messages as the ledger reads them: validation and canonical form
+(:func:`normalize_messages`), and :class:`NormalizeCache`, which reuses the previous request's
+work for the unchanged prefix a client re-sends each turn."""
 
 from __future__ import annotations
 
@@ -24,8 +12,8 @@ __all__ = ["normalize_messages", "NormalizeCache", "image_shas", "IMAGE_PART_TYP
 
 #: the ``type`` of the part the ledger renders in an image's place (``{"type": "image", "sha256": hex}``)
 IMAGE_PART_TYPE = "image"
-#: a modality's image-part reader: ``decode(part, where, policy)`` -> an object with ``sha256``
-#: (hex str) and ``data`` (encoded bytes); raises ValueError naming ``where``
+#: a modality's image-part reader: ``decode(part, where, policy)`` -> ``.sha256`` (hex), ``.data``
+#: (bytes); raises ValueError naming ``where``
 Decode = Callable[[dict[str, Any], str, Any], Any]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -60,7 +48,7 @@ def _content(content: Any, where: str, role: str, images: dict[str, bytes] | Non
                 out.append({"type": IMAGE_PART_TYPE, "sha256": img.sha256})
                 continue
             elif isinstance(part, dict) and part.get("type") == IMAGE_PART_TYPE and role in _IMAGE_ROLES:
-                # the canonical part the ledger's own history holds (an Env loop re-sends it)
+                # the ledger's own canonical part (an Env loop re-sends its history)
                 h = part.get("sha256")
                 if not isinstance(h, str) or images is None or h not in images:
                     raise ValueError(f"{where}.content[{j}]: an image part {{'type': 'image', 'sha256': ...}} must name "
@@ -81,8 +69,7 @@ def _content(content: Any, where: str, role: str, images: dict[str, bytes] | Non
 
 
 def image_shas(messages: list[dict[str, Any]]) -> list[str]:
-    """The SHA-256 of every image in canonical ``messages``, in message and part order (the
-    order a chat template renders their placeholders in)."""
+    """The SHA-256 of every image in canonical ``messages``, in render order."""
     return [p["sha256"] for m in messages if isinstance(m["content"], list)
             for p in m["content"] if p.get("type") == IMAGE_PART_TYPE]
 
@@ -102,19 +89,17 @@ def normalize_messages(messages: Any, images: dict[str, bytes] | None = None,
                        policy: Any = None, decode: Decode | None = None) -> list[dict[str, Any]]:
     """Canonical OpenAI-style chat messages for rendering and comparison.
 
-    Each message becomes ``{"role", "content"}`` plus, where present, ``tool_calls``
-    (``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``; string
-    arguments are parsed), ``tool_call_id``, ``name`` and ``reasoning_content``. Content
-    parts are joined into a string when all are text; a user or tool message with image parts
-    keeps a list of text and ``{"type": "image", "sha256"}`` parts (module doc), the bytes
-    going to ``images`` (a pool keyed by SHA-256) when given; ``decode`` (the modality's
-    :data:`Decode`) reads each image part under ``policy`` (None: image parts are refused).
+    Each message becomes ``{"role", "content"}`` plus, where present, ``tool_calls`` (``[{"id",
+    "type": "function", "function": {"name", "arguments": dict}}]``), ``tool_call_id``, ``name``
+    and ``reasoning_content``. All-text content becomes a string; a user or tool message with
+    ``image_url`` parts keeps a list of ``{"type": "text", "text"}`` and ``{"type": "image",
+    "sha256"}`` parts, ``decode`` (the modality's :data:`Decode`; None refuses images) reading each
+    under ``policy`` and putting its bytes in the ``images`` pool (keyed by SHA-256) when given.
 
     Raises:
-        ValueError: naming ``messages[i].<field>`` -- not a list of objects, unknown role,
-            a content part that is neither text nor image, an image outside a user or tool
-            message, a tool call without a name, arguments that are not a JSON object;
-            the modality's error (a ValueError, with ``field``) for a refused image.
+        ValueError: naming ``messages[i].<field>``: not a list of objects, unknown role, a part
+            neither text nor image, an image outside a user or tool message, a nameless tool call,
+            arguments not a JSON object; or the modality's error for a refused image.
     """
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
@@ -163,9 +148,7 @@ _DIGEST_MIN = 4096
 
 
 class _Digest:
-    """Stands in a frozen message for a long data URL (an image): compares equal to a
-    string with the same length and SHA-256, so the cache keeps 32 bytes instead of the data
-    (``str == _Digest`` falls back to :meth:`__eq__`)."""
+    """A long data URL in a frozen message: equal to a string of the same length and SHA-256."""
 
     __slots__ = ("n", "digest")
 
@@ -197,12 +180,8 @@ def _freeze(x: Any) -> Any:
 
 
 def _frozen(m: Any) -> Any:
-    """A private deep copy of raw message ``m`` that compares ``==`` to a later message only if
-    that message normalizes identically, else :data:`_UNCACHED`.
-
-    Only ``None``, ``str``, ``list`` and ``dict`` (string keys) are kept: for those, ``==`` is
-    value identity (``1 == True`` and ``1 == 1.0`` cannot arise). Tool-call arguments given as an
-    object are refused too, since their key order reaches the rendered JSON but not ``==``."""
+    """A private deep copy of raw ``m`` equal to a later message only if that one normalizes
+    identically (only None, str, list, str-keyed dict; no object arguments), else :data:`_UNCACHED`."""
     try:
         fz = _freeze(m)
     except _Unfrozen:
@@ -217,14 +196,8 @@ def _frozen(m: Any) -> Any:
 class NormalizeCache:
     """:func:`normalize_messages` with the previous call's longest equal prefix reused.
 
-    Each call compares the request's messages with private frozen copies of the previous
-    call's raw messages (one list comparison, in C) and normalizes only the messages after the
-    first difference; the result is exactly ``normalize_messages(messages)`` (see
-    :func:`_frozen` for why ``==`` is safe here) and raises the same errors, with the same
-    ``messages[i]`` names. Safe to call from several threads (a race only loses the reuse).
-    Long data URLs (images) are kept as a SHA-256 (:class:`_Digest`): the cache never holds a
-    copy of an image (text is compared as before, in C). ``images`` / ``policy`` / ``decode``: as :func:`normalize_messages` (a reused
-    message's images are in the pool already).
+    The result and errors are exactly ``normalize_messages(messages)``'s; thread-safe (a race only
+    loses the reuse). ``images`` / ``policy`` / ``decode``: as :func:`normalize_messages`.
     """
 
     def __init__(self, images: dict[str, bytes] | None = None, policy: Any = None, decode: Decode | None = None) -> None:

@@ -1,41 +1,8 @@
 """Planning one request of a session (:meth:`Ledger.prepare`, pure: nothing changes until
-:meth:`~molt_core.ledger.Ledger.commit`). The modes:
-
-* **extend** -- the request repeats, message for message, the history the ledger committed
-  (the earlier requests plus the assistant messages it returned: as committed, or exactly as
-  the wire sent them -- matched against the stored reply of that turn, never re-tokenized;
-  its reasoning may be left out, nothing else may differ: whitespace, a call id, an
-  argument's type or key order all count), and the chat template does
-  not rewrite that history once the new messages follow. The engine prompt is then the exact
-  ids the ledger holds (earlier sampled ids included, never re-encoded) + the tokenized
-  *tail*: the template's close of the last assistant turn after the sampled stop token (the
-  ``"\\n"`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when the generation ended
-  without it) followed by the rendering of every new message and the generation prompt.
-  Only template and new-message text is tokenized. The check renders only a window of the
-  conversation (its first messages and its last few) when the chat template is proven
-  window-local (:mod:`molt_core.ledger.render`): the same verdict and tail as rendering the
-  whole conversation, at a cost that does not grow with the turn count; any other template,
-  or a window that does not pass, takes the full render. Reading a request reuses the
-  previous request's normalized messages for the unchanged prefix
-  (:class:`~molt_core.ledger.messages.NormalizeCache`).
-* **rewrite** -- anything else (context compaction, an edited history, a template that
-  re-renders history such as Qwen3 dropping earlier ``<think>`` blocks once a new user turn
-  follows, B03): the open segment is sealed and a new one starts from the full render; the
-  cause is counted (:data:`REWRITE_CAUSES`, ``info["rewrite_causes"]``).
-* **start** -- the first request of the session.
-* **retry** -- the same messages, tools and sampling settings as the last committed request:
-  answered from the cached turn, nothing recorded twice.
-
-Images (vision-language models): a user or tool message may carry image parts (the
-internal part, read by the modality plugin's ``decode_part``). The template renders one placeholder
-per image; the ledger's ``vision`` (the model's image processor, from the modality plugin) expands
-each into the run of image tokens the engine sees (its ``expand``), and the segment records one
-:class:`~molt_core.types.ImageRef` per run -- in a tail too, so images may arrive in any turn.
-An extension compares the earlier turns' images by SHA-256 and keeps their expanded ids as
-held; a template that rewrites an earlier image turn takes the rewrite path like text. Each
-distinct image's bytes are held once per rollout (a pool keyed by SHA-256, however many turns
-show it); ``Prepared.images`` hands the engine the prompt's images in token order and
-``Trajectory.images`` stores each once.
+:meth:`~molt_core.ledger.Ledger.commit`). Modes: **start** (the first request), **extend** (the
+request repeats the committed history and the template keeps it: the prompt is the held ids + the
+tokenized tail), **rewrite** (anything else: the open segment is sealed, a new one starts from the
+full render), **retry** (the last request again: its cached turn). Details: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -56,8 +23,7 @@ _MAX_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionar
 
 def expand_images(vision: Any, ids: list[int], shas: list[str], pool: dict[str, bytes],
                   offset: int) -> tuple[list[int], list[ImageRef]]:
-    """``ids`` with each image placeholder expanded into its run and the runs' refs (``vision.expand``);
-    ``(ids, [])`` for a text-only model and no images.
+    """``ids`` with each image placeholder expanded into its run, and the runs' refs (``vision.expand``).
 
     Raises:
         ValueError: images and no vision processor, or as ``vision.expand``.
@@ -76,12 +42,9 @@ def extra_image_tokens(vision: Any, shas: list[str], pool: dict[str, bytes]) -> 
 
 
 def max_token_bytes(tokenizer: Any) -> int:
-    """An upper bound on the UTF-8 bytes (hence characters) of text any one token of
-    ``tokenizer`` stands for: the longest vocabulary entry (added tokens included) in UTF-8
-    bytes -- a byte-level BPE entry spells each byte as one character of 1-2 bytes, a
-    SentencePiece entry its text with ``\u2581`` for a space, a byte-fallback entry
-    ``<0xNN>`` one byte. So a text of ``c`` characters is at least ``ceil(c / bound)`` tokens
-    (cached per tokenizer; 2**20 -- no cheap rejection -- when the vocabulary cannot be read)."""
+    """An upper bound on the characters one token of ``tokenizer`` stands for: its longest vocabulary
+    entry in UTF-8 bytes (so ``c`` characters are at least ``ceil(c / bound)`` tokens); 2**20 when
+    the vocabulary cannot be read. Cached per tokenizer."""
     try:
         return _MAX_TOKEN_BYTES[tokenizer]
     except (KeyError, TypeError):
@@ -90,7 +53,7 @@ def max_token_bytes(tokenizer: Any) -> int:
         bound = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()) or 1 << 20
     except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary
         bound = 1 << 20
-    try:  # cached per tokenizer object (never by id: a freed tokenizer's id is reused)
+    try:  # by object, never by id: a freed tokenizer's id is reused
         _MAX_TOKEN_BYTES[tokenizer] = bound
     except TypeError:  # not weak-referenceable: computed each time
         pass
@@ -110,20 +73,13 @@ class Planning:
             messages: the request's chat messages (OpenAI form; normalized here).
             tools: OpenAI-form tool schemas (``[{"type": "function", "function": {...}}]``).
             params: sampling settings (part of the retry key only).
-            max_prompt_tokens: refuse a prompt of this many tokens or more (the context
-                length). Checked cheaply *before* tokenizing -- the text to encode is at least
-                ``ceil(chars / max_token_bytes(tokenizer))`` tokens -- and exactly after.
-            fresh: never answer from the cached turn (a new sample of an identical request; on
-                the same messages that is a rewrite: a new segment).
-            allow_tool_calls: False for ``tool_choice: none``: the turn is not parsed for
-                calls (part of the retry key).
+            max_prompt_tokens: refuse a prompt of this many tokens or more (the context length);
+                checked by a lower bound (:func:`max_token_bytes`) before tokenizing, exactly after.
+            fresh: never answer from the cached turn (identical messages then make a rewrite).
+            allow_tool_calls: False for ``tool_choice: none`` (part of the retry key).
 
-        On a rewrite, ``Prepared.reencoded`` is the token count, in the chat template's render
-        (without generation prompt), of every request message that equals a committed history
-        message (compared as the extend check does, matched in order wherever it sits: after a
-        prepended system message or an edited earlier message too, assistant replies included)
-        -- history the ledger held as ids and now re-encodes from text; the whole prompt when
-        the template refuses to render a prefix.
+        On a rewrite, ``Prepared.reencoded`` counts the rendered tokens of request messages that
+        repeat committed history (:meth:`_reencoded`).
 
         Returns:
             A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
@@ -166,7 +122,7 @@ class Planning:
                             images=images, image_refs=refs, cause=ext)
 
     def _check_fits_text(self, held: int, text: str, limit: int | None) -> None:
-        """Cheap pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
+        """Pre-tokenization check: ``held`` ids + at least ``ceil(len(text) / max_token_bytes)``."""
         if limit is None:
             return
         low = held + -(-len(text) // max_token_bytes(self.tokenizer))
@@ -182,14 +138,8 @@ class Planning:
                                 "Shorten the conversation (or compact it)", n, limit, False)
 
     def _reencoded(self, msgs: list[dict[str, Any]], tools: Any, prompt_len: int) -> int:
-        """Tokens of a rewrite's prompt that re-render committed history (see :meth:`prepare`).
-
-        Every request message equal to a committed history message (matched in order, as a
-        subsequence: a prepended system message or an edited earlier message does not hide
-        the held messages after it, model replies included) counts with its rendered tokens:
-        ``len(encode(render(msgs[:i + 1]))) - len(encode(render(msgs[:i])))`` (no generation
-        prompt), plus its images' expansion (each run's length - 1). The whole prompt counts
-        when the template refuses to render a prefix."""
+        """Rendered tokens of the request messages that repeat committed history (matched in order as
+        a subsequence), images' expansion included; ``prompt_len`` when a prefix cannot render."""
         hist = self._history
         matched: list[int] = []
         j = 0
@@ -215,16 +165,13 @@ class Planning:
             return prompt_len
 
     def _echoes(self, i: int, m: dict[str, Any]) -> bool:
-        """Request message ``m`` repeats committed history message ``i``: equal field for field
-        (:func:`_same_messages`), or the reply the wire sent for that turn
-        (:func:`_echoes_reply`)."""
+        """Request message ``m`` repeats history message ``i``, as committed or as the wire sent it."""
         reply = self._replies.get(i)
         return _same_messages([self._history[i]], [m]) or (reply is not None and _echoes_reply(reply, m))
 
     def _try_extend(self, msgs: list[dict[str, Any]], tools: Any,
                     max_prompt_tokens: int | None = None) -> tuple[str, list[int]] | str:
-        """``(new prompt text, tail ids)`` when ``msgs`` extends the committed history, else
-        the cause (one of :data:`REWRITE_CAUSES`; the first request: ``history_edited``)."""
+        """``(new prompt text, tail ids)`` when ``msgs`` extends the history, else a :data:`REWRITE_CAUSES` entry."""
         hist = self._history
         k = len(hist)
         if self.turn_close is None:
@@ -233,15 +180,13 @@ class Planning:
             return "history_edited"
         if not _same_json(tools, self._tools):
             return "tools_changed"
-        # fast path: the client echoed its previous request verbatim; then only the assistant
-        # message we returned needs checking (as committed or as the wire sent it)
+        # fast path: the previous request echoed verbatim leaves only the returned reply to check
         prev = self._last_req[0] if self._last_req is not None else None
         fast = prev is not None and len(prev) == k - 1 and _same_messages(msgs[: k - 1], prev)
         for i in range(k - 1 if fast else 0, k):
             if not self._echoes(i, msgs[i]):
                 return "reply_edited" if hist[i]["role"] == "assistant" else "history_edited"
-        # render with the committed history (it holds what the model really produced, e.g. a
-        # think block a client did not echo), then require the template to keep it verbatim
+        # render the committed history (what the model produced, e.g. an unechoed think block)
         win = self._window_check(hist, msgs[k:], tools) if self.window_proof is not None else None
         if win is not None:
             held_new, after = win
@@ -266,16 +211,8 @@ class Planning:
 
     def _window_check(self, hist: list[dict[str, Any]], new: list[dict[str, Any]],
                       tools: Any) -> tuple[str, str] | None:
-        """The extend check through a window (:mod:`molt_core.ledger.render`).
-
-        Renders ``W = hist[:head] + hist[j:]`` three ways -- without its last (assistant)
-        message and with the generation prompt (the previous prompt), as is without it (the
-        held history), with ``new`` and the generation prompt (the new prompt) -- and requires
-        each to extend the one before, with the held history ending on the turn close. Returns
-        ``(held[len(previous prompt):], new prompt[len(held):])``, equal to those of the full
-        renders by the window proof, or None when no proven window applies or the window does
-        not pass (the caller then renders the whole conversation, so the verdict is always the
-        full render's)."""
+        """The extend check on a window ``hist[:head] + hist[j:]``: ``(held[len(previous prompt):],
+        new prompt[len(held):])`` as the full renders give them, or None (the caller renders in full)."""
         proof = self.window_proof
         assert proof is not None and self._compiled is not None and self.turn_close is not None
         head, close = hist[: proof.head], self.turn_close
@@ -295,8 +232,7 @@ class Planning:
         return held[len(prev):], full[len(held):]
 
     def _scan_lasts(self, hist: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        """Per window scan: the last index satisfying it in ``hist[:-1]`` and in ``hist + new``
-        (-1: none). The committed history's hits are cached (scanned once per message)."""
+        """Per scan, the last index satisfying it in ``hist[:-1]`` and in ``hist + new`` (-1: none)."""
         proof = self.window_proof
         assert proof is not None
         if self._scan_n > len(hist):  # pragma: no cover - the cache follows the history

@@ -1,6 +1,4 @@
-"""What the ledger hands out: the plan of a request (:class:`Prepared`), the parsed turn
-(:class:`AssistantTurn`), the open segment's accumulator, the ledger's errors and its
-``info`` keys."""
+"""What the ledger hands out: :class:`Prepared` plans, :class:`AssistantTurn` turns, its errors and ``info`` keys."""
 
 from __future__ import annotations
 
@@ -14,16 +12,12 @@ __all__ = ["LEDGER_INFO_KEYS", "REWRITE_CAUSES", "AssistantTurn", "LedgerConflic
 #: ``Trajectory.info`` keys the ledger owns: an agent's ``info`` never overwrites them
 LEDGER_INFO_KEYS = ("requests", "context_reencoded_tokens", "length_cut_turns", "rewrite_causes")
 
-#: why a request could not extend the open segment (``Prepared.cause``, counted per rollout in
-#: ``info["rewrite_causes"]``): ``reply_edited`` -- an assistant message the ledger returned
-#: comes back neither as committed nor as the reply the wire sent (content to the whitespace,
-#: reasoning unless left out, call ids, names and argument JSON text: :func:`_echoes_reply`);
-#: ``history_edited`` -- another message differs, or the request holds fewer messages than
-#: the history (compaction, an edit, a new sample of an earlier prompt); ``tools_changed``;
-#: ``template_rewrites_history`` -- the request echoes the history but the chat template
-#: renders it differently once the new messages follow (Qwen3 dropping earlier ``<think>``
-#: blocks, B03) or renders the last turn other than as the previous prompt + reply + turn
-#: close; ``template_unprobed`` -- the template's assistant turn could not be probed
+#: why a request could not extend the open segment (``Prepared.cause``; per rollout in
+#: ``info["rewrite_causes"]``): ``reply_edited`` (a returned assistant message came back changed),
+#: ``history_edited`` (another message differs, or fewer messages than the history),
+#: ``tools_changed``, ``template_rewrites_history`` (the template renders the echoed history
+#: differently once new messages follow, e.g. Qwen3 dropping ``<think>`` blocks, B03),
+#: ``template_unprobed`` (the template's assistant turn could not be probed)
 REWRITE_CAUSES = ("reply_edited", "history_edited", "tools_changed", "template_rewrites_history", "template_unprobed")
 
 
@@ -40,19 +34,16 @@ class PromptTooLong(ValueError):
         self.tokens, self.limit, self.estimated = tokens, limit, estimated
 
 
-
 @dataclass
 class AssistantTurn:
     """One generation, parsed into a chat message; ``token_ids`` / ``logprobs`` are exact.
 
-    ``content``: visible text (no think block, no tool-call blocks, stop string/token
-    removed). ``reasoning``: the think block's text or None. ``tool_calls``: ``[{"id",
-    "name", "arguments": dict}]`` parsed by the ledger's tool parser (:mod:`molt_core.ledger.toolcall`,
-    default Hermes ``<tool_call>{json}</tool_call>``; malformed blocks stay in ``content``). ``raw``: the assistant
-    turn's body as the model produced it (generation-prompt body prefix + sampled text,
-    tool-call blocks removed) -- what the ledger's history holds. ``finish_reason``:
-    ``stop`` / ``length`` / ``abort`` / ``tool_calls``. ``stop_sequence``: the stop string
-    that ended it. ``prompt_len``: engine prompt length in tokens.
+    ``content``: visible text (no think or tool-call blocks, stop removed); ``reasoning``: the think
+    block's text or None; ``tool_calls``: ``[{"id", "name", "arguments": dict}]`` from the ledger's
+    tool parser (malformed blocks stay in ``content``); ``raw``: the body as the model produced it
+    (body prefix + sampled text, tool-call blocks removed), what the history holds;
+    ``finish_reason``: stop / length / abort / tool_calls; ``stop_sequence``: the stop string that
+    ended it; ``prompt_len``: engine prompt length in tokens.
     """
 
     content: str
@@ -78,17 +69,13 @@ class AssistantTurn:
 class Prepared:
     """The plan for one request (from :meth:`Ledger.prepare`; nothing mutated yet).
 
-    ``mode``: start / extend / rewrite / retry. ``prompt_ids``: the ids to send to the engine
-    (extend: the open segment's exact ids + ``tail_ids``). ``tail_ids``: what is appended to
-    the segment before the sampled ids (start/rewrite: the whole prompt). ``cached``: the
-    earlier :class:`AssistantTurn` on retry. ``reencoded``: on a rewrite, the tokens of the
-    prompt that re-render history the ledger held as ids (see :meth:`Ledger.prepare`), else 0.
-    ``allow_tool_calls``: False when the request said ``tool_choice: none`` (the turn's text
-    is not parsed for calls; the tools stay in the prompt). ``images``: the encoded bytes of
-    every image in ``prompt_ids``, in token order (pass them to ``engine.generate(...,
-    images=...)``); ``image_refs``: the placeholder runs ``tail_ids`` adds, positioned in the
-    segment. ``cause``: on a rewrite, why the open segment could not be extended (one of
-    :data:`REWRITE_CAUSES`), else None.
+    ``mode``: start / extend / rewrite / retry. ``prompt_ids``: the engine's prompt (extend: the open
+    segment's ids + ``tail_ids``). ``tail_ids``: appended before the sampled ids (start/rewrite: the
+    whole prompt). ``cached``: the turn a retry returns. ``reencoded``: on a rewrite, prompt tokens
+    re-rendering held history (:meth:`Ledger.prepare`), else 0. ``allow_tool_calls``: False for
+    ``tool_choice: none``. ``images``: encoded bytes of each image in ``prompt_ids``, in token order
+    (for ``engine.generate(..., images=...)``); ``image_refs``: the placeholder runs ``tail_ids``
+    adds. ``cause``: a rewrite's :data:`REWRITE_CAUSES` entry, else None.
     """
 
     mode: Literal["start", "extend", "rewrite", "retry"]
@@ -121,7 +108,7 @@ class _Open:
 
     def segment(self) -> Segment:
         routed = self.routed if (self.routed_ok and self.routed is not None and len(self.routed) == len(self.token_ids)) else None
-        # spans are copied with their record: a caller mutating a returned segment never edits the ledger's
+        # deep copies: a caller mutating a returned segment never edits the ledger's
         return Segment(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
                        versions=list(self.versions), routed_experts=routed, spans=[sp.model_copy(deep=True) for sp in self.spans],
                        finish_reason=self.finish_reason, images=[im.model_copy() for im in self.images])

@@ -1,6 +1,5 @@
-"""The chat template's facts for one ledger: the compiled render, the assistant turn's close and
-body prefix, the stop ids (derived once per tokenizer, template and template kwargs), and the
-encode cache of template text."""
+"""The chat template's facts for a ledger (compiled render, turn close, body prefix, stop ids;
+derived once per tokenizer, template and kwargs) and the encode cache of template text."""
 
 from __future__ import annotations
 
@@ -17,26 +16,21 @@ __all__ = ["TemplateFacts"]
 _PROBE_USER = "molt-ledger-probe-user"
 _PROBE_ASSISTANT = "molt-ledger-probe-assistant"
 
-#: (id(tokenizer), chat template, template kwargs, prover) -> facts derived by Ledger._fast_render/_probe
+#: (id(tokenizer), chat template, template kwargs, prover) -> facts
 _TEMPLATE_FACTS: dict[tuple[int, str, str], tuple[Any, ...]] = {}
 
-#: per tokenizer: template text -> its ids (:meth:`Ledger._encode`), at most ``_ENCODED_MAX``
-#: texts each, oldest dropped first
+#: per tokenizer: template text -> its ids, at most ``_ENCODED_MAX`` texts, oldest dropped first
 _ENCODED: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 _ENCODED_MAX = 4096
 _ENCODED_LOCK = threading.Lock()
 
 
 class TemplateFacts:
-    """The template half of :class:`~molt_core.ledger.Ledger` (a mixin: it reads the ledger's
-    ``tokenizer`` and ``template_kwargs``)."""
+    """The template half of :class:`~molt_core.ledger.Ledger` (a mixin over ``tokenizer``, ``template_kwargs``)."""
 
     def _template_facts(self, prover: Prover | None) -> WindowProof | None:
-        """Set the template facts (``_compiled``, ``_template_vars``, ``turn_close``,
-        ``body_prefix``, ``stop_token_ids``), derived once per (tokenizer, chat template, template
-        kwargs, prover), and return ``prover``'s window proof (None: no proven window)."""
+        """Set the template facts (cached, see ``_TEMPLATE_FACTS``); return ``prover``'s window proof or None."""
         tokenizer = self.tokenizer
-        # the template facts depend only on the tokenizer and template kwargs: derive them once
         key = (id(tokenizer), tokenizer.chat_template, json.dumps(self.template_kwargs, sort_keys=True, default=str), prover)
         facts = _TEMPLATE_FACTS.get(key)
         if facts is None:
@@ -54,10 +48,8 @@ class TemplateFacts:
                add_generation_prompt: bool = True) -> str:
         """The chat template's text for ``messages`` (with ``tools`` and the session's template kwargs).
 
-        Same text as ``tokenizer.apply_chat_template(..., tokenize=False)`` (checked on a probe
-        conversation at construction), rendered through the compiled template directly when
-        possible: the messages here are already plain dicts, so the wrapper's conversions are
-        skipped (about 3x faster on long conversations).
+        Same text as ``tokenizer.apply_chat_template(..., tokenize=False)`` (checked on a probe at
+        construction), through the compiled template directly when possible.
 
         Raises:
             ValueError: the template refused the messages (its ``raise_exception``).
@@ -99,8 +91,7 @@ class TemplateFacts:
             self._compiled = None
 
     def _probe(self) -> None:
-        """Derive the assistant-turn header, close and generation-prompt body prefix by
-        rendering a probe conversation (no hard-coded ChatML)."""
+        """Derive the assistant turn's header, close and body prefix from a probe render (no hard-coded ChatML)."""
         u = [{"role": "user", "content": _PROBE_USER}]
         ua = u + [{"role": "assistant", "content": _PROBE_ASSISTANT}]
         r_u, r_ug, r_ua = self.render(u, add_generation_prompt=False), self.render(u), self.render(ua, add_generation_prompt=False)
@@ -123,9 +114,8 @@ class TemplateFacts:
         self.stop_token_ids = sorted(stops)
 
     def _encode(self, text: str) -> list[int]:
-        """Tokenize template / new-message text (never generated text). Encoding is a pure
-        function of (tokenizer, text): the ids of a recent text are reused (the
-        ``n_samples_per_prompt`` rollouts of a group render the same prompt; issue 16 item 2)."""
+        """Tokenize template / new-message text (never generated text), reusing a recent text's ids
+        (a group's rollouts render the same prompt)."""
         if not text:
             return []
         cache = _ENCODED.get(self.tokenizer)
@@ -142,8 +132,7 @@ class TemplateFacts:
         return list(ids)
 
     def _render_window(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
-        """:meth:`render` of a window, its message list refusing negative subscripts
-        (:class:`~molt_core.ledger.render.NegativeIndex`); template errors propagate as raised."""
+        """:meth:`render` of a window (negative subscripts refused); template errors propagate."""
         assert self._compiled is not None
         return self._compiled.render(messages=WindowMessages(_chat_form(m) for m in messages), tools=tools or None,
                                      documents=None, add_generation_prompt=add_generation_prompt, **self._template_vars)

@@ -1,14 +1,9 @@
-"""The ledger's tool-call protocol: a :class:`ToolParser` finds the calls in an assistant
-turn's text, each with the character span of the block that held it; the ledger removes those
-spans from the visible text. Text that is not a well-formed call stays content (a call is never
-guessed).
+"""The ledger's tool-call protocol: a :class:`ToolParser` finds the calls in a turn's text with the
+span of the block holding each (removed from the visible text; a malformed call stays content).
 
-The ledger's default is :class:`HermesParser` over its ``tool_call_tags`` (Hermes, Qwen2.5,
-Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``); the other model families'
-parsers are plugins (``molt_register_tool_parsers``; first party: :mod:`molt_plugins.parsers`),
-resolved by name by the ledger's callers (:func:`molt_core.plugins.tool_parser`) and handed in.
-Parsing is JSON-aware: a closing tag inside a JSON string (``"text": "use </tool_call> to
-close"``) does not end the call, and every call of a parallel-call turn is kept.
+The default is :class:`HermesParser` (Hermes, Qwen2.5, Qwen3); other families' parsers are plugins
+(``molt_register_tool_parsers``, :mod:`molt_plugins.parsers`). Parsing is JSON-aware: a closing tag
+inside a JSON string does not end the call.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ _WS = " \t\r\n"
 
 @dataclass
 class ParsedCall:
-    """One tool call: ``name``, ``arguments`` (a dict) and ``span`` -- the ``(start, end)``
-    characters of the block that held it (calls of one block share the span)."""
+    """One tool call: ``name``, ``arguments`` (a dict), ``span`` (``(start, end)`` of its block)."""
 
     name: str
     arguments: dict[str, Any]
@@ -37,11 +31,8 @@ class ToolParser(Protocol):
     """What the ledger calls on each generated turn (``molt_register_tool_parsers``)."""
 
     def parse(self, text: str, start: int = 0, tools: list[dict[str, Any]] | None = None) -> list[ParsedCall]:
-        """Every well-formed call in ``text[start:]``, in order (no exception on bad text).
-
-        ``text``: the turn's decoded body (stop token/string removed); ``start``: where the
-        visible text begins (after the think block, which the ledger splits with its
-        ``think_tags``); ``tools``: the request's OpenAI-form schemas (None: none sent)."""
+        """Every well-formed call in ``text[start:]`` (the decoded body; ``start``: after the think
+        block), in order, never raising; ``tools``: the request's OpenAI-form schemas or None."""
         ...
 
 
@@ -53,8 +44,7 @@ def skip_ws(text: str, i: int, chars: str = _WS) -> int:
 
 
 def call_of(obj: Any, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, dict[str, Any]] | None:
-    """``(name, arguments)`` of a decoded call object (arguments under the first of ``arg_keys``
-    present, a dict or its JSON text), or None when it is not one."""
+    """``(name, arguments)`` of a decoded call object (arguments under the first ``arg_keys`` key), or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args: Any = {}
@@ -71,8 +61,7 @@ def call_of(obj: Any, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -
 
 
 def json_values(text: str, i: int, seps: str = _WS + ",") -> tuple[list[Any], int]:
-    """Decode consecutive JSON values from ``text[i:]`` (separated by ``seps``); returns them and
-    the index after the last one (and its separators)."""
+    """Consecutive JSON values of ``text[i:]`` (separated by ``seps``) and the index after them."""
     out = []
     while True:
         i = skip_ws(text, i, seps)
@@ -87,17 +76,15 @@ def json_values(text: str, i: int, seps: str = _WS + ",") -> tuple[list[Any], in
 
 
 def calls_in(objs: list[Any], arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> list[tuple[str, dict[str, Any]]] | None:
-    """The ``(name, arguments)`` of decoded JSON values (a list among them spliced in: a block may
-    hold one JSON array of calls), or None unless there is one and every value is a call."""
+    """``(name, arguments)`` of decoded JSON values (arrays spliced in), or None unless all are calls."""
     calls = [call_of(x, arg_keys) for o in objs for x in (o if isinstance(o, list) else [o])]
     return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
 def scan_blocks(text: str, start: int, tag: str,
                 block: Callable[[int], tuple[list[tuple[str, dict[str, Any]]], int] | None]) -> list[ParsedCall]:
-    """The calls of every block of ``text`` opening with ``tag`` at or after ``start``, in order:
-    ``block(a)`` gives ``(calls, end)`` for the block opening at ``a`` (its span ``(a, end)``),
-    or None for a malformed one, which stays content (the scan goes on after its tag)."""
+    """The calls of every block opening with ``tag`` at or after ``start``: ``block(a)`` gives
+    ``(calls, end)`` for the block at ``a``, or None for a malformed one (it stays content)."""
     out: list[ParsedCall] = []
     i = start
     while True:
@@ -113,13 +100,8 @@ def scan_blocks(text: str, start: int, tag: str,
 
 
 class HermesParser:
-    """``<tool_call>{json}</tool_call>`` blocks, JSON-aware (see the module doc): a block may
-    hold several JSON objects or one JSON array of them; a block the generation ended inside
-    (no closing tag, only whitespace after the JSON) still counts.
-
-    Args:
-        tags: the opening and closing tag.
-    """
+    """``<tool_call>{json}</tool_call>`` blocks (several objects or one array each; a block cut off
+    after its JSON counts). ``tags``: the opening and closing tag."""
 
     def __init__(self, tags: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> None:
         self.open, self.close = tags

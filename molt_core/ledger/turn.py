@@ -1,6 +1,5 @@
-"""The one turn: :meth:`~molt_core.ledger.Ledger.prepare` -> ``engine.generate`` ->
-:meth:`~molt_core.ledger.Ledger.commit`, for every caller (the Env loop, the loopback server,
-:meth:`~molt_core.ledger.Ledger.generate`): one stop-id merge, one budget cap, one image pass."""
+"""The one turn, ``Ledger.prepare`` -> ``engine.generate`` -> ``Ledger.commit``, for every caller
+(the Env loop, the loopback server, ``Ledger.generate``)."""
 
 from __future__ import annotations
 
@@ -24,33 +23,24 @@ async def take_turn(ledger: Any, engine: Any, messages: list[dict[str, Any]], pa
                     ) -> AssistantTurn | None:
     """Run one model turn of ``ledger``'s session on ``engine`` and record it.
 
-    ``ledger.prepare(messages, tools, params, max_prompt_tokens=max_model_len, fresh=...,
-    allow_tool_calls=...)`` plans the request (``params`` is its retry key; default
-    ``SamplingParams()``); a retry returns the cached turn, recording nothing. The engine then
-    samples ``prepared.prompt_ids`` (and the prompt's images, when it holds any) under
-    ``params`` with ``max_tokens`` (default ``params.max_tokens``) capped to ``max_model_len -
-    prompt length`` and ``max_total_tokens - prompt length``, and the ledger's stop ids added to
-    ``params.stop_token_ids``; :meth:`~molt_core.ledger.Ledger.commit` records the output under
-    those settings.
+    ``ledger.prepare`` plans the request (a retry returns the cached turn, recording nothing); the
+    engine samples ``prepared.prompt_ids`` (and its images) under ``params`` (default
+    ``SamplingParams()``) with the ledger's stop ids added and ``max_tokens`` (default
+    ``params.max_tokens``) capped to ``max_model_len`` and ``max_total_tokens`` less the prompt length.
 
     Args:
-        prepare_with: runs the planning call (e.g. in a worker thread, mapping its errors);
-            default: inline.
-        before_engine: called with the final sampling settings after planning, before the engine;
-            returns the settings to sample with (e.g. a session's per-turn seed, a wait for weights).
-        call: runs the engine call it is given (a zero-argument function returning the
-            generation's awaitable) and returns the :class:`~molt_core.types.GenerationOutput`
-            to commit; it may raise instead (a disconnect, a refused ``abort``: nothing is
-            committed). Default: await it.
+        prepare_with: runs the planning call (e.g. in a worker thread, mapping its errors); default inline.
+        before_engine: maps the final sampling settings before the engine call (e.g. a per-turn seed).
+        call: runs the zero-argument engine call it is given and returns the ``GenerationOutput`` to
+            commit, or raises (nothing is committed). Default: await it.
 
     Returns:
         The committed :class:`~molt_core.ledger.AssistantTurn`; None, recording nothing, when the
         prompt leaves no room under ``max_total_tokens``.
 
     Raises:
-        ValueError: malformed messages; :class:`~molt_core.ledger.PromptTooLong` for a prompt of
-            ``max_model_len`` tokens or more (both from ``prepare_with`` as it maps them). An
-            engine error propagates (from ``call`` as it maps it) and records nothing.
+        ValueError: malformed messages; ``PromptTooLong`` for a prompt of ``max_model_len`` tokens
+            or more (as ``prepare_with`` maps them). An engine error propagates, recording nothing.
     """
     params = params or SamplingParams()
     plan = partial(ledger.prepare, messages, tools, params, max_prompt_tokens=max_model_len, fresh=fresh,
