@@ -1,24 +1,9 @@
-"""Plugin manager: discovery, loading, validation and the registries plugins fill.
+"""The plugin host: discovery, loading, validation and the registries plugins fill.
 
-Sources, in order: the kernel's own built-in estimators and losses (:mod:`molt_core.algo.builtins`,
-always, through the same hooks), the ``molt`` entry-point group of every installed distribution (molt-sdk's
-own first-party plugins included), then each ``--plugin`` given as a dotted module path or a
-path to a ``.py`` file. ``MOLT_DISABLE_PLUGINS=name,...`` skips entry points by entry-point
-name or distribution name; ``MOLT_LOAD_PLUGINS=name,...`` loads only the listed third-party
-entry points (first-party ones always load unless disabled; the deny list wins). Everything
-is validated before any compute starts:
-
-* a plugin that fails to import -> :class:`PluginError` ``Error importing plugin "<name>"``
-  naming its distribution, with the original exception chained (and, for a module that an
-  extra of molt-sdk installs, ``pip install 'molt-sdk[EXTRA]'``: :mod:`molt_core.plugins.extras`);
-* a hookimpl whose arguments are not in its spec, or a ``molt_*`` function that is no hook
-  of this API version -> :class:`PluginError` naming plugin, distribution and cause;
-* two plugins registering the same name for the same kind -> :class:`PluginError` naming
-  both.
-
-Core code calls the typed methods of :class:`PluginHost`, never ``pm.hook.*`` directly.
-Ray workers rebuild the same host from the same ``--plugin`` list (installed entry points are
-identical there), so no registry is shipped between processes.
+Sources, in order: the kernel's built-in estimators and losses, the ``molt`` entry points
+(``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS`` filter them), then each ``--plugin`` (a dotted
+module path or a ``.py`` file). Every fault (an import error, an unknown hook or argument, a name
+registered twice) is a :class:`PluginError` naming plugin and distribution, before any compute.
 """
 
 from __future__ import annotations
@@ -89,7 +74,7 @@ def _disabled() -> set[str]:
 
 
 FIRST_PARTY = "molt-sdk"
-"""The distribution whose own entry points (the first-party plugins) ``MOLT_LOAD_PLUGINS`` never filters."""
+"""The distribution of the first-party plugins, which ``MOLT_LOAD_PLUGINS`` never filters."""
 
 
 BUILTIN_ALGO = "molt_algo"
@@ -102,8 +87,7 @@ def _norm(dist: str) -> str:
 
 
 def _allowed() -> set[str] | None:
-    """``MOLT_LOAD_PLUGINS`` as a set of entry-point or distribution names; None when unset
-    (every plugin loads); an empty set when set to ``""`` (no third-party plugin loads)."""
+    """``MOLT_LOAD_PLUGINS`` as a set of names; None when unset (every plugin loads)."""
     raw = os.environ.get("MOLT_LOAD_PLUGINS")
     if raw is None:
         return None
@@ -111,8 +95,7 @@ def _allowed() -> set[str] | None:
 
 
 def import_path(spec: str, prefix: str = "molt_local_plugin") -> ModuleType:
-    """Import ``spec``: a ``.py`` file path (as module ``<prefix>_<stem>_<hash>``) or a dotted
-    module path.
+    """Import ``spec``: a ``.py`` file (as module ``<prefix>_<stem>_<hash>``) or a dotted module path.
 
     Raises:
         FileNotFoundError: a ``.py`` path that does not exist; any error of the module itself.
@@ -136,11 +119,8 @@ def import_path(spec: str, prefix: str = "molt_local_plugin") -> ModuleType:
 
 
 class PluginHost:
-    """Holds the pluggy manager, plugin metadata and the registries.
-
-    Use :func:`load_plugins` to build one. Registries are ``{kind: {name: Registration}}``
-    for the kinds of :data:`molt_core.hookspecs.REGISTRATION_HOOKS`.
-    """
+    """The pluggy manager, plugin metadata and the registries, ``{kind: {name: Registration}}`` for
+    the kinds of :data:`molt_core.hookspecs.REGISTRATION_HOOKS`; built by :func:`load_plugins`."""
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(PROJECT)
@@ -148,8 +128,7 @@ class PluginHost:
         self.infos: dict[str, PluginInfo] = {}
         self.registries: dict[str, dict[str, Registration]] = {k: {} for k in REGISTRATION_HOOKS}
         self.local_specs: list[str] = []
-        #: names of the kernel's own hookimpl modules (:data:`BUILTIN_ALGO`): registered like any
-        #: plugin, but no plugin of ``molt plugins`` (not in :attr:`infos`, not in its listing)
+        #: the kernel's own hookimpl modules (:data:`BUILTIN_ALGO`): registered, but not in :attr:`infos`
         self.kernel: set[str] = set()
 
     # -- loading -----------------------------------------------------------------------
@@ -185,13 +164,9 @@ class PluginHost:
         self.infos[name] = PluginInfo(name=name, distribution=dist, version=version, source=source, hooks=hooks)
 
     def load_entry_points(self) -> None:
-        """Load every ``molt`` entry point allowed by ``MOLT_LOAD_PLUGINS`` and not disabled
-        by ``MOLT_DISABLE_PLUGINS``.
-
-        ``MOLT_LOAD_PLUGINS=name,...`` (entry-point or distribution names) is an allow-list for
-        third-party plugins: when set, only those load (``""``: none); molt-sdk's own
-        first-party entry points always load unless disabled. The deny list wins over the
-        allow-list.
+        """Load every ``molt`` entry point not in ``MOLT_DISABLE_PLUGINS`` (entry-point or distribution
+        names); when ``MOLT_LOAD_PLUGINS`` is set (``""``: none), only the third-party ones it lists.
+        First-party entry points load unless disabled; the deny list wins.
 
         Raises:
             PluginError: an entry point fails to import or is invalid, or ``MOLT_LOAD_PLUGINS``
@@ -277,8 +252,7 @@ class PluginHost:
         """Return the object registered as ``name`` for ``kind``.
 
         Raises:
-            KeyError: no such name; the message suggests the closest registered name, lists
-                them all and says how a plugin from elsewhere is loaded (:func:`unknown_name`).
+            KeyError: no such name (message: :func:`unknown_name`).
         """
         reg = self.registries[kind]
         if name not in reg:
@@ -316,11 +290,8 @@ def singular(kind: str) -> str:
 
 
 def unknown_name(kind: str, name: str, known: list[str]) -> str:
-    """The message for a ``kind`` (``rewards``, ``envs``, ...) ``name`` that no plugin registered:
-    the closest registered name (:func:`difflib.get_close_matches`), every registered name,
-    and the two ways to load a plugin that is not loaded: ``--plugin FILE.py`` (or a dotted
-    module path) or installing the package that provides it (an entry point in group ``molt``).
-    """
+    """The message for an unregistered ``kind`` ``name``: the closest and every registered name, and
+    how to load a plugin (``--plugin FILE.py`` or installing its package)."""
     import difflib
 
     what = singular(kind).replace("_", " ")
@@ -357,19 +328,15 @@ _RUN_PLUGINS: tuple[str, ...] = ()
 
 
 def use_run_plugins(local: list[str] | tuple[str, ...]) -> None:
-    """Make ``local`` (the run's ``plugins`` / ``--plugin`` list) what :func:`shared_host` loads
-    in this process when it is not told a list: called by the actors and the trainer that a run
-    starts, so an engine, ingress or SFT reaching a registry finds a ``--plugin`` modality or
-    routing tool too."""
+    """Make ``local`` (the run's ``--plugin`` list) what :func:`shared_host` loads by default in this
+    process (called by the run's actors and trainer)."""
     global _RUN_PLUGINS
     _RUN_PLUGINS = tuple(local)
 
 
 def shared_host(local: list[str] | tuple[str, ...] | None = None) -> PluginHost:
-    """The :func:`load_plugins` host of the entry points and ``local`` (None: the run's list,
-    :func:`use_run_plugins`), built once per process for each list and value of
-    ``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``: for kernel code that is handed no host (an
-    engine, the trainer, ingress, a ledger made by hand) and only reads registries. Never mutate it.
+    """The :func:`load_plugins` host of ``local`` (None: :func:`use_run_plugins`'s list), cached per
+    list and plugin env vars, for kernel code handed no host. Read it; never mutate it.
 
     Raises:
         PluginError: as :func:`load_plugins`.
@@ -384,24 +351,20 @@ def _shared_host(local: tuple[str, ...], _disabled: str | None, _allowed: str | 
 
 
 def modality(host: PluginHost | None = None) -> Any:
-    """The registered input modality (``molt_register_modalities``; the first by name), or None
-    for a text-only run. ``host`` defaults to :func:`shared_host`."""
+    """The first registered modality by name, or None (text only); ``host``: default :func:`shared_host`."""
     reg = (host or shared_host()).registries["modalities"]
     return reg[min(reg)].obj if reg else None
 
 
 def window_prover(host: PluginHost | None = None) -> Any:
-    """The registered window prover (``molt_register_render_windows``; the first by name) the
-    server and the Env loop hand to each ledger, or None (full renders). ``host`` defaults to
-    :func:`shared_host`."""
+    """The first registered window prover by name, or None (full renders); ``host`` as :func:`modality`."""
     reg = (host or shared_host()).registries["render_windows"]
     return reg[min(reg)].obj if reg else None
 
 
 def make_tool_parser(name: Any, tokenizer: Any, parsers: dict[str, Any]) -> Any:
-    """The tool-call parser called ``name`` among ``parsers`` (name -> parser class), built for a
-    model with ``tokenizer`` -- ``cls.for_tokenizer(tokenizer)`` when the class defines it, else
-    ``cls()`` -- or ``name`` itself when it is not a str (already a parser).
+    """``parsers[name]`` built for ``tokenizer`` (``cls.for_tokenizer(tokenizer)`` or ``cls()``), or
+    ``name`` itself when it is already a parser.
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
@@ -415,14 +378,11 @@ def make_tool_parser(name: Any, tokenizer: Any, parsers: dict[str, Any]) -> Any:
 
 
 def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None) -> Any:
-    """The registered tool-call parser ``name`` (``molt_register_tool_parsers``) for a model with
-    ``tokenizer``, or ``name`` itself when it is already a parser: what the ledger's callers
-    (the server, ``molt serve``) hand to a :class:`~molt_core.ledger.Ledger`. ``host`` defaults
-    to :func:`shared_host`; a name is looked up once per server, never per turn.
+    """The registered tool parser ``name`` built for ``tokenizer`` (or ``name``, already a parser),
+    for a :class:`~molt_core.ledger.Ledger`; ``host`` as :func:`modality`.
 
     Raises:
-        ValueError: no plugin registered ``name``; the message names it, lists the registered
-            ones and the plugin the model families' parsers come from.
+        ValueError: no plugin registered ``name`` (lists the registered ones and the fix).
     """
     if not isinstance(name, str):
         return name
@@ -436,14 +396,12 @@ def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None
 
 
 def wires(host: PluginHost | None = None) -> dict[str, Any]:
-    """The registered wires (``molt_register_wires``), ``{name: wire}`` in registration order.
-    ``host`` defaults to :func:`shared_host`."""
+    """The registered wires, ``{name: wire}`` in registration order; ``host`` as :func:`modality`."""
     return {n: r.obj for n, r in (host or shared_host()).registries["wires"].items()}
 
 
 def check_modality_options(config: Any, host: PluginHost) -> None:
-    """Refuse a recipe that sets the ``[images]`` section (to other than its defaults: a saved
-    run config lists every section) when no modality plugin is loaded.
+    """Refuse a recipe that sets ``[images]`` (to other than its defaults) with no modality plugin loaded.
 
     Raises:
         PluginError: naming ``images`` and the fix.
