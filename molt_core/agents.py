@@ -1,18 +1,7 @@
-"""Agents: the two forms a user's program takes, and where tasks come from.
-
-* :class:`Env` -- Gymnasium-aligned. The framework owns the LLM loop: it renders
-  ``reset(task)``'s observation as a user message, samples a reply through the ledger, calls
-  ``step(action_text, state)`` and repeats until ``terminated`` / ``truncated`` or a token
-  budget runs out. Rewards are summed over turns.
-* :class:`ChatAgent` -- the user owns the loop: ``async run(ctx)`` talks to the stock OpenAI
-  or Anthropic SDK pointed at ``ctx.openai_base_url`` / ``ctx.anthropic_base_url`` with
-  ``ctx.api_key``; the loopback server records every turn token-exactly. The agent does not
-  know it is in an RL run.
-
-Both draw tasks from ``tasks(split, seed)``: an iterator of JSON-able dicts (``split`` is
-``"train"`` or ``"eval"``; the eval split must be disjoint from training).
-Options: set ``Options`` to a Pydantic model; the recipe's ``[agent.options]`` table is
-validated through it and passed as ``self.options``.
+"""Agents, the two forms a user's program takes: an :class:`Env` (the framework owns the LLM loop)
+or a :class:`ChatAgent` (the program owns it, through a stock OpenAI or Anthropic SDK pointed at the
+loopback server). Both draw tasks from ``tasks(split, seed)`` and take ``[agent.options]`` through
+their ``Options`` model; :func:`from_gymnasium` wraps a text ``gymnasium.Env``.
 """
 
 from __future__ import annotations
@@ -39,12 +28,9 @@ class AgentOptions(BaseModel):
 
 
 class Agent:
-    """Common base of :class:`Env` and :class:`ChatAgent`: options and the task source.
-
-    ``repeat_train_split`` (class attribute, default True): when a finite ``train`` split runs
-    out, the run starts a new epoch over it (:class:`molt_core.rollout.tasks.TaskStream`); an agent
-    whose split must not repeat sets it False, and the run stops with an error instead.
-    """
+    """Common base of :class:`Env` and :class:`ChatAgent`: ``self.options`` (validated by the class's
+    ``Options`` model) and the task source. ``repeat_train_split = False`` makes a run whose finite
+    ``train`` split runs out stop with an error instead of starting a new epoch."""
 
     Options: ClassVar[type[BaseModel]] = AgentOptions
     repeat_train_split: ClassVar[bool] = True
@@ -58,7 +44,7 @@ class Agent:
             raise ValueError(f"{type(self).__name__}: invalid options: {bad}") from None
 
     def tasks(self, split: str, seed: int) -> Iterator[dict[str, Any]]:
-        """Yield task dicts for ``split`` (``"train"`` endless or long, ``"eval"`` finite).
+        """Yield JSON-able task dicts for ``split``: ``"train"`` (long) or ``"eval"`` (finite, disjoint).
 
         Raises:
             NotImplementedError: the agent does not provide tasks.
@@ -78,11 +64,9 @@ class EpisodeState:
 
 
 class Env(Agent):
-    """Gymnasium-aligned environment; the framework owns the LLM loop.
-
-    Override :meth:`reset` and :meth:`step`. ``system_prompt`` (class attribute or option)
-    is sent as a system message when set.
-    """
+    """Gymnasium-aligned environment: the framework sends ``reset(task)`` as a user message, samples a
+    reply, calls ``step(reply, state)`` and repeats until ``terminated`` / ``truncated`` or the token
+    budget runs out, summing rewards. Override :meth:`reset` and :meth:`step`."""
 
     system_prompt: ClassVar[str | None] = None
 
@@ -91,10 +75,8 @@ class Env(Agent):
         raise NotImplementedError
 
     def first_messages(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chat messages the model is first shown for ``task`` (OpenAI format): the
-        ``system_prompt`` (an ``options.system_prompt`` wins over the class attribute), if
-        any, then ``reset(task)`` as the user message. The Env runner and the SFT warm start
-        both render this; override it for a prompt of several messages."""
+        """The first chat messages for ``task`` (the Env runner's and SFT's): ``system_prompt`` (an
+        ``options.system_prompt`` wins), if any, then ``reset(task)``; override for several."""
         messages: list[dict[str, Any]] = []
         sp = getattr(getattr(self, "options", None), "system_prompt", None) or self.system_prompt
         if sp:
@@ -110,8 +92,8 @@ class Env(Agent):
 
 @dataclass
 class AgentContext:
-    """What a :class:`ChatAgent` gets: the task, base URLs for both wires and the session's
-    API key, the served ``model`` name and default sampling settings."""
+    """What a :class:`ChatAgent` gets: the task, both wires' base URLs, the session's API key, the
+    served ``model`` name and default sampling settings."""
 
     task: dict[str, Any]
     openai_base_url: str
@@ -122,7 +104,8 @@ class AgentContext:
 
 
 class ChatAgent(Agent):
-    """An agent program that owns its loop through a stock LLM SDK; override :meth:`run`."""
+    """An agent program that owns its loop through a stock LLM SDK (every turn recorded by the
+    loopback server); override :meth:`run`."""
 
     async def run(self, ctx: AgentContext) -> Result:
         """Run one episode of ``ctx.task`` and return its :class:`Result` (reward set)."""
@@ -142,9 +125,7 @@ def make_agent(obj: Any, options: dict[str, Any]) -> Agent:
     return agent
 
 
-# -- gymnasium adapter -------------------------------------------------------------------------
-#: Eval episodes use gymnasium reset seeds ``seed + GYM_EVAL_SEED_OFFSET + i``; train episodes
-#: use ``seed + i`` with ``i < GYM_EVAL_SEED_OFFSET``, so the splits never share a seed.
+#: gymnasium reset seeds: train ``seed + i`` for ``i <`` this, eval ``seed + GYM_EVAL_SEED_OFFSET + i``
 GYM_EVAL_SEED_OFFSET = 1_000_000_007
 
 
@@ -153,9 +134,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def _default_obs_to_text(obs: Any, env: Any) -> str:
-    """The observation if it is text, else ``env.render()`` for ``render_mode="ansi"`` with
-    colour codes removed and each highlighted span shown as ``[X]`` (e.g. FrozenLake's
-    position), else ``str(obs)``."""
+    """The default ``obs_to_text`` (see :func:`from_gymnasium`)."""
     if isinstance(obs, str):
         return obs
     if getattr(env, "render_mode", None) == "ansi":
@@ -189,19 +168,9 @@ def _default_text_to_action(text: str, env: Any, action_names: list[str] | None 
 
 
 class GymnasiumEnv(Env):
-    """An :class:`Env` over a text ``gymnasium.Env`` (built by :func:`from_gymnasium`).
-
-    Each episode owns a fresh gymnasium env made by ``make()`` and reset with the task's
-    ``seed``; ``reset(task)`` returns the first observation as text (it builds and closes
-    a throw-away env with the same seed; gymnasium envs are deterministic given the reset
-    seed), and the first ``step`` builds the episode's env in ``state.scratch["gym_env"]``.
-    Each ``step`` maps the reply to an action (``text_to_action``), steps the env and
-    returns its reward, ``terminated`` and ``truncated``; a reply that is no valid action
-    costs a turn, scores ``invalid_action_reward`` and is told why in the observation.
-    Tasks: ``{"seed": int}``; train seeds ``seed + i``, eval seeds ``seed +
-    GYM_EVAL_SEED_OFFSET + i`` for ``i < eval_size`` (disjoint). ``options`` is validated by
-    the (subclass's) ``Options`` model, as for every agent.
-    """
+    """An :class:`Env` over a text ``gymnasium.Env`` (built by :func:`from_gymnasium`); tasks are
+    ``{"seed": int}``, each episode a fresh ``make()`` env reset with that seed. A reply that is no
+    valid action costs a turn, scores ``invalid_action_reward`` and is told why."""
 
     def __init__(self, make: Callable[[], Any], obs_to_text: Callable[[Any, Any], str] | None = None,
                  text_to_action: Callable[[str, Any], Any] | None = None, action_names: list[str] | None = None,
@@ -313,19 +282,15 @@ def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
 
 
 def load_agent(cfg: RunConfig, host: PluginHost) -> Agent:
-    """Instantiate the run's agent: ``agent.path`` (a ``.py`` file) or ``agent.name`` (a
-    registered env), with ``agent.options``.
-
-    A file may define ``agent`` (an instance or factory) or exactly one ``Env`` /
-    ``ChatAgent`` subclass.
+    """Instantiate the run's agent, ``agent.name`` (registered) or ``agent.path`` (a ``.py`` file
+    defining ``agent``, an instance or factory, or exactly one Env / ChatAgent subclass).
 
     Returns:
         An :class:`Env` or :class:`ChatAgent` instance.
 
     Raises:
-        ValueError: neither or both of ``agent.name`` / ``agent.path`` set, an unknown name,
-            a missing file, not a ``.py`` file, a file that fails to import or defines no agent
-            or several, or invalid options.
+        ValueError: naming the field: not exactly one of ``agent.name`` / ``agent.path``, an unknown
+            name, a missing or non-``.py`` file, a failed import, no agent or several, bad options.
     """
     a = cfg.agent
     if bool(a.name) == bool(a.path):

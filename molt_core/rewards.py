@@ -1,48 +1,9 @@
-"""Reward authoring (Reward API v2): what a reward plugin is, its options, how it fails.
+"""Reward authoring (Reward API v2): the calling conventions, options and failures of a reward.
 
-The runtime that calls rewards on a finished group (isolation, deadlines, concurrency) is
-:mod:`molt_core.rollout.scoring`.
-
-A registered reward is one of (all may be plain ``def`` or ``async def``):
-
-* **per response** -- ``fn(response: str, task: dict, **options) -> float``; one call per
-  rollout. ``response`` is the model's final reply only.
-* **per group** -- marked with :func:`group_reward` (attribute ``molt_group = True``, or a
-  callable ``molt_group(options) -> bool``): ``fn(responses: list[str], tasks: list[dict],
-  **options) -> list[float]``, one score per response, in order; what a relative judge needs.
-  Only the group's rollouts that are still ``ok`` are passed.
-* **trajectory-wanting** -- a per-response reward whose signature names a ``trajectory``
-  parameter (a group reward: ``trajectories``), or that carries ``molt_trajectory = True``,
-  also receives the whole rollout as a :class:`Rollout` (messages with tool calls, turns, the
-  token-level :class:`~molt_core.types.Trajectory`).
-
-The recipe's ``[rewards.NAME]`` table holds the reward's options plus the reserved keys
-:data:`RESERVED_KEYS`, read by the runtime and *not* passed to the reward (unless its
-``Options`` model declares a field of that name -- ``llm_judge`` uses ``timeout_s`` as its own
-deadline too):
-
-* ``weight`` (default 1.0) -- the final reward is ``Result.reward + sum(weight * score)``.
-* ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) -- the bound on one call (one rollout, or
-  one group for a group reward). A reward whose own options bound its work (``code_tests``:
-  the sandbox's ``timeout_s``) declares ``molt_timeout(options) -> seconds``, and the runtime
-  bound is that (the sandbox limit plus its start-up and kill margin), so the runtime never
-  times out a run the sandbox would still have judged.
-* ``isolation`` -- ``"thread"`` or ``"process"``: where a call runs (below). Default: the
-  reward's ``molt_isolation`` attribute, else ``"thread"``.
-
-Failures (counted per reward as ``reward/NAME/failed``; the trajectory is ``failed``, excluded
-from training, never scored 0): the reward raises (:class:`~molt_core.types.RewardFailed` or
-anything else), it runs past ``timeout_s`` (``failed: timeout``), or it returns something
-other than a finite real number (NaN, +-inf, None, a string: ``failed: non_finite`` /
-``failed: not_a_number``). A group reward that returns anything but a list, tuple or 1-d
-array of one score per response (a dict, a set, a generator, the wrong count) fails the whole
-group (``failed: bad_output``); one bad score in a good list fails only its own rollout. An
-agent's own ``Result.reward`` / ``score`` that is not a finite number fails the trajectory
-the same way.
-
-Judge sessions: a reward whose ``molt_judge_session(options)`` is true (``llm_judge`` without
-``base_url``) asks the run's own engine; each of its calls gets a fresh loopback session,
-visible to it through :func:`judge_endpoint` and closed (never trained on) when the call ends.
+A reward is ``fn(response, task, **options) -> float``, or a group reward (:func:`group_reward`),
+or one given the whole :class:`Rollout`; its ``[rewards.NAME]`` table holds its options and the
+:data:`RESERVED_KEYS` the runtime reads (:mod:`molt_core.rollout.scoring` calls it). The whole
+contract: docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -62,15 +23,13 @@ __all__ = ["RESERVED_KEYS", "DEFAULT_TIMEOUT_S", "PROCESS_START_TIMEOUT_S", "Rol
 
 RESERVED_KEYS = ("weight", "timeout_s", "isolation")
 DEFAULT_TIMEOUT_S = 60.0
-#: Seconds a reward worker process may take to start and load its function (not charged to
-#: the reward's own deadline; a worker that does not start in time fails the call ``crash``).
+#: seconds a reward process may take to start, not charged to the reward's deadline (else ``crash``)
 PROCESS_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
 class JudgeEndpoint:
-    """An OpenAI-compatible endpoint (``base_url`` ending in ``/v1``, ``api_key``) opened by the
-    runtime for one judge call."""
+    """An OpenAI-compatible endpoint (``base_url`` ending in ``/v1``, ``api_key``) for one judge call."""
 
     base_url: str
     api_key: str
@@ -86,9 +45,8 @@ def judge_endpoint() -> JudgeEndpoint | None:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The whole rollout, for rewards that ask for it: the final ``response`` text, the
-    ``task``, the chat ``messages`` (OpenAI format, assistant ``tool_calls`` included) and the
-    token-level ``trajectory``."""
+    """The whole rollout: final ``response`` text, ``task``, chat ``messages`` (OpenAI form, tool
+    calls included) and the token-level ``trajectory``."""
 
     response: str
     task: dict[str, Any]
@@ -146,18 +104,12 @@ class RewardSpec:
 
 
 def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> RewardSpec:
-    """Split a recipe's ``[rewards.<name>]`` table into the reserved keys and the options, and
-    decide the calling convention (see the module docstring).
-
-    The bound on one call is the reward's ``molt_timeout(options)`` when it declares one (its
-    own limit plus a margin), else ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`).
+    """Split a ``[rewards.<name>]`` table into reserved keys and options, and decide the calling
+    convention; the bound on one call is the reward's ``molt_timeout(options)``, else ``timeout_s``.
 
     Raises:
-        ValueError: ``rewards.<name>.weight`` is not a finite number,
-            ``rewards.<name>.timeout_s`` is not a positive finite number,
-            ``rewards.<name>.isolation`` is not ``"thread"`` / ``"process"``, or ``"process"``
-            for a reward that cannot be sent to a process (not picklable, or asks for the
-            run's judge session).
+        ValueError: naming ``rewards.<name>.weight`` (not finite), ``.timeout_s`` (not positive),
+            ``.isolation`` (not thread / process, or process for an unpicklable or judge reward).
     """
     table = dict(table)
     weight, timeout = table.get("weight", 1.0), table.get("timeout_s", DEFAULT_TIMEOUT_S)
@@ -193,12 +145,11 @@ def reward_spec(name: str, fn: Callable[..., Any], table: dict[str, Any]) -> Rew
 
 
 def as_score(value: Any, what: str) -> float:
-    """``value`` as a finite float.
+    """``value`` (a real number or a 0-d object with ``__float__``) as a finite float.
 
-    Accepts any real number (``int``, ``float``, numpy scalars, ``bool``) or a 0-d object with
-    ``__float__`` (a numpy / torch scalar). Raises:
+    Raises:
         RewardFailed: ``not_a_number`` (None, a string, a list...) or ``non_finite`` (NaN, +-inf,
-            an integer beyond the float range), naming ``what``.
+            beyond the float range), naming ``what``.
     """
     if isinstance(value, (str, bytes)) or value is None or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         raise RewardFailed("not_a_number", f"{what} returned {type(value).__name__} {value!r:.60}; return a finite float")
@@ -214,8 +165,7 @@ def as_score(value: Any, what: str) -> float:
 
 
 def _dump_fn(fn: Callable[..., Any]) -> bytes:
-    """``fn`` pickled for a reward process: by reference when importable (``pickle``), else by
-    value (``cloudpickle``, when installed)."""
+    """``fn`` pickled for a reward process: by reference when importable, else by value (cloudpickle)."""
     import pickle
 
     try:

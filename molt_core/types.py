@@ -1,14 +1,6 @@
-"""Typed core of molt-sdk: the Pydantic models every layer exchanges.
-
-A rollout is a :class:`Trajectory`: one or more token-exact :class:`Segment` objects (more
-than one when the agent rewrote its context, e.g. compaction), a reward and a status. A
-:class:`Group` holds the ``n_samples_per_prompt`` trajectories of one prompt (the unit of a
-baseline). ``Env.step`` / ``ChatAgent.run`` return a :class:`Result`.
-
-Validators enforce the token-identity and policy-version alignment rules at the type level:
-per-token lists have one length, a behaviour logprob and a policy version are present iff the
-token was sampled (``loss_mask`` True), logprobs are finite and <= 0, and ``routed_experts``
-(R3, arXiv 2510.11370) has one row per token. Every error names the field and the index.
+"""The Pydantic models every layer exchanges: a :class:`Trajectory` of token-exact :class:`Segment`
+objects, the :class:`Group` of one prompt, an engine's :class:`GenerationOutput`, an agent's
+:class:`Result`. Validators refuse misaligned per-token fields, naming the field and the index.
 """
 
 from __future__ import annotations
@@ -43,12 +35,7 @@ __all__ = [
 
 
 class _IdSource:
-    """128 random bits per id from a Mersenne Twister seeded with 256 bits of ``os.urandom``,
-    reseeded in a forked child (so parent and child never share a stream): one
-    ``os.urandom`` call per process instead of one per id -- ``uuid4`` releases the GIL for
-    that syscall, which in a rollout worker hands the GIL to the engine thread for up to a
-    switch interval, 64 times a step (issue 16 item 2). Ids only need to be unique; secrets
-    (API keys) come from :mod:`secrets`."""
+    """128-bit ids from a Mersenne Twister seeded from ``os.urandom`` (reseeded after a fork)."""
 
     def __init__(self) -> None:
         self.reseed()
@@ -66,8 +53,7 @@ _IDS = _IdSource()
 
 
 def new_id(prefix: str = "") -> str:
-    """Return a fresh random hex id (32 lowercase hex chars, 128 random bits), optionally
-    prefixed (``prefix-<hex>``). Unique, not secret (see :class:`_IdSource`)."""
+    """A fresh id: 32 lowercase hex chars (128 random bits), as ``prefix-<hex>`` with a prefix. Not secret."""
     h = _IDS.hex()
     return f"{prefix}-{h}" if prefix else h
 
@@ -77,9 +63,7 @@ class _Strict(BaseModel):
 
 
 class PolicyVersion(RootModel[int]):
-    """Monotone integer stamped by the trainer at each weight publish (v0 = initial weights).
-
-    Compare and order like an int; ``next()`` returns ``v + 1``.
+    """Monotone integer stamped by the trainer at each weight publish (v0: initial weights); orders like an int.
 
     Raises:
         pydantic.ValidationError: if the value is negative.
@@ -121,14 +105,9 @@ class PolicyVersion(RootModel[int]):
 class SamplingParams(_Strict):
     """Sampling settings of one generation request (engine and trainer share the transform).
 
-    The behaviour distribution is ``softmax(logits / temperature)`` restricted to the top-k
-    tokens and then to the smallest top-p nucleus, renormalised (the vLLM "processed
-    logprobs" convention). ``temperature == 0`` means greedy; logprobs are then reported
-    under the untempered, unfiltered distribution.
-
-    Fields: ``temperature`` (>= 0), ``top_p`` in (0, 1], ``top_k`` (<= 0 disables),
-    ``max_tokens`` (>= 1, new tokens per request), ``stop`` (strings), ``stop_token_ids``,
-    ``seed`` (per-request RNG seed or None).
+    Fields: ``temperature`` (>= 0; 0: greedy), ``top_p`` in (0, 1], ``top_k`` (<= 0 disables),
+    ``max_tokens`` (>= 1, new tokens per request), ``stop`` (strings), ``stop_token_ids``, ``seed``
+    (per-request RNG seed or None); the transform: :mod:`molt_core.sampling`.
     """
 
     temperature: float = Field(1.0, ge=0.0)
@@ -143,14 +122,9 @@ class SamplingParams(_Strict):
 class SampledSpan(_Strict):
     """A run ``[start, end)`` of sampled tokens in a segment and the transform they came from.
 
-    The trainer recomputes logprobs of tokens in the span with exactly this temperature /
-    top-k / top-p (forward consistency, and B09: renormalised top-k logprobs on both sides).
-
-    The engine's record of what it sampled (token identity, :mod:`molt_core.identity`):
-    ``digest`` -- the engine's BLAKE2b-128 hex digest of the ids it sampled in this span
-    (``GenerationOutput.sampled_digest``); ``sampled_ids`` -- those ids as the engine returned
-    them (``end - start`` ints), used to count which tokens differ. Both None on data written
-    before the record existed (loads; ingress counts its tokens as unverified).
+    The trainer recomputes the span's logprobs with exactly this temperature / top-k / top-p (B09).
+    The engine's record (:mod:`molt_core.identity`): ``digest`` of the ids it sampled here, and
+    ``sampled_ids``, those ids (``end - start`` ints); None without a record (tokens unverified).
 
     Raises:
         pydantic.ValidationError: ``end < start``, or ``sampled_ids`` not of length ``end - start``.
@@ -186,16 +160,13 @@ class GenerationOutput(BaseModel):
       * ``token_ids`` ``[N]`` ints, exactly as sampled (a stop token, if hit, is included).
       * ``logprobs`` ``[N]`` floats, behaviour logprob of each sampled token (natural log).
       * ``versions`` ``[N]`` ints, policy version of the weights that sampled each token.
-      * ``finish_reason``: ``stop`` (stop token or stop string) or ``length`` (max_tokens),
-        ``abort`` (cancelled).
+      * ``finish_reason``: ``stop`` (stop token or string), ``length`` (max_tokens), ``abort``.
       * ``stop_reason``: the stop token id or stop string that ended it, or None.
       * ``routed_experts``: ``[P + N, num_moe_layers, top_k]`` for MoE engines (prompt
         positions included), else None.
       * ``prompt_len``: ``P``, the number of prompt ids the engine saw.
-      * ``sampled_digest``: the engine's record of what it sampled -- the BLAKE2b-128 hex
-        digest of ``token_ids`` computed where its sampler emitted them
-        (:class:`molt_core.identity.IdDigest`); checked per action token at trainer ingress.
-        None from an engine that keeps no record (its tokens then count as unverified).
+      * ``sampled_digest``: :class:`molt_core.identity.IdDigest` of ``token_ids`` where the sampler
+        emitted them, checked at trainer ingress; None from an engine that keeps no record.
 
     Raises:
         pydantic.ValidationError: if per-token lengths differ.
@@ -226,16 +197,10 @@ class GenerationOutput(BaseModel):
 class ImageRef(_Strict):
     """One image a segment shows the model, and where its placeholder tokens sit.
 
-    A vision-language processor (Qwen2-VL family) expands each image into a run of image
-    placeholder tokens; ``token_ids[start:end]`` is that run, id for id as the engine saw it,
-    so the trainer recomputes logprobs over exactly the image tokens the engine conditioned on.
-
-    Fields:
-      * ``sha256`` -- hex SHA-256 of the image's encoded bytes; the key into
-        :attr:`Trajectory.images`, where the bytes are stored once per rollout.
-      * ``start``, ``end`` -- token positions ``[start, end)`` of the placeholder run.
-      * ``grid_thw`` -- ``[t, h, w]`` patch grid the image processor produced (ints); the run
-        length is ``t * h * w // merge_size**2``.
+    Fields: ``sha256`` -- hex SHA-256 of the encoded bytes (the key into :attr:`Trajectory.images`);
+    ``start``, ``end`` -- the ``[start, end)`` run of placeholder tokens the processor expanded it
+    into, as the engine saw them; ``grid_thw`` -- the ``[t, h, w]`` patch grid (the run length is
+    ``t * h * w // merge_size**2``).
 
     Raises:
         pydantic.ValidationError: a malformed digest, ``end <= start`` or a grid not of 3 ints >= 1.
@@ -264,13 +229,11 @@ class Segment(_Strict):
       * ``logprobs`` -- behaviour logprob (natural log, <= 0, finite) iff sampled, else None.
       * ``versions`` -- policy version that sampled the token iff sampled, else None.
     Optional:
-      * ``routed_experts`` -- ``[T, num_moe_layers, top_k]`` int expert ids, -1 where none (R3).
-      * ``spans`` -- sampled spans with their sampling transform (see :class:`SampledSpan`);
-        optional for the model, but the trainer refuses a segment with sampled tokens and no
-        span (it could not know the temperature / top-k / top-p that sampled them).
+      * ``routed_experts`` -- ``[T, num_moe_layers, top_k]`` int expert ids, -1 where none (R3, arXiv 2510.11370).
+      * ``spans`` -- sampled spans and their transform (:class:`SampledSpan`); trainer ingress
+        refuses sampled tokens outside a span.
       * ``finish_reason`` -- of the last generation in the segment.
-      * ``images`` -- the images the segment shows, in token order (:class:`ImageRef`); their
-        bytes live in the trajectory's ``images`` store. Empty for text-only segments.
+      * ``images`` -- the images shown, in token order (:class:`ImageRef`).
 
     Raises:
         pydantic.ValidationError: naming the field and index of the first misalignment.
@@ -358,8 +321,7 @@ class Segment(_Strict):
         return min(vs) if vs else None
 
     def span_params(self) -> list[SampledSpan]:
-        """The sampled spans; when ``spans`` is empty, one T=1 span per contiguous sampled run
-        (a convenience for building test data; trainer ingress requires explicit spans)."""
+        """The sampled spans, else one T=1 span per sampled run (test data; ingress needs explicit spans)."""
         if self.spans:
             return list(self.spans)
         out: list[SampledSpan] = []
@@ -376,12 +338,9 @@ class Segment(_Strict):
 class Trajectory(_Strict):
     """One rollout of an agent on one task.
 
-    ``segments`` holds more than one segment when the agent rewrote its context; all share
-    ``rollout_id`` and the one ``reward`` (group baselines count one reward per rollout).
-    ``status`` is ``"failed"`` (with ``error``) when the agent or reward raised or timed
-    out: such trajectories are excluded from training, never scored 0.
-    ``images`` maps an image's hex SHA-256 to its encoded bytes (base64 text, PNG/JPEG/...):
-    each image is stored once per rollout however many segments or turns show it.
+    ``segments``: more than one when the agent rewrote its context, all under one ``reward``.
+    ``status`` ``"failed"`` (with ``error``): the agent or reward raised or timed out; excluded from
+    training, never scored 0. ``images``: hex SHA-256 -> encoded bytes (base64), each image once.
 
     Raises:
         pydantic.ValidationError: ``failed`` without ``error``, a non-finite reward, or a
@@ -441,13 +400,8 @@ class Group(_Strict):
 
 
 class RewardFailed(RuntimeError):
-    """A reward (or an env's scorer) could not produce a score: the trajectory is marked
-    ``failed`` with ``str(exc)`` -- never scored 0.0.
-
-    ``reason`` is a short machine-readable cause (``timeout``, ``memory``, ``crash``,
-    ``parse``, ...); ``detail`` says what happened. ``str(exc)`` is ``"failed: <reason>"``
-    followed by ``" (<detail>)"`` when there is a detail.
-    """
+    """A reward (or an env's scorer) could not score: the trajectory fails with ``str(exc)``,
+    ``"failed: <reason> (<detail>)"``; ``reason`` is short (``timeout``, ``memory``, ``crash``, ...)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason = reason
@@ -461,11 +415,10 @@ class RewardFailed(RuntimeError):
 class Result(_Strict):
     """What ``Env.step`` or ``ChatAgent.run`` returns.
 
-    ``reward`` (float, summed over turns by the Env runner), ``observation`` (the next user
-    message the model sees: text, or a list of content parts -- ``{"type": "text", "text"}``
-    and images from :func:`molt_plugins.vision.images.image_part` -- or None), ``terminated`` /
-    ``truncated`` (Gymnasium semantics), ``info``, ``score`` (task metric, may differ from
-    reward), ``sampling_params`` for the next turn.
+    ``reward`` (summed over turns by the Env runner), ``observation`` (the next user message: text,
+    content parts with images from :func:`molt_plugins.vision.images.image_part`, or None),
+    ``terminated`` / ``truncated`` (Gymnasium semantics), ``info``, ``score`` (the task metric),
+    ``sampling_params`` for the next turn.
     """
 
     reward: float = 0.0
