@@ -1,6 +1,5 @@
-"""Deprecation face of the modules the minimal-core layout moved: importing an old path warns
-(``DeprecationWarning`` naming the new one) and returns the module at its new path. The old
-paths go in the next minor release (docs/plugins/compatibility.md, "Deprecation")."""
+"""Old import paths of moved modules and names: a ``DeprecationWarning`` naming the new path, then
+the object from there, until the next minor release (docs/plugins/compatibility.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Agents, the two forms a user's program takes: an :class:`Env` (the framework owns the LLM loop)
 or a :class:`ChatAgent` (the program owns it, through a stock OpenAI or Anthropic SDK pointed at the
 loopback server). Both draw tasks from ``tasks(split, seed)`` and take ``[agent.options]`` through
-their ``Options`` model; :func:`from_gymnasium` wraps a text ``gymnasium.Env``.
-"""
+their ``Options`` model; :func:`from_gymnasium` wraps a text ``gymnasium.Env``."""
 
 from __future__ import annotations
 
@@ -242,20 +241,17 @@ def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
     """Wrap a text ``gymnasium.Env`` as an :class:`Env`.
 
     Args:
-        env: a registered env id (``gymnasium.make(env, **make_kwargs)`` per episode), a
-            zero-argument factory returning an env, or an env instance (deep-copied per
-            episode).
-        obs_to_text: ``(obs, env) -> str``; default: the observation if it is a string, else
-            ``env.render()`` for ``render_mode="ansi"`` (colour removed, highlights as
-            ``[X]``), else ``str(obs)``.
-        text_to_action: ``(reply, env) -> action``, raising ``ValueError`` for an invalid
-            reply; default: the stripped text for a ``Text`` action space, an integer (or a
-            name from ``action_names``) for ``Discrete``.
+        env: an env id (``gymnasium.make(env, **make_kwargs)`` per episode), a zero-argument
+            factory, or an env instance (deep-copied per episode).
+        obs_to_text: ``(obs, env) -> str``; default: a string observation, else an ``ansi``
+            ``env.render()`` (colour removed, highlights as ``[X]``), else ``str(obs)``.
+        text_to_action: ``(reply, env) -> action`` raising ``ValueError``; default: the stripped
+            text (``Text`` space), an integer or a name of ``action_names`` (``Discrete``).
         eval_size: number of held-out eval episodes; invalid_action_reward: reward of a turn
             whose reply is not an action; system_prompt: optional system message.
 
     Raises:
-        gymnasium.error.Error: ``env`` is an unknown id (raised here, not at the first rollout).
+        gymnasium.error.Error: ``env`` is an unknown id (here, not at the first rollout).
         TypeError: ``env`` is none of the accepted kinds.
     """
     import copy
@@ -284,9 +280,6 @@ def from_gymnasium(env: Any, *, make_kwargs: dict[str, Any] | None = None,
 def load_agent(cfg: RunConfig, host: PluginHost) -> Agent:
     """Instantiate the run's agent, ``agent.name`` (registered) or ``agent.path`` (a ``.py`` file
     defining ``agent``, an instance or factory, or exactly one Env / ChatAgent subclass).
-
-    Returns:
-        An :class:`Env` or :class:`ChatAgent` instance.
 
     Raises:
         ValueError: naming the field: not exactly one of ``agent.name`` / ``agent.path``, an unknown

@@ -374,11 +374,7 @@ class RunConfig(_Section):
     @field_validator("loggers", mode="before")
     @classmethod
     def _logger_names_as_tables(cls, v: Any) -> Any:
-        """``loggers = ["wandb", ...]`` is ``{"wandb": {}, ...}``: each logger with default options.
-
-        Raises:
-            ValueError: a list item that is not a string, or a name listed twice.
-        """
+        """``loggers = ["wandb", ...]`` is ``{"wandb": {}, ...}``; refuses non-strings and repeats."""
         if not isinstance(v, list):
             return v
         bad = [x for x in v if not isinstance(x, str)]
@@ -390,8 +386,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _group_estimators_need_groups(self) -> "RunConfig":
-        """A built-in group-baseline estimator needs 2 samples per prompt (checked here, at load;
-        a plugin's estimator when the trainer resolves it, :mod:`molt_core.train.algorithms`)."""
+        """A built-in group-baseline estimator needs 2 samples per prompt (a plugin's: at trainer start)."""
         if self.rollout.n_samples_per_prompt < 2:
             from molt_core.algo.builtins import ESTIMATORS  # torch: only on this path, not at CLI start-up
 
@@ -402,8 +397,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _lora_supported(self) -> "RunConfig":
-        """``[trainer.lora]`` is refused with ``trainer.world_size > 1`` (the sharded trainer
-        does not wrap adapters yet)."""
+        """``[trainer.lora]`` is refused with ``trainer.world_size > 1`` (no sharded adapters)."""
         if self.trainer.lora is None:
             return self
         if self.trainer.world_size > 1:
@@ -413,8 +407,7 @@ class RunConfig(_Section):
         return self
 
     def to_toml(self) -> str:
-        """Serialise to TOML (the form written into the run directory); ``None`` fields are
-        omitted, so the file loads back to an equal config."""
+        """TOML of the config (``None`` fields omitted; loads back to an equal config)."""
         data = self.model_dump(by_alias=True, exclude_none=True)
         return tomli_w.dumps(data)
 
@@ -427,10 +420,8 @@ class RunConfig(_Section):
 
 
 def text_hint(where: str, err: Mapping[str, Any]) -> str:
-    """For a pydantic error at option ``where`` (``loggers.wandb.project``) that wanted a
-    string and got a number or bool -- what ``--set where=123`` gives a plugin option, whose
-    type the override parser cannot know -- `` (quote it for text: --set 'where="123"')``;
-    else ``""``."""
+    """`` (got 123; quote it for text: --set 'where="123"')`` for a pydantic error at option ``where``
+    that wanted a string and got a number or bool (``--set`` cannot know a plugin option's type), else ``""``."""
     val = err.get("input")
     if err.get("type") != "string_type" or not isinstance(val, (bool, int, float)):
         return ""

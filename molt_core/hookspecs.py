@@ -96,12 +96,11 @@ def molt_register_weight_sync_transports(register: Register) -> None:
 
     * ``free_address() -> (host, port)``: where rank 0 hosts the group;
     * ``sender(host, port, world_size, device, timeout_s) -> group``: rank 0 joins (``group.backend``: str);
-    * ``send(group, state, version, dtype) -> int``: name -> full tensor, floats cast to the engine's
-      ``dtype``; returns the bytes each receiver got;
+    * ``send(group, state, version, dtype) -> int``: name -> full tensor (floats as the engine's ``dtype``);
+      returns the bytes each receiver got;
     * ``receivers(engine) -> int``: members one engine adds;
     * ``join(engine, host, port, rank_offset, world_size, timeout_s) -> str``: the backend;
-    * ``receive(engine, version) -> int``: bytes loaded between decode steps (ValueError refuses,
-      keeping the old weights)."""
+    * ``receive(engine, version) -> int``: bytes loaded between decode steps (ValueError refuses; old weights stay)."""
 
 
 @hookspec
@@ -116,8 +115,7 @@ def molt_register_estimators(register: Register) -> None:
     ``[teacher]``); floats ``gamma``, ``lam``, ``eps`` (``algo.adv_eps``), ``std_tol``, ``coef``
     (``algo.distill_coef``); a tensor without a default is required. Returns ``[R]`` (broadcast to
     each rollout's tokens), ``[B, T]`` or ``([B, T] advantages, [B, T] returns)``, float, 0 off
-    ``mask``. The built-ins (:mod:`molt_core.algo.builtins`) register here too.
-    """
+    ``mask``. The built-ins (:mod:`molt_core.algo.builtins`) register here too."""
 
 
 @hookspec
@@ -128,8 +126,7 @@ def molt_register_losses(register: Register) -> None:
     ``proximal_logprobs``, ``advantages`` ``[B, T]`` float (detached), ``mask`` ``[B, T]`` bool,
     floats ``clip_low``, ``clip_high``, ``dual_clip`` (None or > 1). Returns ``(loss [B, T], flags)``,
     ``flags``: ``ratio`` ``[B, T]`` float, bool ``[B, T]`` ``clipped_low``, ``clipped_high`` (optional
-    ``dual_clipped``); the trainer weights and averages it (:func:`molt_core.algo.losses.apply_policy_loss`).
-    """
+    ``dual_clipped``); the trainer weights and averages it (:func:`molt_core.algo.losses.apply_policy_loss`)."""
 
 
 @hookspec
@@ -137,15 +134,12 @@ def molt_register_adapters(register: Register) -> None:
     """Register trainer adapters: ``register(name, adapter)``, selected by ``[trainer.<name>]`` (first
     party: ``lora``). Each method takes the policy ``model`` (an ``nn.Module``):
 
-    * ``wrap(model, options) -> nn.Module``: the trained policy (``options``: the section), called
-      once before the optimizer sees the parameters;
+    * ``wrap(model, options) -> nn.Module``: the trained policy (``options``: the section), before the optimizer;
     * ``reference(model) -> nn.Module``: the frozen KL reference (e.g. the adapter disabled);
-    * ``merged_state_dict(model) -> dict[str, Tensor]``: plain weights under the base names (engines,
-      a checkpoint's ``model/``);
+    * ``merged_state_dict(model) -> dict[str, Tensor]``: plain weights under the base names (``model/``);
     * ``base_training(model)``: a context manager yielding the SFT's ``(forward model, parameters)``;
     * ``save(model, d: Path)`` / ``load(model, d: Path)``: its files in checkpoint directory ``d``;
-      ``load`` raises ``FileNotFoundError`` for a checkpoint it did not write.
-    """
+      ``load`` raises ``FileNotFoundError`` for a checkpoint it did not write."""
 
 
 @hookspec
@@ -155,13 +149,11 @@ def molt_register_trainer_backends(register: Register) -> None:
 
     * ``init_process_group(rank: int, world_size: int, init_method: str) -> str``: join (a ``tcp://``
       or ``file://`` rendezvous); returns the collective backend (``gloo`` / ``nccl``);
-    * ``trainer(cfg: RunConfig) -> Trainer``: this rank's ``Trainer`` subclass (``rank``,
-      ``world_size``, ``backend``; every rank calls its ``save_checkpoint``);
-    * ``load_checkpoint(trainer, d: Path)``: the distributed checkpoint ``d`` (``dcp/``) into any
-      trainer, sharded at any world size or plain;
+    * ``trainer(cfg: RunConfig) -> Trainer``: this rank's ``Trainer`` (``rank``, ``world_size``, ``backend``;
+      every rank calls its ``save_checkpoint``);
+    * ``load_checkpoint(trainer, d: Path)``: distributed checkpoint ``d`` (``dcp/``) into any trainer;
     * ``load_model(module, d: Path)`` / ``load_optimizer(module, optimizer, state: dict)``: a plain
-      checkpoint's weights / ``optimizer.state_dict()`` into a rank's sharded module.
-    """
+      checkpoint's weights / ``optimizer.state_dict()`` into a rank's sharded module."""
 
 
 @hookspec

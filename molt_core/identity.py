@@ -1,10 +1,6 @@
-"""Token identity, measured at trainer ingress against the engine's own record.
-
-Each engine digests the ids its sampler emits (:class:`IdDigest`, ``GenerationOutput.sampled_digest``);
-the ledger stores the digest with the sampled span; :func:`screen` recomputes it over the segment's
-ids and refuses a rollout whose action tokens differ (``invariants/tokens_retokenized``) or, by
-default, carry no record (``invariants/tokens_unverified``). What it guards: docs/architecture.md.
-"""
+"""Token identity at trainer ingress: each engine digests the ids it samples (:class:`IdDigest`), the
+ledger keeps the digest with the span, and :func:`screen` refuses a rollout whose action tokens
+differ from it or, by default, carry none (what it guards: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -75,11 +71,8 @@ def check_tokens(traj: Trajectory) -> TokenCheck:
     A span whose ``token_ids[start:end]`` miss its ``digest`` counts the positions differing from
     ``sampled_ids`` (when those match the digest), else the whole span.
 
-    Args:
-        traj: a trajectory (or ``model_construct``-ed: spans past the segment's end mismatch).
-
-    Returns:
-        A :class:`TokenCheck`.
+    ``traj`` may be ``model_construct``-ed (a span past the segment's end mismatches); returns a
+    :class:`TokenCheck`.
     """
     bad = unverified = 0
     first = None
@@ -104,8 +97,7 @@ def check_tokens(traj: Trajectory) -> TokenCheck:
 
 def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
            ) -> tuple[list[Trajectory], dict[str, float]]:
-    """Trainer ingress for token identity: refuse rollouts whose action tokens are not the
-    engine's, and measure the step.
+    """Trainer ingress for token identity: refuse rollouts whose action tokens are not the engine's.
 
     Failed trajectories pass through; an ``ok`` one with a mismatching action token is dropped, and
     with ``refuse_unverified`` (``trainer.refuse_unverified``) one with an unverified token.
@@ -114,8 +106,7 @@ def screen(trajectories: Sequence[Trajectory], refuse_unverified: bool = False
         ``(kept, metrics)``, float sums over ok rollouts: ``invariants/tokens_retokenized``,
         ``invariants/tokens_unverified``, ``ingress/refused_retokenized`` / ``_unverified``
         (rollouts dropped; both causes count as retokenized), ``ingress/refused_rollouts``,
-        ``ledger/context_reencoded_tokens`` and ``ledger/rewrite_cause/<cause>`` (from the ledger's
-        ``info``).
+        ``ledger/context_reencoded_tokens``, ``ledger/rewrite_cause/<cause>`` (from the ledger's ``info``).
     """
     kept: list[Trajectory] = []
     retok = unver = ref_retok = ref_unver = reenc = 0

@@ -1,10 +1,6 @@
-"""Reward authoring (Reward API v2): the calling conventions, options and failures of a reward.
-
-A reward is ``fn(response, task, **options) -> float``, or a group reward (:func:`group_reward`),
-or one given the whole :class:`Rollout`; its ``[rewards.NAME]`` table holds its options and the
-:data:`RESERVED_KEYS` the runtime reads (:mod:`molt_core.rollout.scoring` calls it). The whole
-contract: docs/rewards.md.
-"""
+"""Reward authoring (Reward API v2; the contract: docs/rewards.md). A reward is ``fn(response, task,
+**options) -> float``, a :func:`group_reward`, or one given the whole :class:`Rollout`; its
+``[rewards.NAME]`` table holds its options and the :data:`RESERVED_KEYS` the runtime reads."""
 
 from __future__ import annotations
 

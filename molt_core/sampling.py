@@ -1,7 +1,6 @@
 """The sampling transform shared by every engine and the trainer (forward consistency): behaviour
 logprobs are those of the distribution actually sampled from, so with identical weights the
-importance ratio is exactly 1 (B08, B09).
-"""
+importance ratio is exactly 1 (B08, B09)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def processed_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
     Returns:
         ``[..., V]`` float32 tensor of processed logits.
 
-    Source: Holtzman et al. 2019 (nucleus sampling, arXiv 1904.09751); vLLM sampler order
-    (temperature -> top-k -> top-p).
+    Source: Holtzman et al. 2019 (nucleus sampling, arXiv 1904.09751); vLLM's sampler order.
     """
     x = logits.float()
     if temperature == 0:
@@ -62,11 +60,9 @@ BATCHED_DRAW_MAX_VOCAB = 8192
 def draw_tokens(logprobs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, row ``j`` drawn from ``exp(logprobs[j])`` with ``generators[j]``.
 
-    The same token as ``torch.multinomial(p[j], 1, generator=generators[j])``, batched: torch draws
-    ``E ~ Exp(1)`` per entry and takes ``argmax(p / E)`` (the exponential race, equivalent to
-    Gumbel-max: Gumbel 1954; Vieira 2014); here each row's exponentials come from its generator and
-    one argmax covers the batch. Above :data:`BATCHED_DRAW_MAX_VOCAB` entries, or for a row that is
-    not a distribution, it calls ``torch.multinomial`` per row.
+    The token ``torch.multinomial(p[j], 1, generator=generators[j])`` gives, as one batched
+    ``argmax(p / E)``, ``E ~ Exp(1)`` from each row's generator (the exponential race: Gumbel 1954;
+    Vieira 2014); per-row multinomial above :data:`BATCHED_DRAW_MAX_VOCAB` or for a bad row.
 
     Args:
         logprobs: ``[B, V]`` float32 log-probabilities (``-inf`` for filtered tokens).

@@ -1,7 +1,6 @@
 """The Pydantic models every layer exchanges: a :class:`Trajectory` of token-exact :class:`Segment`
 objects, the :class:`Group` of one prompt, an engine's :class:`GenerationOutput`, an agent's
-:class:`Result`. Validators refuse misaligned per-token fields, naming the field and the index.
-"""
+:class:`Result`. Validators refuse misaligned per-token fields, naming the field and the index."""
 
 from __future__ import annotations
 
@@ -122,9 +121,8 @@ class SamplingParams(_Strict):
 class SampledSpan(_Strict):
     """A run ``[start, end)`` of sampled tokens in a segment and the transform they came from.
 
-    The trainer recomputes the span's logprobs with exactly this temperature / top-k / top-p (B09).
-    The engine's record (:mod:`molt_core.identity`): ``digest`` of the ids it sampled here, and
-    ``sampled_ids``, those ids (``end - start`` ints); None without a record (tokens unverified).
+    The trainer recomputes its logprobs with exactly this transform (B09). The engine's record
+    (:mod:`molt_core.identity`): ``digest`` and ``sampled_ids`` (``end - start`` ints), or None.
 
     Raises:
         pydantic.ValidationError: ``end < start``, or ``sampled_ids`` not of length ``end - start``.
@@ -154,17 +152,13 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class GenerationOutput(BaseModel):
-    """One generation's result.
+    """One generation's result: ``N`` sampled tokens after ``P = prompt_len`` prompt ids.
 
-    Fields (``N`` = number of sampled tokens):
-      * ``token_ids`` ``[N]`` ints, exactly as sampled (a stop token, if hit, is included).
-      * ``logprobs`` ``[N]`` floats, behaviour logprob of each sampled token (natural log).
-      * ``versions`` ``[N]`` ints, policy version of the weights that sampled each token.
-      * ``finish_reason``: ``stop`` (stop token or string), ``length`` (max_tokens), ``abort``.
-      * ``stop_reason``: the stop token id or stop string that ended it, or None.
-      * ``routed_experts``: ``[P + N, num_moe_layers, top_k]`` for MoE engines (prompt
-        positions included), else None.
-      * ``prompt_len``: ``P``, the number of prompt ids the engine saw.
+      * ``token_ids`` ``[N]`` ints exactly as sampled (a hit stop token included); ``logprobs``
+        ``[N]`` behaviour logprobs (natural log); ``versions`` ``[N]`` policy versions that sampled them.
+      * ``finish_reason``: ``stop`` (stop token or string), ``length`` (max_tokens), ``abort``;
+        ``stop_reason``: the stop token id or string that ended it, or None.
+      * ``routed_experts``: ``[P + N, num_moe_layers, top_k]`` for MoE engines, else None.
       * ``sampled_digest``: :class:`molt_core.identity.IdDigest` of ``token_ids`` where the sampler
         emitted them, checked at trainer ingress; None from an engine that keeps no record.
 
@@ -197,9 +191,8 @@ class GenerationOutput(BaseModel):
 class ImageRef(_Strict):
     """One image a segment shows the model, and where its placeholder tokens sit.
 
-    Fields: ``sha256`` -- hex SHA-256 of the encoded bytes (the key into :attr:`Trajectory.images`);
-    ``start``, ``end`` -- the ``[start, end)`` run of placeholder tokens the processor expanded it
-    into, as the engine saw them; ``grid_thw`` -- the ``[t, h, w]`` patch grid (the run length is
+    Fields: ``sha256`` (hex, the key into :attr:`Trajectory.images`); ``[start, end)``, the run of
+    placeholder tokens it expands into; ``grid_thw``, the ``[t, h, w]`` patch grid (run length
     ``t * h * w // merge_size**2``).
 
     Raises:
@@ -223,11 +216,9 @@ class ImageRef(_Strict):
 class Segment(_Strict):
     """One token-exact sequence the engine saw and produced.
 
-    Per-token fields (all of length ``T``):
-      * ``token_ids`` -- int ids, prompt/template tokens and sampled tokens in order.
-      * ``loss_mask`` -- True exactly on tokens the engine sampled.
-      * ``logprobs`` -- behaviour logprob (natural log, <= 0, finite) iff sampled, else None.
-      * ``versions`` -- policy version that sampled the token iff sampled, else None.
+    Per-token fields (length ``T``): ``token_ids`` (prompt/template and sampled ids in order),
+    ``loss_mask`` (True exactly on sampled tokens), ``logprobs`` (behaviour logprob, natural log,
+    finite, <= 0) and ``versions`` (the sampling policy version), both None where not sampled.
     Optional:
       * ``routed_experts`` -- ``[T, num_moe_layers, top_k]`` int expert ids, -1 where none (R3, arXiv 2510.11370).
       * ``spans`` -- sampled spans and their transform (:class:`SampledSpan`); trainer ingress
@@ -343,8 +334,8 @@ class Trajectory(_Strict):
     training, never scored 0. ``images``: hex SHA-256 -> encoded bytes (base64), each image once.
 
     Raises:
-        pydantic.ValidationError: ``failed`` without ``error``, a non-finite reward, or a
-            segment image whose digest is missing from ``images``.
+        pydantic.ValidationError: ``failed`` without ``error``, a non-finite reward, or an image
+            missing from ``images``.
     """
 
     rollout_id: str = Field(default_factory=lambda: new_id("r"))
@@ -418,8 +409,7 @@ class Result(_Strict):
     ``reward`` (summed over turns by the Env runner), ``observation`` (the next user message: text,
     content parts with images from :func:`molt_plugins.vision.images.image_part`, or None),
     ``terminated`` / ``truncated`` (Gymnasium semantics), ``info``, ``score`` (the task metric),
-    ``sampling_params`` for the next turn.
-    """
+    ``sampling_params`` for the next turn."""
 
     reward: float = 0.0
     observation: str | list[dict[str, Any]] | None = None

@@ -1,6 +1,5 @@
 """Recording one generation (:meth:`Ledger.commit`, atomic) and parsing it into an
-:class:`~molt_core.ledger.AssistantTurn`. Generated text is never re-encoded into action tokens.
-"""
+:class:`~molt_core.ledger.AssistantTurn`. Generated text is never re-encoded into action tokens."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ class Recording:
     def commit(self, prepared: Prepared, output: GenerationOutput, params: SamplingParams | None = None) -> AssistantTurn:
         """Record one successful generation atomically and return it parsed.
 
-        Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids`` (True, with
-        their logprobs, versions and a :class:`SampledSpan` of ``params``' transform and the engine's
-        digest); the mask comes from the engine's tokens only, never an EOS scan (B06/B07). A
+        Appends ``prepared.tail_ids`` (``loss_mask`` False) and ``output.token_ids`` (True; logprobs,
+        versions, a :class:`SampledSpan` of ``params``' transform and the engine's digest). A
         ``retry`` plan records nothing and returns the cached turn.
 
         Raises:
@@ -98,8 +96,6 @@ class Recording:
             o.routed += list(new[n0:])
         else:
             o.routed_ok = False
-
-    # ---------------------------------------------------------------- parsing
 
     def parse(self, prepared: Prepared, output: GenerationOutput) -> AssistantTurn:
         """Turn a generation into an :class:`AssistantTurn` (decoding only; ids stay exact).

@@ -89,12 +89,11 @@ def normalize_messages(messages: Any, images: dict[str, bytes] | None = None,
                        policy: Any = None, decode: Decode | None = None) -> list[dict[str, Any]]:
     """Canonical OpenAI-style chat messages for rendering and comparison.
 
-    Each message becomes ``{"role", "content"}`` plus, where present, ``tool_calls`` (``[{"id",
-    "type": "function", "function": {"name", "arguments": dict}}]``), ``tool_call_id``, ``name``
-    and ``reasoning_content``. All-text content becomes a string; a user or tool message with
-    ``image_url`` parts keeps a list of ``{"type": "text", "text"}`` and ``{"type": "image",
-    "sha256"}`` parts, ``decode`` (the modality's :data:`Decode`; None refuses images) reading each
-    under ``policy`` and putting its bytes in the ``images`` pool (keyed by SHA-256) when given.
+    Each becomes ``{"role", "content"}`` plus, where present, ``tool_calls`` (``[{"id", "type":
+    "function", "function": {"name", "arguments": dict}}]``), ``tool_call_id``, ``name``,
+    ``reasoning_content``. All-text content becomes a string; a user or tool message with image
+    parts keeps ``{"type": "text", "text"}`` and ``{"type": "image", "sha256"}`` parts, ``decode``
+    (the modality's :data:`Decode`; None refuses images) reading each under ``policy`` into ``images``.
 
     Raises:
         ValueError: naming ``messages[i].<field>``: not a list of objects, unknown role, a part

@@ -2,8 +2,7 @@
 :meth:`~molt_core.ledger.Ledger.commit`). Modes: **start** (the first request), **extend** (the
 request repeats the committed history and the template keeps it: the prompt is the held ids + the
 tokenized tail), **rewrite** (anything else: the open segment is sealed, a new one starts from the
-full render), **retry** (the last request again: its cached turn). Details: docs/architecture.md.
-"""
+full render), **retry** (the last request again: its cached turn). Details: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -78,11 +77,8 @@ class Planning:
             fresh: never answer from the cached turn (identical messages then make a rewrite).
             allow_tool_calls: False for ``tool_choice: none`` (part of the retry key).
 
-        On a rewrite, ``Prepared.reencoded`` counts the rendered tokens of request messages that
-        repeat committed history (:meth:`_reencoded`).
-
         Returns:
-            A :class:`Prepared`; send ``prepared.prompt_ids`` to the engine.
+            A :class:`Prepared` (send ``prompt_ids`` to the engine; a rewrite's ``reencoded``: :meth:`_reencoded`).
 
         Raises:
             ValueError: malformed messages (see :func:`normalize_messages`) or no messages.

@@ -1,10 +1,6 @@
-"""The window of the ledger's extend check: what a window prover returns and where a window starts.
-
-A window prover (``molt_register_render_windows``; :mod:`molt_plugins.render_window` documents the
-proof) shows once per template that rendering the first ``head`` messages and the last few gives
-the full render's verdict and tail; without one, or when :func:`window_start` finds no window, the
-ledger renders the whole conversation.
-"""
+"""The window of the ledger's extend check: what a window prover (``molt_register_render_windows``)
+returns, and :func:`window_start`, which places a window (first ``head`` messages and the last
+few) whose render gives the full render's verdict and tail."""
 
 from __future__ import annotations
 
@@ -57,16 +53,14 @@ Prover = Callable[[Any, Any], "tuple[WindowProof | None, str]"]
 
 
 def window_start(proof: WindowProof, n_prev: int, last_prev: list[int], last_full: list[int]) -> int | None:
-    """The first message after the window's gap, or None when no useful window exists.
+    """``j``, the first message after the gap of the window ``M[:head] + M[j:]``, or None when no
+    useful window exists (the conditions: docs/architecture.md).
 
     Args:
         proof: the template's :class:`WindowProof`.
-        n_prev: messages of the previous prompt (the committed history minus its last
-            assistant message).
-        last_prev / last_full: per scan, the index of the last message satisfying it in the
-            previous prompt's messages / in the new prompt's messages (-1 when none).
-
-    The conditions on the window ``M[:head] + M[j:]`` are derived in docs/architecture.md.
+        n_prev: messages of the previous prompt (the committed history less its last reply).
+        last_prev / last_full: per scan, the last index satisfying it in the previous / the new
+            prompt's messages (-1: none).
     """
     c, a = proof.radius, proof.head
     j = n_prev - max(2 * c, 1)

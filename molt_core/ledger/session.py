@@ -1,7 +1,6 @@
 """The :class:`Ledger` of one session (rollout): the token context the engine saw and produced,
 planned by :meth:`Ledger.prepare` (pure), recorded by :meth:`Ledger.commit` (atomic), read out
-as a :class:`~molt_core.types.Trajectory`.
-"""
+as a :class:`~molt_core.types.Trajectory`."""
 
 from __future__ import annotations
 
@@ -100,14 +99,11 @@ class Ledger(TemplateFacts, Planning, Recording):
         error propagates and records nothing.
 
         Raises:
-            ValueError: malformed messages; :class:`PromptTooLong` for a prompt of
-                ``max_model_len`` tokens or more.
+            ValueError: malformed messages; :class:`PromptTooLong` (``max_model_len`` tokens or more).
         """
         turn = await take_turn(self, engine, messages, params, tools=tools, max_model_len=max_model_len)
         assert turn is not None  # None only under max_total_tokens
         return turn
-
-    # ---------------------------------------------------------------- read out
 
     def segments(self) -> list[Segment]:
         """The sealed segments and the open one (if it holds tokens), validated."""
@@ -132,12 +128,9 @@ class Ledger(TemplateFacts, Planning, Recording):
     def trajectory(self, reward: float | None = None, score: float | None = None, info: dict[str, Any] | None = None,
                    status: Literal["ok", "failed"] = "ok", error: str | None = None, task: dict[str, Any] | None = None,
                    truncated: bool = False) -> Trajectory:
-        """The session's :class:`Trajectory`: every segment, one ``rollout_id`` and ``reward``.
-
-        ``info`` is the caller's, under the ledger-owned keys (:meth:`owned_info`, which win).
-        ``truncated`` also when any generation ended with finish reason ``length``. ``images``
-        holds (base64) each distinct image the segments show, once.
-        """
+        """The session's :class:`Trajectory`: every segment, one ``rollout_id`` and ``reward``; ``info``
+        under the ledger-owned keys (:meth:`owned_info`, which win); ``truncated`` also when any
+        generation ended with ``length``; ``images`` (base64) each image the segments show, once."""
         with self._lock:
             inf = {**(info or {}), **self.owned_info()}
             segs = self.segments()

@@ -46,10 +46,8 @@ class TemplateFacts:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (with ``tools`` and the session's template kwargs).
-
-        Same text as ``tokenizer.apply_chat_template(..., tokenize=False)`` (checked on a probe at
-        construction), through the compiled template directly when possible.
+        """``tokenizer.apply_chat_template(messages, tools, ..., tokenize=False)`` with the session's
+        kwargs, through the compiled template when a probe showed it gives the same text.
 
         Raises:
             ValueError: the template refused the messages (its ``raise_exception``).

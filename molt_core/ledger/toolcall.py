@@ -1,10 +1,6 @@
-"""The ledger's tool-call protocol: a :class:`ToolParser` finds the calls in a turn's text with the
-span of the block holding each (removed from the visible text; a malformed call stays content).
-
-The default is :class:`HermesParser` (Hermes, Qwen2.5, Qwen3); other families' parsers are plugins
-(``molt_register_tool_parsers``, :mod:`molt_plugins.parsers`). Parsing is JSON-aware: a closing tag
-inside a JSON string does not end the call.
-"""
+"""The ledger's tool-call protocol: a :class:`ToolParser` finds the calls in a turn's text, each with
+its block's span (removed from the visible text; a malformed call stays content). The default is
+the JSON-aware :class:`HermesParser`; other families' are plugins (``molt_register_tool_parsers``)."""
 
 from __future__ import annotations
 

@@ -23,10 +23,9 @@ async def take_turn(ledger: Any, engine: Any, messages: list[dict[str, Any]], pa
                     ) -> AssistantTurn | None:
     """Run one model turn of ``ledger``'s session on ``engine`` and record it.
 
-    ``ledger.prepare`` plans the request (a retry returns the cached turn, recording nothing); the
-    engine samples ``prepared.prompt_ids`` (and its images) under ``params`` (default
-    ``SamplingParams()``) with the ledger's stop ids added and ``max_tokens`` (default
-    ``params.max_tokens``) capped to ``max_model_len`` and ``max_total_tokens`` less the prompt length.
+    ``ledger.prepare`` plans it (a retry returns the cached turn); the engine samples the prompt under
+    ``params`` (default ``SamplingParams()``) plus the ledger's stop ids, ``max_tokens`` (default
+    ``params.max_tokens``) capped to ``max_model_len`` and ``max_total_tokens`` less the prompt.
 
     Args:
         prepare_with: runs the planning call (e.g. in a worker thread, mapping its errors); default inline.

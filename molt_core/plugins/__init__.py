@@ -1,10 +1,7 @@
-"""The plugin host: discovery, loading, validation and the registries plugins fill.
-
-Sources, in order: the kernel's built-in estimators and losses, the ``molt`` entry points
-(``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS`` filter them), then each ``--plugin`` (a dotted
-module path or a ``.py`` file). Every fault (an import error, an unknown hook or argument, a name
-registered twice) is a :class:`PluginError` naming plugin and distribution, before any compute.
-"""
+"""The plugin host: it loads the kernel's built-ins, the ``molt`` entry points (filtered by
+``MOLT_DISABLE_PLUGINS`` / ``MOLT_LOAD_PLUGINS``) and each ``--plugin``, and fills the registries.
+Every fault (an import error, an unknown hook or argument, a name registered twice) is a
+:class:`PluginError` naming plugin and distribution, before any compute."""
 
 from __future__ import annotations
 
@@ -131,7 +128,6 @@ class PluginHost:
         #: the kernel's own hookimpl modules (:data:`BUILTIN_ALGO`): registered, but not in :attr:`infos`
         self.kernel: set[str] = set()
 
-    # -- loading -----------------------------------------------------------------------
     def _add(self, obj: Any, name: str, dist: str, version: str, source: str, kernel: bool = False) -> None:
         if name in self.infos:
             other = self.infos[name]
@@ -169,8 +165,7 @@ class PluginHost:
         First-party entry points load unless disabled; the deny list wins.
 
         Raises:
-            PluginError: an entry point fails to import or is invalid, or ``MOLT_LOAD_PLUGINS``
-                names a plugin that is not installed.
+            PluginError: an entry point fails or is invalid, or ``MOLT_LOAD_PLUGINS`` names no plugin.
         """
         disabled, allowed = _disabled(), _allowed()
         eps = sorted(md.entry_points(group=PROJECT), key=lambda e: e.name)
@@ -247,7 +242,6 @@ class PluginHost:
                 except Exception as e:
                     raise PluginError(f'plugin "{plugin}" ({dist}) failed in {hook_name}: {type(e).__name__}: {e}') from e
 
-    # -- typed access ------------------------------------------------------------------
     def get(self, kind: str, name: str) -> Any:
         """Return the object registered as ``name`` for ``kind``.
 
@@ -310,7 +304,7 @@ def load_plugins(local: list[str] | tuple[str, ...] = (), entry_points: bool = T
         entry_points: load the installed ``molt`` entry points (False in isolated tests).
 
     Raises:
-        PluginError: see the module docstring.
+        PluginError: any fault of a plugin (the module docstring lists them).
     """
     from molt_core.algo import builtins as algo_builtins  # torch: not at CLI start-up (molt --help)
 
