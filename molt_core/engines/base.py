@@ -48,10 +48,7 @@ class WorkerThreadEngine:
 
     def _queue_weights(self, payload: Any, version: int) -> None:
         """Hand ``payload`` to the worker, wait until it is applied; re-raise its error.
-
-        Raises:
-            RuntimeError: the engine is closed.
-        """
+        Raises: RuntimeError -- the engine is closed."""
         import threading
 
         done, err = threading.Event(), []

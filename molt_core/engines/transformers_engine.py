@@ -28,11 +28,9 @@ class TransformersEngine(WorkerThreadEngine):
     """Continuous-batching :class:`~molt_core.engines.base.RolloutEngine` over a ``transformers`` causal LM.
 
     Args:
-        model: a ``PreTrainedModel`` whose forward accepts ``input_ids`` ``[B, T]`` int64,
-            ``attention_mask`` ``[B, past + T]``, ``position_ids`` ``[B, T]``,
-            ``past_key_values`` (a ``DynamicCache`` of plain layers) and returns ``logits``
-            ``[B, T', V]`` and ``past_key_values``; or a model path (``builtin:<name>`` or an
-            HF directory) loaded with :func:`molt_core.models.load_model`.
+        model: a ``PreTrainedModel`` taking ``input_ids`` ``[B, T]`` int64, ``attention_mask`` ``[B, past + T]``,
+            ``position_ids`` ``[B, T]``, ``past_key_values`` (a plain ``DynamicCache``), returning ``logits``
+            ``[B, T', V]`` and the cache; or a path for :func:`molt_core.models.load_model`.
         tokenizer: decodes completions for stop strings, gives eos ids; loaded from a path ``model``.
             May be None if ``eos_token_ids`` is given and no request uses stop strings.
         max_batch_size: most sequences decoded together (>= 1).
@@ -138,12 +136,10 @@ class TransformersEngine(WorkerThreadEngine):
         """Sample a continuation of ``prompt_ids`` under ``params``.
 
         Args:
-            prompt_ids: ``[P]`` token ids, ``1 <= P < max_position_embeddings``, each in
-                ``[0, vocab_size)``; with images, each image's run of ``<|image_pad|>`` already
-                expanded (the modality's placeholder expansion).
+            prompt_ids: ``[P]`` ids in ``[0, vocab_size)``, ``1 <= P < max_position_embeddings``; each image's
+                placeholder run already expanded.
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
-            images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
-                order (vision-language models only).
+            images: encoded bytes of each image run in ``prompt_ids``, in token order (vision models only).
 
         Returns:
             :class:`GenerationOutput`: ``N`` sampled ids, behaviour logprobs (natural log), per-token

@@ -21,10 +21,7 @@ _SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 def resolve_source(source: str) -> Path | str:
     """``source`` as a local path (``builtin:NAME`` mapped into the package), or itself when none exists (a Hub name).
-
-    Raises:
-        ValueError: ``builtin:NAME`` names no shipped dataset or file (lists the shipped datasets).
-    """
+    Raises: ValueError -- ``builtin:NAME`` names no shipped dataset or file (lists the shipped datasets)."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         p = BUILTIN_DATASETS_DIR / name
@@ -38,10 +35,7 @@ def resolve_source(source: str) -> Path | str:
 
 def read_jsonl(path: str | Path, what: str = "path") -> list[dict[str, Any]]:
     """The JSON objects of a JSON Lines file, one per non-blank line.
-
-    Raises:
-        ValueError: a line that is not a JSON object (names ``what``, the file and the 1-based line).
-    """
+    Raises: ValueError -- a line that is not a JSON object (names ``what``, the file and the 1-based line)."""
     rows: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

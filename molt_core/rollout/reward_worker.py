@@ -13,11 +13,7 @@ __all__ = ["main", "read_frame", "write_frame"]
 
 
 def read_frame(f) -> bytes:
-    """One frame from the binary stream ``f``.
-
-    Raises:
-        EOFError: the stream ended (before or inside a frame).
-    """
+    """One frame from the binary stream ``f``. Raises: EOFError -- the stream ended (before or inside a frame)."""
     head = f.read(8)
     if len(head) < 8:
         raise EOFError("reward worker pipe closed")

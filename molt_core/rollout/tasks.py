@@ -45,8 +45,7 @@ class TaskStream:
     """Endless iteration over an agent's ``train`` split: each epoch calls ``tasks("train", seed)`` again.
 
     Args:
-        agent: an object with ``tasks(split, seed)``.
-        seed: the run seed passed to ``tasks``.
+        agent, seed: an object with ``tasks(split, seed)`` and the run seed passed to it.
         start: tasks already drawn (a resumed run's cursor); they are skipped.
         name: the agent's name for error messages (default: its class name).
 

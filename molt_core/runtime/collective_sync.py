@@ -58,10 +58,7 @@ def worker_transport(worker: Any, host: PluginHost | None = None) -> Any:
 
 def connect(ray: Any, trainer: Any, workers: list[Any], timeout_s: float = 600.0) -> str:
     """Form the weight-sync group (the trainer's rank 0 hosts its store); returns its backend.
-
-    Raises:
-        RuntimeError: a member failed to join (Ray re-raises its error).
-    """
+    Raises: RuntimeError -- a member failed to join (Ray re-raises its error)."""
     sizes = ray.get([w.sync_world_size.remote() for w in workers])
     host, port = ray.get(trainer.sync_address.remote())
     world = 1 + sum(sizes)
@@ -73,10 +70,7 @@ def connect(ray: Any, trainer: Any, workers: list[Any], timeout_s: float = 600.0
 
 def publish(ray: Any, trainer: Any, workers: list[Any]) -> int:
     """Broadcast the trainer's current weights into every engine; returns the version loaded.
-
-    Raises:
-        ValueError: an engine refused the sync (wrong version, checksum, missing tensor).
-    """
+    Raises: ValueError -- an engine refused the sync (wrong version, checksum, missing tensor)."""
     version = int(ray.get(trainer.policy_version.remote()))
     recv = [w.sync_receive.remote(version) for w in workers]
     ray.get([trainer.sync_send.remote(), *recv])

@@ -34,11 +34,8 @@ class ShardedTrainerWorker(TrainerWorker):
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
-        """Join the process group as ``rank`` and build the sharded trainer; returns ``rank``, :func:`where`, ``backend``.
-
-        Raises:
-            ConfigError: no plugin registers the trainer backend (names ``trainer.world_size``).
-        """
+        """Join the process group as ``rank``, build the sharded trainer; returns ``rank``, :func:`where`, ``backend``.
+        Raises: ConfigError -- no plugin registers the trainer backend (names ``trainer.world_size``)."""
         sharded = trainer_backend(self.cfg)
         backend = sharded.init_process_group(rank, world_size, init_method)
         self.trainer = sharded.trainer(self.cfg)
@@ -89,10 +86,7 @@ class TrainerGroup:
 
 def start_trainer_group(ray: Any, cfg: RunConfig, cfg_dict: dict) -> TrainerGroup:
     """Place ``trainer.world_size`` ranks in a packed placement group and start them.
-
-    Raises:
-        ValueError: ``trainer.world_size`` < 2 (use one :class:`TrainerWorker`).
-    """
+    Raises: ValueError -- ``trainer.world_size`` < 2 (use one :class:`TrainerWorker`)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

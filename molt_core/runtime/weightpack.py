@@ -83,10 +83,7 @@ def pack_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
 def state_views(buffers: dict[str, torch.Tensor], index: tuple[tuple[str, str, tuple[int, ...], int], ...],
                 ) -> dict[str, torch.Tensor]:
     """Name -> tensor views into ``buffers`` (no copy): the inverse of :func:`pack_tensors`.
-
-    Raises:
-        ValueError: an index entry that reaches past the end of its buffer (names the tensor).
-    """
+    Raises: ValueError -- an index entry that reaches past the end of its buffer (names the tensor)."""
     typed = {}
     for dt, buf in buffers.items():
         itemsize = torch.empty((), dtype=getattr(torch, dt)).element_size()

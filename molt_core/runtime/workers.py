@@ -149,11 +149,8 @@ class RolloutWorker:
     @classmethod
     def from_parts(cls, cfg: RunConfig, agent: Any, engine: Any, rewards: dict[str, dict[str, Any]],
                    lookup: Callable[[str], Any]) -> "RolloutWorker":
-        """A worker around a caller-built agent and engine (no plugins, no teacher; :func:`molt_core.testing.run_episode`).
-
-        Raises:
-            ValueError: as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options.
-        """
+        """A worker around a caller-built agent and engine, no plugins or teacher (``molt_core.testing.run_episode``).
+        Raises: ValueError -- as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options."""
         w = cls.__new__(cls)
         w.cfg, w.agent = cfg, agent
         w._assemble(engine, rewards, lookup)
@@ -349,7 +346,7 @@ class RolloutWorker:
         return [task_result(i, t, list(ts)) for i, t, ts in zip(indices, tasks, per_task)]
 
     async def evaluate(self, tasks: list[dict], k: int, temperature: float, indices: list[int] | None = None) -> dict[str, float]:
-        """:meth:`evaluate_tasks` with ``k`` samples, summarized by :func:`~molt_core.rollout.evalstats.eval_metrics`."""
+        """:meth:`evaluate_tasks` with ``k`` samples, as :func:`~molt_core.rollout.evalstats.eval_metrics`."""
         return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
     async def load_weights(self, state: Any, version: int) -> int:
@@ -375,10 +372,7 @@ class RolloutWorker:
 
     async def _weights_at(self, version: int | None) -> None:
         """Wait until the engine holds policy ``version`` (None: no wait).
-
-        Raises:
-            RuntimeError: a weight load failed while waiting.
-        """
+        Raises: RuntimeError -- a weight load failed while waiting."""
         while version is not None and (self._held_version is None or self._held_version < version):
             if self._load_error is not None:
                 raise RuntimeError(f"waiting for policy version {version}: the weight load failed: {self._load_error!r}")
@@ -397,7 +391,7 @@ class RolloutWorker:
             None, worker_transport(self, self.host).join, self.engine, host, port, rank_offset, world_size, timeout_s)
 
     async def sync_receive(self, version: int) -> int:
-        """Receive the trainer's broadcast of ``version``; returns the bytes. Raises: ValueError (engine refused)."""
+        """Receive the trainer's broadcast of ``version``; returns the bytes. Raises: ValueError -- engine refused."""
         got = await asyncio.get_running_loop().run_in_executor(None, worker_transport(self, self.host).receive,
                                                                self.engine, version)
         self._loaded(version)
@@ -463,10 +457,7 @@ class TrainerWorker:
 
     def sft_next(self, k: int) -> list[dict[str, float]]:
         """Run up to ``k`` more warm-start steps; returns their metrics (``sft/loss``, ...).
-
-        Raises:
-            RuntimeError: :meth:`sft_begin` was not called.
-        """
+        Raises: RuntimeError -- :meth:`sft_begin` was not called."""
         import itertools
 
         if getattr(self, "_sft", None) is None:
@@ -506,10 +497,7 @@ class TrainerWorker:
 
     def sync_send(self) -> int:
         """Broadcast the full weights (cast to ``engine.dtype``; every rank calls it); returns the version.
-
-        Raises:
-            RuntimeError: :meth:`sync_init` was not called on rank 0.
-        """
+        Raises: RuntimeError -- :meth:`sync_init` was not called on rank 0."""
         state = self.trainer.weights()
         if getattr(self.trainer, "rank", 0) == 0:
             group = getattr(self, "_sync_group", None)

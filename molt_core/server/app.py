@@ -84,10 +84,7 @@ class SessionStore:
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
         tool_parser: the model family's tool-call parser object (:func:`molt_core.plugins.tool_parser`; default Hermes).
-        vision: the model's image processor (the modality plugin's; None: text only).
-        image_policy: image limits and the remote-URL rule (:class:`~molt_core.config.ImagePolicy`).
-        modality: the registered modality (``molt_register_modalities``; None: image parts refused).
-        window_prover: the ledgers' window prover (:func:`molt_core.plugins.window_prover`; None: full renders).
+        vision, image_policy, modality, window_prover: as :func:`create_app`.
     """
 
     def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
@@ -167,17 +164,14 @@ class WireServer:
     * ``app`` -- the FastAPI app; ``tokenizer``, ``model_name`` -- the served model's.
     * ``route(path, method="POST")`` -- decorator registering ``async fn(sid, request)`` at
       ``path`` (with ``{sid}``); ``fn`` returns a JSON-ready dict or a ``Response``.
-    * ``await session_request(request, sid, Model)`` -> ``(session, req, body_bytes)``: the session
-      (key checked; ``session.ledger``, ``session.state`` -- a dict for the wire's per-session
-      state, freed with the session) and the body validated as pydantic ``Model`` with its ``check()`` run.
+    * ``await session_request(request, sid, Model)`` -> ``(session, req, body_bytes)``: the session (key
+      checked; ``.ledger``, ``.state`` a per-session dict) and the body validated as ``Model``, ``check()`` run.
     * ``images()`` -> a request's image collector (``openai_part``, ``anthropic_block``,
       ``responses_part``); ``await checked(collector, body_bytes)`` runs its checks.
     * ``params_of(temperature, top_p, top_k, seed, stop)`` -> :class:`~molt_core.types.SamplingParams`.
-    * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls,
-      body_bytes)`` -> :class:`~molt_core.ledger.AssistantTurn`: the one turn
-      (:func:`~molt_core.ledger.take_turn`) under the session's lock, committed when it returns.
-    * ``await guarded(wire, handle)`` -- ``await handle()``, each error answered in ``wire``'s error
-      shape (its ``error_body(status, message, param, code)``; ``"openai"``: the kernel's).
+    * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls, body_bytes)``
+      -> :class:`~molt_core.ledger.AssistantTurn`: one turn under the session's lock, committed on return.
+    * ``await guarded(wire, handle)`` -- ``await handle()``, each error in ``wire``'s ``error_body`` shape.
 
     Raise :class:`~molt_core.server.wires.WireError` for a client error.
     """
@@ -211,18 +205,13 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
         max_body_bytes: request body limit, enforced while reading (413 above it).
-        tool_parser: tool-call parser name (``molt_register_tool_parsers``, looked up once here:
-            :func:`molt_core.plugins.tool_parser`) or object for every session (None: Hermes).
+        tool_parser: tool-call parser name (``molt_register_tool_parsers``) or object (None: Hermes).
         image_policy: image limits and whether remote URLs are fetched (:class:`~molt_core.config.ImagePolicy`;
             default: inline only); a refused image is a 400 naming its field (code ``invalid_image``).
-        vision: the model's image processor (default: the engine's ``vision_processor``; None:
-            a text-only model, messages with images get a 400).
-        modality: the registered image modality (default: :func:`molt_core.plugins.modality`;
-            None: no modality plugin, every image part gets a 400 naming its field).
-        wires: ``{name: wire}`` mounted next to the kernel's chat wire (default: the registered
-            ones, :func:`molt_core.plugins.wires`; each ``wire.mount(WireServer)``).
-        window_prover: every session ledger's window prover (default: the registered one,
-            :func:`molt_core.plugins.window_prover`; None: full renders).
+        vision: the model's image processor (default: the engine's ``vision_processor``; None: text only).
+        modality: the image modality (default: the registered one; None: every image part gets a 400).
+        wires: ``{name: wire}`` mounted next to the chat wire (default: the registered ones).
+        window_prover: the session ledgers' window prover (default: the registered one; None: full renders).
 
     Raises:
         ValueError: a ``tool_parser`` name no plugin registered (the message names the plugin).
@@ -454,11 +443,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
 
 
 class ServerHandle:
-    """A running loopback server (see :func:`start_server`).
-
-    Attributes: ``base_url`` (``http://127.0.0.1:PORT``), ``admin_key``, ``app``, ``sessions``
-    (:class:`SessionStore`), ``loop`` (the server's event loop, where the engine is called).
-    """
+    """A running loopback server (:func:`start_server`): ``base_url``, ``admin_key``, ``app``, ``sessions``
+    (:class:`SessionStore`), ``loop`` (the server's event loop, where the engine is called)."""
 
     def __init__(self, app: FastAPI, server: Any, thread: threading.Thread, base_url: str) -> None:
         self.app, self._server, self._thread, self.base_url = app, server, thread, base_url

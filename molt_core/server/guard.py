@@ -90,10 +90,7 @@ def _decode(raw: bytes) -> Any:
 
 async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
     """``request``'s body, enforcing ``limit`` bytes while reading (and on ``Content-Length`` before).
-
-    Raises:
-        WireError: 413 (``code`` ``request_too_large``) over ``limit``.
-    """
+    Raises: WireError -- 413 (``code`` ``request_too_large``) over ``limit``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise WireError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
@@ -118,10 +115,7 @@ async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty
 
 async def parse_json(raw: bytes, empty: Any = ...) -> Any:
     """Decode body ``raw`` as JSON (off the event loop over 1 MiB), refusing lone surrogates.
-
-    Raises:
-        WireError: 400 for invalid JSON, too-deep nesting, or a lone surrogate.
-    """
+    Raises: WireError -- 400 for invalid JSON, too-deep nesting, or a lone surrogate."""
     if empty is not ... and not raw.strip():
         return empty
     if len(raw) > _THREAD_DECODE_BYTES:
@@ -131,10 +125,7 @@ async def parse_json(raw: bytes, empty: Any = ...) -> Any:
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client disconnects first, which cancels it. Call after the body is read.
-
-    Raises:
-        ClientDisconnected: the client went away before ``work`` finished.
-    """
+    Raises: ClientDisconnected -- the client went away before ``work`` finished."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:

@@ -204,10 +204,7 @@ class ChatCompletionRequest(WireRequest):
 
     def internal_messages(self, pending: Any) -> list[dict[str, Any]]:
         """The messages with each ``image_url`` part as the internal part (its check queued on ``pending``).
-
-        Raises:
-            ImageError: an image part without ``image_url.url`` (naming the field).
-        """
+        Raises: ImageError -- an image part without ``image_url.url`` (naming the field)."""
         out = []
         for i, m in enumerate(self.messages):
             c = m.get("content") if isinstance(m, dict) else None
