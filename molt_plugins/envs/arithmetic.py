@@ -132,8 +132,9 @@ class AdditionProblems:
 
 
 class ArithmeticEnv(ReasoningGymEnv):
-    """Single-turn addition / subtraction env needing no task library: the ``reasoning_gym``
-    env's splits, prompts, scoring and rewards over :class:`AdditionProblems`.
+    """Single-turn +/- arithmetic, built in: reasoning-gym's basic_arithmetic problems.
+
+    The ``reasoning_gym`` env's splits, prompts, scoring and rewards over :class:`AdditionProblems`.
 
     Raises (at construction):
         ValueError: invalid options (names the field, e.g. ``agent.options.config.operators.0``).
