@@ -65,9 +65,10 @@ class ArithmeticConfig(BaseModel):
 
 
 class ArithmeticOptions(ReasoningGymOptions):
-    """Options of the ``arithmetic`` env: those of the ``reasoning_gym`` env
-    (:class:`~molt_plugins.envs.reasoning_gym.ReasoningGymOptions`) with ``task`` fixed to
-    ``"basic_arithmetic"``, a typed ``config`` (:class:`ArithmeticConfig`) and no
+    """Options of the ``arithmetic`` env (the recipe's ``[agent.options]``): those of the
+    ``reasoning_gym`` env, with ``task`` fixed to ``"basic_arithmetic"``, ``config`` holding
+    ``min_terms``, ``max_terms``, ``min_digits``, ``max_digits``, ``operators`` (``+`` / ``-``,
+    required), ``allow_parentheses`` (``false``, required) and ``allow_negation``, and no
     ``answer_tag`` (the reply is scored whole)."""
 
     task: Literal["basic_arithmetic"] = TASK
