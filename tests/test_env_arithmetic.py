@@ -25,9 +25,12 @@ def _options(recipe: str) -> dict:
 
 
 QUICKSTART = _options("quickstart")
-# every configuration the builtin recipes give basic_arithmetic (operators, terms, digits)
-CONFIGS = {name: _options(name)["config"] for name in ("quickstart", "smollm2", "moe_replay", "examples/gpu_qwen3",
-                                                       "examples/regex")}
+#: every builtin recipe on the arithmetic env -> its [agent.options]
+ARITHMETIC_RECIPES = {
+    p.relative_to(ROOT / "recipes").with_suffix("").as_posix(): tomllib.loads(p.read_text())["agent"]["options"]
+    for p in sorted((ROOT / "recipes").rglob("*.toml")) if tomllib.loads(p.read_text()).get("agent", {}).get("name") == "arithmetic"}
+# every configuration those recipes give (operators, terms, digits)
+CONFIGS = {name: o["config"] for name, o in ARITHMETIC_RECIPES.items()}
 
 
 def _step(env, task, reply):
@@ -40,6 +43,23 @@ def test_the_quickstart_uses_the_builtin_env_with_reasoning_gyms_options():
     assert recipe["agent"]["name"] == "arithmetic"
     # the same [agent.options] build the reasoning_gym env (the recipe switches by name alone)
     assert ReasoningGymEnv.Options.model_validate({"task": "basic_arithmetic", **QUICKSTART})
+
+
+def test_every_basic_arithmetic_recipe_uses_the_builtin_env():
+    assert {"quickstart", "distill", "moe_replay", "smollm2", "examples/lora", "examples/gpu_qwen3"} <= set(CONFIGS)
+    for p in (ROOT / "recipes").rglob("*.toml"):
+        agent = tomllib.loads(p.read_text()).get("agent", {})
+        if agent.get("name") == "reasoning_gym":  # what stays on reasoning-gym is a task the builtin env lacks
+            assert agent["options"]["task"] != "basic_arithmetic", p
+
+
+@pytest.mark.parametrize("name", sorted(ARITHMETIC_RECIPES))
+def test_each_recipes_streams_equal_the_reasoning_gym_envs(name):
+    pytest.importorskip("reasoning_gym")
+    o = {"task": "basic_arithmetic", **ARITHMETIC_RECIPES[name]}
+    ours, theirs = ArithmeticEnv(**o), ReasoningGymEnv(**o)
+    assert list(ours.tasks("eval", 0)) == list(theirs.tasks("eval", 0))
+    assert list(itertools.islice(ours.tasks("train", 0), 500)) == list(itertools.islice(theirs.tasks("train", 0), 500))
 
 
 def test_quickstart_problems_are_pinned_and_each_answer_is_the_sum():
