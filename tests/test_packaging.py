@@ -108,7 +108,7 @@ def test_molt_recipes_lists_every_recipe_and_example_by_its_run_name(monkeypatch
     monkeypatch.setenv("COLUMNS", "250")
     top = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
     examples = sorted(f"examples/{p.stem}" for p in (ROOT / "recipes" / "examples").glob("*.toml"))
-    assert len(examples) == 17 and {"examples/lora", "examples/regex", "examples/mlflow", "examples/gpu_qwen3", "examples/visual"} <= set(examples)
+    assert len(examples) == 18 and {"examples/arithmetic", "examples/lora", "examples/regex", "examples/mlflow", "examples/gpu_qwen3", "examples/visual"} <= set(examples)
     assert [n for n, _ in list_recipes()] == top + examples
     r = CliRunner().invoke(main, ["recipes"])
     assert r.exit_code == 0, r.output
