@@ -209,6 +209,16 @@ def molt_register_render_windows(register: Register) -> None:
     verdict and tail on the window :func:`~molt_core.ledger.render.window_start` places."""
 
 
+@hookspec
+def molt_register_builtin_models(register: Register) -> None:
+    """Register a model ``model.path = "builtin:NAME"`` builds: ``register(name, model)`` with
+    ``tokenizer()`` -> a Hugging Face tokenizer with a chat template; ``build(tokenizer)`` -> a
+    float32 ``torch.nn.Module`` from a random init (under ``load_model(seed=...)``'s seeded RNG;
+    ``logits [B, T, V]`` from ``input_ids [B, T]``); ``vision`` -> bool (a vision-language model).
+    The kernel's own: ``tiny-qwen3``, ``-moe``, ``-large``; first party: :mod:`molt_plugins.tiny_models`
+    (``tiny-qwen3-bigvocab``, ``tiny-qwen2.5-vl``)."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute (historic: late plugins get it)."""
@@ -243,4 +253,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "tool_parsers": "molt_register_tool_parsers",
     "wires": "molt_register_wires",
     "render_windows": "molt_register_render_windows",
+    "builtin_models": "molt_register_builtin_models",
 }
