@@ -385,17 +385,7 @@ class TeacherSection(_Section):
 
 
 class RunConfig(_Section):
-    """The whole resolved configuration of a run (one field per recipe table).
-
-    ``plugins`` lists ``--plugin`` specs to load; ``rewards`` maps a registered reward name to
-    its table: the reward's options plus the reserved keys ``weight`` (default 1.0) and
-    ``timeout_s`` (default 60), which the runtime reads and does not pass on
-    (:mod:`molt_core.rewards`); ``loggers`` maps a registered logger name to its options
-    (``[loggers.wandb]`` / ``mode = "online"``), validated by that logger's ``Options`` model
-    before any compute (:func:`molt_core.runtime.rundir.check_loggers`); the list form
-    ``loggers = ["wandb"]`` stays valid and means the same loggers with default options.
-    The JSONL metrics file is always written.
-    """
+    """The whole resolved configuration of a run (one field per recipe table)."""
 
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -410,11 +400,18 @@ class RunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     sft: SftSection = Field(default_factory=SftSection)
     teacher: TeacherSection = Field(default_factory=TeacherSection)
-    #: ``[images]``: image input limits and ``allow_remote_urls`` (:class:`ImagePolicy`)
     images: ImagePolicy = Field(default_factory=ImagePolicy)
     plugins: list[str] = Field(default_factory=list)
+    """``--plugin`` specs to load (dotted module paths or ``.py`` files)."""
     rewards: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """A registered reward name to its table: the reward's options plus the reserved keys ``weight``
+    (default 1.0) and ``timeout_s`` (default 60), which the runtime reads and does not pass on
+    (:mod:`molt_core.rewards`)."""
     loggers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """A registered logger name to its options (``[loggers.wandb]`` / ``mode = "online"``), validated
+    by that logger's ``Options`` model before any compute (:func:`molt_core.runtime.rundir.check_loggers`);
+    the list form ``loggers = ["wandb"]`` means the same loggers with default options. The JSONL metrics
+    file is always written."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
