@@ -76,9 +76,9 @@ def rst_to_md(text: str) -> str:
 
 
 def escape_html(text: str) -> str:
-    """``<`` and ``>`` outside code spans as entities, so ``runs/<name>`` is not read as an HTML tag."""
+    """``<`` before a letter outside code spans as ``&lt;``, so ``runs/<name>`` is not read as an HTML tag."""
     parts = re.split(r"(`[^`]*`)", text)
-    return "".join(x if x.startswith("`") else x.replace("<", "&lt;").replace(">", "&gt;") for x in parts)
+    return "".join(x if x.startswith("`") else re.sub(r"<(?=[A-Za-z/!?])", "&lt;", x) for x in parts)
 
 
 def cell(text: str) -> str:
@@ -168,7 +168,10 @@ def walk_options(model: type[BaseModel], prefix: str = "") -> list[dict[str, str
     Raises:
         ReferenceError: a field without an attribute docstring or ``description``.
     """
-    docs = attribute_docs(model)
+    docs: dict[str, str] = {}
+    for base in reversed(model.__mro__):  # a subclass's docstring wins over its base's
+        if isinstance(base, type) and issubclass(base, BaseModel) and base is not BaseModel:
+            docs.update(attribute_docs(base))
     rows: list[dict[str, str]] = []
     for name, f in model.model_fields.items():
         key = prefix + (f.alias or name)
@@ -231,15 +234,15 @@ def plugin_options() -> list[tuple[str, str, dict[str, Any]]]:
     from molt_core.plugins import FIRST_PARTY, load_plugins
     from molt_core.cli import _options_schema
 
-    old = os.environ.get("MOLT_LOAD_PLUGINS")
-    os.environ["MOLT_LOAD_PLUGINS"] = ""
+    saved = {k: os.environ.pop(k, None) for k in ("MOLT_LOAD_PLUGINS", "MOLT_DISABLE_PLUGINS")}
+    os.environ["MOLT_LOAD_PLUGINS"] = ""  # no third-party plugin: the page is the same on every machine
     try:
         host = load_plugins([], entry_points=True)
     finally:
-        if old is None:
-            os.environ.pop("MOLT_LOAD_PLUGINS", None)
-        else:
-            os.environ["MOLT_LOAD_PLUGINS"] = old
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
     out = []
     for kind in PLUGIN_KEYS:
         for name, reg in sorted(host.plugin_registries().get(kind, {}).items()):
