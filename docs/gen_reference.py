@@ -69,7 +69,7 @@ def rst_to_md(text: str) -> str:
         elif out and out[-1] and not s.startswith("* ") and not out[-1].endswith(":"):
             out[-1] += " " + s
         elif out and out[-1] and s.startswith("* "):
-            out.append(s)
+            out += [s] if out[-1].startswith("* ") else ["", s]  # Markdown: a list after a blank line
         else:
             out.append(s)
     return escape_html("\n".join(out).strip())
