@@ -125,7 +125,7 @@ def type_name(tp: Any) -> str:
 
 
 def toml_value(v: Any) -> str:
-    """A default as it is written in a recipe (``"grpo"``, ``true``, ``[0.9, 0.98]``, ``{}``); None: ``None`` (unset)."""
+    """A default as a recipe writes it (``"grpo"``, ``true``, ``[0.9, 0.98]``, ``{}``); None: ``None`` (unset)."""
     if v is None:
         return "None"
     if isinstance(v, bool):

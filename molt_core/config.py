@@ -213,9 +213,11 @@ class CorrectionSection(_Section):
     """``[correction]``: importance correction of off-policy tokens (TIS, IcePop, MIS)."""
 
     is_level: Literal["off", "token", "seq", "geo"] = "token"
-    """Level of the importance weight ``rho = pi_prox / pi_behaviour``: per token, the rollout's product, its geometric mean, or off (weight 1)."""
+    """Level of the importance weight ``rho = pi_prox / pi_behaviour``: per token, the rollout's product,
+    its geometric mean, or off (weight 1)."""
     is_mode: Literal["mask", "clip", "trunc"] = "trunc"
-    """``trunc``: ``min(rho, high)``; ``clip``: ``clamp(rho, low, high)``; ``mask``: 0 outside the band (the token or rollout rejected)."""
+    """``trunc``: ``min(rho, high)``; ``clip``: ``clamp(rho, low, high)``; ``mask``: 0 outside the band
+    (the token or rollout rejected)."""
     low: float = Field(0.0, ge=0)
     """Lower end of the weight band (must be <= 1)."""
     high: float = Field(2.0, gt=0)

@@ -268,3 +268,22 @@ def test_a_real_run_writes_exactly_the_registered_metrics(gen, tmp_path):
                   "rollout/failed", "train/skipped"):
             assert row[k] == 0.0, k
         assert row["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
+
+
+# ---------------------------------------------------------------- the site's link hook
+
+
+def test_site_hook_renders_repo_files_as_paths_and_leaves_broken_links_broken():
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "docs" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = ("[the agent](../../recipes/agents/visual_chat.py) "
+            "[`recipes/quickstart.toml`](../../recipes/quickstart.toml) "
+            "[guide](../../CONTRIBUTING.md#tests) [gpu](../gpu.md#weight-sync) [gone](../../nowhere.py) "
+            "[web](https://example.org/x.md) ![plot](../img/bench_quickstart.png)\n"
+            "```\n[in code](../../recipes/quickstart.toml)\n```\n")
+    out = hooks._rewrite(page, "plugins", ROOT)
+    assert out == ("the agent (`recipes/agents/visual_chat.py`) `recipes/quickstart.toml` "
+                   "[guide](../contributing.md#tests) [gpu](../gpu.md#weight-sync) [gone](../../nowhere.py) "
+                   "[web](https://example.org/x.md) ![plot](../img/bench_quickstart.png)\n"
+                   "```\n[in code](../../recipes/quickstart.toml)\n```\n")
