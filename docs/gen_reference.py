@@ -291,7 +291,7 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
     table_head = ["| key | type | default | constraints | description |", "|---|---|---|---|---|"]
 
     def line(r: dict[str, str]) -> str:
-        return (f"| `{r['key']}` | `{cell(r['type'])}` | `{cell(r['default'])}` | {cell(r['constraints'])} | "
+        return (f"| `{r['key']}` | {cell(r['type'])} | `{cell(r['default'])}` | {cell(r['constraints'])} | "
                 f"{cell(r['description'])} |")
 
     for sec, cls in sections.items():
@@ -329,7 +329,7 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
                 default = "(computed)"
             else:
                 default = toml_value(f["default"])
-            out.append(f"| `{key}` | `{cell(_schema_type(f))}` | `{cell(default)}` | {cell(_schema_bounds(f))} |")
+            out.append(f"| `{key}` | {cell(_schema_type(f))} | `{cell(default)}` | {cell(_schema_bounds(f))} |")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

@@ -86,7 +86,7 @@ def test_every_option_is_listed_under_its_set_key(gen, pages):
     assert len(rows) == 99
     for key in rows:
         assert f"| `{key}` |" in pages["options.md"]
-    assert "| `trainer.lr` | `float` | `0.0003` | > 0 | Peak AdamW learning rate. |" in pages["options.md"]
+    assert "| `trainer.lr` | float | `0.0003` | > 0 | Peak AdamW learning rate. |" in pages["options.md"]
 
 
 def test_an_added_option_shows_up_and_one_without_a_description_is_refused(gen, plugins):
@@ -96,8 +96,8 @@ def test_an_added_option_shows_up_and_one_without_a_description_is_refused(gen, 
 
     Run2 = create_model("Run2", __base__=RunConfig, trainer=(Trainer2, Field(default_factory=Trainer2)))
     text = gen.render_options(Run2, plugins)
-    assert "| `trainer.fancy` | `int` | `3` | >= 1, <= 9 | A new option. |" in text
-    assert "| `trainer.lr` | `float` | `0.0003` | > 0 | Peak AdamW learning rate. |" in text  # base docs kept
+    assert "| `trainer.fancy` | int | `3` | >= 1, <= 9 | A new option. |" in text
+    assert "| `trainer.lr` | float | `0.0003` | > 0 | Peak AdamW learning rate. |" in text  # base docs kept
     assert text != (REF / "options.md").read_text()  # the drift check fails
 
     Bare = create_model("Bare", __base__=RunConfig, extra_knob=(bool, False))
@@ -118,7 +118,7 @@ def test_a_removed_option_fails_the_check(gen, plugins):
 def test_first_party_plugin_options_are_listed(plugins, pages):
     names = [(k, n) for k, n, _ in plugins]
     assert ("rewards", "regex") in names and ("loggers", "wandb") in names and ("envs", "reasoning_gym") in names
-    assert "| `rewards.exact_match.strip` | `bool` | `true` |  |" in pages["options.md"]
+    assert "| `rewards.exact_match.strip` | bool | `true` |  |" in pages["options.md"]
 
 
 # ---------------------------------------------------------------- hooks
