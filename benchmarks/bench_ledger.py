@@ -8,7 +8,7 @@ both alike:
 
 * ``window``: the default, the extend check renders a window of the conversation
   (:mod:`molt_core.ledger.render`);
-* ``full``: ``Ledger(window_render=False)``, the reference check that renders the whole
+* ``full``: ``Ledger()`` (no window prover), the reference check that renders the whole
   conversation twice per turn.
 
 The cost of a turn is ``prepare`` + ``commit`` (the engine is a zero-cost scripted reply made
@@ -39,6 +39,7 @@ from molt_core.ledger import Ledger, normalize_messages  # noqa: E402
 from molt_core.models import load_tokenizer  # noqa: E402
 from molt_core.testing import ScriptedEngine  # noqa: E402
 from molt_core.types import SamplingParams  # noqa: E402
+from molt_plugins.render_window import prove_window  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -54,7 +55,7 @@ def wire(message: dict[str, Any]) -> dict[str, Any]:
 def session(tok: Any, turns: int, gc_freeze: bool = False) -> dict[str, list[tuple[float, float]]]:
     """Per ledger (``window`` / ``full``), per turn: (prepare + commit seconds, of which
     message normalization)."""
-    leds = {"window": Ledger(tok), "full": Ledger(tok, window_render=False)}
+    leds = {"window": Ledger(tok, window_prover=prove_window), "full": Ledger(tok)}
     eng = ScriptedEngine(tok)
     spent = [0.0]
 

@@ -24,6 +24,7 @@ from fake_engine import ScriptedEngine
 from molt_plugins.vision.images import ImageError, image_part
 from molt_core.ledger import Ledger
 from molt_core.types import SamplingParams
+from molt_plugins.render_window import prove_window
 
 PAD, VSTART, VEND = 514, 512, 513
 
@@ -90,7 +91,7 @@ def test_image_in_a_later_turn_extends_with_an_exact_tail(vl):
     tok, vp = vl
     a, b = png(28, 28), png(56, 42, (0, 0, 255))
     for window in (True, False):
-        led, eng = Ledger(tok, vision=vp, window_render=window), ScriptedEngine(tok, ["one", "two", "three"])
+        led, eng = Ledger(tok, vision=vp, window_prover=prove_window if window else None), ScriptedEngine(tok, ["one", "two", "three"])
         msgs = [{"role": "system", "content": "count"}, user("first", a)]
         _, t1 = step(led, eng, msgs)
         msgs += [t1.message(), {"role": "user", "content": "no image here"}]
@@ -279,7 +280,7 @@ def test_window_render_equals_full_render_with_images(vl):
     tools = [{"type": "function", "function": {"name": "zoom", "parameters": {"type": "object"}}}]
     out = []
     for window in (True, False):
-        led = Ledger(tok, vision=vp, window_render=window)
+        led = Ledger(tok, vision=vp, window_prover=prove_window if window else None)
         eng = ScriptedEngine(tok, ["a", f"b\n{call}", "c", "d", "e", "f", "g"])
         msgs: list = [{"role": "system", "content": "look"}]
         for t in range(6):

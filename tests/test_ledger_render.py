@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from molt_core.assets.build_tiny_tokenizer import CHAT_TEMPLATE
 from molt_core.ledger import Ledger
 from molt_core.ledger.messages import NormalizeCache, normalize_messages
-from molt_core.ledger.render import Scan, WindowProof, prove_window, window_start
+from molt_core.ledger.render import Scan, WindowProof, window_start
 from molt_core.models import load_tokenizer
 from molt_core.testing import ScriptedEngine
 from molt_core.types import SamplingParams
+from molt_plugins.render_window import prove_window
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two ints",
                                            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
@@ -202,7 +203,7 @@ actions = st.lists(st.tuples(st.sampled_from(["plain", "plain", "call", "think"]
 def play(tok: Any, window: bool, script: list[tuple[str, str, bool]], tools: Any = TOOLS,
          kwargs: dict[str, Any] | None = None) -> tuple[list[tuple[Any, ...]], Ledger]:
     """Run one session; per request the plan (mode, prompt ids, tail ids, text, re-encoded)."""
-    led = Ledger(tok, window_render=window, chat_template_kwargs=kwargs)
+    led = Ledger(tok, window_prover=prove_window if window else None, chat_template_kwargs=kwargs)
     eng = ScriptedEngine(tok)
     # the client starts from an earlier conversation (so windows apply from the second request)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "u0"},
@@ -322,18 +323,16 @@ def test_deep_think_stripping_rewrite_is_caught_through_the_window(toks):
 def test_a_wrong_proof_is_caught_by_the_comparison(toks, monkeypatch):
     """Fault injection: force a window proof on the user-gate template (outside the class).
     The window then misses the rewrite at the 6th user turn, and the exactness check flags it."""
-    import molt_core.ledger.template as ledger_mod
-
     tok = load_tokenizer("builtin:tiny-qwen3")
     tok.chat_template = USER_GATE + "{#- forced -#}"  # a template text of its own (fresh template facts)
-    monkeypatch.setattr(ledger_mod, "prove_window", lambda *a: (WindowProof(radius=0, head=1), ""))
+    monkeypatch.setitem(globals(), "prove_window", lambda *a: (WindowProof(radius=0, head=1), ""))
     with pytest.raises(AssertionError, match="window plan 'extend' vs full render 'rewrite'"):
         same_as_full(tok, long_chat(8))
 
 
 def test_negative_subscript_refuses_the_window(toks):
     """The unguarded template is proven (radius 1) but reads messages[-1] at index 0."""
-    led = Ledger(toks["unguarded"])
+    led = Ledger(toks["unguarded"], window_prover=prove_window)
     assert led.window_proof is not None and led.window_proof.radius == 1
     same_as_full(toks["unguarded"], long_chat(6))
 

@@ -85,7 +85,7 @@ def test_the_ledger_and_a_server_with_no_parser_named_look_nothing_up(tok, monke
     assert type(led.tool_parser) is HermesParser
     assert led.tool_parser.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>') == [
         ParsedCall("f", {}, (0, 53))]
-    create_app(ScriptedEngine(tok, ["x"]), tok, modality=None, wires={})  # wires named: no wire lookup either
+    create_app(ScriptedEngine(tok, ["x"]), tok, modality=None, wires={}, window_prover=None)  # all named: no lookup
 
 
 def test_the_ledger_takes_a_parser_not_a_name(tok):

@@ -17,7 +17,7 @@ from molt_core.ledger.compare import _Reply
 from molt_core.ledger.messages import NormalizeCache
 from molt_core.ledger.prepare import Planning
 from molt_core.ledger.records import REWRITE_CAUSES, AssistantTurn, _Open
-from molt_core.ledger.render import WindowProof
+from molt_core.ledger.render import Prover, WindowProof
 from molt_core.ledger.template import TemplateFacts
 from molt_core.ledger.toolcall import HermesParser, ToolParser
 from molt_core.ledger.turn import take_turn
@@ -39,10 +39,10 @@ class Ledger(TemplateFacts, Planning, Recording):
         tool_parser: the model family's tool-call parser (:class:`~molt_core.ledger.toolcall.ToolParser`),
             resolved from its name by the caller (:func:`molt_core.plugins.tool_parser`: the
             ``molt_register_tool_parsers`` registry); default: Hermes with ``tool_call_tags``.
-        window_render: check an extension by rendering a window of the conversation when the
-            chat template is proven window-local (:mod:`molt_core.ledger.render`; same verdict
-            and tail as the full render, cost independent of the turn count); False always
-            renders the whole conversation (the reference path, kept for benchmarks and tests).
+        window_prover: a window prover (:data:`~molt_core.ledger.render.Prover`; the caller's
+            :func:`molt_core.plugins.window_prover`): an extension of a template it proves is
+            checked on a window of the conversation (same verdict and tail as the full render,
+            cost independent of the turn count); None always renders the whole conversation.
         vision: the model's image processor from the modality plugin (``molt_register_modalities``:
             its ``expand`` / ``extra_tokens``); None for a text-only model (a message with an
             image is then refused).
@@ -60,7 +60,7 @@ class Ledger(TemplateFacts, Planning, Recording):
                  chat_template_kwargs: dict[str, Any] | None = None,
                  think_tags: tuple[str, str] = ("<think>", "</think>"),
                  tool_call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
-                 tool_parser: ToolParser | None = None, window_render: bool = True, vision: Any = None,
+                 tool_parser: ToolParser | None = None, window_prover: Prover | None = None, vision: Any = None,
                  image_policy: Any = None, modality: Any = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; the ledger renders conversations with it")
@@ -97,15 +97,15 @@ class Ledger(TemplateFacts, Planning, Recording):
         self._images: dict[str, bytes] = {}
         # normalize_messages, reusing the previous request's normalized prefix
         self._normalize = NormalizeCache(self._images, image_policy, getattr(modality or vision, "decode_part", None))
-        #: extend checks decided by a window render / by the full render (see ``window_render``)
+        #: extend checks decided by a window render / by the full render (see ``window_prover``)
         self.render_stats = {"window": 0, "full": 0}
         # per window scan: indices of the committed history's messages that satisfy it, and
         # how many history messages were scanned (reset when a start/rewrite replaces history)
         self._scan_hits: list[list[int]] = []
         self._scan_n = 0
-        proof = self._template_facts()
+        proof = self._template_facts(window_prover)
         #: the template's window proof (None: every extend check renders the whole conversation)
-        self.window_proof: WindowProof | None = proof if window_render else None
+        self.window_proof: WindowProof | None = proof
         self._scan_hits = [[] for _ in (proof.scans if proof else [])]
 
     async def generate(self, engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,

@@ -10,14 +10,14 @@ import weakref
 from typing import Any
 
 from molt_core.ledger.compare import _chat_form
-from molt_core.ledger.render import WindowMessages, WindowProof, prove_window
+from molt_core.ledger.render import Prover, WindowMessages, WindowProof
 
 __all__ = ["TemplateFacts"]
 
 _PROBE_USER = "molt-ledger-probe-user"
 _PROBE_ASSISTANT = "molt-ledger-probe-assistant"
 
-#: (id(tokenizer), chat template, template kwargs) -> facts derived by Ledger._fast_render/_probe
+#: (id(tokenizer), chat template, template kwargs, prover) -> facts derived by Ledger._fast_render/_probe
 _TEMPLATE_FACTS: dict[tuple[int, str, str], tuple[Any, ...]] = {}
 
 #: per tokenizer: template text -> its ids (:meth:`Ledger._encode`), at most ``_ENCODED_MAX``
@@ -31,19 +31,19 @@ class TemplateFacts:
     """The template half of :class:`~molt_core.ledger.Ledger` (a mixin: it reads the ledger's
     ``tokenizer`` and ``template_kwargs``)."""
 
-    def _template_facts(self) -> WindowProof | None:
+    def _template_facts(self, prover: Prover | None) -> WindowProof | None:
         """Set the template facts (``_compiled``, ``_template_vars``, ``turn_close``,
         ``body_prefix``, ``stop_token_ids``), derived once per (tokenizer, chat template, template
-        kwargs), and return the template's window proof (None: no proven window)."""
+        kwargs, prover), and return ``prover``'s window proof (None: no proven window)."""
         tokenizer = self.tokenizer
         # the template facts depend only on the tokenizer and template kwargs: derive them once
-        key = (id(tokenizer), tokenizer.chat_template, json.dumps(self.template_kwargs, sort_keys=True, default=str))
+        key = (id(tokenizer), tokenizer.chat_template, json.dumps(self.template_kwargs, sort_keys=True, default=str), prover)
         facts = _TEMPLATE_FACTS.get(key)
         if facts is None:
             self._fast_render()
             self._probe()
             compiled: Any = getattr(self, "_compiled", None)
-            proof = prove_window(tokenizer.chat_template, compiled.environment)[0] if compiled is not None else None
+            proof = prover(tokenizer.chat_template, compiled.environment)[0] if compiled is not None and prover else None
             facts = (self._compiled, getattr(self, "_template_vars", {}), self.turn_close, self.body_prefix,
                      self.stop_token_ids, proof)
             _TEMPLATE_FACTS[key] = facts

@@ -390,6 +390,14 @@ def modality(host: PluginHost | None = None) -> Any:
     return reg[min(reg)].obj if reg else None
 
 
+def window_prover(host: PluginHost | None = None) -> Any:
+    """The registered window prover (``molt_register_render_windows``; the first by name) the
+    server and the Env loop hand to each ledger, or None (full renders). ``host`` defaults to
+    :func:`shared_host`."""
+    reg = (host or shared_host()).registries["render_windows"]
+    return reg[min(reg)].obj if reg else None
+
+
 def make_tool_parser(name: Any, tokenizer: Any, parsers: dict[str, Any]) -> Any:
     """The tool-call parser called ``name`` among ``parsers`` (name -> parser class), built for a
     model with ``tokenizer`` -- ``cls.for_tokenizer(tokenizer)`` when the class defines it, else

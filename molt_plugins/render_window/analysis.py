@@ -1,6 +1,6 @@
-"""The static analysis behind :func:`molt_core.ledger.render.prove_window`: a walk of a chat
+"""The static analysis behind :func:`molt_plugins.render_window.prove_window`: a walk of a chat
 template's Jinja AST that accepts only the class of templates the module doc of
-:mod:`molt_core.ledger.render` describes (raising :class:`_NotProven` with the reason otherwise)."""
+:mod:`molt_plugins.render_window` describes (raising :class:`_NotProven` with the reason otherwise)."""
 
 from __future__ import annotations
 
