@@ -139,6 +139,11 @@ def toml_value(v: Any) -> str:
     return repr(v)
 
 
+def code_default(default: str) -> str:
+    """A default's table cell: the value as code; ``**required**`` and ``(computed)`` as text."""
+    return default if default in ("**required**", "(computed)") else f"`{cell(default)}`"
+
+
 def constraints(field: Any) -> str:
     """``>= 0``, ``> 0, <= 1`` ... from a field's ``annotated_types`` metadata."""
     marks = [(annotated_types.Ge, "ge", ">="), (annotated_types.Gt, "gt", ">"), (annotated_types.Le, "le", "<="),
@@ -291,7 +296,7 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
     table_head = ["| key | type | default | constraints | description |", "|---|---|---|---|---|"]
 
     def line(r: dict[str, str]) -> str:
-        return (f"| `{r['key']}` | {cell(r['type'])} | `{cell(r['default'])}` | {cell(r['constraints'])} | "
+        return (f"| `{r['key']}` | {cell(r['type'])} | {code_default(r['default'])} | {cell(r['constraints'])} | "
                 f"{cell(r['description'])} |")
 
     for sec, cls in sections.items():
@@ -329,7 +334,7 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
                 default = "(computed)"
             else:
                 default = toml_value(f["default"])
-            out.append(f"| `{key}` | {cell(_schema_type(f))} | `{cell(default)}` | {cell(_schema_bounds(f))} |")
+            out.append(f"| `{key}` | {cell(_schema_type(f))} | {code_default(default)} | {cell(_schema_bounds(f))} |")
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

@@ -128,7 +128,7 @@ def test_every_hookspec_is_rendered(pages):
     from molt_core import hookspecs
 
     specs = [n for n in dir(hookspecs) if n.startswith("molt_") and hasattr(getattr(hookspecs, n), "molt_spec")]
-    assert len(specs) == 20
+    assert len(specs) == 22
     for n in specs:
         assert f"\n## {n}\n" in pages["hooks.md"]
     assert "def molt_on_step_end(step: int, metrics: dict) -> None" in pages["hooks.md"]
