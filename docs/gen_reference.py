@@ -90,20 +90,31 @@ def cell(text: str) -> str:
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a class body (the string literal right under ``name: type = ...``),
-    read with :mod:`ast` as documentation tools do; ``#:`` comments are not used."""
+    """A class's field descriptions: the ``Attributes:`` section of its docstring (Google style,
+    ``name: text`` with indented continuation lines, as mkdocstrings renders it) and attribute
+    docstrings (the string literal right under ``name: type = ...``, read with :mod:`ast`)."""
+    out: dict[str, str] = {}
+    doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
+    section = re.search(r"^Attributes:\n((?:[ \t]+\S.*\n?|\n(?=[ \t]))+)", doc, re.M)
+    if section:
+        for m in re.finditer(r"^[ \t]{4}(\w+): (.*(?:\n[ \t]{8}.*)*)", section.group(1), re.M):
+            out[m.group(1)] = " ".join(m.group(2).split())
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
-        return {}
+        return out
     body = ast.parse(inspect.cleandoc("\n" + src) if src.startswith((" ", "\t")) else src).body[0]
-    out: dict[str, str] = {}
     stmts = getattr(body, "body", [])
     for a, b in zip(stmts, stmts[1:]):
         if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
                 and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
             out[a.target.id] = inspect.cleandoc(b.value.value)
     return out
+
+
+def without_attributes(doc: str | None) -> str:
+    """A class docstring without its ``Attributes:`` section (the fields have their own rows)."""
+    return re.split(r"^Attributes:$", inspect.cleandoc(doc or ""), flags=re.M)[0].strip()
 
 
 def type_name(tp: Any) -> str:
@@ -302,13 +313,13 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
     for sec, cls in sections.items():
         if sec not in groups:
             continue
-        doc = re.sub(r"^``\[[a-z_.]+\]``: *", "", inspect.cleandoc(cls.__doc__ or ""))
+        doc = re.sub(r"^``\[[a-z_.]+\]``: *", "", without_attributes(cls.__doc__))
         out += [f"## `[{sec}]`", "", rst_to_md(doc[:1].upper() + doc[1:]), ""]
         out += table_head + [line(r) for r in groups[sec]] + [""]
         notes = validator_notes(cls)
         if notes:
             out += ["Checked at load:", ""] + [f"- {n}" for n in notes] + [""]
-    out += ["## Top level", "", rst_to_md(inspect.cleandoc(model.__doc__ or "")), ""]
+    out += ["## Top level", "", rst_to_md(without_attributes(model.__doc__)), ""]
     out += table_head + [line(r) for r in top] + [""]
     notes = validator_notes(model)
     if notes:
