@@ -126,3 +126,32 @@ def test_each_dockerfile_has_its_own_identical_dockerignore():
     ignores = [DEPLOY / f"{d.name}.dockerignore" for d in DOCKERFILES]
     bodies = [[ln for ln in p.read_text().splitlines() if not ln.startswith("#")] for p in ignores]
     assert bodies[0] == bodies[1] and ".git" in bodies[0]
+
+
+def doc_problems(doc: str) -> list[str]:
+    """What docs/cluster.md says that the deploy files contradict: a ``deploy/...`` path that
+    does not exist, a Dockerfile's own build line missing from the page, the Slurm command CI
+    runs missing from it."""
+    bad = [f"{p} does not exist" for p in sorted(set(re.findall(r"\bdeploy/[\w./-]*\w", doc)))
+           if not (ROOT / p).exists()]
+    for d in DOCKERFILES:
+        build = re.search(r"^#\s+(docker build .*)$", d.read_text(), flags=re.M)[1]
+        if build not in doc:
+            bad.append(f"{d.name}'s build line `{build}` is not on the page")
+    ci = "sbatch --cpus-per-task 2 deploy/slurm/molt-ray.sbatch \\\n    quickstart --steps 2 --sft-steps 20"
+    if ci not in doc:
+        bad.append("the Slurm command CI runs is not on the page")
+    return bad
+
+
+def test_cluster_docs_match_the_deploy_files():
+    import test_deploy_slurm
+
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    assert doc_problems(doc) == []
+    # the page's CI command is the one tests/test_deploy_slurm.py submits
+    assert f"deploy/slurm/molt-ray.sbatch \\\n    {' '.join(test_deploy_slurm.QUICKSTART)} --out" in doc
+    assert doc_problems(doc.replace("deploy/kuberay/storage.yaml", "deploy/kuberay/volumes.yaml")
+                        .replace("docker build -f deploy/Dockerfile.cpu", "docker build -f Dockerfile.cpu")) == [
+        "deploy/kuberay/volumes.yaml does not exist",
+        "Dockerfile.cpu's build line `docker build -f deploy/Dockerfile.cpu -t molt-sdk:cpu .` is not on the page"]
