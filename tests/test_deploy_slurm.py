@@ -1,7 +1,8 @@
-"""deploy/slurm/molt-ray.sbatch against a real single-node Slurm (slurmctld + slurmd + munged on
-localhost, configured in a temporary directory): a 2-step quickstart through the job's Ray
-cluster ends COMPLETED with its metrics written, and a cancelled job stops Ray and removes its
-token. Where Slurm (Debian: ``apt-get install slurm-wlm``) is missing or will not start, the
+"""deploy/slurm/molt-ray.sbatch against a real Slurm on this machine (slurmctld, munged and two
+slurmd -- Slurm nodes n1 and n2, both on 127.0.0.1 -- configured in a temporary directory): a
+2-step quickstart through the job's two-node Ray cluster (head on n1, a worker started by srun
+on n2) ends COMPLETED with its metrics written, and a cancelled one stops Ray on both nodes and
+removes the token and Ray's directories. Where Slurm (Debian: ``apt-get install slurm-wlm``) is missing or will not start, the
 tests skip with a warning that says so."""
 
 from __future__ import annotations
@@ -47,24 +48,28 @@ def which(tool: str) -> str | None:
     return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin:/usr/bin")
 
 
+NODES = ("n1", "n2")
+
+
 def slurm_conf(d: Path, user: str, cpus: int) -> str:
-    """A one-node cluster: the node is ``localhost`` on 127.0.0.1, no accounting database
-    (job states from ``scontrol``, kept an hour by MinJobAge), no cgroups."""
+    """Two Slurm nodes on this machine (one slurmd each, on its own port, spool and log), no
+    accounting database (job states from ``scontrol``, kept an hour by MinJobAge), no cgroups."""
+    nodes = "\n".join(f"NodeName={n} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={free_port()} "
+                      f"CPUs={cpus} RealMemory=1000 State=UNKNOWN" for n in NODES)
     return f"""ClusterName=molttest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={d}/munge/sock
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
+SlurmdLogFile={d}/log/slurmd-%n.log
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -78,8 +83,8 @@ ReturnToService=2
 MinJobAge=3600
 KillWait=20
 SlurmdParameters=config_overrides
-NodeName=localhost NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -89,14 +94,14 @@ def log_tail(d: Path) -> str:
 
 @pytest.fixture(scope="module")
 def slurm():
-    """Start munged, slurmctld and slurmd for this module; yields ``(env, dir)`` (``env`` has
+    """Start munged, slurmctld and the two slurmd for this module; yields ``(env, dir)`` (``env`` has
     ``SLURM_CONF``); stops them after."""
     missing = [t for t in TOOLS if which(t) is None]
     if missing:
         loud_skip(f"{', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge)")
     # short: Ray's unix sockets live under the job's TMPDIR (108-byte path limit)
     d = Path(tempfile.mkdtemp(prefix="mslurm", dir="/tmp"))
-    for sub in ("munge", "state", "spool", "log", "tmp"):
+    for sub in ("munge", "state", "spool", "log", "tmp", *(f"spool/{n}" for n in NODES)):
         (d / sub).mkdir(mode=0o700)
     os.chmod(d, 0o755)
     key = d / "munge" / "key"
@@ -115,16 +120,17 @@ def slurm():
         if r.returncode:
             loud_skip(f"munged did not start: {r.stderr.strip()[-500:]}")
         started.append(m / "pid")
-        for daemon, extra in (("slurmctld", []), ("slurmd", ["-N", "localhost"])):
+        daemons = [("slurmctld", [], "slurmctld.pid")] + [("slurmd", ["-N", n], f"slurmd-{n}.pid") for n in NODES]
+        for daemon, extra, pidfile in daemons:
             r = subprocess.run([which(daemon), "-f", str(conf), *extra], env=env, capture_output=True, text=True,
                                timeout=60)
             if r.returncode:
-                loud_skip(f"{daemon} did not start: {r.stderr.strip()[-500:]}\n{log_tail(d)}")
-            started.append(d / f"{daemon}.pid")
+                loud_skip(f"{daemon} {' '.join(extra)} did not start: {r.stderr.strip()[-500:]}\n{log_tail(d)}")
+            started.append(d / pidfile)
         deadline = time.time() + 60
         while time.time() < deadline:
             r = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, timeout=30)
-            if r.stdout.strip() == "idle":
+            if r.stdout.split() == ["idle"]:
                 break
             time.sleep(1)
         else:
@@ -133,7 +139,7 @@ def slurm():
         yield env, d
     finally:
         # a job still running (a failed test) is cancelled, so no slurmstepd or Ray outlives the daemons
-        if len(started) == 3:
+        if len(started) == 2 + len(NODES):
             subprocess.run(["scancel", "--user", user], env=env, capture_output=True, timeout=30)
             deadline = time.time() + 60
             while time.time() < deadline and subprocess.run(
@@ -165,9 +171,10 @@ def job(env: dict[str, str], job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def submit(env: dict[str, str], d: Path, name: str, args: list[str]) -> tuple[str, Path]:
+def submit(env: dict[str, str], d: Path, name: str, args: list[str], nodes: int = 1) -> tuple[str, Path]:
     log = d / f"{name}.out"
-    r = subprocess.run(["sbatch", "--parsable", "--job-name", name, "--cpus-per-task", "2", "-D", str(d),
+    r = subprocess.run(["sbatch", "--parsable", "--job-name", name, "--nodes", str(nodes), "--cpus-per-task", "2",
+                        "-D", str(d),
                         "-o", str(log), str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0], log
@@ -191,30 +198,32 @@ def ray_processes(marker: str) -> list[str]:
     return [ln for ln in out.splitlines() if marker in ln and "ps -eww" not in ln]
 
 
-def test_sbatch_quickstart_through_ray_completes(slurm):
+def test_sbatch_quickstart_through_a_two_node_ray_cluster_completes(slurm):
     env, d = slurm
     env = job_env(env, d)
     out = d / "run-quickstart"
-    job_id, log = submit(env, d, "molt-qs", [*QUICKSTART, "--out", str(out)])
+    job_id, log = submit(env, d, "molt-qs", [*QUICKSTART, "--out", str(out)], nodes=2)
     info = wait_state(env, job_id, lambda i: i.get("JobState") in ENDED, 600)
     text = log.read_text() if log.exists() else ""
     assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{text[-4000:]}"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "molt-ray: 1 Ray node(s) up" in text
+    assert "molt-ray: 2 Ray node(s) up" in text
     assert "molt-ray: molt run exited 0" in text and "molt-ray: Ray stopped (exit 0)" in text
-    # the job joined its own cluster (127.0.0.1 or this host's first address), not a local one
-    assert re.search(r"molt-ray: head localhost at [\d.]+:\d+, 1 node\(s\), 2 CPU\(s\) and 0 GPU\(s\)", text), text
+    # the job joined its own cluster (this host's first address, or 127.0.0.1), not a local one
+    head = re.search(r"molt-ray: head n1 at ([\d.]+:\d+), 2 node\(s\), 2 CPU\(s\) and 0 GPU\(s\)", text)
+    assert head and f"starting Ray (joining {head[1]})" in text, text[-4000:]
     # the token directory and Ray's session under it are gone, and no Ray process outlived the job
-    assert list((d / "tmp").glob(f"molt-{job_id}.*")) == []
-    assert ray_processes(f"molt-{job_id}.") == []
+    # (head: molt-JOBID.*, the worker on n2: molt-ray.*)
+    assert list((d / "tmp").glob(f"molt-{job_id}.*")) == [] and list((d / "tmp").glob("molt-ray.*")) == []
+    assert ray_processes(str(d / "tmp")) == []
 
 
 def test_cancelled_job_stops_ray_and_removes_its_token(slurm):
     env, d = slurm
     env = job_env(env, d)
     out = d / "run-cancel"
-    job_id, log = submit(env, d, "molt-cancel", ["quickstart", "--steps", "300", "--out", str(out)])
+    job_id, log = submit(env, d, "molt-cancel", ["quickstart", "--steps", "300", "--out", str(out)], nodes=2)
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "config.toml").exists():
         assert job(env, job_id).get("JobState") in ("PENDING", "RUNNING"), log.read_text()[-4000:]
@@ -232,10 +241,10 @@ def test_cancelled_job_stops_ray_and_removes_its_token(slurm):
     info = wait_state(env, job_id, lambda i: i.get("JobState") in ENDED, 120)
     assert info.get("JobState") == "CANCELLED", info
     deadline = time.time() + 30
-    while time.time() < deadline and (tmp.exists() or ray_processes(tmp.name)):
+    while time.time() < deadline and (tmp.exists() or ray_processes(str(d / "tmp"))):
         time.sleep(1)
     text = log.read_text()
     assert "molt-ray: cancelled" in text and "molt-ray: Ray stopped (exit 143)" in text, text[-4000:]
-    assert not tmp.exists()
-    assert ray_processes(tmp.name) == []
+    assert not tmp.exists() and list((d / "tmp").glob("molt-ray.*")) == []
+    assert ray_processes(str(d / "tmp")) == []
     assert secret not in text
