@@ -138,7 +138,7 @@ def doc_problems(doc: str) -> list[str]:
         build = re.search(r"^#\s+(docker build .*)$", d.read_text(), flags=re.M)[1]
         if build not in doc:
             bad.append(f"{d.name}'s build line `{build}` is not on the page")
-    ci = "sbatch --cpus-per-task 2 deploy/slurm/molt-ray.sbatch \\\n    quickstart --steps 2 --sft-steps 20"
+    ci = "sbatch --nodes 2 --cpus-per-task 2 deploy/slurm/molt-ray.sbatch \\\n    quickstart --steps 2 --sft-steps 20"
     if ci not in doc:
         bad.append("the Slurm command CI runs is not on the page")
     return bad
