@@ -154,6 +154,9 @@ def slurm():
         shutil.rmtree(d, ignore_errors=True)
 
 
+UMASK = 0o022
+
+
 def job_env(env: dict[str, str], d: Path) -> dict[str, str]:
     """What the job inherits through sbatch: this interpreter's bin first (python3, ray,
     molt), quiet single-threaded offline settings, and a short TMPDIR."""
@@ -175,7 +178,8 @@ def submit(env: dict[str, str], d: Path, name: str, args: list[str], nodes: int 
     log = d / f"{name}.out"
     r = subprocess.run(["sbatch", "--parsable", "--job-name", name, "--nodes", str(nodes), "--cpus-per-task", "2",
                         "-D", str(d),
-                        "-o", str(log), str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+                        "-o", str(log), str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: os.umask(UMASK))  # Slurm runs the job with the submitter's umask
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0], log
 
@@ -208,6 +212,8 @@ def test_sbatch_quickstart_through_a_two_node_ray_cluster_completes(slurm):
     assert (info.get("JobState"), info.get("ExitCode")) == ("COMPLETED", "0:0"), f"{info}\n{text[-4000:]}"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # the run's own files keep the submitter's umask (022), unlike the token
+    assert (out / "metrics.jsonl").stat().st_mode & 0o777 == 0o666 & ~UMASK
     assert "molt-ray: 2 Ray node(s) up" in text
     assert "molt-ray: molt run exited 0" in text and "molt-ray: Ray stopped (exit 0)" in text
     # the job joined its own cluster (this host's first address, or 127.0.0.1), not a local one
