@@ -1,22 +1,10 @@
 """Advantage estimators: one pure function each, and :func:`estimate_advantages` to call one.
 
-Shapes used throughout:
-
-* ``R`` rollouts. ``rewards[r]`` (float) is the scalar reward of rollout ``r``;
-  ``group_index[r]`` (long) the group (prompt) it belongs to.
-* ``B`` rows, each one segment. ``rollout_index[b]`` (long, in ``[0, R)``) is the rollout that
-  row ``b`` belongs to; ``mask[b, t]`` (bool, ``[B, T]``) is True on sampled tokens. A rollout
-  with several segments has several rows, in order (lower row index = earlier segment).
-
-Group baselines (GRPO, RLOO, ...) count **one** reward per rollout however many segments it
-has; the rollout's advantage is broadcast to every sampled token of every one of its segments
-(0 on tokens that were not sampled). Group statistics are computed in float64, and a standard
-deviation below ``std_tol`` is treated as exactly zero: no rounding residue is ever divided
-by (issue 4, case B14).
-
-Token-level estimators (``reinforce``, ``gae``) place the rollout's reward on the last sampled
-token of its last segment, add the optional per-token ``token_rewards`` (e.g. a KL penalty),
-and run the recursion over the rollout's sampled tokens in order, across segment boundaries.
+Shapes: ``R`` rollouts (``rewards[r]`` float, ``group_index[r]`` long); ``B`` rows, one segment
+each (``rollout_index[b]`` long in ``[0, R)``, ``mask[b, t]`` bool ``[B, T]`` True on sampled
+tokens; a rollout's segments are consecutive rows in order). Group estimators return one advantage
+per rollout, broadcast to all its sampled tokens; token estimators put the reward on the rollout's
+last sampled token and recurse over its tokens across segments.
 """
 
 from __future__ import annotations
@@ -43,9 +31,6 @@ __all__ = [
 ]
 
 _F64 = torch.float64
-
-
-# ----------------------------------------------------------------------------- checks / helpers
 
 
 def _check_inputs(rewards: Tensor, group_index: Tensor, rollout_index: Tensor, mask: Tensor) -> None:
@@ -108,10 +93,6 @@ def _std(x: Tensor, tol: float, unbiased: bool) -> float:
     return 0.0 if s < tol else s
 
 
-# ----------------------------------------------------------------------------- group estimators
-# Each returns one advantage per rollout, [R] float64.
-
-
 def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. in §4.1.2).
 
@@ -156,12 +137,8 @@ def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> T
 
 
 def _leave_one_out(x: Tensor, std_tol: float) -> tuple[Tensor, Tensor]:
-    """Per element ``i`` of 1-D float64 ``x``: mean and sample std of the other elements.
-
-    Computed explicitly (two-pass over the others, float64), so an exactly constant set of
-    others gives std exactly 0 -- never a cancellation residue. Std is 0 when fewer than two
-    others exist or when it is below ``std_tol``.
-    """
+    """Per element ``i`` of 1-D float64 ``x``: mean and sample std of the other elements
+    (two-pass, so constant others give std exactly 0; 0 below ``std_tol`` or with < 2 others)."""
     n = x.numel()
     others = ~torch.eye(n, dtype=torch.bool)  # [n, n], row i = everyone but i
     vals = x[None, :].expand(n, n)
@@ -199,11 +176,8 @@ def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol
     others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
     advantage is **not** divided: ``A_i = r_i - mean_{j != i} r_j``.
 
-    Issue 4, case B14: group ``[0.35]*7 + [0.0]``: the others of the singleton are all 0.35, so
-    its std is 0 in exact arithmetic and its advantage is exactly ``-0.35`` (a one-pass fp32
-    variance leaves a ~1e-4 residue that would blow it up to ~-3500); each 0.35 gets
-    ``0.05 / 0.1323 = 0.378``. Control ``[1.0]*7 + [0.0]`` → singleton ``-1.0``. A singleton
-    group gets 0.
+    E.g. ``[0.35]*7 + [0.0]`` gives the singleton exactly ``-0.35`` and each 0.35 ``0.378``
+    (docs/architecture.md). A singleton group gets 0.
 
     Returns:
         ``[R]`` float64 advantages.
@@ -236,15 +210,11 @@ def reinforce_baseline(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-
     return a / (s + eps) if s > 0.0 else a
 
 
-# ----------------------------------------------------------------------------- token estimators
-
-
 def _rollout_order(rollout_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
     """Flatten each rollout's sampled tokens in order (segments by row, tokens by position).
 
-    Returns ``(flat_pos, roll, col, L)``: for every sampled token (in the order of
-    ``mask.nonzero()`` re-sorted stably by rollout), its flat index into ``[B*T]``, its
-    rollout, its position ``col`` within the rollout's token sequence, and the longest length.
+    Returns ``(flat_pos, roll, col, L)`` per sampled token, sorted stably by rollout: flat index
+    into ``[B*T]``, rollout, position within the rollout's token sequence; ``L`` the longest length.
     """
     B, T = mask.shape
     flat_pos = torch.nonzero(mask.flatten()).flatten()  # row-major: (b, t) order
@@ -366,8 +336,6 @@ def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: 
     a = -coef * (student_logprobs.detach().to(_F64) - teacher_logprobs.detach().to(_F64))
     return torch.where(mask, a, 0.0).to(torch.float32)
 
-
-# ----------------------------------------------------------------------------- dispatch
 
 #: The tensors an estimator may name (``[B, T]`` float, or None when the step has none), and
 #: the numbers (``gamma``, ``lam`` floats in [0, 1]; ``eps``, ``std_tol`` floats >= 0; ``coef``

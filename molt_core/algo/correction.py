@@ -1,55 +1,9 @@
-"""Policy-version semantics: the single enforcement site (sequence gate + importance correction).
-
-Every sampled token carries the behaviour logprob and the policy version it was sampled under
-(a request may span several versions when a weight sync lands mid-generation). Before the
-loss, :func:`staleness_gate` (once per step) and :func:`correct` do two things, and nothing else in the project does them:
-
-(a) **Sequence gate.** A *sequence* is a whole rollout, all its segments (a rollout whose
-    context was rewritten has several rows; ``seq_index`` maps rows to rollouts).
-    ``staleness[s] = current_version - min(version of s's sampled tokens)`` -- the *oldest*
-    token decides (issue 4, B10: tokens at v7 and v8 trained at v9 have staleness 2, not 1).
-    A sequence with ``staleness > max_staleness`` is dropped in full, every row (``keep``
-    False, weights 0), and counted in ``correction/gate_dropped`` / ``correction/gated_frac``;
-    nothing is dropped silently. ``invariants/staleness_max`` is measured over *every* sampled
-    token that reached the trainer, before the gate, so a violation of the bound shows.
-
-(b) **Importance correction** of behaviour → proximal (the trainer's logprobs at the current
-    version before the update), ``rho = pi_prox / pi_behaviour``, at level
-
-    * ``off``   -- weight 1 on every kept sampled token;
-    * ``token`` -- per-token ``rho_t``;
-    * ``seq``   -- the sequence product ``prod_t rho_t`` over every sampled token of the
-      rollout (all its segments), on every token of the rollout;
-    * ``geo``   -- the geometric mean ``exp(mean_t log rho_t)`` over the same tokens;
-
-    and mode, with band ``[low, high]``:
-
-    * ``trunc`` -- ``min(rho, high)`` (one-sided; ``low`` unused);
-    * ``clip``  -- ``clamp(rho, low, high)``;
-    * ``mask``  -- ``rho`` inside the band, 0 outside (the token, or the whole rollout for
-      seq/geo, is rejected).
-
-    **Out of support.** A sampled token that the trainer's recomputed top-k / top-p filter
-    removes has proximal logprob ``-inf`` (a stale token after a weight change, or bf16/fp32
-    drift at the k-th boundary): its ratio is 0. It never raises: under ``mask`` it is
-    rejected -- out of ``loss_mask`` and of the loss's token count -- at every level, ``off``
-    included (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
-    ``clip`` its own weight is 0 and it stays in ``loss_mask`` (for seq/geo the rest of its
-    rollout gets ``min(0, high) = 0`` under trunc, ``low`` under clip; with ``off`` only the
-    token). It stays out of the gradient in every mode (``Correction.out_of_support``) and
-    is counted in ``correction/out_of_support_frac``.
-
-    Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
-    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
-    https://fengyao.notion.site/off-policy-rl); **IcePop** = ``token`` + ``mask`` (Ling Team,
-    inclusionAI, 2025, introduced with the Ring-1T model: tokens whose train/infer probability
-    ratio leaves ``[alpha, beta]`` are excluded from the gradient); sequence-level masked IS,
-    **Seq-MIS** = ``seq`` + ``mask`` ("When Speed Kills Stability: Demystifying RL Collapse from
-    the Training-Inference Mismatch", Yingru Li and co-authors, 2025 blog,
-    https://yingru.notion.site); ``geo`` + ``mask`` is its length-normalised (geometric-mean) form.
+"""Policy-version semantics, the single enforcement site: :func:`staleness_gate` (once per step)
+drops a whole rollout whose oldest sampled token is too stale, and :func:`correct` weights each
+kept token by the behaviour -> proximal importance ratio ``rho = pi_prox / pi_behaviour``.
 
 Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens;
-``seq_index[b]`` the rollout of row ``b``.
+``seq_index[b]`` the rollout of row ``b``. Semantics and sources: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -182,8 +136,8 @@ class Gate:
 
 def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_staleness: int,
                    seq_index: Tensor | None = None) -> Gate:
-    """The sequence gate (module docstring, (a)): a rollout whose oldest sampled token is more
-    than ``max_staleness`` versions behind ``current_version`` is dropped, every row.
+    """The sequence gate: a rollout whose oldest sampled token is more than ``max_staleness``
+    versions behind ``current_version`` is dropped, every row, and counted in the metrics.
 
     Args:
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
@@ -232,7 +186,14 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
 
 def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *,
             is_level: str = "token", is_mode: str = "trunc", low: float = 0.0, high: float = 2.0) -> Correction:
-    """Behaviour→proximal importance correction behind the step's ``gate`` (module docstring, (b)).
+    """Behaviour -> proximal importance correction behind the step's ``gate``.
+
+    Level: ``off`` (weight 1), ``token`` (``rho_t``), ``seq`` (``prod_t rho_t`` over the rollout's
+    sampled tokens, on all of them), ``geo`` (``exp(mean_t log rho_t)``). Mode, band ``[low, high]``:
+    ``trunc`` (``min(rho, high)``), ``clip`` (``clamp(rho, low, high)``), ``mask`` (0 and out of
+    ``loss_mask`` outside the band). TIS = token + trunc (Yao et al. 2025); IcePop = token + mask
+    (Ling Team 2025); Seq-MIS = seq + mask (Li et al. 2025); references in docs/architecture.md.
+    A token out of the recomputed support (proximal ``-inf``) has ratio 0 and never raises.
 
     Args:
         gate: the step's :func:`staleness_gate` (or its :meth:`Gate.rows` for a micro-batch).
@@ -300,7 +261,7 @@ def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, m
     loss_mask = live & ~rejected
     weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)
 
-    # metrics: the gate's first, its staleness histogram last (as ever)
+    # metrics: the gate's first, its staleness histogram last
     n_all = int(mask.sum())
     n_live = int(live.sum())
     aw = weights[loss_mask].double()

@@ -1,16 +1,9 @@
 """Policy-gradient losses (PPO clip with dual clip, GSPO, CISPO) with global-token aggregation.
 
-All losses are per-token terms ``l[b, t]`` on sampled tokens, multiplied by the detached
-importance weight ``is_weights[b, t]`` from :mod:`molt_core.algo.correction`, and aggregated as
-
-    loss = sum_{b, t in mask} l[b, t] * w[b, t] / num_tokens
-
-where ``num_tokens`` is the number of action tokens in the **whole optimizer step** (all
-micro-batches, later all data-parallel ranks). Summing the micro-batch losses (gradient
-accumulation) then gives each token the gradient weight ``1 / num_tokens`` however the batch is
-cut (issue 4, case B15). The importance ratio is taken against the *proximal* policy -- the
-trainer's own logprobs at the current version before the update (decoupled PPO, Hilton et al.
-2021, arXiv 2110.00641) -- while behaviour→proximal off-policyness is handled by ``is_weights``.
+Per-token terms ``l[b, t]`` times the detached importance weight ``w[b, t]``
+(:mod:`molt_core.algo.correction`) are aggregated as ``sum_{mask} l * w / num_tokens``, with
+``num_tokens`` the action-token count of the whole optimizer step. The ratio is taken against the
+proximal policy (decoupled PPO, Hilton et al. 2021, arXiv 2110.00641); see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,10 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo``
-#: (policy-loss importance ratios here, k3 in :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8``
-#: is finite in float32 and bfloat16, and a ratio that large is far outside any clip band or
-#: trust region. The value follows verl's clamp of the KL log ratio to [-20, 20].
+#: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo`` (here and k3 in
+#: :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8`` is finite in float32/bfloat16; verl clamps to [-20, 20].
 LOG_RATIO_BOUND = 20.0
 
 __all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "apply_policy_loss", "loss_params", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
@@ -60,11 +51,8 @@ def bounded_ratio(log_ratio: Tensor) -> Tensor:
     """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))`` -- an importance ratio that
     is always finite.
 
-    Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound
-    (``e^{+-20}``) and, being clamped, no gradient through the ratio. Without the bound one token
-    at +100 nats gives ``ratio = inf`` (float32 overflows above 88.7): an ``inf`` loss for a
-    negative advantage, and ``0 * inf = NaN`` gradients through the clipped branch of PPO for a
-    positive one -- either way the whole step is poisoned.
+    Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound and no
+    gradient through it; unbounded, one such token makes the loss ``inf`` or its gradient NaN.
 
     Args:
         log_ratio: any-shape float tensor (nats), e.g. ``logprobs - proximal_logprobs``.
@@ -124,10 +112,9 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
     ``s_b = exp(mean_t (logprobs - proximal_logprobs))``. The GSPO-token form (§4.3) is used so
     per-token advantages are allowed: ``s_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)]`` (value
     ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A, clip(s_bt, 1 - clip_low,
-    1 + clip_high) A)``. Each row (segment) is one sequence. ``log s_b`` is bounded to +-20 nats
-    before the exponential (see :func:`bounded_ratio`). Note: aggregation here is the
-    global token mean of the module docstring, so longer sequences weigh more than in the
-    paper's per-sequence mean.
+    1 + clip_high) A)``. Each row (segment) is one sequence; ``log s_b`` is bounded to +-20 nats
+    (:func:`bounded_ratio`). Aggregation is the global token mean, so longer sequences weigh more
+    than in the paper's per-sequence mean.
 
     Returns:
         ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
