@@ -1,11 +1,7 @@
-"""Trainer ingress: finished rollouts -> one padded :class:`Batch`.
-
-Rows are segments (a rollout whose context was rewritten has several rows sharing one
-reward), right-padded; per-token lengths, sampled-token spans and token ids are re-checked
-(what the :class:`~molt_core.types.Segment` validators check, plus what only the trainer
-knows), and each row points at its rollout, each rollout at its group (one reward per
-rollout). Token identity against the engine's record is checked before this, by
-:func:`molt_core.identity.screen`.
+"""Trainer ingress: finished rollouts -> one padded :class:`Batch` (rows are segments, each row
+pointing at its rollout, each rollout at its group), re-checking what the
+:class:`~molt_core.types.Segment` validators check plus what only the trainer knows. Token
+identity against the engine's record is checked before this, by :func:`molt_core.identity.screen`.
 """
 
 from __future__ import annotations
@@ -44,11 +40,9 @@ class IngressError(ValueError):
 
 
 class NonFiniteLogprobs(RuntimeError):
-    """A recompute of the trainer gave a NaN or ``+inf`` logprob on sampled tokens (raised by
-    :func:`nonfinite_check` inside :meth:`~molt_core.train.Trainer.train_step`, always before
-    its optimizer step; the step refuses those rollouts -- ``ingress/refused_nonfinite``,
-    ``invariants/nonfinite_logprobs`` -- and is redone on the rest, as if they had been refused
-    at ingress). ``-inf`` is not one: it is a token out of the recomputed support.
+    """A recompute of the trainer gave a NaN or ``+inf`` logprob on sampled tokens, always before
+    the optimizer step: :meth:`~molt_core.train.Trainer.train_step` refuses those rollouts and redoes
+    the step on the rest. ``-inf`` is not one: it is a token out of the recomputed support.
 
     Attributes:
         rollouts: the affected rollouts, sorted indices into the batch's ``rewards``.
@@ -81,11 +75,6 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
     bad = torch.isnan(values) | (values == math.inf)
     if bool(bad.any()):
         raise NonFiniteLogprobs(sorted(set(batch.rollout_index[rows[bad]].tolist())), int(bad.sum()), where)
-
-
-# ---------------------------------------------------------------------------------------
-# batch construction (trainer ingress)
-# ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -144,12 +133,10 @@ def build_batch(
 ) -> Batch:
     """Collate usable trajectories into a :class:`Batch` (trainer ingress).
 
-    Trajectories with ``status == "failed"`` are skipped (excluded, never scored 0); the
-    rest must carry a reward. Re-checks what the :class:`~molt_core.types.Segment`
-    validators check (the objects may have been mutated or built with ``model_construct``)
-    plus what only the trainer knows: ids below ``vocab_size``, no sampled token at position
-    0 (it has no context to be predicted from), and every sampled token inside exactly one
-    sampled span.
+    Trajectories with ``status == "failed"`` are skipped (never scored 0); the rest must carry
+    a reward. Re-checks the :class:`~molt_core.types.Segment` validators (objects may have been
+    mutated or built with ``model_construct``), ids below ``vocab_size``, no sampled token at
+    position 0, and every sampled token inside exactly one sampled span.
 
     Args:
         trajectories: finished rollouts.
@@ -157,12 +144,10 @@ def build_batch(
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
         need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
             with one per-token list per segment, a float on each sampled token.
-        vision: the model's image processor (the modality plugin's): each segment's image
-            runs are checked against its ``images`` (one run per ref, where the ref says, of
-            the length its grid gives; its ``check_segment``), and each image's
-            grid as this processor computes it (what the trainer's forward will use) must
-            equal the recorded ``grid_thw`` (what the engine expanded). None skips those
-            checks (the images' bytes are still checked against their digests).
+        vision: the model's image processor (the modality plugin's): each segment's image runs
+            must match its ``images`` (``check_segment``) and each image's grid as this processor
+            computes it must equal the recorded ``grid_thw``. None skips those checks (the
+            images' bytes are still checked against their digests).
 
     Returns:
         The padded :class:`Batch`.
@@ -271,8 +256,8 @@ def build_batch(
             "a non-sampled token neither"
         )
 
-    # sampling transform of each sampled token, from the spans (a plain-list pass: a span
-    # covers a handful of tokens, where per-span tensor ops cost ~10x more; issue 16 item 2)
+    # sampling transform of each sampled token, from the spans (a plain-list pass: a span covers
+    # a handful of tokens, where per-span tensor ops are slower)
     params: list[tuple[float, int, float]] = []
     pindex: dict[tuple[float, int, float], int] = {}
     pid_list = [-1] * len(flat_ids)
@@ -402,12 +387,9 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
     """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject, so
     one malformed rollout costs only itself, never the step.
 
-    Each ``ok`` rollout is checked alone with :func:`build_batch` (every check it makes: a
-    missing or non-finite reward, no segments, no sampled token, misaligned per-token fields,
-    an id outside the vocabulary, a sampled token at position 0 or outside every sampled span
-    -- e.g. a segment with sampled tokens and no span --, conflicting overlapping spans,
-    missing teacher logprobs); a second rollout with an already seen ``rollout_id`` is refused
-    too. Failed rollouts pass through untouched (the batch builder skips them).
+    Each ``ok`` rollout is checked alone with :func:`build_batch` (every check it makes); a
+    second rollout with an already seen ``rollout_id`` is refused too. Failed rollouts pass
+    through untouched.
 
     Args:
         trajectories: the step's rollouts.
@@ -415,13 +397,10 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
     Returns:
         ``(kept, metrics, reasons)``: the rollouts to train on (order kept); floats
-        ``ingress/refused_malformed`` (rollouts refused here), ``ingress/refused_no_span``
-        (of those, the ones with a sampled token in no sampled span),
-        ``ingress/refused_nonfinite`` (of those, the ones with a NaN / infinite behaviour
-        logprob on a sampled token) and ``invariants/nonfinite_logprobs`` (those rollouts'
-        sampled tokens with a NaN / infinite behaviour logprob); and one message per refused
-        rollout naming it, the segment index and the field (also logged as a warning on the
-        ``molt.ingress`` logger).
+        ``ingress/refused_malformed`` (rollouts refused), of those ``ingress/refused_no_span``
+        (a sampled token in no span) and ``ingress/refused_nonfinite`` (a NaN / infinite
+        behaviour logprob), and ``invariants/nonfinite_logprobs`` (such tokens); one message per
+        refused rollout naming it, the segment and the field (also logged on ``molt.ingress``).
     """
     kept: list[Trajectory] = []
     reasons: list[str] = []
@@ -455,16 +434,13 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
 def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | None, need_teacher: bool,
           refuse_unverified: bool, vision: Any = None) -> tuple[list[Trajectory], Batch | None, dict[str, float]]:
-    """A train step's ingress: refuse malformed rollouts one at a time
-    (:func:`refuse_malformed`; the whole batch first, so the clean case builds once), then
-    rollouts whose action tokens differ from -- or, with ``refuse_unverified``, lack -- the
-    engine's record (:func:`molt_core.identity.screen`).
+    """A train step's ingress: refuse malformed rollouts one at a time (:func:`refuse_malformed`;
+    the whole batch first, so the clean case builds once), then rollouts whose action tokens
+    differ from, or with ``refuse_unverified`` lack, the engine's record (:func:`molt_core.identity.screen`).
 
     Returns:
-        ``(kept trajectories, their Batch or None when it must be rebuilt from them, metrics)``
-        -- the metrics of :func:`molt_core.identity.screen` plus ``ingress/refused_malformed``,
-        ``ingress/refused_no_span``, ``ingress/refused_nonfinite``,
-        ``invariants/nonfinite_logprobs`` (:func:`refuse_malformed`), with
+        ``(kept trajectories, their Batch or None when it must be rebuilt, metrics)``: those of
+        :func:`molt_core.identity.screen` and :func:`refuse_malformed`, with
         ``ingress/refused_rollouts`` counting every refusal.
     """
     try:

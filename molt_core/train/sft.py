@@ -1,26 +1,8 @@
 """Supervised fine-tuning (SFT) on the trainer's model: the warm start before RL.
 
-A tiny model from a random init never samples a correct answer, so RL gets no reward; a
-short SFT on (prompt, completion) pairs gives it one. Examples are rendered with the same
-chat template the engine uses (``tokenizer.apply_chat_template(..., add_generation_prompt=
-True)`` for the prompt), and only the completion tokens -- the reply and its end-of-turn
-token, exactly what the engine would have to sample -- enter the loss.
-
-Loss: token-mean cross-entropy over the completion tokens of the whole batch (global token
-count, so it does not depend on the micro-batch cut), AdamW with the ``[trainer]`` betas /
-eps / weight decay at ``sft.lr``, grad-norm clip ``trainer.grad_clip``.
-
-:func:`examples_from_agent` draws examples from an agent's ``tasks("train", seed)`` (dicts
-with ``question`` / ``answer``), optionally with deliberately wrong labels (``label_noise``)
-so the warm start is imperfect and RL has something to improve.
-
-Images (vision-language models): a prompt whose user/tool messages hold image parts
-(``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``,
-:func:`molt_plugins.vision.images.image_part`) is normalized and rendered as the ledger does
-(:func:`molt_core.ledger.messages.normalize_messages`), each placeholder is expanded into the
-image's run (the modality processor's ``expand_placeholders``), and the forward gets the images'
-``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.train.forward.image_inputs`)
--- the same inputs the engine and the RL trainer give the model.
+Examples ``(messages, completion)`` are rendered with the engine's chat template and only the
+completion tokens (the reply and its end-of-turn token) enter a token-mean cross-entropy; images
+in a prompt are rendered and fed as the engine and the RL trainer do (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -188,11 +170,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     each step's metrics (so a caller can show progress or stop between steps).
 
     Batches of ``batch_size`` examples are drawn without replacement from a seeded shuffle
-    (reshuffled each pass); each batch is cut into micro-batches of
-    ``trainer.cfg.trainer.micro_batch_size`` rows with gradient accumulation.
-
-    Loss of a step: ``-(1/N) sum log p(y_t | y_<t, prompt)`` over the ``N`` completion tokens
-    of the batch (raw distribution, T = 1).
+    (reshuffled each pass), cut into micro-batches of ``trainer.cfg.trainer.micro_batch_size`` rows.
+    Loss: ``-(1/N) sum log p(y_t | y_<t, prompt)`` over the batch's ``N`` completion tokens (T = 1).
 
     Args:
         trainer: a :class:`molt_core.train.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
@@ -200,8 +179,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         steps: optimizer steps (0 yields nothing).
         batch_size: examples per step.
         lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
-            lr_schedule)`` (:func:`molt_core.train.lr_factor`: linear warmup, then constant,
-            linear or cosine decay to 0 at the last step).
+            lr_schedule)`` (:func:`molt_core.train.lr_factor`).
         seed: shuffle seed.
         warmup_steps: linear-warmup steps.
         lr_schedule: ``constant``, ``linear`` or ``cosine``.
@@ -210,9 +188,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (loss in
         nats per completion token, time in seconds).
 
-    Side effects: before the last step's metrics are yielded, the trainer's frozen reference
-    (if any) is re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged
-    (the runtime publishes the warm-started weights as the initial policy).
+    Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
+    re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
 
     Raises:
         ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
@@ -352,9 +329,8 @@ def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -
     * ``{"messages": [...]}`` -- a chat; every assistant message becomes one example whose
       prompt is the messages before it, so the loss covers all assistant turns and nothing else.
 
-    A message's ``content`` is a string, or (vision-language models) a list of
-    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": {"url":
-    "data:image/png;base64,..."}}`` parts; the images are checked when rendered.
+    A message's ``content`` is a string or (vision-language models) a list of ``text`` and
+    ``image_url`` parts; the images are checked when rendered.
 
     Raises:
         ValueError: a row of neither form, malformed messages, or no example at all (names
