@@ -1,23 +1,9 @@
 """Checkpoints of a :class:`~molt_core.train.trainer.Trainer` on disk.
 
-A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/``: a Hugging Face-loadable
-``model/`` (``save_pretrained`` safetensors, config, tokenizer; a vision-language model's
-image processor), ``ref/`` and ``critic/`` when
-present, ``trainer_state.pt`` (optimizers, schedulers, KL controller, RNG states) and
-``state.json`` (step, version, data cursor). It is written into a temporary directory and
-renamed (a kill leaves the whole checkpoint or none), then pruned to ``checkpoint.keep``.
-
-Integrity: ``checksums.json`` holds the SHA-256 of every other file of the checkpoint,
-written last. :func:`verify_checkpoint` checks it (and that ``state.json`` parses) before
-anything is loaded; a truncated, missing or bit-flipped file raises
-:class:`CheckpointCorrupt` naming the file. :func:`latest_intact_checkpoint` -- what
-``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
-skipped. A checkpoint written before checksums existed is accepted unverified.
-
-A sharded trainer's checkpoint adds ``dcp/``, written and read by its trainer backend
-(``molt_register_trainer_backends``; first party: :mod:`molt_plugins.distributed`); one module's weight files
-are written and read by :mod:`molt_core.train.model_files`, an adapter's (LoRA) by its plugin
-(``trainer.adapter.save`` / ``load``).
+A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/`` (layout: :func:`save_checkpoint`),
+written into a temporary directory and renamed, then pruned to ``checkpoint.keep``.
+``checksums.json`` holds the SHA-256 of every other file; :func:`verify_checkpoint` checks it
+before anything is loaded and :func:`latest_intact_checkpoint` skips corrupt checkpoints.
 """
 
 from __future__ import annotations
@@ -147,14 +133,11 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
 
-    Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-    with ``AutoModelForCausalLM.from_pretrained``; with an adapter (LoRA) the merged weights,
-    plus the adapter's files: ``base/`` and ``adapter/`` for LoRA), ``ref/`` (the frozen reference, if
-    any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
-    schedulers, KL controller, RNG states of torch,
-    numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
-    into a temporary directory and renamed, so a kill leaves either the complete
-    checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
+    Layout: ``model/`` (``save_pretrained`` safetensors, config, tokenizer, a vision-language
+    model's image processor; with an adapter the merged weights plus its files, ``base/`` and
+    ``adapter/`` for LoRA), ``ref/`` and ``critic/`` if any, ``trainer_state.pt`` (optimizers,
+    schedulers, KL controller, RNG states of torch, numpy and python), ``state.json`` (``step``,
+    ``version``, ``data_cursor``). A kill leaves the complete checkpoint or none.
 
     Args:
         run_dir: the run directory.

@@ -1,33 +1,9 @@
 """The on-policy check of stale rows in a process of its own, beside the update.
 
-An asynchronous step measures its tokens sampled by older versions under those versions'
-weights (:func:`molt_core.train.version_history.stale_absdiff`): one extra no-grad forward per step.
-Run on a thread of the trainer process, that forward shares the interpreter lock with the
-update and lengthens the step (tiny Qwen3 quickstart, 2 CPU cores: about 35-50 ms of a
-~200 ms step). :class:`CheckProcess` runs it in a child process instead, so on a multi-core
-CPU it costs the update nothing but the copy of the weights that
-:meth:`~molt_core.train.version_history.VersionHistory.record` makes anyway:
-
-* the version history's copies live in shared memory: a ring of ``max_staleness + 1`` slots,
-  each one file in ``/dev/shm`` holding a whole state dict, mapped by both processes (the
-  files are unlinked once both have mapped them, so nothing is left behind); the child holds
-  one model per slot whose parameters *are* that slot's tensors, so no weights travel per step;
-* per step the trainer sends the batch, the version it trains and which slot holds each older
-  version; the child runs the same :func:`~molt_core.train.version_history.stale_absdiff` over the
-  same micro-batches, autocast and thread count as the trainer
-  (:func:`molt_core.train.forward.recompute_logprobs`) and sends back the ``[N]`` float64
-  differences and their rows -- bit-identical to the check run in line
-  (tests/test_onpolicy_consistency.py). The trainer takes them before its optimizer step, so
-  a NaN / ``+inf`` recompute here refuses its rollouts exactly as in line
-  (:func:`molt_core.train.ingress.nonfinite_check`).
-
-The child is ``python -m molt_core.train.onpolicy_check`` (not a ``multiprocessing`` spawn,
-which would re-run an unguarded user script's ``__main__``); it gets the model pickled once and
-talks over its stdin / stdout with pickle. Used by :class:`molt_core.train.Trainer` for a
-one-process CPU trainer with no images and no routing replay
-(:meth:`molt_core.train.Trainer._onpolicy_stale`); elsewhere the check stays in line. If the
-child cannot start (a model class the child cannot import, too little shared memory), the
-trainer runs the check in line and logs why, once.
+:class:`CheckProcess` runs :func:`~molt_core.train.version_history.stale_absdiff` in a child
+(``python -m molt_core.train.onpolicy_check``) over version-history copies kept in a shared-memory
+ring, so on a multi-core CPU the check costs the update nothing; its result is bit-identical to
+the in-line check. Design: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -100,9 +76,7 @@ def _shm_dir() -> str | None:
 
 def _reserve(path: str, nbytes: int) -> None:
     """Create ``path`` with ``nbytes`` bytes allocated now (``posix_fallocate`` where the OS has
-    it): a full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, instead of SIGBUS -- which kills
-    the trainer -- at the first write into a slot that another user of ``/dev/shm`` (Ray's
-    object store, growing with every publish) has filled meanwhile.
+    it), so a full ``/dev/shm`` is an ``OSError`` here instead of a SIGBUS at a later write.
 
     Raises:
         OSError: no room (ENOSPC), or the file cannot be created.
@@ -144,9 +118,8 @@ class CheckProcess:
             :meth:`molt_core.train.version_history.VersionHistory.share`.
 
     Raises:
-        MemoryError: the ring would take more than half of the free space of ``/dev/shm``
-            (a small one is common in containers, and writing past it kills the process with
-            SIGBUS instead of raising).
+        MemoryError: the ring would take more than half of the free space of ``/dev/shm``, or
+            does not fit in it (writing past it kills the process with SIGBUS instead of raising).
         Exception: whatever pickling the model or starting the process raises (a failure
             inside the child is raised by :meth:`ready`).
     """
@@ -174,8 +147,7 @@ class CheckProcess:
         self.ring = [map_slot(p, layout, nbytes) for p in paths]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
         # Linux: the files are unlinked at once and live on through descriptors the child inherits
-        # (it maps /proc/self/fd/N), so nothing is left in /dev/shm whoever is killed when; else
-        # the child removes them once it has mapped them (or failed to)
+        # (/proc/self/fd/N), so nothing is left whoever is killed when; else the child removes them
         fds = [os.open(p, os.O_RDWR) for p in paths] if os.path.isdir("/proc/self/fd") else []
         if fds:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -187,8 +159,7 @@ class CheckProcess:
         finally:
             for fd in fds:
                 os.close(fd)
-        # the model (more than a pipe holds) goes on a thread: the write ends only once the
-        # child, after seconds of imports, has read it, and the step that starts it goes on
+        # the model (more than a pipe holds) goes on a thread, so the step that starts it goes on
         self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,
                                         args=((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads,
                                                shared_prefix),))
@@ -203,8 +174,7 @@ class CheckProcess:
 
     def ready(self, timeout: float = 0.0) -> bool:
         """Whether the child has mapped the ring and built its models (waiting up to ``timeout``
-        seconds for it; the trainer checks in line until then, so the child's start-up -- a
-        few seconds of imports -- never holds a step up).
+        seconds; the trainer checks in line until then).
 
         Raises:
             RuntimeError: the child could not start (its error's text, e.g. a model class it
@@ -259,10 +229,9 @@ class CheckProcess:
         slot; ``max_rows`` and ``seed`` as :func:`stale_absdiff`'s sample. Returns a function
         that waits for :func:`stale_absdiff`'s ``(diffs, rows)`` (``[N]`` float64, ``[N]`` long).
 
-        The ring slots read must not be written (:meth:`VersionHistory.record`) before the
-        result is taken: the ring's spare slot guarantees it for one check in flight. A check
-        whose result was never taken (its step raised, or was interrupted, after sending it) is
-        waited for here and its reply dropped, so each result is its own check's.
+        The ring slots read must not be written before the result is taken (the ring's spare slot
+        guarantees it for one check in flight). A check whose result was never taken is waited
+        for here and its reply dropped, so each result is its own check's.
 
         Raises:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died
