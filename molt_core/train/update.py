@@ -46,30 +46,23 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                   ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """``ppo_epochs`` optimizer steps of ``trainer``'s policy over the batch's micro-batches.
 
-    Per micro-batch: the registered loss, :func:`molt_core.train.algorithms.policy_loss` (normalised by the step's
-    ``num_tokens``, so micro-batch losses sum, B15) plus ``kl_coef *``
-    :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip
-    and one optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``,
-    ``out_of_support`` are ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
+    Per micro-batch: the registered loss (:func:`molt_core.train.algorithms.policy_loss`,
+    normalised by the step's ``num_tokens``, so micro-batch losses sum) plus ``kl_coef *``
+    :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip and one
+    optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``, ``out_of_support`` are
+    ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
 
-    With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
-    micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
-    otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
-    ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
-    ones outside the reference's support). ``before_step(prox)`` runs once, after epoch 0's
-    backwards and before the first optimizer step, with the fused ``[B, T]`` proximal
-    logprobs (every row filled; None when not fused): whatever it raises leaves the weights
-    untouched (the trainer's non-finite check, :func:`molt_core.train.ingress.nonfinite_check`;
-    a fused NaN / ``+inf`` reaches the correction as ``-inf`` until then).
+    With ``correct`` given (fused recompute), each micro-batch's proximal logprobs and IS weights
+    come from its own epoch-0 loss forward via ``correct(prox_mb, rows)``; otherwise from
+    ``weights`` and ``out_of_support``. ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens
+    the KL term covers. ``before_step(prox)`` runs once, after epoch 0's backwards and before the
+    first optimizer step, with the fused ``[B, T]`` proximal logprobs (None when not fused):
+    whatever it raises leaves the weights untouched.
 
-    Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token (``train_mask``) --
-    in a later epoch, under weights this update moved -- is no more out of support than the
-    recompute's: it is kept out of that epoch's backward, and at the epoch's end (every
-    process alike: the rows are combined) the weights and AdamW state go back to what they
-    were before the first optimizer step and
-    :class:`~molt_core.train.ingress.NonFiniteLogprobs` is raised (the trainer refuses the
-    rollouts and redoes the step). With ``ppo_epochs > 1`` that costs one copy, on CPU, of
-    this process's trainable parameters and AdamW state per step.
+    Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token in a later epoch is kept
+    out of that epoch's backward; at the epoch's end the weights and AdamW state are restored to
+    before the first optimizer step (a CPU copy per step when ``ppo_epochs > 1``) and
+    :class:`~molt_core.train.ingress.NonFiniteLogprobs` is raised.
 
     Returns:
         ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -113,11 +106,9 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 w, oos = c.weights, c.out_of_support
             else:
                 w, oos = weights[rows, :T], out_of_support[rows, :T]
-            # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
-            # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
-            # under trunc/clip (a weight-0 token), see correction.correct. A later PPO epoch
-            # can push a token out of the current support too: same treatment (a NaN / +inf
-            # one too until the epoch's end, where ``bad`` refuses its rollout).
+            # an out-of-support token (logprob -inf) stays out of the gradient (weight 0, finite
+            # stand-ins so no NaN reaches backward) but counts in num_tokens under trunc/clip; a
+            # later epoch may push a token out of support too (a NaN / +inf one: ``bad`` refuses it)
             oos = oos.to(dev) | ~torch.isfinite(lp.detach())
             m = train_mask[rows, :T].to(dev) & ~oos
             lp = torch.where(oos, torch.zeros((), device=dev), lp)
