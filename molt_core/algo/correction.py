@@ -23,28 +23,23 @@ class Correction:
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the staleness gate.
-        weights: ``[B, T]`` float32, detached importance weights; 0 on tokens that are not
-            sampled, on dropped rows, on out-of-support tokens and on tokens rejected by
-            ``is_mode = "mask"``.
+        weights: ``[B, T]`` float32, detached importance weights; 0 on tokens not sampled, on
+            dropped rows, out of support or rejected by ``is_mode = "mask"``.
         staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
             row's rollout (0 for a rollout without sampled tokens).
-        metrics: ``invariants/staleness_max`` (over every sampled token, before the gate),
-            ``correction/staleness_max_kept`` (over the rows the gate kept),
-            ``correction/staleness_hist/<k>`` (row counts, all rows with sampled tokens),
-            ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
-            ``correction/gated_frac`` (dropped sampled tokens / all sampled tokens),
-            ``correction/out_of_support_frac`` (sampled tokens with proximal logprob -inf / all
-            sampled tokens), ``correction/tokens`` (sampled tokens of kept rows),
-            ``correction/masked_frac`` and ``correction/clipped_frac`` (fractions of those
-            tokens), ``correction/is_weight_mean``, ``_min``, ``_max`` (over ``loss_mask``
-            tokens), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox - log
-            pi_behaviour|`` over kept in-support tokens, before the band).
-        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens`` denominator):
-            sampled, kept by the gate, not rejected by mask mode (which rejects an
-            out-of-support token at every level). Under trunc/clip an out-of-support token
-            stays here with weight 0.
+        metrics: ``invariants/staleness_max`` (every sampled token, before the gate),
+            ``correction/staleness_max_kept`` (kept rows), ``correction/staleness_hist/<k>`` (row
+            counts), ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
+            ``correction/gated_frac`` and ``correction/out_of_support_frac`` (of all sampled
+            tokens), ``correction/tokens`` (sampled tokens of kept rows), ``correction/masked_frac``
+            and ``correction/clipped_frac`` (of those), ``correction/is_weight_mean`` / ``_min`` /
+            ``_max`` (over ``loss_mask``), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox -
+            log pi_behaviour|`` over kept in-support tokens, before the band).
+        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens``): sampled, kept by
+            the gate, not rejected by mask mode; under trunc/clip an out-of-support token stays
+            here with weight 0.
         out_of_support: ``[B, T]`` bool, sampled tokens whose proximal logprob is -inf; the
-            caller keeps them out of the gradient (their logprob has no finite value).
+            caller keeps them out of the gradient.
     """
 
     keep: Tensor
@@ -143,10 +138,9 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
         mask: ``[B, T]`` bool, sampled tokens.
         current_version: the trainer's policy version (latest published).
-        max_staleness: largest accepted staleness (``async.max_staleness``, validated >= 0 by
-            the config).
-        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``): the gate
-            acts on the whole rollout. None: every row is its own sequence.
+        max_staleness: largest accepted staleness (``async.max_staleness``, >= 0).
+        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``); None: every row
+            is its own sequence.
 
     Returns:
         :class:`Gate`.
@@ -198,9 +192,8 @@ def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, m
     Args:
         gate: the step's :func:`staleness_gate` (or its :meth:`Gate.rows` for a micro-batch).
         behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
-        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at the current version (before
-            the update), ``-inf`` on a token outside the recomputed top-k/top-p support;
-            detached here.
+        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at the current version before the
+            update (``-inf`` outside the recomputed top-k/top-p support); detached here.
         mask: ``[B, T]`` bool, sampled tokens.
         is_level: ``off`` | ``token`` | ``seq`` | ``geo``. is_mode: ``mask`` | ``clip`` | ``trunc``.
         low, high: the band (floats; ``low <= 1 <= high``).
@@ -209,9 +202,8 @@ def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, m
         :class:`Correction` (its metrics: the gate's, then the weights').
 
     Raises:
-        ValueError: shape mismatch; a non-finite behaviour logprob, or a NaN/+inf proximal
-            logprob, on a sampled token; a band that rejects weight 1 (``high < 1``, or
-            ``low`` outside ``[0, 1]`` for clip/mask); an unknown level or mode.
+        ValueError: shape mismatch; a non-finite behaviour or NaN/+inf proximal logprob on a
+            sampled token; a band that rejects weight 1; an unknown level or mode.
     """
     _check_mask(mask, behaviour_logprobs=behaviour_logprobs, proximal_logprobs=proximal_logprobs)
     _check_weights(is_level, is_mode, low, high, behaviour_logprobs, proximal_logprobs, mask)

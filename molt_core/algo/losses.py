@@ -28,8 +28,7 @@ def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor
     Args:
         per_token: ``[B, T]`` float per-token loss.
         mask: ``[B, T]`` bool, tokens that count.
-        num_tokens: global count of action tokens in the optimizer step (>= 1, and at least
-            ``mask.sum()``).
+        num_tokens: global count of action tokens in the optimizer step (>= ``mask.sum()``, >= 1).
 
     Returns:
         Scalar tensor (differentiable through ``per_token``).
@@ -48,8 +47,7 @@ def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor
 
 
 def bounded_ratio(log_ratio: Tensor) -> Tensor:
-    """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))`` -- an importance ratio that
-    is always finite.
+    """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))``: an always finite importance ratio.
 
     Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound and no
     gradient through it; unbounded, one such token makes the loss ``inf`` or its gradient NaN.
@@ -67,16 +65,14 @@ def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tens
                    clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347, eq. 7).
 
-    ``r = exp(logprobs - proximal_logprobs)`` (log ratio bounded to +-20 nats, :func:`bounded_ratio`),
-    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (asymmetric band, "clip-higher"
-    of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729): for
-    ``A < 0`` the loss is capped at ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio on
-    a negative-advantage token cannot blow up the update.
+    ``r = exp(logprobs - proximal_logprobs)`` (:func:`bounded_ratio`), ``l = -min(r A, clip(r,
+    1 - clip_low, 1 + clip_high) A)`` (asymmetric band: DAPO's "clip-higher", arXiv 2503.14476).
+    Dual clip (Ye et al. 2020, arXiv 1912.09729): for ``A < 0`` the loss is capped at
+    ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio cannot blow up the update.
 
     Returns:
-        ``(l [B, T], flags)`` where ``flags`` holds bool ``[B, T]`` tensors ``clipped_low``,
-        ``clipped_high`` (the clipped branch is active: zero gradient) and ``dual_clipped``,
-        plus the ``ratio``.
+        ``(l [B, T], flags)``: bool ``[B, T]`` ``clipped_low``, ``clipped_high`` (the clipped branch
+        is active: zero gradient), ``dual_clipped``, and the ``ratio``.
     """
     ratio = bounded_ratio(logprobs - proximal_logprobs)
     surr1 = ratio * advantages
@@ -108,13 +104,11 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
                     clip_low: float, clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO per token (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071).
 
-    Sequence ratio = geometric mean of token ratios over the row's sampled tokens,
-    ``s_b = exp(mean_t (logprobs - proximal_logprobs))``. The GSPO-token form (§4.3) is used so
-    per-token advantages are allowed: ``s_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)]`` (value
-    ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A, clip(s_bt, 1 - clip_low,
-    1 + clip_high) A)``. Each row (segment) is one sequence; ``log s_b`` is bounded to +-20 nats
-    (:func:`bounded_ratio`). Aggregation is the global token mean, so longer sequences weigh more
-    than in the paper's per-sequence mean.
+    Sequence ratio ``s_b = exp(mean_t (logprobs - proximal_logprobs))`` over the row's sampled
+    tokens, in the GSPO-token form (§4.3) so per-token advantages are allowed: ``s_bt = sg[s_b] *
+    pi(y_t) / sg[pi(y_t)]`` (value ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A,
+    clip(s_bt, 1 - clip_low, 1 + clip_high) A)``. Each row is one sequence; ``log s_b`` is bounded
+    (:func:`bounded_ratio`). The global token mean weighs longer sequences more than the paper's.
 
     Returns:
         ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
@@ -138,10 +132,8 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
                      clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585).
 
-    ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` with
-    ``r = exp(logprobs - proximal_logprobs)`` (bounded, :func:`bounded_ratio`): the weight is clipped and
-    stop-gradiented, so every token keeps a gradient ``-clip(r) A grad log pi`` (no token is
-    dropped, unlike PPO's clip).
+    ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` (``r`` by :func:`bounded_ratio`):
+    the weight is clipped and stop-gradiented, so every token keeps a gradient (unlike PPO's clip).
 
     Returns:
         ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
@@ -206,12 +198,10 @@ def apply_policy_loss(
         dual_clip: the dual-clip cap (> 1) or None.
 
     Returns:
-        ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``;
-        metrics over this micro-batch's masked tokens: ``loss/pg`` (the loss value),
-        ``loss/tokens``, ``loss/clip_frac`` (= ``clip_frac_low + clip_frac_high``),
-        ``loss/clip_frac_low``, ``loss/clip_frac_high``, ``loss/dual_clip_frac``,
-        ``loss/ratio_mean``, ``loss/ratio_min``, ``loss/ratio_max``, ``loss/approx_kl``
-        (k3 of proximal vs current, Schulman 2020, log ratio bounded to +-20 nats).
+        ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``; metrics
+        over this micro-batch's masked tokens: ``loss/pg`` (the loss), ``loss/tokens``,
+        ``loss/clip_frac`` (low + high), ``loss/clip_frac_low`` / ``_high``, ``loss/dual_clip_frac``,
+        ``loss/ratio_mean`` / ``_min`` / ``_max``, ``loss/approx_kl`` (k3 of proximal vs current).
 
     Raises:
         ValueError: ``dual_clip <= 1``, mismatched shapes, bad ``num_tokens``.

@@ -28,10 +28,9 @@ _log = logging.getLogger("molt.ingress")
 class IngressError(ValueError):
     """A trajectory handed to the trainer is malformed (token identity would be violated).
 
-    The message names the rollout, the segment index and the field. ``reason`` is a short
-    machine-readable tag (``"no_span"`` for a sampled token in no sampled span,
-    ``"nonfinite"`` for a sampled token whose behaviour logprob is NaN or infinite, else
-    ``"malformed"``).
+    The message names the rollout, the segment index and the field. ``reason``: ``"no_span"``
+    (a sampled token in no sampled span), ``"nonfinite"`` (a non-finite behaviour logprob on a
+    sampled token) or ``"malformed"``.
     """
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
@@ -60,9 +59,8 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
     """Raise :class:`NonFiniteLogprobs` when a sampled token has a NaN or ``+inf`` value.
 
     Args:
-        values: ``[B, T]`` float logprobs of the batch (``rows`` None: the sampled tokens are
-            ``batch.mask``), or ``[N]`` float values of N sampled tokens with ``rows`` ``[N]``
-            long, the batch row of each (:func:`molt_core.train.version_history.stale_absdiff`).
+        values: ``[B, T]`` float logprobs of the batch (sampled where ``batch.mask``), or, with
+            ``rows`` ``[N]`` long (the batch row of each), ``[N]`` values of sampled tokens.
             ``-inf`` (out of the recomputed support) passes.
         batch: the step's batch (``mask``, ``rollout_index``).
         where: the computation, for the message.
@@ -142,8 +140,8 @@ def build_batch(
         trajectories: finished rollouts.
         pad_id: id used for right padding (never attended to by a causal model).
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
-        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
-            with one per-token list per segment, a float on each sampled token.
+        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): one per-token
+            list per segment, a float on each sampled token.
         vision: the model's image processor (the modality plugin's): each segment's image runs
             must match its ``images`` (``check_segment``) and each image's grid as this processor
             computes it must equal the recorded ``grid_thw``. None skips those checks (the
@@ -154,13 +152,10 @@ def build_batch(
 
     Raises:
         IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
-            rollout without sampled tokens, misaligned per-token fields, an id out of range,
-            a sampled token at position 0, a segment with sampled tokens and no span, a
-            sampled token outside every span, conflicting
-            overlapping spans, missing/misaligned teacher logprobs, an image whose bytes are
-            missing, not base64 or do not hash to their key, or (with ``vision``) image runs
-            that do not match a segment's ``images`` or a recorded grid other than the one
-            ``vision`` computes (the engine and trainer processors differ).
+            rollout without sampled tokens, misaligned per-token fields, an id out of range, a
+            sampled token at position 0 or outside every span, conflicting overlapping spans,
+            missing/misaligned teacher logprobs, image bytes missing, not base64 or not hashing to
+            their key, or (with ``vision``) image runs or grids other than ``vision``'s.
     """
     usable = [t for t in trajectories if t.status == "ok"]
     if not usable:

@@ -52,10 +52,9 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of one example: ``(prompt_ids, completion_ids)``.
 
-    ``prompt_ids`` is the chat template of ``messages`` with the generation prompt (what the
-    engine is given); ``completion_ids`` is the continuation of the template rendering of
-    ``messages + [assistant: completion]`` up to and including the end-of-turn token
-    (``eos_token`` / ``<|im_end|>``) -- what the engine must sample, nothing after it.
+    ``prompt_ids``: the chat template of ``messages`` with the generation prompt (what the engine
+    is given); ``completion_ids``: the rest of the rendering of ``messages + [assistant: completion]``
+    up to and including the end-of-turn token (``eos_token`` / ``<|im_end|>``).
 
     Raises:
         ValueError: the full rendering does not start with the prompt rendering (a template
@@ -125,10 +124,9 @@ def _image_kwargs(model: Any, vp: Any, seqs: Sequence[tuple[list[int], list[int]
 
 
 def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch of rendered examples as ``(input_ids, labels)``, both ``[B, T]`` int64
-    (``T`` the longest ``prompt + completion``): ``input_ids`` right-padded with ``pad_id``;
-    ``labels`` equal to the completion ids at the completion positions and -100 everywhere
-    else (prompt and padding), so only completion tokens enter the loss."""
+    """One micro-batch of rendered examples as ``(input_ids, labels)``, both ``[B, T]`` int64:
+    ``input_ids`` right-padded with ``pad_id``; ``labels`` the completion ids at the completion
+    positions and -100 elsewhere, so only completion tokens enter the loss."""
     T = max(len(p) + len(c) for p, c in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), T), -100, dtype=torch.long)
@@ -141,13 +139,10 @@ def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
 def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
         log: Callable[[int, dict[str, float]], None] | None = None, warmup_steps: int = 0,
         lr_schedule: str = "constant") -> list[float]:
-    """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps: all of
-    :func:`iter_sft` at once.
+    """Fine-tune ``trainer.model`` on ``examples``: all of :func:`iter_sft` at once.
 
     Args:
-        log: called as ``log(step, metrics)`` after each step (``step`` 0-based; the metrics
-            of :func:`iter_sft`).
-        others: as :func:`iter_sft`.
+        log: called as ``log(step, metrics)`` after each step (0-based). Others: as :func:`iter_sft`.
 
     Returns:
         The loss of each step (floats, nats per completion token).
@@ -185,8 +180,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         lr_schedule: ``constant``, ``linear`` or ``cosine``.
 
     Yields:
-        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (loss in
-        nats per completion token, time in seconds).
+        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats per
+        completion token; seconds).
 
     Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
     re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
@@ -282,13 +277,10 @@ def noisy_answer(answer: str, rng: random.Random, pool: Sequence[str] = ()) -> s
 def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0) -> list[Example]:
     """Draw ``n`` SFT examples from ``agent.tasks("train", seed)``.
 
-    Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the
-    agent would be shown: for an :class:`~molt_core.agents.Env`, its ``first_messages(task)``
-    (the ``system_prompt``, if any, and ``reset(task)`` as the user message); for a
-    :class:`~molt_core.agents.ChatAgent` that defines ``first_messages(task)`` (the messages its
-    ``run`` sends first, images included), those; otherwise ``task["question"]`` as the user
-    message. A fraction ``label_noise`` of the completions (chosen with a ``seed``-ed RNG) is
-    replaced by :func:`noisy_answer`.
+    Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the agent
+    would be shown: its ``first_messages(task)`` (an :class:`~molt_core.agents.Env`, or a
+    :class:`~molt_core.agents.ChatAgent` that defines it), else ``task["question"]`` as the user
+    message. A ``label_noise`` fraction of the completions (seeded) is replaced by :func:`noisy_answer`.
 
     Raises:
         ValueError: a task without ``answer`` (or, for a non-Env agent, without ``question``),
@@ -382,8 +374,7 @@ EXAMPLE_SEED_OFFSET = 17
 
 
 def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
-    """The recipe's SFT warm start on ``trainer``, all steps at once (see
-    :func:`warm_start_steps`); ``log(step, metrics)`` after each step.
+    """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
 
     Returns:
         Per-step losses (empty when ``sft.steps == 0``).
@@ -397,12 +388,10 @@ def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], 
 
 
 def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
-    """The recipe's SFT warm start on ``trainer``, one step per item: the rows of ``sft.data``
-    when set (:func:`examples_from_rows`, all of them, as they are; ``agent`` is not used and
-    may be None), else ``sft.n_examples`` examples from ``agent`` (seed ``run.seed + 17``,
-    ``sft.label_noise`` wrong); then
-    :func:`iter_sft` for ``sft.steps`` steps of ``sft.batch_size`` at ``sft.lr`` (shuffle
-    seed ``run.seed``). The examples are drawn at once (errors surface here, before any step).
+    """The recipe's SFT warm start on ``trainer``, one step per item: :func:`iter_sft` (``sft.steps``
+    steps of ``sft.batch_size`` at ``sft.lr``, shuffle seed ``run.seed``) on the rows of ``sft.data``
+    when set (``agent`` may then be None), else on ``sft.n_examples`` examples from ``agent`` (seed
+    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step.
 
     Returns:
         An iterator of per-step metrics (empty when ``sft.steps == 0``).
@@ -428,11 +417,10 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     """``molt sft``: warm-start the recipe's model (on ``sft.data`` rows when set, else on the
     agent's train tasks) and write it as a Hugging Face directory.
 
-    Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per
-    step: ``step``, ``sft/loss``, ``sft/tokens``, ``sft/grad_norm``, ``time/step``) and
-    ``OUT/model/`` (``save_pretrained`` + tokenizer, + image processor for a vision-language
-    model; use it as ``model.path``).
-    ``OUT`` defaults to ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
+    Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per step:
+    ``step`` and the metrics of :func:`iter_sft`) and ``OUT/model/`` (``save_pretrained``, tokenizer,
+    a VL model's image processor; use it as ``model.path``). ``OUT`` defaults to
+    ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
 
     Returns:
         The ``OUT/model`` path.

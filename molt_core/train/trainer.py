@@ -44,33 +44,28 @@ class Trainer(OnPolicyChecks):
     """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
 
     Args:
-        cfg: the run configuration (sections ``model``, ``trainer``, ``algo``,
-            ``correction``, ``async``, ``checkpoint``, ``run``).
-        model: a causal LM whose ``forward(input_ids=...)`` returns an object with
-            ``.logits`` ``[B, T, V]``; loaded with ``molt_core.models.load_model`` from
-            ``cfg.model`` when None.
-        tokenizer: saved with checkpoints; loaded with ``molt_core.models.load_tokenizer``
-            when None and ``model`` is None.
-        ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0`` a
-            frozen copy of the initial policy is made (:meth:`reset_reference` re-snapshots
-            it, e.g. after an SFT warm start).
+        cfg: the run configuration (``model``, ``trainer``, ``algo``, ``correction``, ``async``,
+            ``checkpoint``, ``run``).
+        model: a causal LM whose ``forward(input_ids=...)`` returns ``.logits`` ``[B, T, V]``;
+            loaded from ``cfg.model`` (``molt_core.models.load_model``) when None.
+        tokenizer: saved with checkpoints; loaded from ``cfg.model`` when None and ``model`` is None.
+        ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0``, a frozen
+            copy of the initial policy (:meth:`reset_reference` re-snapshots it).
         replay_backend: the MoE routing-replay backend to use instead of the one registered
             for the model type (``molt_register_replay_backends``).
 
     Attributes:
-        version: the policy version of the current weights (0 = initial; +1 per
-            :meth:`train_step` that updated them).
+        version: the policy version of the current weights (0 = initial; +1 per update).
         step: optimizer steps taken (the LR schedule position).
 
     With ``algo.advantage = "gae"`` a critic (:class:`ValueModel`) is trained alongside with its own
     AdamW at ``trainer.critic_lr``; with LoRA it copies the plain decoder and trains all its weights.
 
     Raises:
-        ValueError: a bad option combination (KL as reward with a sequence-level estimator,
-            ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy;
-            ``model.routing_replay`` with no replay backend for the MoE model's type;
-            :class:`~molt_core.config.ConfigError`: ``model.routing_replay`` for an MoE model
-            and no routing tool loaded).
+        ValueError: ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy,
+            ``model.routing_replay`` with no replay backend for the MoE model's type.
+        ConfigError: an estimator / loss option refused by :func:`resolve_algorithms`, or
+            ``model.routing_replay`` for an MoE model and no routing tool loaded.
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
@@ -216,9 +211,8 @@ class Trainer(OnPolicyChecks):
 
     def recompute_logprobs(self, batch: Batch, model: torch.nn.Module | None = None,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[B, T]`` float32 (CPU) of the batch's sampled tokens under ``model``
-        (default: the policy), no grad, and the entropy when ``with_entropy``:
-        :func:`molt_core.train.forward.recompute_logprobs`."""
+        """:func:`molt_core.train.forward.recompute_logprobs` under ``model`` (default: the policy):
+        ``[B, T]`` float32 (CPU) logprobs, no grad, and the entropy when ``with_entropy``."""
         return recompute_logprobs(self, batch, model if model is not None else self.model, with_entropy)
 
     def _routing(self, model: torch.nn.Module, batch: Batch, rows: slice, T: int):
@@ -251,12 +245,11 @@ class Trainer(OnPolicyChecks):
             trajectories: finished, scored rollouts (see :func:`build_batch`).
 
         Returns:
-            ``dict[str, float]``: the metrics listed in :mod:`molt_core.train.metrics` (ingress,
-            invariants, correction, loss, KL, entropy, counts, timings).
+            ``dict[str, float]``: the step's metrics (:mod:`molt_core.train.metrics`).
 
         Raises:
-            IngressError: a step-level fault :func:`build_batch` still finds after the
-                per-rollout refusals (in practice none: each check is made per rollout first).
+            IngressError: a step-level fault :func:`build_batch` still finds after the per-rollout
+                refusals (in practice none).
         """
         cfg = self.cfg
         t_start = time.perf_counter()
@@ -443,8 +436,7 @@ class Trainer(OnPolicyChecks):
         return self.model.state_dict()
 
     def publish(self, engines: Iterable[Any]) -> int:
-        """Call ``engine.load_weights(self.weights(), self.version)`` on each engine; returns
-        the version published."""
+        """``engine.load_weights(self.weights(), self.version)`` on each engine; returns the version."""
         state = self.weights()
         for e in engines:
             e.load_weights(state, self.version)
@@ -455,6 +447,5 @@ class Trainer(OnPolicyChecks):
         return save_checkpoint(self, run_dir, data_cursor)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore this trainer: :func:`molt_core.train.checkpoint.load_checkpoint`; returns the
-        saved data cursor."""
+        """Restore this trainer (:func:`molt_core.train.checkpoint.load_checkpoint`); returns the data cursor."""
         return load_checkpoint(self, path)
