@@ -104,8 +104,7 @@ def compute_advantages(cfg: AlgoSection, rewards: Tensor, group_index: Tensor, r
         cfg: ``[algo]`` (``advantage``, ``gamma``, ``lam``, ``adv_eps``, ``std_tol``, ``distill_coef``).
         rewards, group_index, rollout_index, mask, values, token_rewards, student_logprobs,
             teacher_logprobs: see :func:`molt_core.algo.advantages.estimate_advantages`.
-        estimator: the registered function (:attr:`Algorithms.estimator`); None: the built-in
-            of that name.
+        estimator: the registered function (:attr:`Algorithms.estimator`); None: the built-in.
 
     Returns:
         ``(advantages [B, T] float32, returns [B, T] float32 or None)``.
@@ -145,7 +144,7 @@ def policy_loss(cfg: AlgoSection, logprobs: Tensor, proximal_logprobs: Tensor, a
 def apply_correction(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor, proximal_logprobs: Tensor,
                      mask: Tensor, current_version: int, max_staleness: int, seq_index: Tensor | None = None
                      ) -> Correction:
-    """Staleness gate, then :func:`correct_tokens` (one call, for callers outside a train step).
+    """Staleness gate, then :func:`correct_tokens`, in one call (for callers outside a train step).
 
     Args:
         cfg: ``[correction]``. behaviour_logprobs, proximal_logprobs: ``[B, T]`` float.

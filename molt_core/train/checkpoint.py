@@ -62,9 +62,8 @@ def verify_checkpoint(d: str | Path) -> dict[str, Any]:
         The parsed ``state.json``.
 
     Raises:
-        CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json``
-            or ``state.json`` is not valid JSON, or ``state.json`` lacks ``step`` / ``version``
-            -- the message names the file and says to resume from an earlier checkpoint.
+        CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json`` or
+            ``state.json`` is not valid JSON, or ``state.json`` lacks ``step`` / ``version``.
     """
     d = Path(d)
     fix = "resume from an earlier checkpoint (molt run --resume picks the newest intact one)"
@@ -90,8 +89,8 @@ def verify_checkpoint(d: str | Path) -> dict[str, Any]:
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``run_dir/checkpoints``, oldest first (by step).
 
-    A checkpoint is complete once its directory carries its final name (it is written under
-    a temporary name and renamed); temporary directories of a killed writer are ignored.
+    A checkpoint is complete once its directory carries its final name; temporary directories
+    of a killed writer are ignored.
     """
     d = Path(run_dir) / CHECKPOINT_DIR
     if not d.is_dir():
@@ -141,8 +140,7 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
 
     Args:
         run_dir: the run directory.
-        data_cursor: JSON-able position of the data stream, returned by
-            :func:`load_checkpoint`.
+        data_cursor: JSON-able position of the data stream, returned by :func:`load_checkpoint`.
 
     Returns:
         The checkpoint directory.
@@ -187,9 +185,8 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
     ``critic/``, ``trainer_state.pt`` and ``state.json`` (see :func:`save_checkpoint`).
 
     Args:
-        full: the full (gathered) state dicts ``{"model", "ref", "critic"}`` of a sharded
-            trainer, written instead of the live modules' own; its optimizer states are then
-            not in ``trainer_state.pt`` (a sharded trainer keeps them in ``dcp/``).
+        full: a sharded trainer's gathered state dicts ``{"model", "ref", "critic"}``, written
+            instead of the live modules' own; its optimizer states are then in ``dcp/``.
         extra: more ``state.json`` entries (e.g. ``world_size``).
     """
     full = full or {}
@@ -251,9 +248,8 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CheckpointCorrupt: a file of the checkpoint is missing, truncated or altered (see
-            :func:`verify_checkpoint`; given a run directory, corrupt checkpoints are skipped
-            for the newest intact one, and only raise when none is intact).
+        CheckpointCorrupt: a file of the checkpoint is missing, truncated or altered
+            (:func:`verify_checkpoint`; given a run directory, only when none is intact).
     """
     p = Path(path)
     if not (p / "state.json").is_file():

@@ -34,16 +34,13 @@ def token_logprobs(
     """Logprob of each sampled token under its span's processed distribution.
 
     Args:
-        logits: ``[B, K, V]`` model outputs for positions ``offset .. offset + K - 1``
-            (logits at position ``t - 1`` predict token ``t``; ``K = T``, ``offset = 0`` for a
-            full forward).
+        logits: ``[B, K, V]`` model outputs for positions ``offset .. offset + K - 1`` (logits at
+            ``t - 1`` predict token ``t``; ``K = T``, ``offset = 0`` for a full forward).
         input_ids: ``[B, T]`` int64 token ids.
         param_ids: ``[B, T]`` int64, index into ``params`` for sampled tokens, -1 elsewhere
             (position 0 must be -1).
-        params: ``(temperature, top_k, top_p)`` per index, applied by
-            :func:`molt_core.sampling.processed_logprobs` (temperature -> top-k -> top-p).
-        with_entropy: also return the entropy (nats) of the processed distribution at each
-            sampled position (computed without grad).
+        params: ``(temperature, top_k, top_p)`` per index (:func:`molt_core.sampling.processed_logprobs`).
+        with_entropy: also return the entropy (nats, no grad) of the processed distribution.
 
     Returns:
         ``(logprobs, entropy)``: ``[B, T]`` float32 (0 where not sampled; differentiable
@@ -107,12 +104,11 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
         pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``); a row with no
             sampled token bounds ``L`` by ``T`` only.
         min_saving: the fraction of the ``R * T`` token positions the sharing must save
-            (``(R - G) * L``, ``G`` distinct prefixes) to be worth a second forward call.
+            (``(R - G) * L``, ``G`` distinct prefixes).
 
     Returns:
         ``(L, prefixes [G, L] int64, row_prefix [R] int64)`` (row ``r``'s prefix is
-        ``prefixes[row_prefix[r]]``), or None when no prefix of >= 1 token is shared enough
-        or no row samples a token.
+        ``prefixes[row_prefix[r]]``), or None when no prefix is shared enough or no row samples.
     """
     R, T = ids.shape
     sampled = pids >= 0
@@ -199,9 +195,8 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
 
 def image_inputs(model: torch.nn.Module, vp: Any, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]], width: int,
                  device: Any = None) -> dict[str, torch.Tensor]:
-    """Image kwargs of a right-padded forward (trainer recompute, SFT) over ``rows`` (per row its
-    real ids and its images' encoded bytes, in token order): ``vp.padded_inputs`` of the
-    modality's processor (``position_ids`` ``[3, B, width]``, ``pixel_values``,
+    """Image kwargs of a right-padded forward over ``rows`` (per row its ids and its images' bytes
+    in token order): ``vp.padded_inputs`` (``position_ids`` ``[3, B, width]``, ``pixel_values``,
     ``image_grid_thw`` ``[N, 3]``); ``{}`` when no row has an image.
 
     Raises:
@@ -269,9 +264,8 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
 @torch.no_grad()
 def recompute_logprobs(trainer: Any, batch: Batch, model: torch.nn.Module,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs ``[B, T]`` float32 (CPU) of the batch's sampled tokens under ``model``, in the
-    micro-batches ``trainer._work`` gives (the ones the update uses); 0 where not sampled.
-    Also the entropy ``[B, T]`` when ``with_entropy``."""
+    """Logprobs ``[B, T]`` float32 (CPU, 0 where not sampled) of the batch's sampled tokens under
+    ``model`` in the update's micro-batches (``trainer._work``), and the entropy when asked."""
     lps = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     ents = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if with_entropy else None
     for rows, real in trainer._work(batch, model):

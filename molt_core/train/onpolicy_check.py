@@ -104,14 +104,11 @@ class CheckProcess:
     """A child process that runs the on-policy check of stale rows.
 
     Args:
-        model: the policy (pickled once to the child, which builds one copy per ring slot,
-            its parameters replaced by that slot's shared tensors).
+        model: the policy (pickled once; the child builds one copy per ring slot on its tensors).
         slots: ring slots (``async.max_staleness + 1``).
-        micro_batch_size: rows per forward (``trainer.micro_batch_size``: the trainer's split).
-        compute_dtype: the forwards' autocast dtype (``torch.float32``: none).
-        threads: torch threads of the child (the trainer's ``torch.get_num_threads()``, so its
-            kernels reduce in the same order as an in-line check's).
-        shared_prefix: the trainer's ``shared_prefix`` (the same forwards as an in-line check's).
+        micro_batch_size, compute_dtype, threads, shared_prefix: the trainer's micro-batch rows,
+            autocast dtype (``torch.float32``: none), ``torch.get_num_threads()`` and
+            ``shared_prefix``, so the child's forwards are the in-line check's.
 
     Attributes:
         ring: ``slots`` state dicts (name -> CPU tensor in shared memory) for
@@ -119,9 +116,9 @@ class CheckProcess:
 
     Raises:
         MemoryError: the ring would take more than half of the free space of ``/dev/shm``, or
-            does not fit in it (writing past it kills the process with SIGBUS instead of raising).
-        Exception: whatever pickling the model or starting the process raises (a failure
-            inside the child is raised by :meth:`ready`).
+            does not fit in it.
+        Exception: whatever pickling the model or starting the process raises (a failure inside
+            the child is raised by :meth:`ready`).
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, micro_batch_size: int, compute_dtype: torch.dtype,

@@ -167,17 +167,13 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
     version sampled, for every older version ``history`` holds.
 
     Args:
-        batch: the step's :class:`~molt_core.train.Batch` (``mask``, ``versions``,
-            ``behaviour_logprobs`` ``[B, T]``).
-        current_version: the trainer's version (its tokens are measured with the proximal
-            logprobs instead, see :func:`onpolicy_metrics`).
-        history: weights of older versions.
+        batch: the step's :class:`~molt_core.train.Batch` (``mask``, ``versions``, ``behaviour_logprobs``).
+        current_version: the trainer's version (its tokens use the proximal logprobs instead).
+        history: weights of older versions. like: the policy (template for the shadow model).
         recompute: ``recompute(sub_batch, model) -> [N, T] float32`` logprobs of the sampled
             tokens of ``sub_batch`` under ``model`` (the trainer's ``recompute_logprobs``).
-        like: the policy (template for the shadow model).
-        max_rows: rows recomputed per older version (< 0: all; 0: none; n > 0: a uniformly
-            random sample of n rows, :func:`sample_rows`).
-        generator: the random source of that sample (the trainer seeds one per step).
+        max_rows: rows recomputed per older version (< 0: all; 0: none; n > 0: a uniform sample,
+            :func:`sample_rows`, drawn with ``generator``).
 
     Returns:
         ``(diffs, rows)``: ``[N]`` float64 absolute differences in nats (``inf`` for a token
@@ -209,8 +205,7 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
     measured under the version that sampled them.
 
     Args:
-        current: ``[N1]`` float, tokens sampled at the trainer's current version (behaviour vs
-            proximal).
+        current: ``[N1]`` float, current-version tokens (behaviour vs proximal).
         stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
 
     A token whose difference is infinite (outside the top-k / top-p support of the very version
