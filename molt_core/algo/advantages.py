@@ -100,10 +100,8 @@ def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: fl
     A singleton group, or a group whose std (float64) is below ``std_tol``, gets exactly 0.
 
     Args:
-        rewards: ``[R]`` float, one reward per rollout.
-        group_index: ``[R]`` long, group of each rollout.
-        eps: added to the std.
-        std_tol: std below this counts as zero spread.
+        rewards: ``[R]`` float, one reward per rollout. group_index: ``[R]`` long, its group.
+        eps: added to the std. std_tol: a std below it counts as zero spread.
 
     Returns:
         ``[R]`` float64 advantages.
@@ -174,10 +172,7 @@ def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol
 
     ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the
     others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
-    advantage is **not** divided: ``A_i = r_i - mean_{j != i} r_j``.
-
-    E.g. ``[0.35]*7 + [0.0]`` gives the singleton exactly ``-0.35`` and each 0.35 ``0.378``
-    (docs/architecture.md). A singleton group gets 0.
+    advantage is **not** divided (docs/architecture.md). A singleton group gets 0.
 
     Returns:
         ``[R]`` float64 advantages.
@@ -197,10 +192,8 @@ def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol
 def reinforce_baseline(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, the group-baseline variant).
 
-    ``A_i = r_i - mean(r_group)``, then divided by the batch std of those ``A`` over all
-    rollouts (population std, one value per rollout; the batch mean of ``A`` is 0 by
-    construction): ``A_i / (std_batch(A) + eps)``. A batch std below ``std_tol`` means no
-    division.
+    ``A_i = r_i - mean(r_group)``, then ``A_i / (std_batch(A) + eps)`` with the population std of
+    those ``A`` over all rollouts (whose mean is 0); a batch std below ``std_tol``: no division.
 
     Returns:
         ``[R]`` float64 advantages.
@@ -267,10 +260,9 @@ def reinforce(rewards: Tensor, rollout_index: Tensor, mask: Tensor, *, gamma: fl
     """REINFORCE++ advantage (Hu et al. 2025, arXiv 2501.03262): whitened discounted return.
 
     Per-token reward ``rew_t = token_rewards_t + [t is the rollout's last sampled token] * r``;
-    return ``G_t = sum_{k >= t} gamma^(k-t) rew_k`` over the rollout's sampled tokens (across
-    its segments, in order); then whitened over every sampled token of the batch:
-    ``A_t = (G_t - mean(G)) / (std(G) + eps)`` (population std; a std below ``std_tol`` means
-    no division, only centring).
+    return ``G_t = sum_{k >= t} gamma^(k-t) rew_k`` over the rollout's sampled tokens in order;
+    whitened over the batch's sampled tokens, ``A_t = (G_t - mean(G)) / (std(G) + eps)``
+    (population std; below ``std_tol`` only centred).
 
     Args:
         rewards: ``[R]`` float. rollout_index: ``[B]`` long. mask: ``[B, T]`` bool.
@@ -296,10 +288,9 @@ def gae(rewards: Tensor, rollout_index: Tensor, mask: Tensor, values: Tensor, *,
         lam: float = 1.0, token_rewards: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv 1506.02438, eq. 16).
 
-    Over a rollout's sampled tokens in order (across segments): per-token reward ``rew_t`` as in
-    :func:`reinforce`, ``delta_t = rew_t + gamma * V_{t+1} - V_t`` with ``V`` after the last
-    token = 0, ``A_t = delta_t + gamma * lam * A_{t+1}``, and returns ``G_t = A_t + V_t`` (the
-    critic's regression target). Advantages are not whitened.
+    Over a rollout's sampled tokens in order, ``rew_t`` as in :func:`reinforce`: ``delta_t = rew_t
+    + gamma * V_{t+1} - V_t`` (``V`` = 0 after the last token), ``A_t = delta_t + gamma * lam *
+    A_{t+1}`` (not whitened), and returns ``G_t = A_t + V_t`` (the critic's regression target).
 
     Args:
         values: ``[B, T]`` float, the critic's value at each token (read on sampled tokens).
@@ -322,10 +313,9 @@ def gae(rewards: Tensor, rollout_index: Tensor, mask: Tensor, values: Tensor, *,
 
 
 def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coef: float = 1.0) -> Tensor:
-    """On-policy distillation advantage: ``A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))``.
-
-    The per-token reverse-KL signal on the student's own samples (Agarwal et al. 2024, GKD,
-    arXiv 2306.13649; Thinking Machines 2025 "On-Policy Distillation"); no baseline.
+    """On-policy distillation advantage: ``A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))``,
+    the per-token reverse-KL signal on the student's own samples, no baseline (Agarwal et al. 2024,
+    GKD, arXiv 2306.13649; Thinking Machines 2025 "On-Policy Distillation").
 
     Args:
         student_logprobs, teacher_logprobs: ``[B, T]`` float, logprob of the sampled token.
@@ -383,8 +373,7 @@ def estimate_advantages(
     :func:`molt_core.hookspecs.molt_register_estimators`).
 
     The estimator receives, by keyword, only the arguments its signature names. A tensor it
-    requires (no default) must be given; a given ``token_rewards`` must be taken (it would be
-    silently ignored otherwise).
+    requires (no default) must be given; a given ``token_rewards`` must be taken.
 
     Args:
         estimator: the registered function. rewards: ``[R]`` float32, one per rollout.
@@ -396,9 +385,9 @@ def estimate_advantages(
         name: the estimator's registered name, for errors.
 
     Returns:
-        ``(advantages [B, T] float32, returns [B, T] float32 or None)``, 0 where ``mask`` is
-        False: an ``[R]`` result is broadcast to each rollout's sampled tokens; a ``[B, T]``
-        one is used as is; a pair is ``(advantages, returns)`` (returns train a critic).
+        ``(advantages [B, T] float32, returns [B, T] float32 or None)``, 0 where ``mask`` is False:
+        an ``[R]`` result is broadcast to each rollout's sampled tokens, a ``[B, T]`` one used as is,
+        a pair is ``(advantages, returns)`` (returns train a critic).
 
     Raises:
         ValueError: malformed shapes/dtypes/indices (naming the argument), a missing input the

@@ -188,9 +188,8 @@ def apply_policy_loss(
     Args:
         loss_fn: the registered function; receives, by keyword, only what its signature names.
         logprobs: ``[B, T]`` float, current-policy logprob of each sampled token (requires grad).
-        proximal_logprobs: ``[B, T]`` float, logprob at the current version before the update
-            (treated as a constant: detached here).
-        advantages: ``[B, T]`` float (treated as a constant).
+        proximal_logprobs, advantages: ``[B, T]`` float, the logprob at the current version before
+            the update and the advantage (constants: detached here).
         mask: ``[B, T]`` bool, tokens that count (sampled, kept by the gate).
         is_weights: ``[B, T]`` float, detached importance weights from correction (1 = none).
         num_tokens: global action-token count of the optimizer step (see module docstring).

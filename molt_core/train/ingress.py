@@ -79,25 +79,21 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
 class Batch:
     """A padded training batch; rows are segments, ``B`` rows of ``T`` tokens (right-padded).
 
-    Per-token tensors index *tokens* (position ``t`` is token ``t``; its logprob comes from
-    the logits at ``t - 1``, so position 0 is never sampled):
+    Per-token tensors index *tokens* (token ``t``'s logprob comes from the logits at ``t - 1``):
 
     * ``input_ids`` ``[B, T]`` int64 -- token ids, ``pad_id`` past each row's length.
     * ``mask`` ``[B, T]`` bool -- True exactly on sampled tokens.
     * ``behaviour_logprobs`` ``[B, T]`` float32 -- the engine's logprob, 0 where not sampled.
     * ``versions`` ``[B, T]`` int64 -- policy version that sampled the token, -1 elsewhere.
-    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of the sampling transform of
-      each sampled token, -1 elsewhere.
+    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of each sampled token, -1 elsewhere.
     * ``params`` -- distinct ``(temperature, top_k, top_p)`` transforms.
     * ``lengths`` ``[B]`` int64 -- unpadded row lengths.
     * ``rollout_index`` ``[B]`` int64 -- row -> rollout (index into ``rewards``).
     * ``rewards`` ``[R]`` float32 -- one reward per rollout.
-    * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
-      ``group_id`` is a group of its own).
+    * ``group_index`` ``[R]`` int64 -- rollout -> group (an empty ``group_id``: a group of its own).
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
-    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
-      per position (R3), -1 on padding / unrecorded positions, collated by the routing tool
-      (:func:`molt_core.models.routing_tool`); None if no segment has one or no tool is loaded.
+    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection per
+      position (R3), -1 where unrecorded, collated by the routing tool; None if none is recorded.
     * ``images`` -- per row, the encoded bytes of the segment's images in token order (from
       ``Trajectory.images`` by each ``ImageRef``'s SHA-256); None if no segment has one.
     """
@@ -379,12 +375,9 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
 
 def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_size: int | None = None,
                      need_teacher: bool = False, vision: Any = None) -> tuple[list[Trajectory], dict[str, float], list[str]]:
-    """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject, so
-    one malformed rollout costs only itself, never the step.
-
-    Each ``ok`` rollout is checked alone with :func:`build_batch` (every check it makes); a
-    second rollout with an already seen ``rollout_id`` is refused too. Failed rollouts pass
-    through untouched.
+    """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject (each
+    checked alone), and a second rollout with an already seen ``rollout_id``, so one malformed
+    rollout costs only itself. Failed rollouts pass through untouched.
 
     Args:
         trajectories: the step's rollouts.

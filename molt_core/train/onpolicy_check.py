@@ -34,9 +34,8 @@ def ring_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, torch.dtyp
     """Where each state-dict entry of ``model`` lives in one slot's flat buffer.
 
     Returns:
-        ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage
-        (tied input/output embeddings) get the same offset, so they stay tied; each entry
-        starts on a 64-byte boundary. Raises nothing.
+        ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage (tied
+        embeddings) get the same offset; each starts on a 64-byte boundary. Raises nothing.
     """
     layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     at: dict[tuple, int] = {}
@@ -221,14 +220,10 @@ class CheckProcess:
 
     def submit(self, batch: Any, version: int, slots: dict[int, int], max_rows: int,
                seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images
-        or routing) at trainer ``version``; ``slots`` maps each held older version to its ring
-        slot; ``max_rows`` and ``seed`` as :func:`stale_absdiff`'s sample. Returns a function
-        that waits for :func:`stale_absdiff`'s ``(diffs, rows)`` (``[N]`` float64, ``[N]`` long).
-
-        The ring slots read must not be written before the result is taken (the ring's spare slot
-        guarantees it for one check in flight). A check whose result was never taken is waited
-        for here and its reply dropped, so each result is its own check's.
+        """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images or
+        routing) at trainer ``version``; ``slots``: held older version -> ring slot; ``max_rows``,
+        ``seed``: :func:`stale_absdiff`'s sample. Returns a function that waits for its ``(diffs,
+        rows)``. A check whose result was never taken is waited for here and its reply dropped.
 
         Raises:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died

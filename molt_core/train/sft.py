@@ -170,14 +170,10 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
 
     Args:
         trainer: a :class:`molt_core.train.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
-        examples: ``(messages, completion)`` pairs.
-        steps: optimizer steps (0 yields nothing).
-        batch_size: examples per step.
-        lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
-            lr_schedule)`` (:func:`molt_core.train.lr_factor`).
-        seed: shuffle seed.
-        warmup_steps: linear-warmup steps.
-        lr_schedule: ``constant``, ``linear`` or ``cosine``.
+        examples: ``(messages, completion)`` pairs. steps: optimizer steps (0 yields nothing).
+        batch_size: examples per step. seed: shuffle seed.
+        lr, warmup_steps, lr_schedule: step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
+            lr_schedule)`` (:func:`molt_core.train.lr_factor`; ``constant``, ``linear`` or ``cosine``).
 
     Yields:
         Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats per

@@ -139,8 +139,7 @@ class Trainer(OnPolicyChecks):
         self.history = VersionHistory(cfg.async_.history_versions)
         self._check_proc: Any = None  # the on-policy check's process (CheckProcess), started on first use
         self._check_proc_failed = False
-        #: the MoE routing tool (R3 record / replay / metrics, :func:`molt_core.models.routing_tool`)
-        #: serving the policy, None for a dense one; it keeps its state on this trainer
+        #: the MoE routing tool (R3 record / replay / metrics) of the policy, None for a dense one
         self.routing = routing_tool(self.model, cfg.plugins, cfg.model.routing_replay)
         self.replay_backend: Any = None  # set by the routing tool when it replays
         self._routing_used: dict[int, torch.Tensor] = {}  # first row -> the selection its forward used
@@ -148,8 +147,7 @@ class Trainer(OnPolicyChecks):
             self.routing.init_trainer(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
-        #: forwards run a prompt prefix the rows share once (:func:`molt_core.train.forward.shared_prefix`);
-        #: a checkpointed layer drops the KV cache the rest of the rows would read
+        #: forwards run a shared prompt prefix once (not with checkpointing: a layer drops the KV cache)
         self.shared_prefix = cfg.trainer.shared_prefix and not cfg.trainer.gradient_checkpointing
         #: ``[saved, total]`` token positions of the loss forwards while an update runs, else None
         self.prefix_stats: list[int] | None = None
@@ -157,11 +155,9 @@ class Trainer(OnPolicyChecks):
     # -- data-parallel seams, overridden by a trainer backend's subclass (molt_register_trainer_backends) --
     #: the trainer backend of a sharded rank (its checkpoint loaders); None: one process
     backend: Any = None
-    #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
-    #: nothing to train still runs its forward and a zero backward
+    #: every process runs the same forwards/backwards (FSDP2 collectives), zero ones included
     lockstep = False
-    #: the on-policy check of stale rows may run in a process of its own beside the update
-    #: (:meth:`_onpolicy_stale`, CPU only); a sharded trainer's forwards are collectives, kept in order
+    #: the on-policy check may run in its own process (CPU only); not a sharded trainer's collectives
     overlap_onpolicy_check = True
 
     def _shard(self) -> None:
@@ -234,12 +230,10 @@ class Trainer(OnPolicyChecks):
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. Ingress refuses one rollout at a time, the rest of the
-        step trains: a malformed one (:func:`molt_core.train.ingress.refuse_malformed`), one whose
-        action tokens differ from the engine's record or (``trainer.refuse_unverified``) carry none
-        (:func:`molt_core.identity.screen`), and one with a non-finite logprob at ingress or from any
-        recompute before the optimizer step (the step is then redone on the rest). With nothing
-        left, or every sequence gated, no step is taken and ``train/skipped`` is 1.
+        Failed trajectories are skipped. Ingress refuses one rollout at a time and the rest trains
+        (:func:`molt_core.train.ingress.admit`); so is a rollout with a non-finite logprob from any
+        recompute before the optimizer step (the step is redone on the rest). With nothing left,
+        or every sequence gated, no step is taken and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
@@ -427,9 +421,8 @@ class Trainer(OnPolicyChecks):
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's state dict (name -> tensor) for ``engine.load_weights(state, version)``.
 
-        The tensors are the live parameters (no copy): an engine must copy them (as
-        ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
-        With an adapter (LoRA): its merged weights under the base model's names.
+        The tensors are the live parameters: an engine must copy them (as ``load_state_dict`` does)
+        before the next :meth:`train_step`. With an adapter (LoRA): merged, under the base names.
         """
         if self.adapter is not None:
             return self.adapter.merged_state_dict(self.model)

@@ -19,10 +19,9 @@ __all__ = ["in_support", "lr_factor", "merge_loss_metrics", "policy_update"]
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
     """Multiplier of the base LR for optimizer step ``step`` (0-based).
 
-    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first
-    step is not wasted at LR 0). After it, with ``p = (step - warmup) / max(1, total - warmup)``
-    clamped to [0, 1]: ``constant`` -> 1; ``linear`` -> ``1 - p``; ``cosine`` ->
-    ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, without restarts).
+    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (no step at LR 0);
+    then, with ``p = (step - warmup) / max(1, total - warmup)`` clamped to [0, 1]: ``constant`` 1,
+    ``linear`` ``1 - p``, ``cosine`` ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, no restarts).
 
     Raises:
         ValueError: unknown schedule.
@@ -151,8 +150,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(trainer: Any) -> list[tuple[Any, torch.Tensor, dict[str, Any]]]:
-    """``(parameter, its values, its optimizer state)`` of each of ``trainer.params``, copied
-    to CPU (this process's shards), for :func:`_restore`."""
+    """``(parameter, values, optimizer state)`` of ``trainer.params``, copied to CPU, for :func:`_restore`."""
     def cpu(v: Any) -> Any:
         return _local(v.detach()).to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
 
@@ -162,8 +160,7 @@ def _snapshot(trainer: Any) -> list[tuple[Any, torch.Tensor, dict[str, Any]]]:
 
 @torch.no_grad()
 def _restore(trainer: Any, saved: list[tuple[Any, torch.Tensor, dict[str, Any]]]) -> None:
-    """Put back the parameters and optimizer state :func:`_snapshot` copied (a parameter that
-    had no state yet has none again)."""
+    """Put back the parameters and optimizer state :func:`_snapshot` copied (and no state where none was)."""
     state = trainer.optimizer.state
     for p, w, st in saved:
         _local(p.detach()).copy_(w)
@@ -177,16 +174,14 @@ def _restore(trainer: Any, saved: list[tuple[Any, torch.Tensor, dict[str, Any]]]
 
 
 def in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
-    """``prox`` ``[B, T]`` with the behaviour logprob in place of ``-inf`` on out-of-support
-    tokens ``oos`` (``[B, T]`` bool), for consumers that need finite values (advantages, KL
-    and logprob-difference metrics over in-support tokens); None passes through."""
+    """``prox`` ``[B, T]`` with the behaviour logprob on out-of-support tokens ``oos`` (``[B, T]``
+    bool), for consumers that need finite values (advantages, KL, metrics); None passes through."""
     return None if prox is None else torch.where(oos, beh, prox)
 
 
 def merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: float) -> None:
-    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by
-    min/max, the loss value and token count by sum, the rest (per-token means) weighted by
-    the micro-batch's ``share`` of the step's action tokens."""
+    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by min/max, loss
+    and token count by sum, per-token means weighted by its ``share`` of the step's action tokens."""
     for k, v in mb.items():
         v = float(v)
         if k.endswith("_min"):

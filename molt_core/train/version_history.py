@@ -31,15 +31,13 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 
 class VersionHistory:
-    """CPU copies of the weights of the last ``keep`` policy versions, and one shadow model
-    to run a forward under any of them.
+    """CPU copies of the last ``keep`` policy versions' weights, and a shadow model to run them.
 
     Args:
         keep: how many versions to hold (``async.max_staleness``; 0 holds none).
 
     Attributes:
-        shadow: the model the weights are loaded into (a deep copy of the policy, built on the
-            first :meth:`load`), or None.
+        shadow: the deep copy of the policy the weights are loaded into (built by :meth:`load`), or None.
     """
 
     def __init__(self, keep: int) -> None:
@@ -208,11 +206,9 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
         current: ``[N1]`` float, current-version tokens (behaviour vs proximal).
         stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
 
-    A token whose difference is infinite (outside the top-k / top-p support of the very version
-    that sampled it) is a forward-consistency violation counted in
-    ``invariants/onpolicy_out_of_support_tokens`` and left out of the max and mean. A NaN
-    difference (a NaN or ``+inf`` recompute) is no measurement: the trainer refuses its rollout
-    first (:func:`molt_core.train.ingress.nonfinite_check`), so one here is an error.
+    An infinite difference (a token outside its own version's top-k / top-p support) is counted
+    in ``invariants/onpolicy_out_of_support_tokens``, not in the max and mean. A NaN one (a NaN or
+    ``+inf`` recompute) is an error: the trainer refuses such rollouts first (``nonfinite_check``).
 
     Raises:
         ValueError: a NaN in ``current`` or ``stale``.
