@@ -121,9 +121,7 @@ def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> T
 
     ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards
     too-easy/too-hard questions). A group whose std is below ``std_tol`` gets exactly 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -153,9 +151,7 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
     """RLOO advantage (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740; Kool et al. 2019).
 
     ``A_i = r_i - mean_{j != i}(r_j)``, the leave-one-out baseline. A singleton group gets 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -173,9 +169,7 @@ def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol
     ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the
     others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
     advantage is **not** divided (docs/architecture.md). A singleton group gets 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -194,9 +188,7 @@ def reinforce_baseline(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-
 
     ``A_i = r_i - mean(r_group)``, then ``A_i / (std_batch(A) + eps)`` with the population std of
     those ``A`` over all rollouts (whose mean is 0); a batch std below ``std_tol``: no division.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    Returns ``[R]`` float64 advantages.
     """
     a = dr_grpo(rewards, group_index, std_tol=std_tol)
     s = _std(a, std_tol, unbiased=False)

@@ -30,10 +30,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
         estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (module docstring).
 
     Returns:
-        ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16 inputs);
-        differentiable through both inputs; finite wherever both inputs are finite: ``log r`` is
-        clamped to +-``LOG_RATIO_MAX`` first, and k3 above ``LOG_RATIO_BOUND`` (20 nats, verl's
-        ``low_var_kl`` bound) continues by its tangent there (at most 4.84e12).
+        ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16), differentiable, and
+        finite for finite inputs: ``log r`` is clamped to +-``LOG_RATIO_MAX``, and k3 continues by its
+        tangent above ``LOG_RATIO_BOUND`` (20 nats, verl's ``low_var_kl`` bound; at most 4.84e12).
 
     Raises:
         ValueError: unknown estimator or mismatched shapes.
@@ -77,9 +76,8 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: in
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, arXiv 1909.08593).
 
-    ``e = clip(KL / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e * n_steps / horizon)``:
-    the coefficient grows when the measured KL is above ``target`` and shrinks below it, by at
-    most 20 % per ``horizon`` steps.
+    ``e = clip(KL / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e * n_steps / horizon)``: at
+    most 20 % per ``horizon`` steps, up when the KL is above ``target``, down below it.
 
     Args:
         init_coef: starting coefficient (>= 0).

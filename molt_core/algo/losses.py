@@ -109,9 +109,7 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
     pi(y_t) / sg[pi(y_t)]`` (value ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A,
     clip(s_bt, 1 - clip_low, 1 + clip_high) A)``. Each row is one sequence; ``log s_b`` is bounded
     (:func:`bounded_ratio`). The global token mean weighs longer sequences more than the paper's.
-
-    Returns:
-        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
+    Returns ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
     """
     log_r = logprobs - proximal_logprobs
     log_s = _seq_mean(log_r.detach(), mask)[:, None].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B, 1]
@@ -134,9 +132,7 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
 
     ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` (``r`` by :func:`bounded_ratio`):
     the weight is clipped and stop-gradiented, so every token keeps a gradient (unlike PPO's clip).
-
-    Returns:
-        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
+    Returns ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
     """
     r = bounded_ratio(logprobs.detach() - proximal_logprobs)
     w = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)

@@ -57,9 +57,7 @@ def _write_manifest(d: Path) -> None:
 def verify_checkpoint(d: str | Path) -> dict[str, Any]:
     """Check checkpoint directory ``d`` against its ``checksums.json`` (SHA-256 per file) and
     parse its ``state.json``.
-
-    Returns:
-        The parsed ``state.json``.
+    Returns the parsed ``state.json``.
 
     Raises:
         CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json`` or
@@ -114,9 +112,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of ``run_dir`` that passes :func:`verify_checkpoint`, and the
     reasons the newer ones were skipped (one message per corrupt checkpoint, naming the file).
-
-    Returns:
-        ``(path or None, skipped messages)``.
+    Returns ``(path or None, skipped messages)``.
     """
     skipped: list[str] = []
     for ck in reversed(list_checkpoints(run_dir)):
@@ -242,9 +238,7 @@ def commit_checkpoint(trainer: Any, run_dir: str | Path, tmp: Path, final: Path)
 def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
     """Restore weights, reference, optimizer, scheduler, RNG states, step and version
     from a checkpoint directory (or from the latest checkpoint of a run directory).
-
-    Returns:
-        The ``data_cursor`` saved with it.
+    Returns the ``data_cursor`` saved with it.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.

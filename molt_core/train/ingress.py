@@ -39,9 +39,8 @@ class IngressError(ValueError):
 
 
 class NonFiniteLogprobs(RuntimeError):
-    """A recompute of the trainer gave a NaN or ``+inf`` logprob on sampled tokens, always before
-    the optimizer step: :meth:`~molt_core.train.Trainer.train_step` refuses those rollouts and redoes
-    the step on the rest. ``-inf`` is not one: it is a token out of the recomputed support.
+    """A trainer recompute gave a NaN or ``+inf`` logprob on sampled tokens (``-inf`` is out of
+    support, not this); the train step refuses those rollouts and redoes the step on the rest.
 
     Attributes:
         rollouts: the affected rollouts, sorted indices into the batch's ``rewards``.
@@ -62,8 +61,7 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
         values: ``[B, T]`` float logprobs of the batch (sampled where ``batch.mask``), or, with
             ``rows`` ``[N]`` long (the batch row of each), ``[N]`` values of sampled tokens.
             ``-inf`` (out of the recomputed support) passes.
-        batch: the step's batch (``mask``, ``rollout_index``).
-        where: the computation, for the message.
+        batch: the step's batch (``mask``, ``rollout_index``). where: the computation, for the message.
 
     Raises:
         NonFiniteLogprobs: naming the rollouts (indices into ``batch.rewards``) and the count.

@@ -53,9 +53,7 @@ def map_slot(path: str, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...
              nbytes: int) -> dict[str, torch.Tensor]:
     """The state dict of one ring slot: views into ``path`` mapped shared (created with
     ``nbytes`` bytes when missing), per :func:`ring_layout`.
-
-    Returns:
-        name -> CPU tensor (the layout's dtype and shape) whose storage is the mapping.
+    Returns name -> CPU tensor (the layout's dtype and shape) whose storage is the mapping.
 
     Raises:
         RuntimeError: ``path`` cannot be opened or mapped (``torch.from_file``).

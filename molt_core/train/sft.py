@@ -371,9 +371,7 @@ EXAMPLE_SEED_OFFSET = 17
 
 def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
     """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
-
-    Returns:
-        Per-step losses (empty when ``sft.steps == 0``).
+    Returns per-step losses (empty when ``sft.steps == 0``).
     """
     losses: list[float] = []
     for step, m in enumerate(warm_start_steps(trainer, agent)):
@@ -388,9 +386,7 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
     steps of ``sft.batch_size`` at ``sft.lr``, shuffle seed ``run.seed``) on the rows of ``sft.data``
     when set (``agent`` may then be None), else on ``sft.n_examples`` examples from ``agent`` (seed
     ``run.seed + 17``). The examples are drawn at once, so errors surface before any step.
-
-    Returns:
-        An iterator of per-step metrics (empty when ``sft.steps == 0``).
+    Returns an iterator of per-step metrics (empty when ``sft.steps == 0``).
 
     Raises:
         ValueError: as :func:`examples_from_agent` / :func:`examples_from_rows`, or ``sft.data``
@@ -417,9 +413,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     ``step`` and the metrics of :func:`iter_sft`) and ``OUT/model/`` (``save_pretrained``, tokenizer,
     a VL model's image processor; use it as ``model.path``). ``OUT`` defaults to
     ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
-
-    Returns:
-        The ``OUT/model`` path.
+    Returns the ``OUT/model`` path.
 
     Raises:
         ValueError: ``sft.steps`` is 0, the agent cannot be built / has no answers, or
