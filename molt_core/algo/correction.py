@@ -133,6 +133,7 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
                    seq_index: Tensor | None = None) -> Gate:
     """The sequence gate: a rollout whose oldest sampled token is more than ``max_staleness``
     versions behind ``current_version`` is dropped, every row, and counted in the metrics.
+    Returns a :class:`Gate`.
 
     Args:
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
@@ -141,9 +142,6 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
         max_staleness: largest accepted staleness (``async.max_staleness``, >= 0).
         seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``); None: every row
             is its own sequence.
-
-    Returns:
-        :class:`Gate`.
 
     Raises:
         ValueError: shape/dtype mismatch; a sampled token with version -1 or newer than
@@ -181,6 +179,7 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
 def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *,
             is_level: str = "token", is_mode: str = "trunc", low: float = 0.0, high: float = 2.0) -> Correction:
     """Behaviour -> proximal importance correction behind the step's ``gate``.
+    Returns a :class:`Correction` (metrics: the gate's, then the weights').
 
     Level: ``off`` (weight 1), ``token`` (``rho_t``), ``seq`` (``prod_t rho_t`` over the rollout's
     sampled tokens, on all of them), ``geo`` (``exp(mean_t log rho_t)``). Mode, band ``[low, high]``:
@@ -197,9 +196,6 @@ def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, m
         mask: ``[B, T]`` bool, sampled tokens.
         is_level: ``off`` | ``token`` | ``seq`` | ``geo``. is_mode: ``mask`` | ``clip`` | ``trunc``.
         low, high: the band (floats; ``low <= 1 <= high``).
-
-    Returns:
-        :class:`Correction` (its metrics: the gate's, then the weights').
 
     Raises:
         ValueError: shape mismatch; a non-finite behaviour or NaN/+inf proximal logprob on a

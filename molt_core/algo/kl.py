@@ -59,13 +59,11 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: int, estimator: str = "k3") -> Tensor:
     """KL loss term: ``sum_{mask} kl_estimate(...) / num_tokens`` (global token mean, like
     :func:`molt_core.algo.losses.apply_policy_loss`). Multiply by ``kl_coef`` before adding.
+    Returns a scalar tensor.
 
     Args:
         logprobs: ``[B, T]`` (requires grad). ref_logprobs: ``[B, T]`` (detached here).
         mask: ``[B, T]`` bool. num_tokens: global action-token count of the optimizer step.
-
-    Returns:
-        Scalar tensor.
 
     Raises:
         ValueError: as :func:`kl_estimate` and :func:`molt_core.algo.losses.aggregate_tokens`.

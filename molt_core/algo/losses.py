@@ -24,14 +24,12 @@ __all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "apply_policy_loss", "loss_params
 
 def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
     """``sum(per_token[mask]) / num_tokens`` -- the global-token-mean aggregation.
+    Returns a scalar tensor (differentiable through ``per_token``).
 
     Args:
         per_token: ``[B, T]`` float per-token loss.
         mask: ``[B, T]`` bool, tokens that count.
         num_tokens: global count of action tokens in the optimizer step (>= ``mask.sum()``, >= 1).
-
-    Returns:
-        Scalar tensor (differentiable through ``per_token``).
 
     Raises:
         ValueError: ``num_tokens`` < 1 or smaller than this micro-batch's own token count.

@@ -127,6 +127,7 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 
 def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
+    Returns the checkpoint directory.
 
     Layout: ``model/`` (``save_pretrained`` safetensors, config, tokenizer, a vision-language
     model's image processor; with an adapter the merged weights plus its files, ``base/`` and
@@ -137,9 +138,6 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     Args:
         run_dir: the run directory.
         data_cursor: JSON-able position of the data stream, returned by :func:`load_checkpoint`.
-
-    Returns:
-        The checkpoint directory.
 
     Raises:
         TypeError: ``data_cursor`` is not JSON-serialisable.

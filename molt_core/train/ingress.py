@@ -123,7 +123,7 @@ def build_batch(
     need_teacher: bool = False,
     vision: Any = None,
 ) -> Batch:
-    """Collate usable trajectories into a :class:`Batch` (trainer ingress).
+    """Collate usable trajectories into a padded :class:`Batch` (trainer ingress) and return it.
 
     Trajectories with ``status == "failed"`` are skipped (never scored 0); the rest must carry
     a reward. Re-checks the :class:`~molt_core.types.Segment` validators (objects may have been
@@ -140,9 +140,6 @@ def build_batch(
             must match its ``images`` (``check_segment``) and each image's grid as this processor
             computes it must equal the recorded ``grid_thw``. None skips those checks (the
             images' bytes are still checked against their digests).
-
-    Returns:
-        The padded :class:`Batch`.
 
     Raises:
         IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a

@@ -140,12 +140,10 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
         log: Callable[[int, dict[str, float]], None] | None = None, warmup_steps: int = 0,
         lr_schedule: str = "constant") -> list[float]:
     """Fine-tune ``trainer.model`` on ``examples``: all of :func:`iter_sft` at once.
+    Returns the loss of each step (floats, nats per completion token).
 
     Args:
         log: called as ``log(step, metrics)`` after each step (0-based). Others: as :func:`iter_sft`.
-
-    Returns:
-        The loss of each step (floats, nats per completion token).
 
     Raises:
         ValueError: as :func:`iter_sft`.
