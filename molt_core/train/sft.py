@@ -57,8 +57,8 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
     up to and including the end-of-turn token (``eos_token`` / ``<|im_end|>``).
 
     Raises:
-        ValueError: the full rendering does not start with the prompt rendering (a template
-            that rewrites earlier turns), or the completion renders to no token.
+        ValueError: the full rendering does not start with the prompt's (a template that rewrites
+            earlier turns), or the completion renders to no token.
     """
     kw = dict(chat_template_kwargs or {})
     prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
@@ -84,8 +84,7 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
 
 
 def _vision_processor(trainer: Any) -> Any:
-    """The trainer's vision processor (``trainer.vision_processor``), else the one of
-    ``cfg.model.path`` for a vision-language model, else None."""
+    """``trainer.vision_processor``, else a VL model's processor from ``cfg.model.path``, else None."""
     vp = getattr(trainer, "vision_processor", None)
     mod = modality()
     if vp is None and mod is not None:
@@ -96,8 +95,7 @@ def _vision_processor(trainer: Any) -> Any:
 def render_with_images(tokenizer: Any, vp: Any, messages: list[dict[str, Any]], completion: str,
                        chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int], list[bytes]]:
     """:func:`render_example` for prompts that may hold images: ``(prompt_ids, completion_ids,
-    images)`` with each image's placeholder expanded into its run and ``images`` the encoded
-    bytes in token order (empty for a text prompt, whose ids are :func:`render_example`'s).
+    images)``, each placeholder expanded into its image's run, ``images`` the bytes in token order.
 
     Raises:
         ValueError: as :func:`render_example`; images for a model without a vision processor;
@@ -309,14 +307,12 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
 def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -> list[Example]:
     """SFT examples from data rows, in order. A row is either
 
-    * ``{"prompt", "completion"}`` -- ``prompt`` a string (sent as the user message) or a
-      list of chat messages, ``completion`` a string or a one-message list
-      ``[{"role": "assistant", "content": ...}]`` (TRL's prompt-completion formats); or
-    * ``{"messages": [...]}`` -- a chat; every assistant message becomes one example whose
-      prompt is the messages before it, so the loss covers all assistant turns and nothing else.
+    * ``{"prompt", "completion"}`` -- ``prompt`` a string (the user message) or chat messages,
+      ``completion`` a string or ``[{"role": "assistant", "content": ...}]`` (TRL's formats); or
+    * ``{"messages": [...]}`` -- a chat; each assistant message becomes one example whose prompt
+      is the messages before it.
 
-    A message's ``content`` is a string or (vision-language models) a list of ``text`` and
-    ``image_url`` parts; the images are checked when rendered.
+    A ``content`` is a string or (VL models) a list of ``text`` and ``image_url`` parts.
 
     Raises:
         ValueError: a row of neither form, malformed messages, or no example at all (names

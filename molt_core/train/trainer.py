@@ -164,8 +164,7 @@ class Trainer(OnPolicyChecks):
         """Shard the models across processes, before the optimizers see the parameters."""
 
     def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
-        """Micro-batches this process runs, ``(rows, real)``: all rows, all real (a sharded
-        trainer: its share, then stand-ins with ``real`` False)."""
+        """Micro-batches this process runs as ``(rows, real)`` (sharded: its share, then stand-ins)."""
         return [(rows, True) for rows in self._micro_batches(batch)]
 
     def _combine_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,20 +182,17 @@ class Trainer(OnPolicyChecks):
         return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
 
     def reset_reference(self) -> None:
-        """Make the frozen reference a copy of the current policy weights (no grad); with
-        an adapter (LoRA), the adapter's reference: the policy with its adapter disabled."""
+        """Make the frozen reference a copy of the current policy (no grad); with an adapter
+        (LoRA), the adapter's reference (the policy with its adapter disabled)."""
         if self.adapter is not None:
             self.ref_model = self.adapter.reference(self.model)
             return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def autocast(self) -> Any:
-        """The mixed-precision context of every forward: ``torch.autocast`` to
-        ``model.dtype`` (bfloat16 / float16) on the trainer's device; a no-op for float32.
-
-        Parameters, gradients and AdamW moments stay float32; matmuls run in the compute dtype
-        on weights rounded to it, the weights the engine gets (as verl, OpenRLHF and the Hugging
-        Face Trainer do). float16 has no loss scaling here (bfloat16 is the supported low precision).
+        """The mixed-precision context of every forward: ``torch.autocast`` to ``model.dtype``
+        (bfloat16 / float16) on the trainer's device, a no-op for float32. Parameters, gradients
+        and AdamW moments stay float32 (docs/architecture.md); float16 has no loss scaling here.
         """
         enabled = self.compute_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self.compute_dtype if enabled else None, enabled=enabled)
