@@ -67,9 +67,7 @@ def broadcast_to_tokens(per_rollout: Tensor, rollout_index: Tensor, mask: Tensor
     """Copy a per-rollout value to every sampled token of each of the rollout's segments.
 
     Args:
-        per_rollout: ``[R]`` float, one value per rollout.
-        rollout_index: ``[B]`` long, the rollout of each row.
-        mask: ``[B, T]`` bool, sampled tokens.
+        per_rollout: ``[R]`` float. rollout_index: ``[B]`` long. mask: ``[B, T]`` bool, sampled tokens.
 
     Returns:
         ``[B, T]`` float32: ``per_rollout[rollout_index[b]]`` where ``mask``, else 0.

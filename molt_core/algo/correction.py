@@ -112,8 +112,7 @@ class Gate:
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the gate.
-        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
-            row's rollout (0 for a rollout without sampled tokens).
+        staleness: ``[B]`` long, as :attr:`Correction.staleness`.
         seq: ``[B]`` long, row -> sequence (rollout). n_seq: number of sequences.
         metrics: the gate's metrics (see :class:`Correction`); empty for a :meth:`rows` slice.
     """

@@ -78,8 +78,7 @@ class AdaptiveKLController:
     most 20 % per ``horizon`` steps, up when the KL is above ``target``, down below it.
 
     Args:
-        init_coef: starting coefficient (>= 0).
-        target: KL target in nats (> 0).
+        init_coef: starting coefficient (>= 0). target: KL target in nats (> 0).
         horizon: steps over which a full proportional correction applies (> 0).
 
     Raises:

@@ -187,8 +187,7 @@ def apply_policy_loss(
         mask: ``[B, T]`` bool, tokens that count (sampled, kept by the gate).
         is_weights: ``[B, T]`` float, detached importance weights from correction (1 = none).
         num_tokens: global action-token count of the optimizer step (see module docstring).
-        clip_low, clip_high: the clip band ``[1 - clip_low, 1 + clip_high]`` (floats >= 0).
-        dual_clip: the dual-clip cap (> 1) or None.
+        clip_low, clip_high: the band ``[1 - clip_low, 1 + clip_high]``. dual_clip: cap (> 1) or None.
 
     Returns:
         ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``; metrics

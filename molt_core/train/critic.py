@@ -13,12 +13,11 @@ __all__ = ["ValueModel", "critic_values", "update_critic"]
 
 
 class ValueModel(torch.nn.Module):
-    """The critic of GAE: a copy of the policy's decoder (its initial weights) with a scalar
-    value head (zero-initialised, so every value starts at 0).
+    """The critic of GAE: a copy of the policy's decoder with a zero-initialised scalar value head.
 
-    ``forward(input_ids [B, T] int64) -> values [B, T] float32`` where ``values[:, t]`` is the
-    value of the state *before* token ``t`` (read from the hidden state at ``t - 1``; 0 at
-    ``t = 0``) -- aligned with the logprobs, so GAE reads it on sampled tokens.
+    ``forward(input_ids [B, T] int64) -> values [B, T] float32``, ``values[:, t]`` the value of the
+    state *before* token ``t`` (from the hidden state at ``t - 1``; 0 at ``t = 0``), aligned with
+    the logprobs.
 
     Raises:
         ValueError: the policy has no ``get_decoder()`` / ``config.hidden_size``.

@@ -101,8 +101,7 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
 
     Args:
         ids: ``[R, T]`` int64 token ids (right-padded rows).
-        pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``); a row with no
-            sampled token bounds ``L`` by ``T`` only.
+        pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``).
         min_saving: the fraction of the ``R * T`` token positions the sharing must save
             (``(R - G) * L``, ``G`` distinct prefixes).
 
@@ -213,16 +212,14 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) ``[b, T_rows]`` float32 of the sampled tokens of ``rows`` under
     ``model``, on ``trainer.device``. Right padding needs no attention mask (a causal model never
-    attends to later positions); positions are explicit (:func:`_positions`); logits are only
-    computed at positions that predict a sampled token (``logits_to_keep``, when accepted).
-
-    With ``trainer.shared_prefix`` (off for images, routing records and ``trainer.lockstep``, and
-    for models :func:`_shares` refuses) a prompt prefix the rows share runs once per distinct
-    prefix (:func:`shared_prefix`): the same function up to float rounding.
+    attends to later positions); positions are explicit; logits are only computed at positions
+    that predict a sampled token (``logits_to_keep``, when accepted). With ``trainer.shared_prefix``
+    (not for images, routing records, ``lockstep`` or a model :func:`_shares` refuses) a shared
+    prompt prefix runs once per distinct prefix: the same function up to float rounding.
 
     ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing replay
     context (``trainer._routing``), ``trainer.autocast``, ``lockstep`` (then a backward reaches every
-    parameter, even with no sampled token) and ``trainer.vision_processor`` for ``batch.images``."""
+    parameter) and ``trainer.vision_processor`` for ``batch.images``."""
     T = int(batch.lengths[rows].max())
     ids = batch.input_ids[rows, :T].to(trainer.device)
     pids = batch.param_ids[rows, :T]

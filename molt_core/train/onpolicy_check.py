@@ -171,8 +171,8 @@ class CheckProcess:
         seconds; the trainer checks in line until then).
 
         Raises:
-            RuntimeError: the child could not start (its error's text, e.g. a model class it
-                cannot import -- one defined in a script's ``__main__``) or died.
+            RuntimeError: the child could not start (its error's text, e.g. a model class defined
+                in a script's ``__main__``) or died.
         """
         if not self._ready:
             import select
