@@ -112,8 +112,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of ``run_dir`` that passes :func:`verify_checkpoint`, and the
     reasons the newer ones were skipped (one message per corrupt checkpoint, naming the file).
-    Returns ``(path or None, skipped messages)``.
-    """
+    Returns ``(path or None, skipped messages)``."""
     skipped: list[str] = []
     for ck in reversed(list_checkpoints(run_dir)):
         try:

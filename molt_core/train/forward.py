@@ -129,9 +129,8 @@ _NO_SHARE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def _shares(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s shared-prefix forward can be its full forward: not when its rotary factors
-    depend on the longest position (:func:`molt_core.models.length_dependent_rope`) or a prefix
-    cache was not keys/values alone. Once false, false for that model object (warned once)."""
+    """Whether ``model``'s shared-prefix forward is its full forward (not with length-dependent rotary
+    factors or a non-key/value cache); once false, false for that model object (warned once)."""
     if model in _NO_SHARE:
         return False
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -151,9 +150,8 @@ def _positions(model: torch.nn.Module, start: int, stop: int, rows: int, device:
 
 
 def _kv_cache(cache: Any) -> bool:
-    """Whether ``cache`` holds per-position keys/values alone (every layer a transformers
-    ``DynamicLayer`` or ``DynamicSlidingWindowLayer``), so selecting its rows gives each row its
-    prefix's state; not a recurrent / hybrid state, a legacy tuple cache, or none."""
+    """Whether ``cache`` holds per-position keys/values alone (every layer a ``DynamicLayer`` or
+    ``DynamicSlidingWindowLayer``), so selecting its rows gives each row its prefix's state."""
     from transformers import cache_utils
 
     kinds = tuple(getattr(cache_utils, n, None) for n in ("DynamicLayer", "DynamicSlidingWindowLayer"))

@@ -272,8 +272,7 @@ def _stop(proc: subprocess.Popen, tmp: str, sender: threading.Thread, sent: thre
 
 
 class _Forwarder:
-    """What :func:`molt_core.train.forward.recompute_logprobs` reads of a one-process CPU
-    trainer with no images and no routing replay: its micro-batches, autocast and ``shared_prefix``."""
+    """What ``recompute_logprobs`` reads of a one-process CPU trainer: micro-batches, autocast, ``shared_prefix``."""
 
     device = torch.device("cpu")
     lockstep = False
@@ -316,8 +315,7 @@ class _Slots:
 
 
 def _serve(tmp: str) -> None:
-    """The child: map the ring (then remove its files, in ``tmp``), then one check per
-    message on stdin until it closes."""
+    """The child: map the ring (then remove its files, in ``tmp``), then one check per stdin message."""
     import copy
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle

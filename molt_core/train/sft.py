@@ -365,8 +365,7 @@ EXAMPLE_SEED_OFFSET = 17
 
 def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
     """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
-    Returns per-step losses (empty when ``sft.steps == 0``).
-    """
+    Returns per-step losses (empty when ``sft.steps == 0``)."""
     losses: list[float] = []
     for step, m in enumerate(warm_start_steps(trainer, agent)):
         losses.append(m["sft/loss"])

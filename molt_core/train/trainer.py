@@ -192,8 +192,7 @@ class Trainer(OnPolicyChecks):
     def autocast(self) -> Any:
         """The mixed-precision context of every forward: ``torch.autocast`` to ``model.dtype``
         (bfloat16 / float16) on the trainer's device, a no-op for float32. Parameters, gradients
-        and AdamW moments stay float32 (docs/architecture.md); float16 has no loss scaling here.
-        """
+        and AdamW moments stay float32 (docs/architecture.md); float16 has no loss scaling here."""
         enabled = self.compute_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self.compute_dtype if enabled else None, enabled=enabled)
 

@@ -136,8 +136,7 @@ class VersionHistory:
 
 
 def select_rows(batch, rows: torch.Tensor):
-    """The :class:`~molt_core.train.Batch` restricted to ``rows`` (``[N]`` long); rewards and
-    groups are kept whole (only the per-row fields are indexed)."""
+    """The :class:`~molt_core.train.Batch` restricted to ``rows`` (``[N]`` long); rewards, groups kept whole."""
     per_row = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)
                if f.name in ("input_ids", "mask", "behaviour_logprobs", "versions", "param_ids", "lengths",
                              "rollout_index", "teacher_logprobs", "routed_experts")
@@ -148,9 +147,8 @@ def select_rows(batch, rows: torch.Tensor):
 
 
 def sample_rows(idx: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """At most ``n`` entries of ``idx`` (``[M]`` long): all of them when ``n < 0`` or
-    ``M <= n``, else ``n`` drawn uniformly without replacement with ``generator`` (kept in
-    ``idx``'s order)."""
+    """At most ``n`` entries of ``idx`` (``[M]`` long): all when ``n < 0`` or ``M <= n``, else ``n``
+    drawn uniformly without replacement with ``generator``, in ``idx``'s order."""
     if n < 0 or idx.numel() <= n:
         return idx
     pick = torch.randperm(idx.numel(), generator=generator)[:n].sort().values
