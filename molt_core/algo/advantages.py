@@ -1,10 +1,9 @@
 """Advantage estimators: one pure function each, and :func:`estimate_advantages` to call one.
 
-Shapes: ``R`` rollouts (``rewards[r]`` float, ``group_index[r]`` long); ``B`` rows, one segment
-each (``rollout_index[b]`` long in ``[0, R)``, ``mask[b, t]`` bool ``[B, T]`` True on sampled
-tokens; a rollout's segments are consecutive rows in order). Group estimators return one advantage
-per rollout, broadcast to all its sampled tokens; token estimators put the reward on the rollout's
-last sampled token and recurse over its tokens across segments.
+Shapes: ``R`` rollouts (``rewards[r]`` float, ``group_index[r]`` long); ``B`` rows, one segment each,
+a rollout's in order (``rollout_index[b]`` long in ``[0, R)``; ``mask[b, t]`` bool ``[B, T]``, True on
+sampled tokens). Group estimators return one advantage per rollout, broadcast to its sampled tokens;
+token estimators recurse over a rollout's sampled tokens, its reward on the last (docs/architecture.md).
 """
 
 from __future__ import annotations

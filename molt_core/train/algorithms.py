@@ -22,15 +22,13 @@ __all__ = ["Algorithms", "resolve_algorithms", "compute_advantages", "policy_los
 
 @dataclass(frozen=True)
 class Algorithms:
-    """The estimator (``algo.advantage``) and loss (``algo.loss``) a run uses, and what the
-    estimator's signature asks of the trainer.
+    """The estimator and loss a run uses, and what the estimator's signature asks of the trainer.
 
     Attributes:
         advantage, loss: the registered names. estimator, loss_fn: the registered functions.
         needs_critic: the estimator names ``values`` (a GAE-style critic is built).
         needs_teacher: it names ``teacher_logprobs`` (teacher logprobs at ingress).
-        needs_proximal: it names ``student_logprobs`` (the proximal logprobs, before the loss:
-            no fused recompute).
+        needs_proximal: it names ``student_logprobs`` (proximal logprobs before the loss: no fusing).
         group_baseline: it names ``group_index``. token_rewards: it names ``token_rewards``.
     """
 
@@ -50,14 +48,12 @@ def resolve_algorithms(cfg: RunConfig, host: PluginHost | None = None) -> Algori
     validation) and check the options the estimator's signature depends on.
 
     Args:
-        cfg: the run config. host: the plugin host; None builds one from ``cfg.plugins``
-            (entry points too), as every Ray worker does.
+        cfg: the run config. host: the plugin host; None builds one from ``cfg.plugins`` and entry points.
 
     Raises:
-        ConfigError: an unregistered name (listing the registered ones); a registered function
-            whose signature the dispatcher cannot fill; ``algo.kl_as_reward`` with an
-            estimator that takes no ``token_rewards``; a group baseline with
-            ``rollout.n_samples_per_prompt < 2``.
+        ConfigError: an unregistered name (listing the registered ones); a function whose signature
+            the dispatcher cannot fill; ``algo.kl_as_reward`` with an estimator that takes no
+            ``token_rewards``; a group baseline with ``rollout.n_samples_per_prompt < 2``.
     """
     host = load_plugins(cfg.plugins) if host is None else host
     a = cfg.algo

@@ -56,8 +56,7 @@ def _write_manifest(d: Path) -> None:
 
 def verify_checkpoint(d: str | Path) -> dict[str, Any]:
     """Check checkpoint directory ``d`` against its ``checksums.json`` (SHA-256 per file) and
-    parse its ``state.json``.
-    Returns the parsed ``state.json``.
+    return its parsed ``state.json``.
 
     Raises:
         CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json`` or
@@ -125,8 +124,7 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 
 
 def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
-    Returns the checkpoint directory.
+    """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``; returns it.
 
     Layout: ``model/`` (``save_pretrained`` safetensors, config, tokenizer, a vision-language
     model's image processor; with an adapter the merged weights plus its files, ``base/`` and
@@ -135,8 +133,7 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
     ``version``, ``data_cursor``). A kill leaves the complete checkpoint or none.
 
     Args:
-        run_dir: the run directory.
-        data_cursor: JSON-able position of the data stream, returned by :func:`load_checkpoint`.
+        run_dir: the run directory. data_cursor: JSON-able position of the data stream.
 
     Raises:
         TypeError: ``data_cursor`` is not JSON-serialisable.

@@ -15,8 +15,7 @@ __all__ = ["enable_gradient_checkpointing"]
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     """Checkpoint every decoder layer of ``model`` (a transformers model or a peft model
     wrapping one), non-reentrant (``torch.utils.checkpoint``, ``use_reentrant=False``), so
-    frozen inputs (LoRA) still get gradients.
-    Returns the number of layers checkpointed.
+    frozen inputs (LoRA) still get gradients; returns the number of layers checkpointed.
 
     Raises:
         ValueError: ``model`` has no ``activation_checkpointing_enable`` (transformers >= 5.x) nor

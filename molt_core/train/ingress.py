@@ -131,15 +131,13 @@ def build_batch(
     position 0, and every sampled token inside exactly one sampled span.
 
     Args:
-        trajectories: finished rollouts.
-        pad_id: id used for right padding (never attended to by a causal model).
+        trajectories: finished rollouts. pad_id: id used for right padding.
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
         need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): one per-token
             list per segment, a float on each sampled token.
-        vision: the model's image processor (the modality plugin's): each segment's image runs
-            must match its ``images`` (``check_segment``) and each image's grid as this processor
-            computes it must equal the recorded ``grid_thw``. None skips those checks (the
-            images' bytes are still checked against their digests).
+        vision: the model's image processor: each segment's image runs must match its ``images``
+            and each image's grid the recorded ``grid_thw``. None skips those checks (the bytes
+            are still checked against their digests).
 
     Raises:
         IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
@@ -423,8 +421,7 @@ def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | Non
 
     Returns:
         ``(kept trajectories, their Batch or None when it must be rebuilt, metrics)``: those of
-        :func:`molt_core.identity.screen` and :func:`refuse_malformed`, with
-        ``ingress/refused_rollouts`` counting every refusal.
+        ``screen`` and :func:`refuse_malformed`, ``ingress/refused_rollouts`` counting every refusal.
     """
     try:
         batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher, vision=vision)

@@ -405,8 +405,7 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per step:
     ``step`` and the metrics of :func:`iter_sft`) and ``OUT/model/`` (``save_pretrained``, tokenizer,
     a VL model's image processor; use it as ``model.path``). ``OUT`` defaults to
-    ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
-    Returns the ``OUT/model`` path.
+    ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``; returns the ``OUT/model`` path.
 
     Raises:
         ValueError: ``sft.steps`` is 0, the agent cannot be built / has no answers, or
