@@ -116,9 +116,8 @@ def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: fl
 def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> Tensor:
     """Dr. GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
 
-    ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards
-    too-easy/too-hard questions). A group whose std is below ``std_tol`` gets exactly 0.
-    Returns ``[R]`` float64 advantages.
+    ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards too-easy/too-hard
+    questions). A group whose std is below ``std_tol`` gets exactly 0. Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -163,10 +162,9 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
 def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol: float = 1e-6) -> Tensor:
     """Leave-one-out baseline with leave-one-out std normalisation.
 
-    ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the
-    others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
-    advantage is **not** divided (docs/architecture.md). A singleton group gets 0.
-    Returns ``[R]`` float64 advantages.
+    ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the others; where
+    that std is zero (fewer than two others, or below ``std_tol`` in float64) the advantage is **not** divided
+    (docs/architecture.md). A singleton group gets 0. Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)

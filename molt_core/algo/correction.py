@@ -130,9 +130,8 @@ class Gate:
 
 def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_staleness: int,
                    seq_index: Tensor | None = None) -> Gate:
-    """The sequence gate: a rollout whose oldest sampled token is more than ``max_staleness``
-    versions behind ``current_version`` is dropped, every row, and counted in the metrics.
-    Returns a :class:`Gate`.
+    """The sequence gate: a rollout whose oldest sampled token is more than ``max_staleness`` versions behind
+    ``current_version`` is dropped, every row, and counted in the metrics. Returns a :class:`Gate`.
 
     Args:
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.

@@ -230,9 +230,8 @@ def commit_checkpoint(trainer: Any, run_dir: str | Path, tmp: Path, final: Path)
     return final
 
 def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
-    """Restore weights, reference, optimizer, scheduler, RNG states, step and version
-    from a checkpoint directory (or from the latest checkpoint of a run directory).
-    Returns the ``data_cursor`` saved with it.
+    """Restore weights, reference, optimizer, scheduler, RNG states, step and version from a checkpoint
+    directory (or from the latest checkpoint of a run directory). Returns the ``data_cursor`` saved with it.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.

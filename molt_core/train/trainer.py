@@ -44,15 +44,13 @@ class Trainer(OnPolicyChecks):
     """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
 
     Args:
-        cfg: the run configuration (``model``, ``trainer``, ``algo``, ``correction``, ``async``,
-            ``checkpoint``, ``run``).
+        cfg: the run configuration.
         model: a causal LM whose ``forward(input_ids=...)`` returns ``.logits`` ``[B, T, V]``;
             loaded from ``cfg.model`` (``molt_core.models.load_model``) when None.
         tokenizer: saved with checkpoints; loaded from ``cfg.model`` when None and ``model`` is None.
         ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0``, a frozen
             copy of the initial policy (:meth:`reset_reference` re-snapshots it).
-        replay_backend: the MoE routing-replay backend to use instead of the one registered
-            for the model type (``molt_register_replay_backends``).
+        replay_backend: the MoE routing-replay backend to use instead of the model type's registered one.
 
     Attributes:
         version: the policy version of the current weights (0 = initial; +1 per update).
@@ -397,14 +395,12 @@ class Trainer(OnPolicyChecks):
         return metrics
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
-        """Whether this step can take the proximal logprobs from the loss forward itself.
-
-        With one PPO epoch the proximal policy *is* the policy being differentiated, so
-        ``lp.detach()`` of the loss forward (bit-identical) replaces the no-grad recompute. Needs
-        ``ppo_epochs == 1``; no estimator needing them before the loss (``on_policy_distill``, KL
-        as reward); not ``is_mode = "mask"`` (its token count depends on them); and, with ``batch``,
-        not seq/geo weights when a rollout has several rows. ``fuse_recompute = False`` forces the pass.
-        """
+        """Whether this step can take the proximal logprobs from the loss forward itself: with one
+        PPO epoch the proximal policy *is* the policy being differentiated, so ``lp.detach()`` of the
+        loss forward (bit-identical) replaces the no-grad recompute. Needs ``ppo_epochs == 1``; no
+        estimator needing them before the loss (``on_policy_distill``, KL as reward); not ``is_mode =
+        "mask"`` (its token count depends on them); with ``batch``, not seq/geo weights when a rollout
+        has several rows. ``fuse_recompute = False`` forces the separate pass."""
         cfg = self.cfg
         multi_row = batch is not None and bool((torch.bincount(batch.rollout_index) > 1).any())
         return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1

@@ -51,12 +51,11 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
     optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``, ``out_of_support`` are
     ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
 
-    With ``correct`` given (fused recompute), each micro-batch's proximal logprobs and IS weights
-    come from its own epoch-0 loss forward via ``correct(prox_mb, rows)``; otherwise from
-    ``weights`` and ``out_of_support``. ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens
-    the KL term covers. ``before_step(prox)`` runs once, after epoch 0's backwards and before the
-    first optimizer step, with the fused ``[B, T]`` proximal logprobs (None when not fused):
-    whatever it raises leaves the weights untouched.
+    With ``correct`` given (fused recompute), each micro-batch's proximal logprobs and IS weights come from
+    its own epoch-0 loss forward via ``correct(prox_mb, rows)``; otherwise from ``weights`` and
+    ``out_of_support``. ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers.
+    ``before_step(prox)`` runs once, after epoch 0's backwards and before the first optimizer step, with the
+    fused ``[B, T]`` proximal logprobs (None when not fused): whatever it raises leaves the weights untouched.
 
     Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token in a later epoch is kept
     out of that epoch's backward; at the epoch's end the weights and AdamW state are restored to
