@@ -357,10 +357,8 @@ def estimate_advantages(
     name: str = "?",
 ) -> tuple[Tensor, Tensor | None]:
     """Advantages of every sampled token from a registered ``estimator`` (calling convention:
-    :func:`molt_core.hookspecs.molt_register_estimators`).
-
-    The estimator receives, by keyword, only the arguments its signature names. A tensor it
-    requires (no default) must be given; a given ``token_rewards`` must be taken.
+    :func:`molt_core.hookspecs.molt_register_estimators`), which receives by keyword only the
+    arguments its signature names: a tensor it requires must be given, a given ``token_rewards`` taken.
 
     Args:
         estimator: the registered function. rewards: ``[R]`` float32, one per rollout.

@@ -1,9 +1,8 @@
 """Policy-version semantics, the single enforcement site: :func:`staleness_gate` (once per step)
 drops a whole rollout whose oldest sampled token is too stale, and :func:`correct` weights each
-kept token by the behaviour -> proximal importance ratio ``rho = pi_prox / pi_behaviour``.
-
-Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens;
-``seq_index[b]`` the rollout of row ``b``. Semantics and sources: docs/architecture.md.
+kept token by the behaviour -> proximal importance ratio ``rho = pi_prox / pi_behaviour``. Shapes: ``B``
+rows (segments) of ``T`` tokens, ``mask[b, t]`` True on sampled tokens, ``seq_index[b]`` the rollout of
+row ``b``. Semantics and sources: docs/architecture.md.
 """
 
 from __future__ import annotations

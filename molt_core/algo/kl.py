@@ -1,9 +1,8 @@
 """KL-to-reference estimators (k1, k2, k3) and the adaptive KL coefficient controller.
 
-With ``log r = ref_logprobs - logprobs`` at the sampled token (J. Schulman, "Approximating KL
-Divergence", 2020, http://joschu.net/blog/kl-approx.html): ``k1 = -log r`` (unbiased, can be
-negative), ``k2 = (log r)^2 / 2`` (biased, >= 0), ``k3 = (r - 1) - log r`` (unbiased, >= 0).
-Use as a detached per-token reward penalty or as a loss term (:func:`kl_loss`).
+With ``log r = ref_logprobs - logprobs`` at the sampled token (J. Schulman, "Approximating KL Divergence",
+2020, http://joschu.net/blog/kl-approx.html): ``k1 = -log r`` (unbiased, any sign), ``k2 = (log r)^2 / 2``
+(biased, >= 0), ``k3 = (r - 1) - log r`` (unbiased, >= 0); for a reward penalty or a loss term (:func:`kl_loss`).
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 
 
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: int, estimator: str = "k3") -> Tensor:
-    """KL loss term: ``sum_{mask} kl_estimate(...) / num_tokens`` (global token mean, like
-    :func:`molt_core.algo.losses.apply_policy_loss`). Multiply by ``kl_coef`` before adding.
-    Returns a scalar tensor.
+    """KL loss term, a scalar tensor: ``sum_{mask} kl_estimate(...) / num_tokens`` (global token mean,
+    like :func:`molt_core.algo.losses.apply_policy_loss`). Multiply by ``kl_coef`` before adding.
 
     Args:
         logprobs: ``[B, T]`` (requires grad). ref_logprobs: ``[B, T]`` (detached here).

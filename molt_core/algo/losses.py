@@ -1,9 +1,8 @@
 """Policy-gradient losses (PPO clip with dual clip, GSPO, CISPO) with global-token aggregation.
 
-Per-token terms ``l[b, t]`` times the detached importance weight ``w[b, t]``
-(:mod:`molt_core.algo.correction`) are aggregated as ``sum_{mask} l * w / num_tokens``, with
-``num_tokens`` the action-token count of the whole optimizer step. The ratio is taken against the
-proximal policy (decoupled PPO, Hilton et al. 2021, arXiv 2110.00641); see docs/architecture.md.
+Per-token terms ``l[b, t]`` times the detached importance weight ``w[b, t]`` (:mod:`molt_core.algo.correction`)
+are aggregated as ``sum_{mask} l * w / num_tokens``, ``num_tokens`` the action tokens of the whole optimizer
+step; the ratio is against the proximal policy (decoupled PPO, Hilton et al. 2021, arXiv 2110.00641).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Checkpoints of a :class:`~molt_core.train.trainer.Trainer` on disk.
 
-A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/`` (layout: :func:`save_checkpoint`),
-written into a temporary directory and renamed, then pruned to ``checkpoint.keep``.
-``checksums.json`` holds the SHA-256 of every other file; :func:`verify_checkpoint` checks it
-before anything is loaded and :func:`latest_intact_checkpoint` skips corrupt checkpoints.
+A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/`` (layout: :func:`save_checkpoint`), written
+into a temporary directory, renamed and pruned to ``checkpoint.keep``. ``checksums.json`` holds the
+SHA-256 of every other file, checked (:func:`verify_checkpoint`) before anything is loaded.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def update_critic(trainer: Any, batch: Batch, old_values: torch.Tensor, returns:
                   train_mask: torch.Tensor, num_tokens: int) -> dict[str, float]:
     """``ppo_epochs`` critic steps on the clipped value loss (PPO; Schulman et al. 2017, arXiv 1707.06347,
     with value clipping as in OpenAI baselines ppo2): ``0.5 * max((V - G)^2, (V_old + clip(V - V_old,
-    -c, c) - G)^2)`` over the step's action tokens / ``num_tokens`` (c = ``algo.value_clip``, None: no clip).
+    -c, c) - G)^2)`` summed over the action tokens / ``num_tokens`` (c = ``algo.value_clip``, None: no clip).
 
     ``old_values`` / ``returns`` ``[B, T]`` float32, ``train_mask`` ``[B, T]`` bool (CPU).
     Returns ``loss/value``, ``critic/grad_norm`` (before clipping), ``critic/value_mean``,

@@ -49,10 +49,9 @@ class OnPolicyChecks:
                 and (self.replay_backend is None or batch.routed_experts is None))
 
     def _start_check_process(self) -> None:
-        """Start the on-policy check's process once, when this trainer may use it (a one-process
-        CPU trainer keeping versions, no VL model, no routing replay), after the first update or
-        earlier from :meth:`start_check_process`. The history moves to its shared ring; checks run
-        in line until the child is ready, and for good (logged once) if it cannot start."""
+        """Start the check process once, if this trainer may use it (one CPU process keeping versions,
+        no VL model, no routing replay): the history moves to its shared ring; checks run in line
+        until the child is ready, and for good (logged once) if it cannot start."""
         if (self._check_proc is not None or self._check_proc_failed or not self.overlap_onpolicy_check
                 or self.device.type != "cpu" or self.history.keep == 0 or self.vision_processor is not None
                 or self.replay_backend is not None):

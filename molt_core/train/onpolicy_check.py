@@ -1,9 +1,8 @@
 """The on-policy check of stale rows in a process of its own, beside the update.
 
 :class:`CheckProcess` runs :func:`~molt_core.train.version_history.stale_absdiff` in a child
-(``python -m molt_core.train.onpolicy_check``) over version-history copies kept in a shared-memory
-ring, so on a multi-core CPU the check costs the update nothing; its result is bit-identical to
-the in-line check. Design: docs/architecture.md.
+(``python -m molt_core.train.onpolicy_check``) over version copies in a shared-memory ring, so on a
+multi-core CPU it costs the update nothing; bit-identical to the in-line check (docs/architecture.md).
 """
 
 from __future__ import annotations

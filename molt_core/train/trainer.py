@@ -1,9 +1,8 @@
 """The single trainable actor: logprob recompute, correction, loss, optimizer, weight export.
 
-One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM``; :meth:`Trainer.train_step`
-turns finished :class:`~molt_core.types.Trajectory` objects into one policy update (ingress,
-recompute, correction, advantages, update; docs/architecture.md) and ``version += 1``. The jobs
-live in the sibling modules (ingress, forward, update, critic, metrics, checkpoint).
+One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM``; :meth:`Trainer.train_step` turns
+finished :class:`~molt_core.types.Trajectory` objects into one policy update (docs/architecture.md) and
+``version += 1``. The jobs live in the sibling modules (ingress, forward, update, critic, metrics, checkpoint).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Forward consistency on every step, async included: recompute under the behaviour version.
 
-``invariants/logprob_absdiff_max_onpolicy`` compares the engine's behaviour logprob of a sampled
-token with the trainer's logprob of it *under the weights that sampled it*: the proximal logprobs
-for current-version tokens, and for older ones a recompute under that version's weights, kept as
-CPU copies of the last ``max_staleness`` versions (:class:`VersionHistory`). Costs: docs/architecture.md.
+``invariants/logprob_absdiff_max_onpolicy`` compares a token's behaviour logprob with the trainer's
+*under the weights that sampled it*: the proximal logprobs for current-version tokens, else a recompute
+under CPU copies of the last ``max_staleness`` versions (:class:`VersionHistory`; docs/architecture.md).
 """
 
 from __future__ import annotations
