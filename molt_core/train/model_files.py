@@ -49,8 +49,8 @@ def read_weights(d: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: torch.nn.Module, d: Path) -> None:
-    """Load the ``*.safetensors`` of directory ``d`` into ``model`` (keys ``save_pretrained`` dropped
-    as tied to a saved parameter may be missing).
+    """Load the ``*.safetensors`` of directory ``d`` into ``model``; keys that ``save_pretrained``
+    dropped because they are tied to a saved parameter may be missing.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``d``.

@@ -13,7 +13,7 @@ from molt_core.train.version_history import stale_absdiff
 
 __all__ = ["OnPolicyChecks"]
 
-#: the trainer's logger: these messages are the trainer's
+#: the trainer module's logger (the check is part of the trainer)
 log = logging.getLogger("molt_core.train.trainer")
 
 

@@ -222,10 +222,10 @@ class Trainer(OnPolicyChecks):
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. Ingress refuses one rollout at a time and the rest trains
-        (:func:`molt_core.train.ingress.admit`); so is a rollout with a non-finite logprob from any
-        recompute before the optimizer step (the step is redone on the rest). With nothing left,
-        or every sequence gated, no step is taken and ``train/skipped`` is 1.
+        Failed trajectories are skipped. Ingress refuses bad rollouts one at a time and the rest
+        trains (:func:`molt_core.train.ingress.admit`); a non-finite logprob from any recompute before
+        the optimizer step refuses its rollout too (the step is redone on the rest). With nothing
+        left, or every sequence gated, no step is taken and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
