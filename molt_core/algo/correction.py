@@ -34,9 +34,8 @@ class Correction:
             and ``correction/clipped_frac`` (of those), ``correction/is_weight_mean`` / ``_min`` /
             ``_max`` (over ``loss_mask``), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox -
             log pi_behaviour|`` over kept in-support tokens, before the band).
-        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens``): sampled, kept by
-            the gate, not rejected by mask mode; under trunc/clip an out-of-support token stays
-            here with weight 0.
+        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens``): sampled, kept by the
+            gate, not rejected by mask mode (under trunc/clip an out-of-support token, weight 0).
         out_of_support: ``[B, T]`` bool, sampled tokens whose proximal logprob is -inf; the
             caller keeps them out of the gradient.
     """

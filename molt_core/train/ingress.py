@@ -28,9 +28,8 @@ _log = logging.getLogger("molt.ingress")
 class IngressError(ValueError):
     """A trajectory handed to the trainer is malformed (token identity would be violated).
 
-    The message names the rollout, the segment index and the field. ``reason``: ``"no_span"``
-    (a sampled token in no sampled span), ``"nonfinite"`` (a non-finite behaviour logprob on a
-    sampled token) or ``"malformed"``.
+    The message names the rollout, the segment index and the field. ``reason``: ``"no_span"`` (a
+    sampled token in no span), ``"nonfinite"`` (its behaviour logprob not finite) or ``"malformed"``.
     """
 
     def __init__(self, message: str, reason: str = "malformed") -> None:

@@ -24,8 +24,7 @@ class _RateColumn(ProgressColumn):
 
 @contextmanager
 def step_progress(console: Console, label: str, total: int, lines: int = 10) -> Iterator[Callable[[int, str], None]]:
-    """Show the progress of ``total`` steps; yields ``update(done, info)`` (steps finished so far,
-    a short text such as the current loss).
+    """Show the progress of ``total`` steps; yields ``update(done, info)`` (steps done; a text, e.g. the loss).
 
     On a terminal: a rich bar with done/total, rate, elapsed time and ETA. Otherwise at most
     ``lines`` plain lines ``"<label>: <done>/<total> <info> (<rate> steps/s, ETA <s> s)"``, one per

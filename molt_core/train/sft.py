@@ -172,8 +172,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
             lr_schedule)`` (:func:`molt_core.train.lr_factor`; ``constant``, ``linear`` or ``cosine``).
 
     Yields:
-        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats per
-        completion token; seconds).
+        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats/token; s).
 
     Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
     re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
@@ -275,8 +274,7 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
     message. A ``label_noise`` fraction of the completions (seeded) is replaced by :func:`noisy_answer`.
 
     Raises:
-        ValueError: a task without ``answer`` (or, for a non-Env agent, without ``question``),
-            or fewer than ``n`` tasks.
+        ValueError: a task without ``answer`` (or, for a non-Env agent, ``question``); fewer than ``n`` tasks.
     """
     rng = random.Random(seed + 7919)
     out: list[tuple[list[dict[str, Any]], str]] = []
