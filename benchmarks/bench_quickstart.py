@@ -3,7 +3,7 @@ PyTorch loop, and ``molt run`` async (``max_staleness=1``) vs sync -- ratios fro
 
 Setup (``recipes/quickstart.toml``): the builtin tiny Qwen3
 (~0.85M parameters, ChatML byte-level tokenizer), 2-digit addition "What is A + B?" from the
-``reasoning_gym`` env with a binary exact-match reward, 8 prompts x 8 completions per step, at
+built-in ``arithmetic`` env (reasoning-gym's ``basic_arithmetic`` problems) with a binary exact-match reward, 8 prompts x 8 completions per step, at
 most 8 new tokens at T = 1 (no top-k / top-p), no KL / reference, AdamW with the recipe's
 ``[trainer]`` settings for every arm (lr 1.5e-4 constant, betas (0.9, 0.98), eps 1e-8, no weight
 decay, grad-norm clip 1.0), GRPO advantages
@@ -12,7 +12,7 @@ decay, grad-norm clip 1.0), GRPO advantages
 Every arm starts from the SAME warm-start weights, written once by ``molt sft
 recipes/quickstart.toml --out OUT/sft-<steps>`` (the recipe's ``[sft]``: 1200 steps on 30%-noisy labels; reused on
 later runs), and sees the SAME prompts in the same order: for seed ``s`` the first ``steps x 8``
-tasks of the env's ``train`` stream (``ReasoningGymEnv.tasks("train", s)``, as ``molt run``
+tasks of the env's ``train`` stream (``ArithmeticEnv.tasks("train", s)``, as ``molt run``
 draws them with ``run.seed = s``), and is evaluated on the env's held-out ``eval`` split of
 that seed (excluded from the train stream).
 
@@ -109,10 +109,13 @@ def load_recipe() -> dict[str, Any]:
 
 
 def make_env(recipe: dict[str, Any]) -> Any:
-    """The recipe's ``reasoning_gym`` env -- used only as the task stream and held-out split."""
+    """The recipe's env (``arithmetic``, or ``reasoning_gym`` with the same options: the same
+    tasks) -- used only as the task stream and held-out split."""
+    from molt_plugins.envs.arithmetic import ArithmeticEnv
     from molt_plugins.envs.reasoning_gym import ReasoningGymEnv
 
-    return ReasoningGymEnv(**recipe["agent"]["options"])
+    return {"arithmetic": ArithmeticEnv, "reasoning_gym": ReasoningGymEnv}[recipe["agent"]["name"]](
+        **recipe["agent"]["options"])
 
 
 def train_tasks(env: Any, seed: int, n: int) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ KIND_TITLES = {"rewards": "reward", "envs": "env", "judges": "judge", "teachers"
                "weight_sync_transports": "weight-sync transport", "estimators": "estimator", "losses": "loss",
                "adapters": "adapter", "trainer_backends": "trainer backend",
                "modalities": "modality", "tool_parsers": "tool parser", "wires": "wire",
-               "render_windows": "window prover"}
+               "render_windows": "window prover", "builtin_models": "builtin model"}
 
 
 def contrib_packages() -> list[tuple[str, str, str, Path]]:

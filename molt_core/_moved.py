@@ -57,6 +57,9 @@ MOVED_NAMES = {
         "anthropic_error", "anthropic_response", "anthropic_stream")},
     "molt_core.algo": {n: "molt_core.train.algorithms" for n in ("compute_advantages", "policy_loss", "apply_correction")},
     "molt_core.ledger.render": {"prove_window": "molt_plugins.render_window"},
+    "molt_core.models": {"bigvocab_tokenizer_dir": "molt_plugins.tiny_models.bigvocab",
+                         **{n: "molt_plugins.tiny_models.vl" for n in (
+                             "TINY_VL_MAX_PIXELS", "TINY_VL_MERGE", "TINY_VL_MIN_PIXELS", "TINY_VL_PATCH")}},
     "molt_core.train.checkpoint": {"save_sharded_checkpoint": "molt_plugins.distributed.checkpoint"},
     "molt_core.config": {n: "molt_core.cli.recipe" for n in (
         "load_config", "validate_config", "apply_overrides", "parse_override", "find_recipe", "recipes_dir",

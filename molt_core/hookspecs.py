@@ -22,7 +22,7 @@ HOOK_API_VERSION = 3
 and ``molt_register_sandbox_backends``. 3: the minimal core's seams -- ``molt_register_estimators``,
 ``molt_register_losses``, ``molt_register_weight_sync_transports``, ``molt_register_routing_tools``,
 ``molt_register_modalities``, ``molt_register_adapters``, ``molt_register_trainer_backends``,
-``molt_register_tool_parsers``, ``molt_register_wires``, ``molt_register_render_windows``."""
+``molt_register_tool_parsers``, ``molt_register_wires``, ``molt_register_render_windows``, ``molt_register_builtin_models``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -264,6 +264,17 @@ def molt_register_render_windows(register: Register) -> None:
     :mod:`molt_plugins.render_window` (``jinja``)."""
 
 
+@hookspec
+def molt_register_builtin_models(register: Register) -> None:
+    """Register a model that ``model.path = "builtin:NAME"`` builds: ``register(name, model)``
+    with ``model.tokenizer()`` -> a Hugging Face tokenizer with a chat template;
+    ``model.build(tokenizer)`` -> a float32 ``torch.nn.Module`` from a random init (called under
+    the seeded RNG of ``load_model(seed=...)``; ``logits [B, T, V]`` from ``input_ids [B, T]``);
+    ``model.vision`` -> bool (a vision-language model). The kernel's own: ``tiny-qwen3``,
+    ``-moe``, ``-large``; first party: :mod:`molt_plugins.tiny_models` (``tiny-qwen3-bigvocab``,
+    ``tiny-qwen2.5-vl``)."""
+
+
 @hookspec(historic=True)
 def molt_configure(config: Any) -> None:
     """Called once with the resolved ``RunConfig`` before any compute starts (historic:
@@ -299,4 +310,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "tool_parsers": "molt_register_tool_parsers",
     "wires": "molt_register_wires",
     "render_windows": "molt_register_render_windows",
+    "builtin_models": "molt_register_builtin_models",
 }

@@ -84,7 +84,7 @@ def test_cli_plugins_compact_at_80_columns():
     r = CliRunner().invoke(main, ["plugins"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
-    assert len(lines) < 60, len(lines)
+    assert len(lines) <= 60, len(lines)  # one line per name (the arithmetic env made it 60)
     assert max(len(x) for x in lines) <= 80
     host = load_plugins()
     for kind in ("rewards", "envs", "engines", "loggers"):  # every kind and name is listed, one line each

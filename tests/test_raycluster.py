@@ -132,7 +132,7 @@ def test_a_gpu_request_the_local_cluster_cannot_place_fails_fast(monkeypatch, ca
     assert msg.startswith("the run needs 3 GPU(s) (trainer.num_gpus 1 x trainer.world_size 2 + engine.num_gpus 0.5 x "
                           "engine.num_engines 2) but the Ray cluster has 1;")
     calls = []
-    fake = types.SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: calls.append("init"),
+    fake = types.SimpleNamespace(__version__="2.60.0", is_initialized=lambda: False, init=lambda **kw: calls.append("init"),
                                  cluster_resources=lambda: {"CPU": 2.0, "GPU": 1.0},
                                  shutdown=lambda: calls.append("shutdown"))
     monkeypatch.setitem(sys.modules, "ray", fake)
@@ -146,3 +146,58 @@ def test_a_gpu_request_the_local_cluster_cannot_place_fails_fast(monkeypatch, ca
     assert "warning: the run needs 3 GPU(s)" in capsys.readouterr().err
     cpu = RunConfig.model_validate({})
     assert raycluster.gpu_shortfall(cpu, 0.0) is None
+
+
+@pytest.fixture
+def ray_env(monkeypatch):
+    """The variables init_ray sets by default, restored after the test."""
+    for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "1", "RAY_COLOR_PREFIX": "0"}.items():
+        monkeypatch.setenv(k, os.environ.get(k, v))
+
+
+@pytest.mark.parametrize("version", ["2.40.0", "2.51.1", "1.13.0"])
+def test_a_ray_without_token_authentication_is_refused_before_any_cluster(monkeypatch, ray_env, version):
+    """Ray before 2.52 has no token authentication: its cluster would take any connection, so
+    init_ray stops before ray.init with the fix."""
+    import ray
+
+    from molt_core.config import RunConfig
+    from molt_core.runtime import raycluster
+
+    calls = []
+    monkeypatch.setattr(ray, "__version__", version)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: calls.append("is_initialized") or False)
+    monkeypatch.setattr(raycluster, "prepare_auth", lambda addr: "token")  # leave os.environ alone
+    with pytest.raises(ClusterAuthError) as e:
+        raycluster.init_ray(RunConfig.model_validate({}), None)
+    assert str(e.value) == (f"Ray {version} has no token authentication (it arrived in Ray 2.52), so the cluster's "
+                            f"ports would be open to any connection; pip install 'ray>=2.52'")
+    assert calls == []
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.52.0rc1", "2.60.0", "2.100.1", "3.0.0.dev0"])
+def test_a_ray_with_token_authentication_passes_the_check(monkeypatch, ray_env, version):
+    import ray
+
+    from molt_core.config import RunConfig
+    from molt_core.runtime import raycluster
+
+    monkeypatch.setattr(ray, "__version__", version)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # returns right after the check: no cluster
+    monkeypatch.setattr(raycluster, "prepare_auth", lambda addr: "token")
+    assert raycluster.init_ray(RunConfig.model_validate({}), None) is ray
+
+
+def test_the_installed_ray_has_token_authentication(monkeypatch, ray_env):
+    """The Ray this environment has passes the check (pyproject: ray>=2.52) and has the
+    token loader init_ray refreshes."""
+    import ray
+    from ray._raylet import AuthenticationTokenLoader  # noqa: F401  (Ray's token authentication)
+
+    from molt_core.config import RunConfig
+    from molt_core.runtime import raycluster
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(raycluster, "prepare_auth", lambda addr: "token")
+    assert raycluster.init_ray(RunConfig.model_validate({}), None) is ray

@@ -1,10 +1,7 @@
-"""The contract every rollout engine meets.
-
-An engine takes prompt token ids and :class:`~molt_core.types.SamplingParams` and returns
-the ids it sampled, each one's behaviour logprob under the distribution actually sampled
-from (:mod:`molt_core.sampling`), the policy version that sampled each token (a weight sync
-during a generation changes it mid-sequence: partial rollout), the finish reason and, for
-MoE models, the routed experts. Weights arrive through one ``load_weights(state, version)``.
+"""The contract every rollout engine meets: prompt ids and :class:`~molt_core.types.SamplingParams` in;
+sampled ids, their behaviour logprobs (:mod:`molt_core.sampling`), the policy version of each token (a
+weight sync mid-generation changes it: partial rollout), the finish reason and, for MoE models, the
+routed experts out. Weights arrive through one ``load_weights(state, version)``.
 """
 
 from __future__ import annotations
@@ -18,22 +15,16 @@ __all__ = ["GenerationOutput", "RolloutEngine", "WorkerThreadEngine"]
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the ledger, server and runtime need from an engine.
-
-    ``generate`` is a coroutine so many sessions share one engine; implementations batch
-    concurrent requests (no one-request-at-a-time lock). ``load_weights`` swaps weights
-    between decode steps and stamps later tokens with ``version``.
-    """
+    """What the ledger, server and runtime need from an engine: ``generate`` is a coroutine whose concurrent
+    requests the engine batches; ``load_weights`` swaps weights between decode steps."""
 
     tokenizer: Any
     version: int
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        images: list[bytes] | None = None) -> GenerationOutput:
-        """Sample a continuation of ``prompt_ids`` (list of int) under ``params``. ``images``: for
-        vision-language engines, the encoded bytes of each image whose placeholder run
-        (:func:`molt_plugins.vision.processor.expand_placeholders`) ``prompt_ids`` hold, in token order;
-        text-only engines may omit the argument."""
+        """Sample a continuation of ``prompt_ids`` under ``params``. ``images``: the encoded bytes of each image
+        whose expanded placeholder run ``prompt_ids`` hold, in token order (text-only engines may omit it)."""
         ...
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
@@ -42,13 +33,9 @@ class RolloutEngine(Protocol):
 
 
 class WorkerThreadEngine:
-    """Plumbing shared by engines whose model runs in one background worker thread.
-
-    Subclasses call :meth:`_init_worker` in their constructor (after their own state is set)
-    and implement ``_loop`` (the thread body). Requests and weight updates reach the thread
-    through ``self._cv`` (a :class:`threading.Condition`); ``self._pending_weights`` holds
-    ``(payload, version, done_event, errors)`` tuples the loop applies between steps.
-    """
+    """Plumbing for engines whose model runs in one worker thread: subclasses call :meth:`_init_worker` and
+    implement ``_loop``, which applies ``self._pending_weights`` (``(payload, version, done, errors)``) between
+    steps; requests reach it through ``self._cv``."""
 
     def _init_worker(self, target: Any, name: str, args: tuple = ()) -> None:
         import threading
@@ -61,10 +48,7 @@ class WorkerThreadEngine:
 
     def _queue_weights(self, payload: Any, version: int) -> None:
         """Hand ``payload`` to the worker, wait until it is applied; re-raise its error.
-
-        Raises:
-            RuntimeError: the engine is closed.
-        """
+        Raises: RuntimeError -- the engine is closed."""
         import threading
 
         done, err = threading.Event(), []
@@ -78,8 +62,7 @@ class WorkerThreadEngine:
             raise err[0]
 
     def pause(self) -> None:
-        """Stop stepping after the current step; in-flight generations keep their state.
-        Weight updates are still applied while paused."""
+        """Stop stepping after the current step (generations keep their state; weights still load)."""
         with self._cv:
             self._paused = True
 
@@ -91,16 +74,12 @@ class WorkerThreadEngine:
 
     @staticmethod
     def _deliver(r: Any, result: Any) -> None:
-        """Resolve request ``r``'s future (``r.future`` on event loop ``r.loop``) with a
-        :class:`GenerationOutput` or an exception, from the worker thread; a no-op when the
-        future is already done or its loop is gone."""
+        """Resolve ``r.future`` (on ``r.loop``) with a result or exception from the worker thread."""
         WorkerThreadEngine._deliver_many([(r, result)])
 
     @staticmethod
     def _deliver_many(items: list[tuple[Any, Any]]) -> None:
-        """:meth:`_deliver` for several requests with one wake-up per event loop (each
-        ``call_soon_threadsafe`` writes to the loop's self-pipe and hands it the GIL: 64 rows
-        finishing in one decode step cost 64 wake-ups before)."""
+        """:meth:`_deliver` for several requests with one wake-up per event loop."""
         by_loop: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
         for r, result in items:
             by_loop.setdefault(id(r.loop), (r.loop, []))[1].append((r, result))
@@ -129,12 +108,10 @@ class WorkerThreadEngine:
 
 
 def checked_request(prompt_ids: Any, params: Any, context: int, vocab_size: int) -> tuple[list[int], SamplingParams]:
-    """A generate request's ``prompt_ids`` as ints and ``params`` as :class:`SamplingParams`
-    (None: defaults; a dict: validated), after the checks every engine makes.
+    """A generate request's ``prompt_ids`` as ints and ``params`` (None, dict or instance) as
+    :class:`SamplingParams`, after the checks every engine makes.
 
     Args:
-        prompt_ids: the prompt's token ids (any int sequence).
-        params: None, a dict or :class:`SamplingParams`.
         context: the model's context in tokens; a prompt must leave room for one more.
         vocab_size: ids must lie in ``[0, vocab_size)``.
 

@@ -41,8 +41,7 @@ class _Request:
 
     @property
     def rope_delta(self) -> int:
-        """Position offset of tokens after the prompt (M-RoPE: an image run spans fewer positions
-        than tokens); 0 for text."""
+        """Position offset of tokens after the prompt (M-RoPE image runs span fewer positions); 0 for text."""
         return self.vision.delta if self.vision is not None else 0
 
 
@@ -68,10 +67,9 @@ def _layers(cache: Any) -> list[Any]:
 
 
 def _past_cache(hits: list[tuple[int, Any]], past: int, device: torch.device) -> tuple[Any, torch.Tensor]:
-    """A ``DynamicCache`` of ``len(hits)`` rows and ``past`` columns holding each hit's reused
-    keys/values (``(m, kv)``, kv per layer ``[H, m, D]``) right-aligned, zeros before them,
-    and its ``[B, past]`` int64 mask (1 on reused columns)."""
-    from transformers import DynamicCache  # transformers loads lazily (start-up time), as in models/
+    """A ``DynamicCache`` of ``len(hits)`` rows, ``past`` columns, each hit's ``(m, kv)`` right-aligned, and
+    its ``[B, past]`` int64 mask (1 on reused columns)."""
+    from transformers import DynamicCache  # loaded lazily (start-up time)
 
     ref = next(kv for m, kv in hits if m)
     pmask = torch.zeros(len(hits), past, dtype=torch.long, device=device)

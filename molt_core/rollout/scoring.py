@@ -1,31 +1,8 @@
-"""Reward scoring: how the runtime calls the reward plugins (:mod:`molt_core.rewards`) on a
-finished group.
-
-Where a call runs, and what its deadline can stop (never the worker's event loop: it only
-awaits):
-
-* ``isolation = "process"`` -- the call runs in a reward worker process (one per call in
-  flight, reused between calls, started outside the deadline; :mod:`molt_core.rollout.reward_worker`).
-  At the deadline the process (and its process group) is killed with ``SIGKILL``: nothing of
-  the call survives, whatever it was doing -- a long C call holding the GIL (sympy, a huge
-  integer power, a backtracking regex) included. Arguments and the result cross by pickle:
-  the function must be importable by reference or by value (cloudpickle), and a reward that
-  needs the run's judge session cannot use it. A worker process is killed by the kernel when
-  the thread that started it (the worker's event loop) ends. First-party ``math_answer`` and
-  ``regex`` default to it (they run parsers on policy-written text).
-* ``isolation = "thread"`` (the default for plugins: a reward may hold a model, a client, a
-  cache that a process would not share) -- the call runs in its own daemon thread; an
-  ``async def`` reward (or a sync one returning an awaitable) runs on a fresh event loop in that
-  thread, so a reward that blocks (``time.sleep``, a sync HTTP call inside ``async def``)
-  stalls only its own thread. At the deadline the step stops waiting (the trajectory fails
-  ``timeout``, the concurrency slot is released, the late result discarded) and an async
-  reward's task is cancelled; but Python cannot kill a thread: a sync reward runs on until it
-  returns, and while it holds the GIL in one long C call (no bytecode boundary) *every* thread
-  of the worker is stalled and no deadline can fire. Set ``isolation = "process"`` for a
-  reward that can do that.
-
-Concurrency: every reward call of a worker (all groups, all rewards) shares one
-``asyncio.Semaphore`` of ``rollout.reward_concurrency`` slots.
+"""Reward scoring: how the runtime calls the reward plugins (:mod:`molt_core.rewards`) on a finished
+group. A call runs in a reward worker process (``isolation = "process"``, killed with ``SIGKILL`` at
+its deadline) or a fresh daemon thread (``"thread"``: the step stops waiting at the deadline), never on
+the worker's event loop; every call of a worker shares one semaphore of ``rollout.reward_concurrency``
+slots. Semantics and defaults: docs/rewards.md ("Where a reward runs").
 """
 
 from __future__ import annotations
@@ -59,8 +36,7 @@ def _finish_thread(fut: asyncio.Future, value: Any, exc: BaseException | None) -
 
 
 def _drive(aw: Any, holder: dict[str, Any]) -> Any:
-    """Run the awaitable ``aw`` to completion on a fresh event loop of the calling thread;
-    ``holder`` gets the loop and the task, so that the caller can cancel it at the deadline."""
+    """Run ``aw`` on a fresh event loop of this thread; ``holder`` gets the loop and task (for cancelling)."""
     async def main() -> Any:
         return await aw
 
@@ -87,11 +63,8 @@ def _cancel_remote(holder: dict[str, Any]) -> None:
 
 
 async def _run_sync(fn: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> Any:
-    """Run ``fn`` in a fresh daemon thread (never a pool: a hung reward must not starve other
-    work or block interpreter exit) with this task's context variables. A coroutine (an
-    ``async def`` ``fn``, or a sync ``fn`` returning an awaitable) runs to completion on a fresh
-    event loop in that thread, never on the caller's loop; when the caller is cancelled (its
-    deadline) that coroutine's task is cancelled too."""
+    """Run ``fn`` (an awaitable result: on a fresh loop there) in a fresh daemon thread with this task's
+    context; cancelling the caller cancels that coroutine. Never a pool: a hung reward must not starve others."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
     ctx = contextvars.copy_context()
@@ -126,14 +99,12 @@ class _ProcessWorker:
     """One reward worker process (:mod:`molt_core.rollout.reward_worker`) holding one function."""
 
     def __init__(self, fn: Callable[..., Any], name: str) -> None:
-        """Start the process (call this on a long-lived thread, the event loop's: the child
-        asks for ``SIGKILL`` when the thread that started it ends, so that it never outlives
-        the rollout worker) and send it ``fn``; :meth:`ready` waits for it to load."""
+        """Start the process on a long-lived thread (it is killed when its starting thread ends);
+        :meth:`ready` sends ``fn`` and waits for it to load."""
         import os
         import pickle
         import subprocess
         import sys
-
 
         self._read, self._write, self.name = read_frame, write_frame, name
         env = dict(os.environ)
@@ -208,8 +179,7 @@ class _ProcessWorker:
             pass
 
 
-# idle workers per reward function: id(fn) -> (fn, workers); the entry holds fn itself, so its
-# id cannot be reused by another function while workers loaded with fn are kept
+# id(fn) -> (fn, idle workers); holding fn keeps its id from being reused while its workers are kept
 _POOLS: dict[int, tuple[Callable[..., Any], list[_ProcessWorker]]] = {}
 _POOL_LOCK = threading.Lock()
 
@@ -234,9 +204,8 @@ atexit.register(_close_pools)
 
 
 async def _run_process(spec: RewardSpec, args: tuple, kwargs: dict) -> Any:
-    """Run one call in an idle reward worker process of ``spec`` (a new one started when none
-    is idle, within :data:`PROCESS_START_TIMEOUT_S`, outside the reward's deadline), bounded
-    by ``spec.timeout_s``; at the deadline the process is killed.
+    """Run one call in an idle worker process of ``spec`` (started when none is idle, outside the deadline),
+    bounded by ``spec.timeout_s``; at the deadline the process is killed.
 
     Raises:
         TimeoutError: the deadline passed (the worker is killed).
@@ -350,10 +319,8 @@ async def _per_group(spec: RewardSpec, items: list[tuple[Trajectory, Rollout]], 
 
 
 def _group_scores(out: Any, n: int, name: str) -> list[Any]:
-    """The ``n`` scores of a group reward's output: a ``list`` / ``tuple`` or a 1-d array
-    (numpy, torch) of length ``n``. Raises :class:`_Failed` (``bad_output``) for anything else:
-    a mapping (its keys are no scores), a set (no order), a string, a generator, a scalar, an
-    array of another shape, the wrong length."""
+    """The ``n`` scores of a group reward's output (a list, tuple or 1-d array of length ``n``); else
+    :class:`_Failed` (``bad_output``)."""
     shape = getattr(out, "shape", None)
     if isinstance(out, (list, tuple)):
         vals: list[Any] | None = list(out)
@@ -373,14 +340,11 @@ async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rol
                       agent_label: str = "agent") -> list[Trajectory]:
     """Score one group's finished rollouts; returns the trajectories in the same order.
 
-    ``items`` pairs each trajectory with its :class:`Rollout` (None for one that already
-    failed: it passes through untouched). Each ok trajectory first has its own reward / score
-    checked finite (``agent_label`` names the source in the error), then every reward runs
-    (concurrently, bounded by ``slots`` and each reward's ``timeout_s``); a group reward's
-    non-finite or non-numeric score fails only the rollout it belongs to. An ok result gets
-    ``reward = own reward + sum(weight * score)`` and ``info["rewards"] = {name: score}``; a
-    failed one gets the first failing reward's error (in recipe order) and
-    ``info["rewards_failed"] = [names]``. Never raises for a reward's fault.
+    ``items`` pairs each trajectory with its :class:`Rollout` (None: already failed, passed through). Each
+    ok trajectory's own reward / score must be finite (``agent_label`` names it), then every reward runs
+    concurrently under ``slots``; a bad score fails only its rollout. An ok result gets ``reward = own +
+    sum(weight * score)`` and ``info["rewards"]``; a failed one the first failing reward's error (recipe
+    order) and ``info["rewards_failed"]``. Never raises for a reward's fault.
     """
     out: list[Trajectory] = [t for t, _ in items]
     live: list[int] = []
@@ -437,8 +401,7 @@ async def score_group(specs: list[RewardSpec], items: list[tuple[Trajectory, Rol
 
 
 class RewardRunner:
-    """The configured rewards of one rollout worker: their specs, the worker-wide concurrency
-    limit (one ``asyncio.Semaphore`` per event loop) and the judge-session opener.
+    """A rollout worker's rewards: specs, the concurrency limit (a semaphore per event loop), the judge opener.
 
     Args:
         tables: the recipe's ``rewards`` mapping (name -> table).
@@ -477,9 +440,7 @@ class RewardRunner:
 
 
 def component_metrics(groups: list[Group], names: list[str]) -> dict[str, float]:
-    """Per-reward metrics of a step: ``reward/NAME/mean`` (unweighted score over the ok
-    trajectories that have it; NaN when none) and ``reward/NAME/failed`` (trajectories that
-    reward failed)."""
+    """``reward/NAME/mean`` (unweighted, over the ok trajectories that have it; NaN: none) and ``/failed``."""
     m: dict[str, float] = {}
     trajs = [t for g in groups for t in g.trajectories]
     for name in names:

@@ -1,15 +1,6 @@
-"""The run's stream of training tasks: an agent's ``train`` split, epoch after epoch.
-
-``agent.tasks("train", seed)`` may be endless (a generator) or finite (a dataset). When a
-finite split runs out, :class:`TaskStream` starts a new epoch by calling ``tasks`` again with
-the same seed (so an epoch repeats the split as the agent defines it; an agent that wants a
-fresh order per epoch shuffles inside ``tasks``). The stream's cursor is the number of tasks
-drawn since the start of the run, which is what a checkpoint stores: on resume the stream
-skips that many tasks, across epochs, and continues where it stopped.
-
-An agent that sets ``repeat_train_split = False`` (class attribute) declares that its split
-must not repeat: running out is then an error naming the agent, the split and the counts,
-checked before any compute when the need is known (:func:`check_train_split`).
+"""The run's stream of training tasks: an agent's ``train`` split, epoch after epoch
+(:class:`TaskStream`), and the pre-flight check that the split can feed the run
+(:func:`check_train_split`). Notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -29,11 +20,8 @@ def _label(agent: Any, name: str | None) -> str:
 
 
 def check_train_split(agent: Any, seed: int, needed: int, name: str | None = None) -> None:
-    """Fail before compute when the train split cannot feed the run.
-
-    Always checks that the split yields at least one task; for an agent with
-    ``repeat_train_split = False`` it counts up to ``needed`` tasks (``run.steps x
-    rollout.prompts_per_step`` from the current cursor).
+    """Fail before compute when the train split is empty, or, for an agent with ``repeat_train_split = False``,
+    holds fewer than ``needed`` tasks (``run.steps x rollout.prompts_per_step``).
 
     Raises:
         ValueError: the split is empty.
@@ -54,11 +42,10 @@ def check_train_split(agent: Any, seed: int, needed: int, name: str | None = Non
 
 
 class TaskStream:
-    """Endless iteration over an agent's ``train`` split, in epochs (see the module docstring).
+    """Endless iteration over an agent's ``train`` split: each epoch calls ``tasks("train", seed)`` again.
 
     Args:
-        agent: an object with ``tasks(split, seed)``.
-        seed: the run seed passed to ``tasks``.
+        agent, seed: an object with ``tasks(split, seed)`` and the run seed passed to it.
         start: tasks already drawn (a resumed run's cursor); they are skipped.
         name: the agent's name for error messages (default: its class name).
 

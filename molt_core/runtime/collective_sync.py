@@ -1,12 +1,6 @@
-"""The driver's side of a weight-sync transport (``engine.weight_sync = "collective"``): it only
-orders the calls; the weights go from the trainer's rank 0 straight into every engine worker
-through the transport a plugin registers (hook ``molt_register_weight_sync_transports``; the
-first-party ``collective`` one: :mod:`molt_plugins.engines.vllm.weight_sync`), never through the
-driver or Ray's object store.
-
-Group ranks: 0 is the trainer's rank 0; engine ``i``'s workers take the next
-``sync_world_size`` ranks. Each call launches the receivers first (they block in the engine
-between two decode steps), then the trainer, whose call returns once every rank is done.
+"""The driver's side of a weight-sync transport (``engine.weight_sync = "collective"``): it only orders
+the calls; the weights go from the trainer's rank 0 straight into every engine worker through the
+transport a plugin registers (``molt_register_weight_sync_transports``), never through the driver.
 """
 
 from __future__ import annotations
@@ -20,15 +14,12 @@ __all__ = ["connect", "publish", "resolve_weight_sync", "worker_transport"]
 
 
 def resolve_weight_sync(cfg: RunConfig, local: bool, host: PluginHost | None = None) -> str:
-    """``"ray"`` or ``"collective"`` for ``cfg.engine.weight_sync`` (``auto``: collective for the
-    vllm engine with ``engine.num_gpus > 0`` in a Ray run). With ``host``, a transport other than
-    ``ray`` must be registered there (hook ``molt_register_weight_sync_transports``).
+    """``"ray"`` or ``"collective"`` for ``cfg.engine.weight_sync`` (``auto``: collective for the vllm engine
+    with ``engine.num_gpus > 0`` in a Ray run); with ``host``, a transport other than ``ray`` must be registered.
 
     Raises:
-        ValueError: ``collective`` in a ``--local`` run (the sender and the engines must run at
-            once, in separate actors).
-        ConfigError: no plugin of ``host`` registers the transport (names ``engine.weight_sync``,
-            the plugin that provides it and ``engine.weight_sync = "ray"``).
+        ValueError: ``collective`` in a ``--local`` run.
+        ConfigError: no plugin of ``host`` registers the transport (names ``engine.weight_sync``).
     """
     e = cfg.engine
     if e.weight_sync == "collective" and local:
@@ -48,9 +39,8 @@ def resolve_weight_sync(cfg: RunConfig, local: bool, host: PluginHost | None = N
 
 
 def worker_transport(worker: Any, host: PluginHost | None = None) -> Any:
-    """The weight-sync transport a trainer or rollout actor's ``worker.cfg`` resolves to in a Ray
-    run (:func:`resolve_weight_sync`), built by the factory its plugin registered; ``host``: the
-    worker's plugins, else loaded from ``cfg.plugins``. Built once and kept on the worker.
+    """The weight-sync transport ``worker.cfg`` resolves to, built once by its plugin's factory and kept on
+    ``worker`` (``host``: the worker's plugins, else loaded from ``cfg.plugins``).
 
     Raises:
         ConfigError: no plugin registers the transport.
@@ -68,10 +58,7 @@ def worker_transport(worker: Any, host: PluginHost | None = None) -> Any:
 
 def connect(ray: Any, trainer: Any, workers: list[Any], timeout_s: float = 600.0) -> str:
     """Form the weight-sync group (the trainer's rank 0 hosts its store); returns its backend.
-
-    Raises:
-        RuntimeError: a member failed to join (Ray re-raises its error).
-    """
+    Raises: RuntimeError -- a member failed to join (Ray re-raises its error)."""
     sizes = ray.get([w.sync_world_size.remote() for w in workers])
     host, port = ray.get(trainer.sync_address.remote())
     world = 1 + sum(sizes)
@@ -83,11 +70,7 @@ def connect(ray: Any, trainer: Any, workers: list[Any], timeout_s: float = 600.0
 
 def publish(ray: Any, trainer: Any, workers: list[Any]) -> int:
     """Broadcast the trainer's current weights into every engine; returns the version loaded.
-
-    Raises:
-        ValueError: an engine refused the sync (wrong version, checksum, missing tensor), as
-            Ray re-raises it.
-    """
+    Raises: ValueError -- an engine refused the sync (wrong version, checksum, missing tensor)."""
     version = int(ray.get(trainer.policy_version.remote()))
     recv = [w.sync_receive.remote(version) for w in workers]
     ray.get([trainer.sync_send.remote(), *recv])

@@ -1,6 +1,6 @@
 """The step loop of ``molt run``: start Ray (or run in-process), place the workers, warm-start,
 then per step launch groups, assemble the batch, train, publish weights, evaluate, checkpoint
-and log (see :mod:`molt_core.runtime` for the data flow and the async semantics)."""
+and log (the async semantics: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -45,13 +45,10 @@ def assemble_batch(groups: list[Group], dynamic_filter: bool,
                    reward_names: list[str] | tuple[str, ...] = ()) -> tuple[list[Trajectory], dict[str, float]]:
     """Turn finished groups into the step's training trajectories.
 
-    Failed rollouts are excluded (never scored 0); a group with fewer than 2 usable rollouts
-    is dropped; with ``dynamic_filter`` a group whose rewards are all equal is dropped (its
-    advantages would all be 0; DAPO, arXiv 2503.14476). Returns the trajectories and counts
-    (``rollout/failed``, ``rollout/truncated``, ``rollout/groups_dropped``,
-    ``rollout/groups_filtered``, ``reward/mean`` over usable rollouts) and, for each name in
-    ``reward_names``, ``reward/NAME/mean`` and ``reward/NAME/failed``
-    (:func:`molt_core.rollout.scoring.component_metrics`).
+    Failed rollouts are excluded (never scored 0); a group with fewer than 2 usable rollouts is dropped;
+    with ``dynamic_filter`` a group whose rewards are all equal is dropped (zero advantages; DAPO, arXiv
+    2503.14476). Returns the trajectories and the ``rollout/*`` counts, ``reward/mean`` and, per name in
+    ``reward_names``, ``reward/NAME/mean`` and ``/failed`` (:func:`molt_core.rollout.scoring.component_metrics`).
     """
     out: list[Trajectory] = []
     failed = truncated = dropped = filtered = 0
@@ -100,14 +97,9 @@ def _absolute(cfg: RunConfig) -> RunConfig:
 
 
 class _Local:
-    """Stand-in for the slice of the Ray API ``main_job`` uses, running actors in this process:
-    ``remote(cls).options(...).remote(*args)`` builds the object, ``actor.method.remote(...)``
-    calls it -- a plain method at once, a coroutine method as a task on one private event loop
-    (as a Ray async actor runs it) -- and ``get`` / ``wait`` run that loop until the refs they
-    need are done. Used by ``molt run --local`` (debugging) and fast tests. Rollouts launched
-    together run concurrently (the engine batches them) while the driver waits, so, as on
-    Ray, ``wait`` hands back the groups that finished first; the loop does not run while the
-    trainer updates (its engine thread keeps decoding the requests it holds)."""
+    """The slice of the Ray API ``main_job`` uses, with actors in this process (``molt run --local``, tests):
+    coroutine methods run as tasks on one private event loop, which ``get`` / ``wait`` run until their refs
+    are done."""
 
     class _Ref:
         def __init__(self, value: Any = None, task: "asyncio.Task | None" = None) -> None:
@@ -161,8 +153,7 @@ class _Local:
         return _Local._Class(self, cls)
 
     def get(self, refs: Any) -> Any:
-        """The values of ``refs`` (one ref or a list), running the loop until they are done;
-        a call that raised raises here, as ``ray.get`` does."""
+        """``ray.get``: the values of ``refs`` (one or a list), running the loop until they are done."""
         items = refs if isinstance(refs, list) else [refs]
         pending = [r.task for r in items if not r.done()]
         if pending:
@@ -171,8 +162,7 @@ class _Local:
         return values if isinstance(refs, list) else values[0]
 
     def wait(self, refs: list, num_returns: int = 1) -> tuple[list, list]:
-        """``ray.wait``: runs the loop until ``num_returns`` of ``refs`` are done; returns
-        ``(ready, rest)``, ``ready`` the first ``num_returns`` done refs in ``refs`` order."""
+        """``ray.wait``: ``(ready, rest)`` once ``num_returns`` of ``refs`` are done (ready in ``refs`` order)."""
         want = min(num_returns, len(refs))
         while sum(r.done() for r in refs) < want:
             self.loop.run_until_complete(asyncio.wait([r.task for r in refs if not r.done()],
@@ -190,9 +180,7 @@ class _Local:
 
 
 def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> list[tuple[int, dict, int]]:
-    """``(index, task, epoch)`` of the train stream's tasks at the 0-based ``indices`` (sorted),
-    read from a fresh :class:`~molt_core.rollout.tasks.TaskStream` (the stream is deterministic in
-    the seed)."""
+    """``(index, task, epoch)`` of the train stream's tasks at the sorted 0-based ``indices`` (a fresh stream)."""
     out: list[tuple[int, dict, int]] = []
     if not indices:
         return out
@@ -206,12 +194,8 @@ def _tasks_at(agent: Any, seed: int, indices: list[int], name: str | None) -> li
     return out
 
 
-#: eval metrics summed over workers (the others are task-weighted means)
-
-
 def _eval_summary(m: dict[str, float]) -> str:
-    """``pass@1 0.250`` -- or, when eval rollouts failed, how many: ``all 32 eval rollouts
-    failed (no pass@1)`` / ``pass@1 0.250 (3 of 32 eval rollouts failed, counted unsolved)``."""
+    """``pass@1 0.250``, with how many eval rollouts failed when any did."""
     failed, n = int(m.get("eval/failed") or 0), int(m.get("eval/rollouts") or 0)
     p1 = m.get("eval/pass@1")
     if failed and n and failed >= n:
@@ -233,9 +217,7 @@ def _no_checkpoint_message(run_dir: Path, cfg: RunConfig, corrupt: bool) -> str:
 
 
 def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
-    """The SFT warm start on the trainer actor, drawn in chunks so the console shows a bar
-    with rate and ETA; then a checkpoint at step 0 (``checkpoints/step_00000000``, same
-    checksum manifest as every checkpoint) so ``--resume`` skips it."""
+    """The SFT warm start on the trainer actor, in chunks behind a progress bar; then a step-0 checkpoint."""
     total = int(ray.get(trainer.sft_begin.remote()))
     chunk = max(1, total // 100)
     first = last = float("nan")
@@ -255,12 +237,8 @@ def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
 
 
 def _driver_tokenizer_future(cfg: RunConfig, local: bool) -> concurrent.futures.Future:
-    """:func:`_driver_tokenizer` as a future: loaded on a thread of its own while Ray starts
-    (the ~1-2 s stay out of step 1); with ``local`` loaded now, in this thread, because the
-    trainer and engine are then built in this process, and transformers' lazy imports are not
-    thread-safe: a tokenizer thread importing ``AutoTokenizer`` while this thread imported
-    ``AutoModelForCausalLM`` made the run fail with "cannot import name 'AutoModelForCausalLM'
-    from 'transformers'" (2 runs of 6 of a two-thread import script on this machine)."""
+    """:func:`_driver_tokenizer` as a future, loaded on a thread while Ray starts; with ``local``, now, in this
+    thread (transformers' lazy imports are not thread-safe)."""
     if local:
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(_driver_tokenizer(cfg))
@@ -272,8 +250,7 @@ def _driver_tokenizer_future(cfg: RunConfig, local: bool) -> concurrent.futures.
 
 
 def _driver_tokenizer(cfg: RunConfig) -> Any:
-    """The model's tokenizer in the driver (to decode sampled trajectories for display), or
-    None when it cannot be loaded (the rows then keep token ids only)."""
+    """The model's tokenizer in the driver (to decode sampled trajectories), or None when it cannot load."""
     try:
         return load_tokenizer(cfg.model.path, gguf_file=cfg.model.gguf_file)
     except (OSError, ValueError, ImportError):
@@ -282,25 +259,17 @@ def _driver_tokenizer(cfg: RunConfig) -> Any:
 
 def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_address: str | None = None,
              resume: bool = False, recipe_name: str = "run", local: bool = False) -> Path:
-    """Run RL training end to end; returns the run directory. ``local`` runs the rollout
-    worker and trainer in this process without Ray (debugging and tests; launched rollouts run
-    concurrently while the driver waits, as on Ray: :class:`_Local`).
+    """Run RL training end to end; returns the run directory. ``local`` runs the workers in this process
+    without Ray (:class:`_Local`).
 
-    Prints the run directory first. Writes ``config.toml``, ``metrics.jsonl`` (one row per
-    step), ``trajectories.jsonl`` (a sample, with decoded text), ``checkpoints/`` (the SFT warm
-    start as ``step_00000000``, so a resume skips it) and ``reward.png``. With ``resume`` it continues from the
-    run directory's latest checkpoint: weights, optimizer, RNG, version and data cursor.
-    The cursor (``{"step", "tasks", "untrained"}``) records the stream position and the
-    stream indices of groups launched but not yet trained at the checkpoint (in flight in an
-    async run); a resume relaunches exactly those first, so every task is trained exactly once
-    whatever order groups finished in (an older cursor without ``untrained`` resumes the
-    stream at ``tasks``).
+    Writes ``config.toml``, ``metrics.jsonl``, ``trajectories.jsonl`` (a decoded sample), ``checkpoints/``
+    and ``reward.png``. ``resume`` continues from the latest intact checkpoint (weights, optimizer, RNG,
+    version, data cursor); groups in flight at that checkpoint are relaunched first.
 
     Raises:
         ValueError: bad agent configuration, or a model whose rotary factors depend on a
             forward's length (:func:`molt_core.models.check_model_positions`), before any compute.
-        FileNotFoundError: ``resume`` without a checkpoint (raised before Ray starts; the
-            message says how to start the run again).
+        FileNotFoundError: ``resume`` without a checkpoint (before Ray starts).
         ClusterAuthError: joining a cluster without its token
             (:func:`molt_core.runtime.raycluster.prepare_auth`).
     """
@@ -321,8 +290,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
-    # validate everything a worker will build before any compute starts (and before the run
-    # directory exists, so a typo leaves no empty run behind)
+    # validate what a worker will build before any compute and before the run directory exists
     agent = load_agent(cfg, host)
     check_rewards(cfg, host)
     check_loggers(cfg, host)
@@ -352,7 +320,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     if resume and ckpt is None:  # say so before Ray starts
         raise FileNotFoundError(_no_checkpoint_message(run_dir, cfg, bool(skipped)))
     cfg.write(run_dir / "config.toml")  # on --resume too, so --set changes persist
-    # the tokenizer (to decode sampled trajectories for display) loads while Ray starts, not in step 1
     tokenizer = _driver_tokenizer_future(cfg, local)
     if not local:  # start-up takes seconds: say what the wait is
         console.print("starting Ray" + (f" (joining {ray_address})" if ray_address else "") + " and the workers ...",
@@ -383,8 +350,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
     if not resume and cfg.sft.steps > 0:
         _warm_start(ray, trainer, run_dir, console)
-    # the on-policy check's process, if the trainer uses one (it decides: versions kept, one CPU
-    # process); its start-up overlaps the first rollouts (not awaited)
+    # the on-policy check's process, if the trainer uses one; its start-up overlaps the first rollouts
     trainer.start_check_process.remote()
 
     if sync_mode != "ray":
@@ -392,16 +358,12 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         console.print(f"weight sync: {sync_mode} ({backend}) from the trainer's rank 0 into the vLLM workers",
                       highlight=False)
 
-    # the driver does not wait for the engines to load a step's weights: it launches the next
-    # groups at once with min_version (each worker prepares prompts meanwhile and samples
-    # nothing before it holds that version -- as if it had waited; groups already in flight
-    # take the weights between decode steps, as before); the loads are awaited before take()
+    # the next groups launch with min_version while the engines load weights; loads are awaited before take()
     overlap_publish = sync_mode == "ray"
     loading: list[Any] = []
 
     def loaded() -> None:
-        # wait for the loads still in flight (a failed load raises here, naming its error)
-        if loading:
+        if loading:  # a failed load raises here, naming its error
             ray.get(list(loading))
             loading.clear()
 
@@ -421,8 +383,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         if not eval_tasks:
             return {}
         loaded()  # evaluate the weights just published
-        # per-sample seeds depend on the task's index only (molt_core.rollout.evalstats): `molt eval` on
-        # a checkpoint of this run recomputes these numbers exactly, however tasks are sharded
+        # seeds depend on the task's index only, so `molt eval` on a checkpoint recomputes these exactly
         idx = list(range(len(eval_tasks)))
         shards = [(eval_tasks[i::len(workers)], idx[i::len(workers)]) for i in range(len(workers))]
         res = ray.get([w.evaluate_tasks.remote(s, cfg.eval.k, cfg.eval.temperature, ix) for w, (s, ix) in zip(workers, shards) if s])
@@ -434,8 +395,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     said_failure = False
 
     def say_first_failure() -> None:
-        # the traceback of the first rollout whose agent raised, once per run; later failures
-        # stay one line (the step warnings, rollout/failed and eval/failed in metrics.jsonl)
         nonlocal said_failure
         if said_failure:
             return
@@ -446,11 +405,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
                           "rollout/failed and eval/failed):")
             console.print(tb.rstrip(), markup=False, highlight=False)
 
-    # the data cursor: "tasks" = tasks drawn from the stream (its position), "untrained" = the
-    # stream indices of launched groups not yet trained (still in flight at the checkpoint).
-    # On resume those are relaunched first, then the stream continues at "tasks": every task is
-    # trained exactly once however groups finished. A cursor without "untrained" (written
-    # before it existed) resumes the stream at "tasks", as it did then.
+    # the cursor: "tasks" = stream position, "untrained" = groups in flight at the checkpoint, relaunched first
     untrained = sorted(int(i) for i in cursor.get("untrained", []))
     redo: deque = deque(_tasks_at(agent, cfg.run.seed, untrained, agent_name))  # (index, task, epoch)
     train_stream = TaskStream(agent, cfg.run.seed, start=cursor["tasks"], name=agent_name)  # epochs; resumable cursor
@@ -464,15 +419,11 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             console.print(f"eval at start: {_eval_summary(m0)}", highlight=False)
 
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt
-    # in flight: one object ref per group, oldest launch first, with the policy version it started at
-    inflight: deque = deque()
+    inflight: deque = deque()  # (policy version at launch, group ref), oldest first
     launched = int(cursor["tasks"])  # groups drawn from the stream (relaunches not counted)
 
     def launch() -> None:
-        # one step's worth of groups, sharded over the workers, one actor call (so one object ref)
-        # per group: a group's ref is ready the moment that group is scored, not when its slowest
-        # sibling is, so a step takes whichever are done (the worker's engine batches the calls).
-        # Groups a resumed checkpoint had in flight untrained go first.
+        # one step's groups over the workers, one call (and ref) per group; a resume's untrained ones first
         nonlocal launched
         picked: list[tuple[int, dict, int]] = []
         while redo and len(picked) < P:
@@ -484,18 +435,15 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         loads = ray.get([w.load.remote() for w in workers]) if len(workers) > 1 else [0]
         order = sorted(range(len(workers)), key=lambda i: loads[i])
         for i in range(len(workers)):
-            for j, task, e in picked[i::len(workers)]:  # one call per group: its ref is ready when it is
+            for j, task, e in picked[i::len(workers)]:
                 ref = workers[order[i]].rollout_group.remote(  # seeds from the stream index j
                     task, n, version if overlap_publish else None, j)
                 inflight.append((version, ref))
                 epoch_of[ref], index_of[ref] = e, j
 
     def take(k: int) -> tuple[list[tuple[int, Group]], int]:
-        # the first k groups to finish (in stream order among those done); the rest stay in
-        # flight and may be trained later, with tokens older than async.max_staleness (gated).
-        # Also returns the newest epoch (over the train split) among their tasks.
+        # the first k groups done, in stream order (independent of sharding), and their newest epoch
         ready = set(ray.wait([r for _, r in inflight], num_returns=k)[0])
-        # in stream order: the batch does not depend on how the groups were sharded over engines
         picked = sorted(((v, r) for v, r in inflight if r in ready), key=lambda vr: index_of[vr[1]])
         for item in picked:
             inflight.remove(item)
@@ -513,9 +461,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
         bar = progress.add_task("rl", total=cfg.run.steps, completed=start_step, info="")
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
-            # the driver bounds how far ahead groups START ((1 + max_staleness) * P in flight: in
-            # launch order a group is at most max_staleness versions old when trained); the
-            # trainer's gate bounds the OLDEST TOKEN, so a group that finishes late is dropped, counted
+            # bounds how far ahead groups start; the trainer's gate bounds the oldest token
             while len(inflight) < cfg.async_.groups_in_flight(P) and (redo or launched < cfg.run.steps * P):
                 launch()
             loaded()
@@ -559,11 +505,10 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             if s1 == 1 or s1 % 10 == 0 or s1 == cfg.run.steps:  # a sample of the first, every 10th and the last step
                 log.trajectories(s1, [t for g in groups[:1] for t in g.trajectories], tokenizer.result())
             if (cfg.checkpoint.every and s1 % cfg.checkpoint.every == 0) or s1 == cfg.run.steps:
-                # groups in flight now are relaunched first after a resume (each task trained once)
                 pending = sorted([index_of[r] for _, r in inflight] + [j for j, _, _ in redo])
                 ray.get(trainer.save.remote(str(run_dir), {"step": s1, "tasks": launched, "untrained": pending}))
-            if s1 % 10 == 0 and s1 < cfg.run.steps:  # on a background thread, at most every 30 s:
-                log.plot_later(min_interval_s=30.0)  # the loop does not wait for matplotlib, nor share a core with it
+            if s1 % 10 == 0 and s1 < cfg.run.steps:  # on a background thread, at most every 30 s
+                log.plot_later(min_interval_s=30.0)
             info = f"reward {rm['reward/mean']:.3f}" if not math.isnan(rm["reward/mean"]) else "reward -"
             if last_eval:
                 info += f"  eval {_eval_summary(last_eval)}"

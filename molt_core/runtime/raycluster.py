@@ -38,7 +38,8 @@ AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 
 
 class ClusterAuthError(ValueError):
-    """Joining a cluster with token authentication on, but no token is available."""
+    """A Ray without token authentication (before 2.52), or joining a cluster with token
+    authentication on but no token available."""
 
 
 def _token_available(env: dict[str, str]) -> bool:
@@ -106,7 +107,7 @@ def init_ray(cfg: RunConfig, ray_address: str | None) -> Any:
     ANSI codes. Returns the ``ray`` module.
 
     Raises:
-        ClusterAuthError: see :func:`prepare_auth`.
+        ClusterAuthError: Ray older than 2.52 (no token authentication), or see :func:`prepare_auth`.
     """
     prepare_auth(ray_address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -115,6 +116,9 @@ def init_ray(cfg: RunConfig, ray_address: str | None) -> Any:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     import ray
 
+    if tuple(int(p) for p in ray.__version__.split(".")[:2]) < (2, 52):
+        raise ClusterAuthError(f"Ray {ray.__version__} has no token authentication (it arrived in Ray 2.52), so the "
+                               f"cluster's ports would be open to any connection; pip install 'ray>=2.52'")
     if ray.is_initialized():
         return ray
     _refresh_ray_config()

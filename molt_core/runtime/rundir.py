@@ -20,16 +20,14 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
-    """Check every ``[loggers.NAME]`` table before any compute: the name is a registered logger
-    and, when the logger declares an ``Options`` Pydantic model, its options validate.
+    """Check every ``[loggers.NAME]`` table before any compute: a registered logger, and options valid
+    against its ``Options`` Pydantic model if any.
 
     Returns:
         ``{name: logger class}`` in recipe order.
 
     Raises:
-        ValueError: ``loggers.NAME: no logger named ...`` (closest name, registered names, how to
-            load a plugin), or every bad option as ``loggers.NAME.KEY: problem`` (an unknown
-            key lists the logger's options and the closest one).
+        ValueError: ``loggers.NAME: no logger named ...``, or each bad option as ``loggers.NAME.KEY: problem``.
     """
     import difflib
 
@@ -62,8 +60,7 @@ def check_loggers(cfg: RunConfig, host: PluginHost) -> dict[str, type]:
 
 
 def _finite_or_none(v: Any) -> Any:
-    """``None`` for a non-finite float (numpy floats included, inside lists and dicts too),
-    else ``v`` unchanged."""
+    """``v`` with each non-finite float (numpy's too, nested in lists and dicts) as None."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, (list, tuple)):
@@ -77,14 +74,11 @@ def _finite_or_none(v: Any) -> Any:
 
 
 def decode_turns(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
-    """The turns of ``traj`` as text, for display (training never reads it): each segment
-    is cut into runs of context tokens (``loss_mask`` False: prompt, template, tool results)
-    and of sampled tokens; a turn is one context run and the sampled run after it.
+    """The turns of ``traj`` as text, for display: a turn is one run of context tokens and the sampled run after it.
 
     Returns:
-        One dict per turn: ``segment`` (index), ``context`` and ``response`` (decoded with
-        special tokens kept, so template and stop tokens show), ``versions`` (``[min, max]``
-        policy version of the response's tokens, or None when it has none).
+        One dict per turn: ``segment``, ``context`` and ``response`` (special tokens kept), ``versions``
+        (``[min, max]`` of the response's tokens, or None).
     """
     turns: list[dict[str, Any]] = []
     for si, seg in enumerate(traj.segments):
@@ -113,19 +107,14 @@ def decode_turns(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def sample_row(traj: Trajectory, turns: list[dict[str, Any]]) -> dict[str, Any]:
-    """The row handed to logger plugins' ``log_samples``: exactly ``{"prompt": str,
-    "completion": str, "reward": float, "status": str}`` -- the first context, the last
-    response (``""`` when none), the reward (NaN when unscored, e.g. failed) and ``ok`` /
-    ``failed``."""
+    """A logger plugin's ``log_samples`` row: ``{"prompt", "completion", "reward" (NaN: unscored), "status"}``."""
     return {"prompt": turns[0]["context"] if turns else "", "completion": turns[-1]["response"] if turns else "",
             "reward": float(traj.reward) if traj.reward is not None else float("nan"), "status": str(traj.status)}
 
 
 def draw_reward_plot(run_dir: Path, rows: list[dict]) -> Path | None:
-    """Draw ``run_dir/reward.png`` from metrics rows: ``reward/mean`` per step, its 20-step
-    trailing moving average and ``eval/pass@1``. Uses matplotlib's object API (no pyplot
-    state), so it is safe on a background thread. Returns the path, or None when matplotlib
-    is missing."""
+    """Draw ``run_dir/reward.png`` (``reward/mean``, its 20-step moving average, ``eval/pass@1``) with matplotlib's
+    object API, safe on a background thread. Returns the path, or None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:  # pragma: no cover
@@ -154,16 +143,11 @@ def draw_reward_plot(run_dir: Path, rows: list[dict]) -> Path | None:
 
 
 class RunLog:
-    """``metrics.jsonl``, ``trajectories.jsonl`` (a sample) and ``reward.png`` of a run, plus
-    logger plugins. On resume from the checkpoint of step ``resume_step``, rows of both files
-    after that step are dropped (those steps are redone), so each step appears once.
-
-    Each ``[loggers.NAME]`` of the config is built as ``cls(run_dir, config, **options)``
-    after :func:`check_loggers`.
+    """A run's ``metrics.jsonl``, ``trajectories.jsonl`` and ``reward.png``, plus its logger plugins (each
+    ``cls(run_dir, config, **options)``). On resume at ``resume_step``, later rows are dropped (redone).
 
     Raises:
-        ValueError: an unknown logger, invalid logger options, or a logger whose optional
-            package is missing (``loggers.NAME: ...``, naming the extra to install).
+        ValueError: an unknown logger, invalid options, or a missing optional package (``loggers.NAME: ...``).
     """
 
     def __init__(self, run_dir: Path, cfg: RunConfig, host: PluginHost, resume_step: int | None) -> None:
@@ -182,7 +166,6 @@ class RunLog:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         traj_path = run_dir / "trajectories.jsonl"
         if resume_step is not None and traj_path.exists():
-            # a resumed run redoes the steps after its checkpoint: drop their sampled rows too
             kept = [line for line in traj_path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             traj_path.write_text("".join(line + "\n" for line in kept))
@@ -198,11 +181,8 @@ class RunLog:
                 raise ValueError(f"loggers.{name}: {e}") from e
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one row (step + metrics) and forward it to logger plugins and hooks.
-
-        Every non-finite float (NaN, +inf, -inf) is written as ``null``: ``metrics.jsonl`` is
-        strict JSON (RFC 8259 has no NaN/Infinity), readable by any JSON parser.
-        """
+        """Append one row (step + metrics; non-finite floats as ``null``, strict JSON) and forward it to the
+        logger plugins and hooks."""
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.rows.append(row)
         with self.path.open("a") as f:
@@ -212,12 +192,8 @@ class RunLog:
         self.host.on_step_end(step, metrics)
 
     def trajectories(self, step: int, trajs: list[Trajectory], tokenizer: Any = None) -> None:
-        """Append a sample of trajectories to ``trajectories.jsonl``: per row ``step``, the
-        trajectory's JSON and, given a ``tokenizer``, ``turns`` (:func:`decode_turns`: the
-        decoded context and response of each turn; for display -- ``molt show`` -- never read
-        by training). Each logger plugin with a ``log_samples(step, rows)`` method gets rows
-        of :func:`sample_row` (only when decoded text exists). The trajectories are not changed.
-        """
+        """Append ``trajs`` to ``trajectories.jsonl`` (with ``turns``, :func:`decode_turns`, given a tokenizer)
+        and hand :func:`sample_row` rows to each logger plugin's ``log_samples`` when text was decoded."""
         samples: list[dict[str, Any]] = []
         with (self.run_dir / "trajectories.jsonl").open("a") as f:
             for t in trajs:
@@ -232,9 +208,7 @@ class RunLog:
                     lg.log_samples(step, samples)
 
     def plot(self) -> Path | None:
-        """Redraw ``reward.png`` now (waiting for a redraw :meth:`plot_later` started): mean
-        reward per step (and 20-step moving average) and eval pass@1. Returns the path, or
-        None when matplotlib is missing.
+        """Redraw ``reward.png`` now, after any background redraw; returns the path (None without matplotlib).
 
         Raises:
             Exception: whatever the drawing raised, here or in a background redraw."""
@@ -242,12 +216,9 @@ class RunLog:
         return draw_reward_plot(self.run_dir, list(self.rows))
 
     def plot_later(self, min_interval_s: float = 0.0) -> bool:
-        """Redraw ``reward.png`` on a background thread from a snapshot of the rows logged so
-        far, so the step loop does not wait for matplotlib (~0.15 s of CPU a redraw). A
-        request while a redraw is still running, or less than ``min_interval_s`` seconds
-        after the last one started, is dropped (the next one covers it): the redraws share
-        the machine's cores with the rollout and the update. Returns whether a redraw was
-        started. An error in it is raised by the next :meth:`plot` or :meth:`close`."""
+        """Redraw ``reward.png`` on a background thread from the rows so far, unless one is running or
+        started under ``min_interval_s`` ago; returns whether one started. Its error is raised by the next
+        :meth:`plot` or :meth:`close`."""
         if self._plotting is not None and not self._plotting.done():
             return False
         if time.monotonic() - self._plotted_at < min_interval_s:

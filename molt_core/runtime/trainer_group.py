@@ -1,16 +1,7 @@
-"""``trainer.world_size`` trainer ranks as one Ray actor handle (sharded data parallelism).
-
-:func:`start_trainer_group` places one :class:`ShardedTrainerWorker` per rank in a Ray
-placement group (one bundle of ``trainer.num_cpus`` CPUs / ``trainer.num_gpus`` GPUs per
-rank, packed), has rank 0 pick a TCP rendezvous address, and starts every rank's trainer from
-the ``fsdp2`` trainer backend (``molt_register_trainer_backends``, :mod:`molt_plugins.distributed`:
-one torch.distributed group, gloo on CPU, NCCL on GPU). The :class:`TrainerGroup` it returns
-looks like one trainer actor to the step loop: ``group.method.remote(*args)`` calls the method on every rank (the arguments are put
-in the object store once) and returns rank 0's object ref.
-
-Weights go to the engines without the driver in the path: each rank joins the gather of the
-full state dict, rank 0 returns it as an object ref, and the rollout workers resolve that ref
-themselves.
+"""``trainer.world_size`` trainer ranks as one Ray actor handle (sharded data parallelism):
+:func:`start_trainer_group` places one :class:`ShardedTrainerWorker` per rank in a packed placement
+group and starts each from the ``fsdp2`` trainer backend; the :class:`TrainerGroup` it returns looks
+like one trainer actor to the step loop. Notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ __all__ = ["ShardedTrainerWorker", "TrainerGroup", "describe_ranks", "start_trai
 
 
 class ShardedTrainerWorker(TrainerWorker):
-    """One trainer rank for Ray: built empty, then :meth:`start` joins the process group and
-    builds the rank's trainer, both through the sharded trainer backend
+    """One trainer rank: built empty; :meth:`start` joins the process group and builds the rank's trainer
     (:func:`molt_core.train.features.trainer_backend`)."""
 
     def __init__(self, cfg: RunConfig | dict) -> None:  # noqa: D107 - the trainer is built in start()
@@ -44,12 +34,8 @@ class ShardedTrainerWorker(TrainerWorker):
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def start(self, rank: int, world_size: int, init_method: str) -> dict[str, str]:
-        """Join the process group as ``rank`` and build the sharded trainer; returns where this
-        rank runs (``rank``, ``node_id``, ``hostname``, ``pid``, ``backend``).
-
-        Raises:
-            ConfigError: no plugin registers the trainer backend (names ``trainer.world_size``).
-        """
+        """Join the process group as ``rank``, build the sharded trainer; returns ``rank``, :func:`where`, ``backend``.
+        Raises: ConfigError -- no plugin registers the trainer backend (names ``trainer.world_size``)."""
         sharded = trainer_backend(self.cfg)
         backend = sharded.init_process_group(rank, world_size, init_method)
         self.trainer = sharded.trainer(self.cfg)
@@ -69,17 +55,9 @@ class _Method:
 
 
 class TrainerGroup:
-    """The ranks of a sharded trainer behind one actor-like handle.
-
-    ``group.train_step.remote(trajs)`` (any :class:`TrainerWorker` method) runs the method on
-    every rank with the same arguments and returns rank 0's ref(s). Calls that return a
-    result to the driver wait for every rank and raise the first rank's error (so a rank that
-    fails is reported instead of leaving the others waiting in a collective); ``weights``
-    returns rank 0's refs at once (they go to the engines, not to the driver).
-
-    Attributes:
-        actors: the rank actors, rank order. placements: what :meth:`ShardedTrainerWorker.start`
-            returned per rank.
+    """The ranks of a sharded trainer behind one actor-like handle: ``group.method.remote(*args)`` runs a
+    :class:`TrainerWorker` method on every rank and returns rank 0's ref(s), raising the first rank's error
+    (``weights`` returns at once). Attributes: ``actors`` (rank order), ``placements``.
     """
 
     _NOWAIT = ("weights",)
@@ -108,10 +86,7 @@ class TrainerGroup:
 
 def start_trainer_group(ray: Any, cfg: RunConfig, cfg_dict: dict) -> TrainerGroup:
     """Place ``trainer.world_size`` ranks in a packed placement group and start them.
-
-    Raises:
-        ValueError: ``trainer.world_size`` < 2 (use one :class:`TrainerWorker`).
-    """
+    Raises: ValueError -- ``trainer.world_size`` < 2 (use one :class:`TrainerWorker`)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -132,12 +107,8 @@ def start_trainer_group(ray: Any, cfg: RunConfig, cfg_dict: dict) -> TrainerGrou
 
 
 def describe_ranks(ranks: list[dict[str, str]]) -> str:
-    """One console line for the trainer's ranks (entries of ``placement.json``'s
-    ``trainer_ranks``): how many, the process-group backend, and each rank's host and pid.
-
-    Example: ``trainer: 2 ranks (gloo): rank 0 on vm pid 29030, rank 1 on vm pid 29029``;
-    one rank: ``trainer: 1 rank: rank 0 on vm pid 812``.
-    """
+    """One console line for ``placement.json``'s ``trainer_ranks``, e.g. ``trainer: 2 ranks (gloo): rank 0 on vm
+    pid 29030, rank 1 on vm pid 29029``."""
     n = len(ranks)
     backends = sorted({r.get("backend", "none") for r in ranks} - {"none"})
     head = f"trainer: {n} rank{'s' if n != 1 else ''}" + (f" ({', '.join(backends)})" if backends else "")

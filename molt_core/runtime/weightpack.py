@@ -1,14 +1,6 @@
-"""One flat buffer for a weight publish: the trainer packs its state dict into a single
-contiguous byte array (one per dtype), Ray moves that one array (a numpy array is serialised out of band:
-one copy into the object store, a zero-copy read-only view on the receiving side), and the
-rollout worker hands the engine views into it.
-
-Why (``benchmarks/bench_sync.py``): a dict of torch tensors is pickled tensor by tensor (each
-storage through its own ``torch.save`` stream) and unpickled likewise, which costs far more
-than the bytes it moves for a model of many small tensors; and cloning every tensor before
-``ray.put`` copies the weights a second time. Tensors that share storage (tied input/output
-embeddings) are stored once; every name still maps to its own view, so the receiver copies
-into each parameter it has under that name.
+"""One flat buffer for a weight publish: the trainer packs its state dict into one contiguous byte array
+per dtype (tied tensors once), Ray moves it out of band, and the rollout worker hands the engine views
+into it. Why not a dict of tensors: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -28,11 +20,8 @@ class PackedState:
     """A state dict as one byte buffer per dtype and an index.
 
     Attributes:
-        buffers: dtype name (``"float32"``, ``"bfloat16"``, ...) -> ``[nbytes]`` uint8 numpy
-            array holding every distinct tensor of that dtype, flattened, back to back.
-        index: per name ``(name, dtype name, shape, element offset)`` into that dtype's buffer;
-            names whose tensors shared storage (same data pointer, dtype, shape and strides)
-            share an offset.
+        buffers: dtype name (``"float32"``, ...) -> ``[nbytes]`` uint8 numpy array, distinct tensors back to back.
+        index: per name ``(name, dtype name, shape, element offset)``; tensors that shared storage share an offset.
     """
 
     buffers: dict[str, np.ndarray]
@@ -50,22 +39,17 @@ class PackedState:
 def pack_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, pad_to: int = 1,
                  device: torch.device | str | None = None,
                  ) -> tuple[dict[str, torch.Tensor], tuple[tuple[str, str, tuple[int, ...], int], ...]]:
-    """Copy ``state`` (name -> tensor) into one flat ``uint8`` torch buffer per dtype.
-
-    The packing behind :func:`pack_state` (Ray path, CPU numpy buffers) and
-    :mod:`molt_plugins.engines.vllm.weight_sync` (collective path, buffers stay on ``device``).
+    """Copy ``state`` (name -> tensor) into one flat ``uint8`` torch buffer per dtype (for :func:`pack_state`
+    and the collective weight sync).
 
     Args:
         state: name -> tensor, any device and dtype.
-        dtype: cast every floating-point tensor to it first (the engine's dtype: a bf16 engine
-            needs half the bytes of fp32 master weights); None keeps each tensor's dtype.
-        pad_to: zero-pad each buffer to a multiple of this many bytes (8 lets
-            :func:`buffer_checksum` read it as int64 words).
+        dtype: cast every floating-point tensor to it first (the engine's dtype); None keeps each one's.
+        pad_to: zero-pad each buffer to a multiple of this many bytes (8 for :func:`buffer_checksum`).
         device: where the buffers live; None: the device of the tensors of that dtype.
 
     Returns:
-        ``(buffers, index)``: dtype name -> ``[nbytes]`` uint8 tensor, and per name
-        ``(name, dtype name, shape, element offset)`` (tensors sharing storage stored once).
+        ``(buffers, index)`` as :class:`PackedState`'s fields, the buffers torch tensors.
 
     Raises:
         TypeError: a value that is not a ``torch.Tensor`` (naming its key).
@@ -98,12 +82,8 @@ def pack_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
 
 def state_views(buffers: dict[str, torch.Tensor], index: tuple[tuple[str, str, tuple[int, ...], int], ...],
                 ) -> dict[str, torch.Tensor]:
-    """Name -> tensor views into ``buffers`` (dtype name -> uint8 tensor, as
-    :func:`pack_tensors` returns), no copy; the inverse of :func:`pack_tensors`.
-
-    Raises:
-        ValueError: an index entry that reaches past the end of its buffer (names the tensor).
-    """
+    """Name -> tensor views into ``buffers`` (no copy): the inverse of :func:`pack_tensors`.
+    Raises: ValueError -- an index entry that reaches past the end of its buffer (names the tensor)."""
     typed = {}
     for dt, buf in buffers.items():
         itemsize = torch.empty((), dtype=getattr(torch, dt)).element_size()
@@ -121,9 +101,8 @@ def state_views(buffers: dict[str, torch.Tensor], index: tuple[tuple[str, str, t
 
 
 def buffer_checksum(buf: torch.Tensor) -> int:
-    """Sum of ``buf`` (uint8, length a multiple of 8) read as int64 words, modulo 2**64 (int64
-    addition wraps, so the result does not depend on the reduction order or device). Detects a
-    buffer that lost, gained or changed bytes; not a permutation of whole words.
+    """Sum of ``buf`` (uint8, length a multiple of 8) as int64 words modulo 2**64, independent of reduction
+    order and device. Detects lost, gained or changed bytes; not a permutation of whole words.
 
     Raises:
         ValueError: ``buf`` is not uint8 or its length is not a multiple of 8.
@@ -135,11 +114,8 @@ def buffer_checksum(buf: torch.Tensor) -> int:
 
 
 def pack_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> PackedState:
-    """Copy ``state`` (name -> tensor, any device and dtype) into one CPU buffer per dtype.
-
-    One copy per distinct tensor, made here (one ``torch.cat`` per dtype): the result does not
-    alias the live parameters, so the caller may step the optimizer while it is in flight.
-    ``dtype``: cast floating-point tensors to it (see :func:`pack_tensors`).
+    """Copy ``state`` into one CPU buffer per dtype (``dtype`` as :func:`pack_tensors`); the result does not
+    alias the live parameters, so the optimizer may step while it is in flight.
 
     Raises:
         TypeError: a value that is not a ``torch.Tensor`` (naming its key).
@@ -149,10 +125,7 @@ def pack_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None)
 
 
 def unpack_state(packed: PackedState) -> dict[str, torch.Tensor]:
-    """Name -> tensor views into ``packed.buffers`` (no copy; read them, e.g. ``param.copy_``).
-
-    The buffers Ray hands back are read-only: the views must never be written to.
-    """
+    """Name -> read-only tensor views into ``packed.buffers`` (no copy; never write to them)."""
     with warnings.catch_warnings():  # torch warns that a (read-only) buffer is not writable
         warnings.simplefilter("ignore", UserWarning)
         buffers = {dtype: torch.from_numpy(buf) for dtype, buf in packed.buffers.items()}

@@ -1,10 +1,6 @@
-"""Ray actors of the main job: the rollout worker (engine, agent runner, loopback server,
-rewards) and the trainer actor, plus what builds them from the config.
-
-A :class:`RolloutWorker` runs ``n`` rollouts of each task (an Env episode through the ledger,
-or a ChatAgent against the loopback server), scores each group with the reward plugins
-(:mod:`molt_core.rewards`) and evaluates on held-out tasks. A :class:`TrainerWorker` wraps
-one :class:`~molt_core.train.Trainer` (warm start, train step, weights, checkpoints).
+"""Ray actors of the main job: the :class:`RolloutWorker` (engine, agent runner, loopback server,
+rewards; runs ``n`` rollouts per task, scores each group, evaluates held-out tasks) and the
+:class:`TrainerWorker` (one :class:`~molt_core.train.Trainer`), plus what builds them from the config.
 Both run in-process too (``molt run --local``, tests).
 """
 
@@ -35,9 +31,8 @@ __all__ = ["RolloutWorker", "TrainerWorker", "check_rewards", "load_agent", "pas
 
 
 def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
-    """Check every ``[rewards.<name>]`` table before any compute: the name is registered, the
-    reserved keys ``weight`` / ``timeout_s`` are valid and, when the reward declares an
-    ``Options`` Pydantic model, the remaining options validate.
+    """Check every ``[rewards.<name>]`` table before any compute: a registered name, valid ``weight`` /
+    ``timeout_s``, and the other options valid against the reward's ``Options`` Pydantic model if any.
 
     Raises:
         ValueError: naming ``rewards.<name>`` (unknown; lists registered names),
@@ -62,8 +57,7 @@ def check_rewards(cfg: RunConfig, host: PluginHost) -> None:
 
 
 def where() -> dict[str, str]:
-    """Where this process runs: ``{"node_id", "hostname", "pid"}`` (the Ray node id when Ray is
-    initialised in this process, else ``""``)."""
+    """Where this process runs: ``{"node_id", "hostname", "pid"}`` (node id ``""`` without Ray)."""
     import socket
 
     node = ""
@@ -78,10 +72,8 @@ def where() -> dict[str, str]:
 
 
 def engine_kwargs(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
-    """Keyword arguments of the engine factory for rollout worker ``index``: ``model``,
-    ``max_batch_size``, ``dtype``, ``gguf_file``, ``model_seed``, ``seed``, ``engine.options``,
-    and ``device`` (:func:`molt_core.models.device_for`: ``cuda`` when ``engine.num_gpus > 0``
-    and a GPU is visible) when the engine asked for a GPU and ``engine.options`` names none."""
+    """Keyword arguments of the engine factory for rollout worker ``index`` (model, seeds, dtype,
+    ``engine.options``; ``device`` from :func:`molt_core.models.device_for` when ``engine.num_gpus > 0``)."""
     e = cfg.engine
     kw: dict[str, Any] = dict(model=cfg.model.path, max_batch_size=e.max_batch_size, dtype=e.dtype,
                               gguf_file=cfg.model.gguf_file, model_seed=cfg.run.seed, seed=cfg.run.seed * 1000 + index)
@@ -96,8 +88,7 @@ def _sampling(cfg: RunConfig, stop_token_ids: list[int], temperature: float | No
                           top_k=r.top_k, max_tokens=r.max_tokens, stop_token_ids=list(stop_token_ids))
 
 
-# what one episode opened, for rewards that want the whole rollout: set per episode task by
-# RolloutWorker._episode, filled by _ledger (Env path) and _chat_episode (ChatAgent path)
+# what one episode opened (its ledgers, chat messages), for rewards that want the whole rollout
 _EPISODE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("molt_episode", default=None)
 #: the policy version a rollout's first sample must come from (None: whatever the engine holds)
 _MIN_VERSION: contextvars.ContextVar[int | None] = contextvars.ContextVar("molt_min_version", default=None)
@@ -111,8 +102,7 @@ class RolloutWorker:
         index: worker index (seeds differ per worker).
 
     Raises:
-        ValueError / PluginError: bad agent or engine config (raised in the constructor, i.e.
-            before any rollout).
+        ValueError / PluginError: bad agent or engine config (before any rollout).
     """
 
     #: rollouts carry the engine's token ids (False for a text-only subclass: molt eval --model URL)
@@ -139,12 +129,9 @@ class RolloutWorker:
             self._server()  # judges asking the run's own engine get one loopback session per call
 
     def _assemble(self, engine: Any, rewards: dict[str, dict[str, Any]], lookup: Callable[[str], Any]) -> None:
-        """The state every worker holds besides its config, agent and plugins: engine,
-        tokenizer, reward runner, stop ids and counters (shared by ``__init__`` and
-        :meth:`from_parts`, so neither can miss an attribute the other sets)."""
+        """The state shared by ``__init__`` and :meth:`from_parts`: engine, tokenizer, rewards, counters."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        #: the registered image modality (the run's host's; None: text only)
         self.modality = modality(getattr(self, "host", None))
         self.window_prover = window_prover(getattr(self, "host", None))
         self.rewards = RewardRunner(rewards, lookup, self.cfg.rollout.reward_concurrency, open_session=self._judge_session)
@@ -153,8 +140,7 @@ class RolloutWorker:
         self.server = None
         self.inflight = 0
         self.first_failure: str | None = None  # traceback of the first rollout whose agent raised
-        # the policy version the engine holds after the last finished load (None: its initial
-        # weights), a failed load's error, and the event rollouts waiting for a version wait on
+        # the version held after the last load (None: initial weights), a failed load's error, the waiters' event
         self._held_version: int | None = None
         self._load_error: BaseException | None = None
         self._weights_event: asyncio.Event | None = None
@@ -163,12 +149,8 @@ class RolloutWorker:
     @classmethod
     def from_parts(cls, cfg: RunConfig, agent: Any, engine: Any, rewards: dict[str, dict[str, Any]],
                    lookup: Callable[[str], Any]) -> "RolloutWorker":
-        """A worker around an agent and an engine built by the caller (no plugin loading, no
-        teacher): what :func:`molt_core.testing.run_episode` drives an episode with.
-
-        Raises:
-            ValueError: as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options.
-        """
+        """A worker around a caller-built agent and engine, no plugins or teacher (``molt_core.testing.run_episode``).
+        Raises: ValueError -- as :class:`~molt_core.rollout.scoring.RewardRunner` for bad reward options."""
         w = cls.__new__(cls)
         w.cfg, w.agent = cfg, agent
         w._assemble(engine, rewards, lookup)
@@ -178,7 +160,7 @@ class RolloutWorker:
     def _server(self):
         """The worker's loopback server (started on first use)."""
         if self.server is None:
-            # here, not at the top: the server's web stack (~0.5 s of imports) loads only in a ChatAgent run
+            # imported here: the web stack loads only in a run that needs it
             from molt_core.server.app import start_server
 
             self.server = start_server(self.engine, self.tokenizer, chat_template_kwargs=self.template_kwargs,
@@ -196,8 +178,7 @@ class RolloutWorker:
         return ledger
 
     def _judge_session(self) -> tuple[JudgeEndpoint, Any]:
-        """A fresh loopback session for one judge call and its closer (the session's
-        trajectory is dropped: judge calls are never trained on)."""
+        """A fresh loopback session for one judge call and its closer (never trained on)."""
         sess = self._server().create_session(group_id="judge")
         return JudgeEndpoint(sess.openai_base_url, sess.api_key), lambda: self.server.close_session(sess.session_id)
 
@@ -237,9 +218,7 @@ class RolloutWorker:
 
     async def _env_turn(self, ledger: Any, messages: list[dict[str, Any]],
                         params: SamplingParams) -> tuple[str, list[dict[str, Any]]] | None:
-        """One model turn of an Env episode through the ledger: the action text (stop token
-        dropped) and the history with the assistant turn, or None when the prompt leaves no
-        room under ``rollout.max_total_tokens``."""
+        """One Env turn: ``(action text, history)``, or None when ``rollout.max_total_tokens`` leaves no room."""
         async def weights(p: SamplingParams) -> SamplingParams:
             await self._weights_at(_MIN_VERSION.get())  # the prompt was prepared while the weights travelled
             return p
@@ -254,7 +233,6 @@ class RolloutWorker:
 
     async def _chat_episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, str]:
         await self._weights_at(_MIN_VERSION.get())  # the agent's loop may call the engine at once
-        # a seeded episode (eval) seeds the session: turn t samples with seed + t, as an Env episode does
         sess = self._server().create_session(group_id=group_id, chat_template_kwargs=self.template_kwargs,
                                              seed=params.seed)
         ctx = AgentContext(task=task, openai_base_url=sess.openai_base_url, anthropic_base_url=sess.anthropic_base_url,
@@ -268,8 +246,7 @@ class RolloutWorker:
         action = str(hist[-1].get("content", "")) if hist else ""
         if not isinstance(res, Result):
             raise TypeError(f"{type(self.agent).__name__}.run returned {type(res).__name__}; return a molt_core.types.Result")
-        # model_copy does not validate: score_group checks reward / score are finite numbers;
-        # the ledger's truncation (a length-cut turn) and its own info keys stand whatever the agent says
+        # unvalidated (score_group checks the numbers); the ledger's truncation and info keys win over the agent's
         traj = traj.model_copy(update={"reward": res.reward, "score": res.score, "task": task,
                                        "truncated": traj.truncated or res.truncated, "info": {**res.info, **traj.info}})
         seen = _EPISODE.get()
@@ -278,8 +255,7 @@ class RolloutWorker:
         return traj, action
 
     async def _episode(self, task: dict, group_id: str, params: SamplingParams) -> tuple[Trajectory, Rollout | None]:
-        """Run the agent on ``task``: the unscored trajectory and its :class:`Rollout` (None
-        when the rollout failed; a failure never raises)."""
+        """Run the agent on ``task``: the unscored trajectory and its :class:`Rollout` (None: failed; never raises)."""
         seen: dict[str, Any] = {"ledgers": [], "messages": None}
         _EPISODE.set(seen)  # this task's context: the episode's ledgers / chat messages land here
         try:
@@ -303,9 +279,7 @@ class RolloutWorker:
 
     async def _group(self, task: dict, group_id: str, params: SamplingParams, n: int,
                      seeds: list[int] | None = None) -> list[Trajectory]:
-        """``n`` rollouts of ``task``, scored together by the reward plugins
-        (:func:`molt_core.rollout.scoring.score_group`), then annotated by the teacher if any.
-        ``seeds`` (``n`` of them) seeds rollout ``j``'s sampling with ``seeds[j]``."""
+        """``n`` rollouts of ``task`` (rollout ``j`` seeded ``seeds[j]``), scored together, then teacher-annotated."""
         ps = [params] * n if seeds is None else [params.model_copy(update={"seed": s}) for s in seeds]
         items = await asyncio.gather(*(self._episode(task, group_id, p) for p in ps))
         trajs = await self.rewards.score(list(items), agent_label=f"agent {type(self.agent).__name__}")
@@ -323,19 +297,13 @@ class RolloutWorker:
 
     async def rollout(self, tasks: list[dict], n: int, min_version: int | None = None,
                       indices: list[int] | None = None) -> list[Group]:
-        """Run ``n`` rollouts of each task concurrently (the engine batches them); each
-        group is scored as soon as its ``n`` rollouts finish. With ``min_version``, no
-        rollout samples before the engine holds that policy version (:meth:`load_weights`
-        may still be running: episodes prepare their first prompt meanwhile).
+        """Run ``n`` rollouts of each task concurrently; each group is scored once its ``n`` finish. With
+        ``min_version``, no rollout samples before the engine holds that policy version.
 
         Args:
-            indices: each task's index in the run's task stream (``molt run`` passes them):
-                rollout ``j`` of task ``indices[i]`` samples with seed
-                :func:`~molt_core.rollout.evalstats.sample_seed` ``("train", run.seed, indices[i], j)``
-                (turn ``t`` with that + ``t``), so its tokens depend on the weights, the task
-                and those numbers only -- not on the engine's earlier requests, the worker, the
-                number of engines or a resume in between. None: the engine's own seed stream
-                (which restarts with the engine, so a resumed run would sample differently).
+            indices: each task's index in the task stream: rollout ``j`` of task ``indices[i]`` samples with seed
+                :func:`~molt_core.rollout.evalstats.sample_seed` ``("train", run.seed, indices[i], j)`` (turn
+                ``t``: that + ``t``). None: the engine's own seed stream.
 
         Returns:
             One :class:`Group` per task, trajectories in completion-independent order.
@@ -361,19 +329,13 @@ class RolloutWorker:
 
     async def rollout_group(self, task: dict, n: int, min_version: int | None = None,
                             index: int | None = None) -> Group:
-        """:meth:`rollout` of one task: the driver makes one call per group, so each group's
-        object ref is ready when that group is scored (the calls run concurrently on this
-        actor and the engine batches them). Several groups returned by one call would all be
-        ready only when the slowest of them finished. ``index`` is the task's position in the
-        task stream (seeds its samples, see :meth:`rollout`)."""
+        """:meth:`rollout` of one task (``index``: its stream position), so each group's ref is ready on its own."""
         return (await self.rollout([task], n, min_version, None if index is None else [index]))[0]
 
     async def evaluate_tasks(self, tasks: list[dict], n: int, temperature: float,
                              indices: list[int] | None = None) -> list[dict[str, Any]]:
-        """Sample ``n`` rollouts per task at ``temperature`` (no training), sample ``j`` of the
-        task at eval-split index ``indices[i]`` (default ``i``) seeded with
-        :func:`~molt_core.rollout.evalstats.eval_seed` ``(run.seed, index, j)``; returns one
-        :func:`~molt_core.rollout.evalstats.task_result` dict per task."""
+        """Sample ``n`` rollouts per task at ``temperature``, sample ``j`` of eval index ``indices[i]`` (default ``i``)
+        seeded :func:`~molt_core.rollout.evalstats.eval_seed` ``(run.seed, index, j)``; one ``task_result`` per task."""
         indices = list(range(len(tasks))) if indices is None else [int(i) for i in indices]
         if len(indices) != len(tasks):
             raise ValueError(f"indices has {len(indices)} entries for {len(tasks)} tasks")
@@ -384,16 +346,12 @@ class RolloutWorker:
         return [task_result(i, t, list(ts)) for i, t, ts in zip(indices, tasks, per_task)]
 
     async def evaluate(self, tasks: list[dict], k: int, temperature: float, indices: list[int] | None = None) -> dict[str, float]:
-        """Sample ``k`` rollouts per task at ``temperature`` (:meth:`evaluate_tasks`); returns
-        ``eval/pass@1``, ``eval/pass@k`` (unbiased estimator), ``eval/reward`` and
-        ``eval/failed`` (:func:`~molt_core.rollout.evalstats.eval_metrics`)."""
+        """:meth:`evaluate_tasks` with ``k`` samples, as :func:`~molt_core.rollout.evalstats.eval_metrics`."""
         return eval_metrics(await self.evaluate_tasks(tasks, k, temperature, indices), k)
 
     async def load_weights(self, state: Any, version: int) -> int:
-        """Hand new weights to the engine (applied between decode steps); returns ``version``.
-
-        ``state`` is a name -> tensor dict or the :class:`~molt_core.runtime.weightpack.PackedState`
-        :meth:`TrainerWorker.weights` publishes (the engine gets views into its buffer)."""
+        """Hand ``state`` (name -> tensor, or a :class:`~molt_core.runtime.weightpack.PackedState`) to the engine,
+        applied between decode steps; returns ``version``."""
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, as_state_dict(state), version)
         except BaseException as e:  # rollouts waiting for this version fail instead of waiting forever
@@ -403,8 +361,7 @@ class RolloutWorker:
         return version
 
     def _loaded(self, version: int | None, error: BaseException | None = None) -> None:
-        """Record that the engine now holds policy ``version`` (or that a load failed) and wake
-        the rollouts waiting in :meth:`_weights_at`."""
+        """Record the held ``version`` (or a failed load) and wake :meth:`_weights_at`'s waiters."""
         if version is not None:
             self._held_version = version if self._held_version is None else max(self._held_version, version)
         if error is not None:
@@ -415,11 +372,7 @@ class RolloutWorker:
 
     async def _weights_at(self, version: int | None) -> None:
         """Wait until the engine holds policy ``version`` (None: no wait).
-
-        Raises:
-            RuntimeError: a weight load failed while waiting (the rollout fails, the run
-                sees the load's own error where it waits for the load).
-        """
+        Raises: RuntimeError -- a weight load failed while waiting."""
         while version is not None and (self._held_version is None or self._held_version < version):
             if self._load_error is not None:
                 raise RuntimeError(f"waiting for policy version {version}: the weight load failed: {self._load_error!r}")
@@ -438,8 +391,7 @@ class RolloutWorker:
             None, worker_transport(self, self.host).join, self.engine, host, port, rank_offset, world_size, timeout_s)
 
     async def sync_receive(self, version: int) -> int:
-        """Receive policy ``version`` broadcast by the trainer (applied between decode steps);
-        returns the bytes received. Raises the engine's ``ValueError`` when it refuses the sync."""
+        """Receive the trainer's broadcast of ``version``; returns the bytes. Raises: ValueError -- engine refused."""
         got = await asyncio.get_running_loop().run_in_executor(None, worker_transport(self, self.host).receive,
                                                                self.engine, version)
         self._loaded(version)
@@ -462,8 +414,7 @@ class TrainerWorker:
     """The single trainable actor wrapped for Ray (see :class:`molt_core.train.Trainer`)."""
 
     def __init__(self, cfg: RunConfig | dict, build: bool = True) -> None:
-        """``build`` False leaves ``self.trainer`` None (a sharded rank builds it after joining
-        its process group: :mod:`molt_core.runtime.trainer_group`)."""
+        """``build`` False leaves ``self.trainer`` None (:mod:`molt_core.runtime.trainer_group` builds it)."""
         import torch
 
         self.cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
@@ -479,29 +430,23 @@ class TrainerWorker:
             check_model_positions(self.cfg.model.path, self.trainer.model.config)
 
     def placement(self) -> dict[str, str]:
-        """Where this (single) trainer runs, in the shape of a sharded rank's entry
-        (:meth:`molt_core.runtime.trainer_group.ShardedTrainerWorker.start`): ``rank`` "0",
-        :func:`where`, ``backend`` "none" (no process group)."""
+        """:func:`where`, shaped as a sharded rank's entry: ``rank`` "0", ``backend`` "none"."""
         return {"rank": "0", **where(), "backend": "none"}
 
     def start_check_process(self) -> bool:
-        """:meth:`molt_core.train.Trainer.start_check_process` (False on a sharded rank, whose
-        checks stay in line)."""
+        """:meth:`molt_core.train.Trainer.start_check_process` (False on a sharded rank)."""
         return self.trainer.start_check_process()
 
     def sft(self) -> dict[str, float]:
-        """Warm start, all steps in one call: :meth:`sft_begin` then :meth:`sft_next` until done.
-        Returns the first/last loss (``sft/loss_first``, ``sft/loss_last``; NaN with no step)."""
+        """The whole warm start in one call; returns ``sft/loss_first``, ``sft/loss_last`` (NaN with no step)."""
         total = self.sft_begin()
         ms = self.sft_next(total)
         return {"sft/loss_first": ms[0]["sft/loss"] if ms else float("nan"),
                 "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
     def sft_begin(self) -> int:
-        """Prepare the warm start: :func:`molt_core.train.sft.warm_start_steps` -- the same
-        computation as ``molt sft`` (``sft.steps`` of supervised fine-tuning on the agent's
-        train tasks, ``sft.label_noise`` of the targets deliberately wrong, ``run.threads``
-        torch threads). Returns the number of steps to run with :meth:`sft_next`.
+        """Prepare the warm start (:func:`molt_core.train.sft.warm_start_steps`, as ``molt sft``); returns
+        the number of steps to run with :meth:`sft_next`.
 
         Raises:
             ValueError: the agent cannot be built or its tasks have no answers.
@@ -511,12 +456,8 @@ class TrainerWorker:
         return max(0, self.cfg.sft.steps)
 
     def sft_next(self, k: int) -> list[dict[str, float]]:
-        """Run up to ``k`` more warm-start steps (the driver draws them in chunks to show a
-        progress bar); returns their metrics (``sft/loss``, ...; fewer than ``k`` at the end).
-
-        Raises:
-            RuntimeError: :meth:`sft_begin` was not called.
-        """
+        """Run up to ``k`` more warm-start steps; returns their metrics (``sft/loss``, ...).
+        Raises: RuntimeError -- :meth:`sft_begin` was not called."""
         import itertools
 
         if getattr(self, "_sft", None) is None:
@@ -531,12 +472,8 @@ class TrainerWorker:
         return m
 
     def weights(self) -> tuple[Any, int]:
-        """``(state, version)`` to publish: ``state`` is the trainer's state dict packed into one
-        buffer (:func:`molt_core.runtime.weightpack.pack_state`: one copy, tied tensors once,
-        floating-point tensors cast to ``engine.dtype`` (fp32 master weights reach a bf16
-        engine as bf16: half the bytes), one object for Ray to move;
-        :meth:`RolloutWorker.load_weights` unpacks it). A sharded
-        trainer: the full weights on rank 0, an empty pack on the other ranks."""
+        """``(state, version)`` to publish: the state dict packed into one buffer cast to ``engine.dtype``
+        (:func:`molt_core.runtime.weightpack.pack_state`); a sharded trainer's ranks past 0 send an empty pack."""
         state = pack_state(self.trainer.weights(), dtype=DTYPES[self.cfg.engine.dtype])
         self._sync_bytes = state.nbytes
         return state, self.trainer.version
@@ -551,21 +488,16 @@ class TrainerWorker:
         return worker_transport(self).free_address()
 
     def sync_init(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> str:
-        """Rank 0: join the weight-sync group as its sender (rank 0) on the trainer's device,
-        blocking until every engine joined; returns the backend. Other ranks: ``""``."""
+        """Rank 0: join the weight-sync group as its sender, until every engine joined; returns the backend
+        (other ranks: ``""``)."""
         if getattr(self.trainer, "rank", 0) != 0:
             return ""
         self._sync_group = worker_transport(self).sender(host, port, world_size, self.trainer.device, timeout_s)
         return self._sync_group.backend
 
     def sync_send(self) -> int:
-        """Broadcast the full weights as the current version, cast to ``engine.dtype``
-        (every rank calls it: a sharded trainer gathers them); returns the version. Sets
-        ``sync/bytes`` (bytes each engine worker received) for the next :meth:`train_step`.
-
-        Raises:
-            RuntimeError: :meth:`sync_init` was not called on rank 0.
-        """
+        """Broadcast the full weights (cast to ``engine.dtype``; every rank calls it); returns the version.
+        Raises: RuntimeError -- :meth:`sync_init` was not called on rank 0."""
         state = self.trainer.weights()
         if getattr(self.trainer, "rank", 0) == 0:
             group = getattr(self, "_sync_group", None)

@@ -1,35 +1,9 @@
-"""The loopback server: the wires into one :class:`~molt_core.ledger.Ledger` per session,
-session admin, and a background-thread runner on 127.0.0.1 with a random port.
+"""The loopback server: the wires into one :class:`~molt_core.ledger.Ledger` per session, session
+admin, and a background-thread runner on 127.0.0.1 with a random port.
 
-Routes (``{sid}`` is a session id from ``POST /sessions``):
-
-* ``POST /s/{sid}/v1/chat/completions`` -- OpenAI Chat Completions (stream or not), the kernel's wire.
-* every registered wire's routes (``molt_register_wires``, :class:`WireServer`): the first-party
-  :mod:`molt_plugins.wires` mounts ``POST /s/{sid}/v1/responses`` (OpenAI Responses) and
-  ``POST /s/{sid}/v1/messages`` (Anthropic Messages); without it those paths are a 404 naming it.
-* ``GET  /s/{sid}/v1/models`` -- the served model (fields of both wires' list shapes).
-* ``POST /sessions`` -> ``{session_id, openai_base_url, anthropic_base_url, api_key, rollout_id}``;
-  ``GET /sessions/{sid}/trajectory`` -> :class:`~molt_core.types.Trajectory` JSON
-  (``truncated`` once any generation of the session ended with finish reason ``length``;
-  each sampled span carries the engine's record of its ids, see :mod:`molt_core.identity`);
-  ``DELETE /sessions/{sid}`` (admin key).
-
-Session routes take the session's key (``Authorization: Bearer`` or ``x-api-key``), admin
-routes the admin key. Every client error is a 4xx in the wire's own error shape (unknown
-routes and methods too, :mod:`molt_core.server.guard`); the requests of one session are
-serialized by a per-session lock, and a request that fails appends nothing to the ledger.
-
-Under load: the body limit is enforced while reading; a prompt that cannot fit the context
-is refused from its rendered length before tokenizing (:meth:`Ledger.prepare`); a request body
-over 16 KiB is rendered and tokenized in a worker thread, so one huge prompt never stalls another
-session (a small one inline: the thread hop would cost more than the work).
-
-Retries and disconnects: a request identical to the session's last one (messages, tools,
-sampling fields) is answered from the cached turn, nothing recorded twice; send
-``Cache-Control: no-cache`` for a fresh sample (a new segment). A client that disconnects
-before its answer is ready cancels the generation and nothing is committed (the agent never
-saw that turn, so the trajectory does not hold it). A generation the engine aborted (finish
-reason ``abort``) is a 503 and nothing is committed: no wire's stop reason reports that cut.
+Routes: ``POST /s/{sid}/v1/chat/completions`` (the kernel's OpenAI wire), every registered wire's routes
+(``molt_register_wires``), ``GET /s/{sid}/v1/models``; admin: ``POST /sessions``,
+``GET /sessions/{sid}/trajectory``, ``DELETE /sessions/{sid}``. Notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -71,8 +45,7 @@ from molt_core.types import GenerationOutput, SamplingParams, Trajectory
 __all__ = ["SessionInfo", "SessionStore", "WireServer", "create_app", "start_server", "ServerHandle"]
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
-#: requests whose body is at most this many bytes are rendered and tokenized on the event loop
-#: (well under a millisecond); bigger ones in a worker thread
+#: bodies up to this many bytes are rendered and tokenized on the event loop, bigger ones in a thread
 INLINE_PREPARE_BYTES = 16 * 1024
 log = logging.getLogger(__name__)
 
@@ -111,10 +84,7 @@ class SessionStore:
         base_url: the server's ``http://127.0.0.1:PORT`` (set once it listens).
         chat_template_kwargs: default template variables for new sessions.
         tool_parser: the model family's tool-call parser object (:func:`molt_core.plugins.tool_parser`; default Hermes).
-        vision: the model's image processor (the modality plugin's; None: text only).
-        image_policy: image limits and the remote-URL rule (:class:`~molt_core.config.ImagePolicy`).
-        modality: the registered modality (``molt_register_modalities``; None: image parts refused).
-        window_prover: the ledgers' window prover (:func:`molt_core.plugins.window_prover`; None: full renders).
+        vision, image_policy, modality, window_prover: as :func:`create_app`.
     """
 
     def __init__(self, tokenizer: Any, base_url: str = "", chat_template_kwargs: dict[str, Any] | None = None,
@@ -131,10 +101,8 @@ class SessionStore:
 
     def create(self, rollout_id: str | None = None, group_id: str = "",
                chat_template_kwargs: dict[str, Any] | None = None, seed: int | None = None) -> SessionInfo:
-        """Open a session (one rollout): a fresh ledger and API key. With ``seed``, the
-        session's ``t``-th generated turn (0-based) samples with seed ``seed + t`` unless its
-        request names its own ``seed``: a ChatAgent's eval episode is as reproducible as an
-        Env's, whatever the agent sends (the runtime's seeded eval, ``molt eval``).
+        """Open a session (one rollout): a fresh ledger and API key. With ``seed``, its ``t``-th
+        generated turn (0-based) samples with seed ``seed + t`` unless the request names its own.
 
         Raises:
             ValueError: the tokenizer has no chat template.
@@ -168,11 +136,7 @@ class SessionStore:
         return self._get(sid).ledger
 
     def trajectory(self, sid: str, reward: float | None = None, **kwargs: Any) -> Trajectory:
-        """The session's :class:`Trajectory` so far (``kwargs`` as :meth:`Ledger.trajectory`).
-
-        Raises:
-            KeyError: unknown session.
-        """
+        """The session's :class:`Trajectory` so far (``kwargs`` as :meth:`Ledger.trajectory`). Raises: KeyError."""
         return self._get(sid).ledger.trajectory(reward=reward, **kwargs)
 
     def close(self, sid: str) -> Trajectory:
@@ -200,17 +164,14 @@ class WireServer:
     * ``app`` -- the FastAPI app; ``tokenizer``, ``model_name`` -- the served model's.
     * ``route(path, method="POST")`` -- decorator registering ``async fn(sid, request)`` at
       ``path`` (with ``{sid}``); ``fn`` returns a JSON-ready dict or a ``Response``.
-    * ``await session_request(request, sid, Model)`` -> ``(session, req, body_bytes)``: the session
-      (key checked; ``session.ledger``, ``session.state`` -- a dict for the wire's per-session
-      state, freed with the session) and the body validated as pydantic ``Model`` with its ``check()`` run.
+    * ``await session_request(request, sid, Model)`` -> ``(session, req, body_bytes)``: the session (key
+      checked; ``.ledger``, ``.state`` a per-session dict) and the body validated as ``Model``, ``check()`` run.
     * ``images()`` -> a request's image collector (``openai_part``, ``anthropic_block``,
       ``responses_part``); ``await checked(collector, body_bytes)`` runs its checks.
     * ``params_of(temperature, top_p, top_k, seed, stop)`` -> :class:`~molt_core.types.SamplingParams`.
-    * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls,
-      body_bytes)`` -> :class:`~molt_core.ledger.AssistantTurn`: the one turn
-      (:func:`~molt_core.ledger.take_turn`) under the session's lock, committed when it returns.
-    * ``await guarded(wire, handle)`` -- ``await handle()``, each error answered in ``wire``'s error
-      shape (its ``error_body(status, message, param, code)``; ``"openai"``: the kernel's).
+    * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls, body_bytes)``
+      -> :class:`~molt_core.ledger.AssistantTurn`: one turn under the session's lock, committed on return.
+    * ``await guarded(wire, handle)`` -- ``await handle()``, each error in ``wire``'s ``error_body`` shape.
 
     Raise :class:`~molt_core.server.wires.WireError` for a client error.
     """
@@ -239,25 +200,18 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         admin_key: key for ``/sessions`` routes (random when None; read ``app.state.admin_key``).
         model_name: the served model id (requests may name any model).
         max_model_len: context length in tokens (default: the first of ``engine.max_model_len``,
-            ``engine.max_positions``, the tokenizer's ``model_max_length`` below 10**7); a
-            prompt that fills it gets a 400 (from its rendered length, before tokenizing, when
-            that already proves it), and ``max_tokens`` is capped to what is left.
+            ``engine.max_positions``, the tokenizer's ``model_max_length`` below 10**7); a prompt
+            that fills it gets a 400, and ``max_tokens`` is capped to what is left.
         default_max_tokens: new-token budget when a request gives none (capped by the context).
         chat_template_kwargs: template variables for every session (e.g. ``enable_thinking``).
         max_body_bytes: request body limit, enforced while reading (413 above it).
-        tool_parser: tool-call parser name (``molt_register_tool_parsers``, looked up once here:
-            :func:`molt_core.plugins.tool_parser`) or object for every session (None: Hermes).
-        image_policy: limits for image inputs and whether remote image URLs are fetched
-            (:class:`~molt_core.config.ImagePolicy`; default: inline images only). A refused
-            image is a 400 naming its field in the wire's shape (code ``invalid_image``).
-        vision: the model's image processor (default: the engine's ``vision_processor``; None:
-            a text-only model, messages with images get a 400).
-        modality: the registered image modality (default: :func:`molt_core.plugins.modality`;
-            None: no modality plugin, every image part gets a 400 naming its field).
-        wires: ``{name: wire}`` mounted next to the kernel's chat wire (default: the registered
-            ones, :func:`molt_core.plugins.wires`; each ``wire.mount(WireServer)``).
-        window_prover: every session ledger's window prover (default: the registered one,
-            :func:`molt_core.plugins.window_prover`; None: full renders).
+        tool_parser: tool-call parser name (``molt_register_tool_parsers``) or object (None: Hermes).
+        image_policy: image limits and whether remote URLs are fetched (:class:`~molt_core.config.ImagePolicy`;
+            default: inline only); a refused image is a 400 naming its field (code ``invalid_image``).
+        vision: the model's image processor (default: the engine's ``vision_processor``; None: text only).
+        modality: the image modality (default: the registered one; None: every image part gets a 400).
+        wires: ``{name: wire}`` mounted next to the chat wire (default: the registered ones).
+        window_prover: the session ledgers' window prover (default: the registered one; None: full renders).
 
     Raises:
         ValueError: a ``tool_parser`` name no plugin registered (the message names the plugin).
@@ -282,7 +236,6 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     if window_prover is ...:
         window_prover = registered_window_prover()
     policy = image_policy or ImagePolicy()
-    # a refused image: a 400 naming its field
     image_error = (ImagePartRefused, modality.error) if modality is not None else (ImagePartRefused,)
     store = SessionStore(tokenizer, chat_template_kwargs=chat_template_kwargs, tool_parser=tool_parser, vision=vision,
                          image_policy=policy, modality=modality, window_prover=window_prover)
@@ -321,8 +274,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                     for v in request.headers.get("cache-control", "").lower().split(","))
 
         async def prepare(plan: Callable[[], Prepared]) -> Prepared:
-            try:  # a big request renders and tokenizes off the event loop: it stalls no other session; a
-                # small one inline (a thread hop costs more than its work, and a scheduler slice under load)
+            try:  # a big request off the event loop, so it stalls no other session
                 return await asyncio.to_thread(plan) if body_bytes > INLINE_PREPARE_BYTES else plan()
             except PromptTooLong as e:
                 raise WireError(400, str(e), "messages", "context_length_exceeded") from None
@@ -363,8 +315,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
                               top_k=-1 if top_k is None else top_k, stop=stop, seed=seed)
 
     async def checked(pending: Any, body_bytes: int) -> None:
-        # a request's images: decoded (and, if allowed, fetched) off the event loop unless small
-        if not pending:
+        if not pending:  # decoded (and, if allowed, fetched) off the event loop unless small
             return
         if pending.remote or body_bytes > INLINE_PREPARE_BYTES:
             await asyncio.to_thread(pending.check)
@@ -388,7 +339,6 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
             return error(wire, WireError(500, f"internal server error: {type(e).__name__}: {e}"))
 
     async def session_request(request: Request, sid: str, model: Any) -> tuple[Any, Any, int]:
-        # the session, then the body as ``model`` (a wire's request type), validated and checked; its size
         s = session_for(request, sid)
         raw = await read_body(request, max_body_bytes)
         body = await parse_json(raw)
@@ -399,9 +349,7 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         return s, req, len(raw)
 
     def session_route(path: str, method: str = "POST") -> Callable[[Any], Any]:
-        # a plain Starlette route for the per-request hot path: FastAPI's dependency solving and
-        # response serialization cost more than the work of a small request (the answers are
-        # plain JSON objects already)
+        # a plain Starlette route: FastAPI's dependency solving costs more than a small request's work
         def register(fn: Callable[[str, Request], Any]) -> Callable[[str, Request], Any]:
             async def endpoint(request: Request) -> Response:
                 out = await fn(request.path_params["sid"], request)
@@ -495,11 +443,8 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
 
 
 class ServerHandle:
-    """A running loopback server (see :func:`start_server`).
-
-    Attributes: ``base_url`` (``http://127.0.0.1:PORT``), ``admin_key``, ``app``, ``sessions``
-    (:class:`SessionStore`), ``loop`` (the server's event loop, where the engine is called).
-    """
+    """A running loopback server (:func:`start_server`): ``base_url``, ``admin_key``, ``app``, ``sessions``
+    (:class:`SessionStore`), ``loop`` (the server's event loop, where the engine is called)."""
 
     def __init__(self, app: FastAPI, server: Any, thread: threading.Thread, base_url: str) -> None:
         self.app, self._server, self._thread, self.base_url = app, server, thread, base_url
@@ -542,9 +487,8 @@ class ServerHandle:
 
 def serve_in_thread(app: Any, host: str, port: int, name: str, lifespan: str = "off",
                     on_bind: Any = None) -> tuple[Any, threading.Thread, str]:
-    """Serve ASGI ``app`` with uvicorn on ``host:port`` (0: a free random port) in a daemon
-    thread with its own event loop; returns ``(server, thread, base_url)`` once it accepts
-    connections. ``on_bind(base_url)`` runs after the port is bound, before serving.
+    """Serve ASGI ``app`` with uvicorn on ``host:port`` (0: a random free port) in a daemon thread;
+    returns ``(server, thread, base_url)`` once it accepts. ``on_bind(base_url)`` runs before serving.
 
     Raises:
         OSError: the port cannot be bound.
@@ -552,8 +496,7 @@ def serve_in_thread(app: Any, host: str, port: int, name: str, lifespan: str = "
     """
     import uvicorn
 
-    # proto IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections; without
-    # it Nagle + delayed ACK add ~40 ms to every keep-alive response
+    # IPPROTO_TCP (not 0): asyncio then sets TCP_NODELAY on accepted connections
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -582,8 +525,7 @@ def serve_in_thread(app: Any, host: str, port: int, name: str, lifespan: str = "
 
 def start_server(engine: Any, tokenizer: Any | None = None, admin_key: str | None = None, model_name: str = "policy",
                  port: int = 0, host: str = "127.0.0.1", **app_kwargs: Any) -> ServerHandle:
-    """Serve :func:`create_app` on ``host:port`` (port 0: a free random port) in a daemon
-    thread with its own event loop; returns once the server accepts connections.
+    """Serve :func:`create_app` on ``host:port`` (0: a random free port) in a daemon thread; returns once it accepts.
 
     Raises:
         OSError: the port cannot be bound.

@@ -1,9 +1,6 @@
-"""Request plumbing shared by the loopback server and the router: reading a JSON body under a
-byte limit, refusing text that is not valid Unicode, answering 404/405 in the wire's error
-shape, and abandoning work whose client went away.
-
-Every function here raises or returns :class:`~molt_core.server.wires.WireError` (or a
-wire-shaped response); none lets a malformed request become a 5xx.
+"""Request plumbing shared by the loopback server and the router: reading a JSON body under a byte
+limit, refusing text that is not valid Unicode, answering 404/405 in the wire's error shape, and
+abandoning work whose client went away. Nothing here lets a malformed request become a 5xx.
 """
 
 from __future__ import annotations
@@ -40,14 +37,12 @@ _PLUGIN_WIRES = {"/v1/responses": "OpenAI Responses", "/v1/messages": "Anthropic
 
 
 def wire_of_path(path: str, wires: Any = ()) -> Any:
-    """The wire of ``wires`` (registered wire objects) whose ``owns(path)`` is true (the Anthropic
-    wire's: a path ending in ``/messages``), else ``"openai"`` (the kernel's error shape)."""
+    """The wire of ``wires`` whose ``owns(path)`` is true, else ``"openai"`` (the kernel's error shape)."""
     return next((w for w in wires if getattr(w, "owns", lambda _: False)(path)), "openai")
 
 
 def error_body(wire: Any, status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """An error body in ``wire``'s shape: its ``error_body(status, message, param, code)``, or
-    the OpenAI shape for ``"openai"`` (:func:`~molt_core.server.wires.openai_error`)."""
+    """An error body in ``wire``'s shape (its ``error_body``; the OpenAI shape for ``"openai"``)."""
     return getattr(wire, "error_body", openai_error)(status, message, param, code)
 
 
@@ -57,12 +52,8 @@ def wire_error_response(wire: Any, e: WireError, headers: dict[str, str] | None 
 
 
 def find_lone_surrogate(obj: Any, path: str = "") -> tuple[str, int, str] | None:
-    """The first string (dict keys included) in decoded JSON ``obj`` holding a lone UTF-16
-    surrogate (U+D800..U+DFFF, only possible through a ``\\uD800``-style JSON escape), as
-    ``(field path, character index, "\\udXXX")``; None when every string is valid Unicode.
-
-    Paths read like Pydantic's: ``messages[0].content``; ``body`` for the top level.
-    """
+    """The first string (keys included) of decoded JSON ``obj`` holding a lone UTF-16 surrogate, as
+    ``(field path like messages[0].content, character index, "\\udXXX")``; None when all are valid Unicode."""
     stack: list[tuple[Any, str]] = [(obj, path)]
     while stack:
         o, p = stack.pop()
@@ -98,12 +89,8 @@ def _decode(raw: bytes) -> Any:
 
 
 async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
-    """``request``'s body, enforcing ``limit`` bytes while reading (a ``Content-Length`` above
-    it is refused before any byte is read).
-
-    Raises:
-        WireError: 413 (``code`` ``request_too_large``) over ``limit``.
-    """
+    """``request``'s body, enforcing ``limit`` bytes while reading (and on ``Content-Length`` before).
+    Raises: WireError -- 413 (``code`` ``request_too_large``) over ``limit``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise WireError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
@@ -117,10 +104,7 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> by
 
 
 async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty: Any = ...) -> Any:
-    """Read ``request``'s body as JSON, enforcing ``limit`` bytes *while reading* (a
-    ``Content-Length`` above it is refused before any byte is read) and refusing lone
-    surrogates. Bodies over 1 MiB are decoded in a worker thread (the event loop stays free).
-    An empty (whitespace-only) body returns ``empty`` when given, else is invalid JSON.
+    """:func:`read_body` decoded by :func:`parse_json` (an empty body returns ``empty`` when given).
 
     Raises:
         WireError: 413 over ``limit``; 400 for invalid JSON, too-deep nesting, or a lone
@@ -130,11 +114,8 @@ async def read_json(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES, empty
 
 
 async def parse_json(raw: bytes, empty: Any = ...) -> Any:
-    """Decode request body ``raw`` as :func:`read_json` does (off the event loop over 1 MiB).
-
-    Raises:
-        WireError: 400 for invalid JSON, too-deep nesting, or a lone surrogate.
-    """
+    """Decode body ``raw`` as JSON (off the event loop over 1 MiB), refusing lone surrogates.
+    Raises: WireError -- 400 for invalid JSON, too-deep nesting, or a lone surrogate."""
     if empty is not ... and not raw.strip():
         return empty
     if len(raw) > _THREAD_DECODE_BYTES:
@@ -143,12 +124,8 @@ async def parse_json(raw: bytes, empty: Any = ...) -> Any:
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it (an engine drops a
-    cancelled generation) and raise :class:`ClientDisconnected`. Call after the body is read.
-
-    Raises:
-        ClientDisconnected: the client went away before ``work`` finished.
-    """
+    """Await ``work`` unless the client disconnects first, which cancels it. Call after the body is read.
+    Raises: ClientDisconnected -- the client went away before ``work`` finished."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -183,11 +160,8 @@ def _not_found_hint(path: str) -> str:
 
 
 def install_http_error_handlers(app: FastAPI) -> None:
-    """Answer the framework's own errors (unknown route 404, wrong method 405, ...) in the
-    wire's error shape (:func:`wire_of_path` over ``app.state.wires``, the mounted wire plugins)
-    instead of ``{"detail": ...}``. A 404 outside ``/s/{sid}/`` (e.g. an SDK pointed at the server
-    root + ``/v1``) says how to open a session and which base URL to use; one on a first-party
-    plugin wire's path that no plugin mounted names the missing wire plugin."""
+    """Answer the framework's own errors (404, 405, ...) in the wire's error shape; a 404 outside
+    ``/s/{sid}/`` says how to open a session, one on an unmounted plugin wire's path names the plugin."""
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -42,16 +42,13 @@ class NoImages(list):
 
 
 def request_images(mod: Any, policy: Any = None, vision: Any = None) -> Any:
-    """A request's image collector: ``mod.wire_images(policy, vision)`` (``mod`` the registered
-    modality), or :class:`NoImages` when ``mod`` is None."""
+    """A request's image collector: ``mod.wire_images(policy, vision)``, or :class:`NoImages` when ``mod`` is None."""
     return mod.wire_images(policy, vision) if mod is not None else NoImages()
 
 
 def convert_checked(convert: Any, pending: Any) -> list[dict[str, Any]]:
-    """``convert(images)`` (a wire's message conversion, handing the image parts it meets to
-    ``images``, a request's collector); with ``pending`` None the registered modality's
-    collector takes them and they are checked here, else ``pending`` takes them and the caller
-    checks them (off the event loop).
+    """``convert(collector)``, a wire's message conversion; with ``pending`` None the registered modality's
+    collector takes the images and they are checked here, else ``pending`` does and the caller checks them.
 
     Raises:
         WireError: from ``convert``; ImagePartRefused or the modality's error: a refused image.

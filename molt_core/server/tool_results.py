@@ -1,10 +1,6 @@
-"""Tool results matched to their calls, on every wire, before anything is rendered.
-
-A chat template renders a tool result as the answer to a call of the assistant turn before it
-by *position*, whatever its id says (Qwen's ``<tool_response>`` blocks carry no id), so the
-server checks each result against the ids the OpenAI Chat (``tool_call_id``), Anthropic
-(``tool_use_id``) and Responses (``call_id``) APIs match it by, and hands the ledger each
-turn's results in the order of its calls -- the order the model wrote them in.
+"""Tool results matched to their calls, on every wire, before anything is rendered: a chat template
+renders a result as the answer to a call by *position* (Qwen's ``<tool_response>`` carries no id), so
+each result is checked against the id its API matches by and each turn's results are put in call order.
 """
 
 from __future__ import annotations
@@ -17,31 +13,23 @@ __all__ = ["match_tool_results"]
 
 
 def match_tool_results(messages: list[Any], fields: list[str]) -> list[Any]:
-    """Refuse a tool result that matches no call, or a call answered twice; return the
-    messages with each run of consecutive tool results in the order of the calls they answer.
+    """Refuse a tool result that matches no call, or a call answered twice; return the messages with each
+    run of consecutive tool results stably sorted into the order of the calls they answer.
 
-    A result must name a call of the nearest assistant turn before it (consecutive assistant
-    messages are one turn, as the Anthropic API merges consecutive same-role turns), that call
-    only (ids unique in the turn), and once. The API matches results to calls by id, in any
-    order; the template matches them by position, so a run of results is sorted (stably) into
-    call order -- deterministically, so a client that re-sends the conversation still extends
-    the ledger's history.
+    A result must name exactly one call of the nearest assistant turn before it (consecutive assistant
+    messages are one turn), once.
 
     Args:
-        messages: the conversation in OpenAI form (assistant ``tool_calls[*].id``, ``role: tool``
-            messages with ``tool_call_id``), as a wire converted it; malformed entries are skipped
-            (the ledger names them).
-        fields: the wire field of each of the request's own tool results, in order: the last
-            ``len(fields)`` tool messages (earlier ones come from a stored response, checked when
-            sent; a stored conversation ends on its assistant turn, so they share no run).
+        messages: the conversation in OpenAI form, as a wire converted it (malformed entries skipped).
+        fields: the wire field of each of the request's own tool results (the last ``len(fields)`` tool
+            messages; earlier ones come from a stored response, checked when sent).
 
     Returns:
         A new list of the same message objects; only tool messages move, within their run.
 
     Raises:
-        WireError: 400 (``code`` ``invalid_tool_result``) whose ``param`` and message name the
-            result's field: its id is missing, names no call of the assistant turn before it,
-            names several, or names a call answered already.
+        WireError: 400 (``invalid_tool_result``) naming the result's field: its id is missing, names no
+            call of the turn before it, names several, or names a call answered already.
     """
     stored = sum(isinstance(m, dict) and m.get("role") == "tool" for m in messages) - len(fields)
     out = list(messages)
@@ -73,8 +61,7 @@ def match_tool_results(messages: list[Any], fields: list[str]) -> list[Any]:
 
 
 def _check(tid: Any, calls: list[str], answered: dict[str, str], field: str) -> None:
-    """One result of the request (its id ``tid``, at ``field``) against the turn's ``calls``;
-    records it in ``answered``. Raises: WireError as :func:`match_tool_results`."""
+    """Check result ``tid`` (at ``field``) against ``calls``; record it in ``answered``. Raises: WireError."""
     shown = ", ".join(repr(c) for c in calls if c) or "none"
     if not isinstance(tid, str) or not tid:
         why = f" must be the id of the call this result answers, one of the assistant turn before it ({shown}); got {tid!r}"

@@ -1,13 +1,8 @@
-"""The kernel's wire, OpenAI Chat Completions: request validation, conversion to the ledger's
-chat messages, responses (JSON and server-sent events), the OpenAI error shape, and the one
-field rule every wire applies (:func:`check_fields`). The other wires (OpenAI Responses,
-Anthropic Messages) are plugins (``molt_register_wires``, :mod:`molt_plugins.wires`).
-
-Every wire decodes into one canonical form -- OpenAI-style messages, OpenAI-style tool
-schemas and :class:`~molt_core.types.SamplingParams`, image parts as the internal part (through
-the request's image collector, :mod:`molt_core.server.images`) -- and encodes an
-:class:`~molt_core.ledger.AssistantTurn`. An extension field carries the exact sampled ids:
-``choices[i].token_ids``.
+"""The kernel's wire, OpenAI Chat Completions: request validation, conversion to the ledger's chat
+messages, responses (JSON and server-sent events), the OpenAI error shape, and the one field rule every
+wire applies (:func:`check_fields`). Every wire decodes into OpenAI-style messages and tools and
+:class:`~molt_core.types.SamplingParams`, and encodes an :class:`~molt_core.ledger.AssistantTurn`;
+``choices[i].token_ids`` carries the exact sampled ids. The other wires are plugins (``molt_register_wires``).
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ __all__ = ["WireError", "WireRequest", "ChatCompletionRequest", "openai_response
 
 
 class WireError(Exception):
-    """A client error: ``status`` (4xx), ``message``, ``param`` (the offending field) and an
-    OpenAI ``code``. Rendered in each wire's error shape."""
+    """A client error (``status``, ``message``, offending ``param``, OpenAI ``code``), in each wire's error shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -44,8 +38,7 @@ _OPENAI_CODE_TYPES = {"previous_response_not_found": "invalid_request_error"}
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}`` (``type`` by ``code``
-    where OpenAI names one, else by ``status``)."""
+    """OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` (``type`` by ``code``, else ``status``)."""
     kind = _OPENAI_CODE_TYPES.get(code or "") or _OPENAI_TYPES.get(status, "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -61,21 +54,13 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 
 class WireRequest(BaseModel):
-    """The base of every wire's request model (the kernel's and the plugins'): strict -- a
-    wrong-typed field is an error (no ``"1"`` -> 1 coercion); unknown nested fields are ignored
-    (e.g. a tool's ``strict``, a block's ``cache_control``); unknown top-level fields land in
-    ``model_extra`` for :func:`check_fields`."""
+    """The base of every wire's request model: strict types (no ``"1"`` -> 1), unknown nested fields ignored,
+    unknown top-level fields in ``model_extra`` for :func:`check_fields`."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
 
 # ------------------------------------------------------------------ the one rule for fields
-#
-# A top-level field is either honoured (a declared field of the request model), ignored
-# because it cannot change what is sampled (IGNORED_*: listed in docs/README.md), refused
-# unless it holds its neutral value (REFUSED_*: it would change the sampling distribution or
-# the length, and neither the engine nor the trainer's recompute transform applies it), or
-# unknown -- refused with a 400 naming it, as the OpenAI and Anthropic APIs do.
 
 #: OpenAI chat fields accepted and ignored (they cannot change what is sampled)
 IGNORED_OPENAI = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -123,7 +108,9 @@ def _neutral(v: Any, neutrals: tuple[Any, ...]) -> bool:
 
 def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
                  refused: dict[str, tuple[tuple[Any, ...], str]], honoured: list[str]) -> None:
-    """Apply the one rule to a request's undeclared top-level fields ``extra``.
+    """Apply the one rule to a request's undeclared top-level fields ``extra``: a field is honoured (declared),
+    ignored (cannot change what is sampled), refused unless neutral (it would change the sampling distribution
+    or length, which neither the engine nor the trainer's recompute applies), or unknown (refused).
 
     Raises:
         WireError: 400 naming the first field that is refused with a non-neutral value
@@ -171,7 +158,7 @@ class OpenAITool(WireRequest):
 
 
 class ChatCompletionRequest(WireRequest):
-    """``POST /v1/chat/completions`` body (fields the server honours; others are ignored)."""
+    """``POST /v1/chat/completions`` body (the fields the server honours)."""
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -191,12 +178,11 @@ class ChatCompletionRequest(WireRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check(self) -> None:
-        """Refuse what the server cannot honour without changing the sampling distribution
-        (the one rule, :func:`check_fields`).
+        """Refuse what the server cannot honour (:func:`check_fields` and the declared fields' limits).
 
         Raises:
-            WireError: 400 naming the field (``n`` > 1, top_logprobs, a refused field with a
-                non-neutral value, an unknown field, a forced tool choice, empty stop strings).
+            WireError: 400 naming the field (``n`` > 1, top_logprobs, a refused or unknown field, a forced
+                tool choice, empty stop strings).
         """
         if self.n not in (None, 1):
             raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
@@ -213,18 +199,12 @@ class ChatCompletionRequest(WireRequest):
 
     @property
     def allow_tool_calls(self) -> bool:
-        """False for ``tool_choice: "none"``: the tools stay in the prompt (so the next request
-        with tools still extends the conversation) and the reply is not parsed for calls."""
+        """False for ``tool_choice: "none"``: tools stay in the prompt, the reply is not parsed for calls."""
         return self.tool_choice != "none"
 
     def internal_messages(self, pending: Any) -> list[dict[str, Any]]:
-        """The messages with each ``image_url`` part as the internal part (a fresh dict; the
-        image's check is appended to ``pending``, see the modality's ``wire_images``);
-        other messages pass through as sent (the ledger validates them).
-
-        Raises:
-            ImageError: an image part without ``image_url.url`` (naming the field).
-        """
+        """The messages with each ``image_url`` part as the internal part (its check queued on ``pending``).
+        Raises: ImageError -- an image part without ``image_url.url`` (naming the field)."""
         out = []
         for i, m in enumerate(self.messages):
             c = m.get("content") if isinstance(m, dict) else None
@@ -236,8 +216,7 @@ class ChatCompletionRequest(WireRequest):
         return out
 
     def tool_result_fields(self) -> list[str]:
-        """``messages[i].tool_call_id`` of each tool message, in order
-        (:func:`~molt_core.server.tool_results.match_tool_results`)."""
+        """``messages[i].tool_call_id`` of each tool message, in order."""
         return [f"messages[{i}].tool_call_id" for i, m in enumerate(self.messages)
                 if isinstance(m, dict) and m.get("role") == "tool"]
 
@@ -258,8 +237,7 @@ def _now() -> int:
 
 
 def token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
-    """OpenAI's ``logprobs.content`` entries of ``turn``'s sampled tokens: ``{token, logprob
-    (nats, the behaviour logprob), bytes (UTF-8), top_logprobs: []}`` per token."""
+    """OpenAI ``logprobs.content`` of ``turn``: ``{token, logprob (nats), bytes (UTF-8), top_logprobs: []}`` each."""
     out = []
     for tid, lp in zip(turn.token_ids, turn.logprobs):
         s = tokenizer.decode([tid], skip_special_tokens=False)
@@ -283,8 +261,7 @@ def _usage(turn: AssistantTurn) -> dict[str, int]:
 
 
 def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str, Any]:
-    """A ``chat.completion`` object for ``turn`` (one choice with ``token_ids`` and
-    ``logprobs.content``; ``message.reasoning_content`` holds the think text)."""
+    """A ``chat.completion`` for ``turn`` (one choice with ``token_ids``; think text in ``reasoning_content``)."""
     msg: dict[str, Any] = {"role": "assistant", "content": turn.content if (turn.content or not turn.tool_calls) else None}
     if turn.tool_calls:
         msg["tool_calls"] = _openai_calls(turn)
@@ -305,9 +282,7 @@ def sse(data: Any, event: str | None = None) -> str:
 
 
 def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage: bool = False) -> Iterator[str]:
-    """``chat.completion.chunk`` server-sent events for ``turn`` (generated in full first):
-    role, reasoning, content (with ``token_ids`` and ``logprobs``), tool calls, finish,
-    optional usage, ``[DONE]``."""
+    """``chat.completion.chunk`` events for ``turn`` (generated in full first), usage optional, then ``[DONE]``."""
     cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:

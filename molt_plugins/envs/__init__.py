@@ -11,7 +11,8 @@ from molt_core.hookspecs import hookimpl
 
 @hookimpl
 def molt_register_envs(register):
-    """Register ``dataset``, ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``, ``visual``."""
+    """Register ``dataset``, ``arithmetic``, ``reasoning_gym``, ``python_tool``, ``python_tool_chat``, ``humaneval``, ``gymnasium``, ``visual``."""
+    from molt_plugins.envs.arithmetic import ArithmeticEnv
     from molt_plugins.envs.dataset import DatasetEnv
     from molt_plugins.envs.gymnasium_env import GymnasiumTextEnv
     from molt_plugins.envs.humaneval import HumanEvalEnv
@@ -20,6 +21,7 @@ def molt_register_envs(register):
     from molt_plugins.envs.visual import VisualEnv
 
     register("dataset", DatasetEnv)
+    register("arithmetic", ArithmeticEnv)
     register("reasoning_gym", ReasoningGymEnv)
     register("python_tool", PythonToolEnv)
     register("python_tool_chat", PythonToolChatAgent)

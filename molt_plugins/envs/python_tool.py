@@ -191,6 +191,7 @@ class PythonToolChatAgent(ChatAgent):
     Options = PythonToolOptions
     molt_example = {"options": {"task": "basic_arithmetic", "size": 16, "eval_size": 4}}
     """Options for ``molt plugins --check`` (``task`` has no default)."""
+    molt_requires = ReasoningGymEnv.molt_requires  # its problems come from reasoning-gym
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

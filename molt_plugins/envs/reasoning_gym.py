@@ -101,17 +101,31 @@ class ReasoningGymEnv(Env):
     Options = ReasoningGymOptions
     molt_example = {"options": {"task": "basic_arithmetic", "size": 16, "eval_size": 4}}
     """Options for ``molt plugins --check`` (``task`` has no default)."""
+    molt_requires: tuple[str, ...] = ("reasoning_gym",)
+    """``molt plugins`` (and a failed import) name the extra that installs reasoning-gym."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         o: ReasoningGymOptions = self.options
         if o.task in REFUSED_TASKS:
             raise ValueError(f"agent.options.task = {o.task!r} is refused: {REFUSED_TASKS[o.task]}")
-        bad = sorted({"seed", "size"} & set(o.config))
+        bad = sorted({"seed", "size"} & set(o.config if isinstance(o.config, dict) else ()))
         if bad:
             raise ValueError(
                 f"agent.options.config sets {', '.join(bad)}; set agent.options.seed / agent.options.size instead"
             )
+        self._check_task()
+        self.system_prompt = o.system_prompt or None
+        self._datasets: dict[tuple[int, int], Any] = {}
+        self._dataset(0, 1)  # validate the config now, not at the first rollout
+
+    def _check_task(self) -> None:
+        """Import reasoning-gym and check that ``options.task`` is one of its datasets.
+
+        Raises:
+            ValueError: an unknown task (the message lists close names).
+        """
+        o = self.options
         import reasoning_gym  # noqa: F401  (registers every dataset)
         from reasoning_gym.factory import DATASETS
 
@@ -121,18 +135,20 @@ class ReasoningGymEnv(Env):
             close = difflib.get_close_matches(o.task, list(DATASETS), n=3)
             hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"known: {', '.join(sorted(DATASETS))}"
             raise ValueError(f"agent.options.task = {o.task!r} is not a reasoning-gym task; {hint}")
-        self.system_prompt = o.system_prompt or None
-        self._datasets: dict[tuple[int, int], Any] = {}
-        self._dataset(0, 1)  # validate the config now, not at the first rollout
 
     # -- datasets ------------------------------------------------------------------------
+    def _create(self, seed: int, size: int) -> Any:
+        """The task's dataset for generator seed ``seed`` and ``size`` items: indexable (item
+        ``i`` is a ``{"question", "answer", "metadata"}`` dict) with ``score_answer(reply, item)``."""
+        from reasoning_gym import create_dataset
+
+        return create_dataset(self.options.task, **self.options.config, seed=seed, size=size)
+
     def _dataset(self, seed: int, size: int) -> Any:
         key = (seed, size)
         if key not in self._datasets:
-            from reasoning_gym import create_dataset
-
             try:
-                self._datasets[key] = create_dataset(self.options.task, **self.options.config, seed=seed, size=size)
+                self._datasets[key] = self._create(seed, size)
             except (TypeError, AssertionError, ValueError) as e:
                 raise ValueError(
                     f"agent.options.config is invalid for reasoning-gym task {self.options.task!r}: "

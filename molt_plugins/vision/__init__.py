@@ -13,3 +13,4 @@ from molt_plugins.vision.modality import VisionModality
 def molt_register_modalities(register: Register) -> None:
     """Register the ``vision`` modality (Qwen2-VL-family image inputs)."""
     register("vision", VisionModality())
+

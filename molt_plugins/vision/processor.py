@@ -32,13 +32,8 @@ from typing import Any, Sequence
 import torch
 
 from molt_core.models import (  # noqa: F401 - the vision-token mask is part of this module's API
-    TINY_VL_MAX_PIXELS,
-    TINY_VL_MERGE,
-    TINY_VL_MIN_PIXELS,
-    TINY_VL_PATCH,
     VISION_TOKEN_LOGIT,
-    VL_BUILTINS,
-    _builtin_name,
+    declares_vision,
     hub_kwargs,
     is_builtin,
     load_tokenizer,
@@ -47,6 +42,7 @@ from molt_core.models import (  # noqa: F401 - the vision-token mask is part of 
     vision_token_ids,
 )
 from molt_core.types import ImageRef
+from molt_plugins.tiny_models.vl import TINY_VL_MAX_PIXELS, TINY_VL_MERGE, TINY_VL_MIN_PIXELS, TINY_VL_PATCH
 from molt_plugins.vision.expand import expand_images, extra_image_tokens
 from molt_plugins.vision.images import DecodedImage, decode_part
 
@@ -217,7 +213,7 @@ def load_vision_processor(path: str, tokenizer: Any = None) -> VisionProcessor |
         FileNotFoundError: as :func:`molt_core.models.hub_kwargs`.
     """
     if is_builtin(path):
-        if _builtin_name(path) not in VL_BUILTINS:
+        if not declares_vision(path):
             return None
         ip = tiny_image_processor()
     else:

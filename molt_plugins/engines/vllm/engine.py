@@ -278,7 +278,7 @@ class VLLMEngine(WorkerThreadEngine):
             model = load_model(model, dtype="float32", seed=model_seed)
         elif tokenizer is None:
             raise ValueError("a model object needs its tokenizer: VLLMEngine(model, tokenizer)")
-        from molt_core.models import TINY_VL_MERGE, TINY_VL_PATCH
+        from molt_plugins.tiny_models.vl import TINY_VL_MERGE, TINY_VL_PATCH
 
         if is_vision_model(model):  # only the builtin VL model's processor is known for a model object
             vc = model.config.vision_config
