@@ -1,22 +1,9 @@
 """Advantage estimators: one pure function each, and :func:`estimate_advantages` to call one.
 
-Shapes used throughout:
-
-* ``R`` rollouts. ``rewards[r]`` (float) is the scalar reward of rollout ``r``;
-  ``group_index[r]`` (long) the group (prompt) it belongs to.
-* ``B`` rows, each one segment. ``rollout_index[b]`` (long, in ``[0, R)``) is the rollout that
-  row ``b`` belongs to; ``mask[b, t]`` (bool, ``[B, T]``) is True on sampled tokens. A rollout
-  with several segments has several rows, in order (lower row index = earlier segment).
-
-Group baselines (GRPO, RLOO, ...) count **one** reward per rollout however many segments it
-has; the rollout's advantage is broadcast to every sampled token of every one of its segments
-(0 on tokens that were not sampled). Group statistics are computed in float64, and a standard
-deviation below ``std_tol`` is treated as exactly zero: no rounding residue is ever divided
-by (issue 4, case B14).
-
-Token-level estimators (``reinforce``, ``gae``) place the rollout's reward on the last sampled
-token of its last segment, add the optional per-token ``token_rewards`` (e.g. a KL penalty),
-and run the recursion over the rollout's sampled tokens in order, across segment boundaries.
+Shapes: ``R`` rollouts (``rewards[r]`` float, ``group_index[r]`` long); ``B`` rows, one segment each,
+a rollout's in order (``rollout_index[b]`` long in ``[0, R)``; ``mask[b, t]`` bool ``[B, T]``, True on
+sampled tokens). Group estimators return one advantage per rollout, broadcast to its sampled tokens;
+token estimators recurse over a rollout's sampled tokens, its reward on the last (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -43,9 +30,6 @@ __all__ = [
 ]
 
 _F64 = torch.float64
-
-
-# ----------------------------------------------------------------------------- checks / helpers
 
 
 def _check_inputs(rewards: Tensor, group_index: Tensor, rollout_index: Tensor, mask: Tensor) -> None:
@@ -82,9 +66,7 @@ def broadcast_to_tokens(per_rollout: Tensor, rollout_index: Tensor, mask: Tensor
     """Copy a per-rollout value to every sampled token of each of the rollout's segments.
 
     Args:
-        per_rollout: ``[R]`` float, one value per rollout.
-        rollout_index: ``[B]`` long, the rollout of each row.
-        mask: ``[B, T]`` bool, sampled tokens.
+        per_rollout: ``[R]`` float. rollout_index: ``[B]`` long. mask: ``[B, T]`` bool, sampled tokens.
 
     Returns:
         ``[B, T]`` float32: ``per_rollout[rollout_index[b]]`` where ``mask``, else 0.
@@ -108,10 +90,6 @@ def _std(x: Tensor, tol: float, unbiased: bool) -> float:
     return 0.0 if s < tol else s
 
 
-# ----------------------------------------------------------------------------- group estimators
-# Each returns one advantage per rollout, [R] float64.
-
-
 def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. in §4.1.2).
 
@@ -119,10 +97,8 @@ def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: fl
     A singleton group, or a group whose std (float64) is below ``std_tol``, gets exactly 0.
 
     Args:
-        rewards: ``[R]`` float, one reward per rollout.
-        group_index: ``[R]`` long, group of each rollout.
-        eps: added to the std.
-        std_tol: std below this counts as zero spread.
+        rewards: ``[R]`` float, one reward per rollout. group_index: ``[R]`` long, its group.
+        eps: added to the std. std_tol: a std below it counts as zero spread.
 
     Returns:
         ``[R]`` float64 advantages.
@@ -140,11 +116,8 @@ def grpo(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: fl
 def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> Tensor:
     """Dr. GRPO advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
 
-    ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards
-    too-easy/too-hard questions). A group whose std is below ``std_tol`` gets exactly 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    ``A_i = r_i - mean(r_group)``: GRPO without the std division (which biases towards too-easy/too-hard
+    questions). A group whose std is below ``std_tol`` gets exactly 0. Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -156,12 +129,8 @@ def dr_grpo(rewards: Tensor, group_index: Tensor, *, std_tol: float = 1e-6) -> T
 
 
 def _leave_one_out(x: Tensor, std_tol: float) -> tuple[Tensor, Tensor]:
-    """Per element ``i`` of 1-D float64 ``x``: mean and sample std of the other elements.
-
-    Computed explicitly (two-pass over the others, float64), so an exactly constant set of
-    others gives std exactly 0 -- never a cancellation residue. Std is 0 when fewer than two
-    others exist or when it is below ``std_tol``.
-    """
+    """Per element ``i`` of 1-D float64 ``x``: mean and sample std of the other elements
+    (two-pass, so constant others give std exactly 0; 0 below ``std_tol`` or with < 2 others)."""
     n = x.numel()
     others = ~torch.eye(n, dtype=torch.bool)  # [n, n], row i = everyone but i
     vals = x[None, :].expand(n, n)
@@ -178,9 +147,7 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
     """RLOO advantage (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740; Kool et al. 2019).
 
     ``A_i = r_i - mean_{j != i}(r_j)``, the leave-one-out baseline. A singleton group gets 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -195,18 +162,9 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
 def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol: float = 1e-6) -> Tensor:
     """Leave-one-out baseline with leave-one-out std normalisation.
 
-    ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the
-    others; where that std is zero (fewer than two others, or below ``std_tol`` in float64) the
-    advantage is **not** divided: ``A_i = r_i - mean_{j != i} r_j``.
-
-    Issue 4, case B14: group ``[0.35]*7 + [0.0]``: the others of the singleton are all 0.35, so
-    its std is 0 in exact arithmetic and its advantage is exactly ``-0.35`` (a one-pass fp32
-    variance leaves a ~1e-4 residue that would blow it up to ~-3500); each 0.35 gets
-    ``0.05 / 0.1323 = 0.378``. Control ``[1.0]*7 + [0.0]`` → singleton ``-1.0``. A singleton
-    group gets 0.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    ``A_i = (r_i - mean_{j != i} r_j) / (std_{j != i} r_j + eps)`` with the sample std of the others; where
+    that std is zero (fewer than two others, or below ``std_tol`` in float64) the advantage is **not** divided
+    (docs/architecture.md). A singleton group gets 0. Returns ``[R]`` float64 advantages.
     """
     r = rewards.to(_F64)
     out = torch.zeros_like(r)
@@ -223,28 +181,20 @@ def rloo_norm(rewards: Tensor, group_index: Tensor, *, eps: float = 0.0, std_tol
 def reinforce_baseline(rewards: Tensor, group_index: Tensor, *, eps: float = 1e-6, std_tol: float = 1e-6) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, the group-baseline variant).
 
-    ``A_i = r_i - mean(r_group)``, then divided by the batch std of those ``A`` over all
-    rollouts (population std, one value per rollout; the batch mean of ``A`` is 0 by
-    construction): ``A_i / (std_batch(A) + eps)``. A batch std below ``std_tol`` means no
-    division.
-
-    Returns:
-        ``[R]`` float64 advantages.
+    ``A_i = r_i - mean(r_group)``, then ``A_i / (std_batch(A) + eps)`` with the population std of
+    those ``A`` over all rollouts (whose mean is 0); a batch std below ``std_tol``: no division.
+    Returns ``[R]`` float64 advantages.
     """
     a = dr_grpo(rewards, group_index, std_tol=std_tol)
     s = _std(a, std_tol, unbiased=False)
     return a / (s + eps) if s > 0.0 else a
 
 
-# ----------------------------------------------------------------------------- token estimators
-
-
 def _rollout_order(rollout_index: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
     """Flatten each rollout's sampled tokens in order (segments by row, tokens by position).
 
-    Returns ``(flat_pos, roll, col, L)``: for every sampled token (in the order of
-    ``mask.nonzero()`` re-sorted stably by rollout), its flat index into ``[B*T]``, its
-    rollout, its position ``col`` within the rollout's token sequence, and the longest length.
+    Returns ``(flat_pos, roll, col, L)`` per sampled token, sorted stably by rollout: flat index
+    into ``[B*T]``, rollout, position within the rollout's token sequence; ``L`` the longest length.
     """
     B, T = mask.shape
     flat_pos = torch.nonzero(mask.flatten()).flatten()  # row-major: (b, t) order
@@ -297,10 +247,9 @@ def reinforce(rewards: Tensor, rollout_index: Tensor, mask: Tensor, *, gamma: fl
     """REINFORCE++ advantage (Hu et al. 2025, arXiv 2501.03262): whitened discounted return.
 
     Per-token reward ``rew_t = token_rewards_t + [t is the rollout's last sampled token] * r``;
-    return ``G_t = sum_{k >= t} gamma^(k-t) rew_k`` over the rollout's sampled tokens (across
-    its segments, in order); then whitened over every sampled token of the batch:
-    ``A_t = (G_t - mean(G)) / (std(G) + eps)`` (population std; a std below ``std_tol`` means
-    no division, only centring).
+    return ``G_t = sum_{k >= t} gamma^(k-t) rew_k`` over the rollout's sampled tokens in order;
+    whitened over the batch's sampled tokens, ``A_t = (G_t - mean(G)) / (std(G) + eps)``
+    (population std; below ``std_tol`` only centred).
 
     Args:
         rewards: ``[R]`` float. rollout_index: ``[B]`` long. mask: ``[B, T]`` bool.
@@ -326,10 +275,9 @@ def gae(rewards: Tensor, rollout_index: Tensor, mask: Tensor, values: Tensor, *,
         lam: float = 1.0, token_rewards: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv 1506.02438, eq. 16).
 
-    Over a rollout's sampled tokens in order (across segments): per-token reward ``rew_t`` as in
-    :func:`reinforce`, ``delta_t = rew_t + gamma * V_{t+1} - V_t`` with ``V`` after the last
-    token = 0, ``A_t = delta_t + gamma * lam * A_{t+1}``, and returns ``G_t = A_t + V_t`` (the
-    critic's regression target). Advantages are not whitened.
+    Over a rollout's sampled tokens in order, ``rew_t`` as in :func:`reinforce`: ``delta_t = rew_t
+    + gamma * V_{t+1} - V_t`` (``V`` = 0 after the last token), ``A_t = delta_t + gamma * lam *
+    A_{t+1}`` (not whitened), and returns ``G_t = A_t + V_t`` (the critic's regression target).
 
     Args:
         values: ``[B, T]`` float, the critic's value at each token (read on sampled tokens).
@@ -352,10 +300,9 @@ def gae(rewards: Tensor, rollout_index: Tensor, mask: Tensor, values: Tensor, *,
 
 
 def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coef: float = 1.0) -> Tensor:
-    """On-policy distillation advantage: ``A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))``.
-
-    The per-token reverse-KL signal on the student's own samples (Agarwal et al. 2024, GKD,
-    arXiv 2306.13649; Thinking Machines 2025 "On-Policy Distillation"); no baseline.
+    """On-policy distillation advantage: ``A_t = -coef * (log pi_student(y_t) - log pi_teacher(y_t))``,
+    the per-token reverse-KL signal on the student's own samples, no baseline (Agarwal et al. 2024,
+    GKD, arXiv 2306.13649; Thinking Machines 2025 "On-Policy Distillation").
 
     Args:
         student_logprobs, teacher_logprobs: ``[B, T]`` float, logprob of the sampled token.
@@ -366,8 +313,6 @@ def on_policy_distill(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: 
     a = -coef * (student_logprobs.detach().to(_F64) - teacher_logprobs.detach().to(_F64))
     return torch.where(mask, a, 0.0).to(torch.float32)
 
-
-# ----------------------------------------------------------------------------- dispatch
 
 #: The tensors an estimator may name (``[B, T]`` float, or None when the step has none), and
 #: the numbers (``gamma``, ``lam`` floats in [0, 1]; ``eps``, ``std_tol`` floats >= 0; ``coef``
@@ -412,11 +357,8 @@ def estimate_advantages(
     name: str = "?",
 ) -> tuple[Tensor, Tensor | None]:
     """Advantages of every sampled token from a registered ``estimator`` (calling convention:
-    :func:`molt_core.hookspecs.molt_register_estimators`).
-
-    The estimator receives, by keyword, only the arguments its signature names. A tensor it
-    requires (no default) must be given; a given ``token_rewards`` must be taken (it would be
-    silently ignored otherwise).
+    :func:`molt_core.hookspecs.molt_register_estimators`), which receives by keyword only the
+    arguments its signature names: a tensor it requires must be given, a given ``token_rewards`` taken.
 
     Args:
         estimator: the registered function. rewards: ``[R]`` float32, one per rollout.
@@ -428,9 +370,9 @@ def estimate_advantages(
         name: the estimator's registered name, for errors.
 
     Returns:
-        ``(advantages [B, T] float32, returns [B, T] float32 or None)``, 0 where ``mask`` is
-        False: an ``[R]`` result is broadcast to each rollout's sampled tokens; a ``[B, T]``
-        one is used as is; a pair is ``(advantages, returns)`` (returns train a critic).
+        ``(advantages [B, T] float32, returns [B, T] float32 or None)``, 0 where ``mask`` is False:
+        an ``[R]`` result is broadcast to each rollout's sampled tokens, a ``[B, T]`` one used as is,
+        a pair is ``(advantages, returns)`` (returns train a critic).
 
     Raises:
         ValueError: malformed shapes/dtypes/indices (naming the argument), a missing input the

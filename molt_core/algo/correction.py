@@ -1,55 +1,8 @@
-"""Policy-version semantics: the single enforcement site (sequence gate + importance correction).
-
-Every sampled token carries the behaviour logprob and the policy version it was sampled under
-(a request may span several versions when a weight sync lands mid-generation). Before the
-loss, :func:`staleness_gate` (once per step) and :func:`correct` do two things, and nothing else in the project does them:
-
-(a) **Sequence gate.** A *sequence* is a whole rollout, all its segments (a rollout whose
-    context was rewritten has several rows; ``seq_index`` maps rows to rollouts).
-    ``staleness[s] = current_version - min(version of s's sampled tokens)`` -- the *oldest*
-    token decides (issue 4, B10: tokens at v7 and v8 trained at v9 have staleness 2, not 1).
-    A sequence with ``staleness > max_staleness`` is dropped in full, every row (``keep``
-    False, weights 0), and counted in ``correction/gate_dropped`` / ``correction/gated_frac``;
-    nothing is dropped silently. ``invariants/staleness_max`` is measured over *every* sampled
-    token that reached the trainer, before the gate, so a violation of the bound shows.
-
-(b) **Importance correction** of behaviour → proximal (the trainer's logprobs at the current
-    version before the update), ``rho = pi_prox / pi_behaviour``, at level
-
-    * ``off``   -- weight 1 on every kept sampled token;
-    * ``token`` -- per-token ``rho_t``;
-    * ``seq``   -- the sequence product ``prod_t rho_t`` over every sampled token of the
-      rollout (all its segments), on every token of the rollout;
-    * ``geo``   -- the geometric mean ``exp(mean_t log rho_t)`` over the same tokens;
-
-    and mode, with band ``[low, high]``:
-
-    * ``trunc`` -- ``min(rho, high)`` (one-sided; ``low`` unused);
-    * ``clip``  -- ``clamp(rho, low, high)``;
-    * ``mask``  -- ``rho`` inside the band, 0 outside (the token, or the whole rollout for
-      seq/geo, is rejected).
-
-    **Out of support.** A sampled token that the trainer's recomputed top-k / top-p filter
-    removes has proximal logprob ``-inf`` (a stale token after a weight change, or bf16/fp32
-    drift at the k-th boundary): its ratio is 0. It never raises: under ``mask`` it is
-    rejected -- out of ``loss_mask`` and of the loss's token count -- at every level, ``off``
-    included (for seq/geo its whole rollout, since the product is 0); under ``trunc`` /
-    ``clip`` its own weight is 0 and it stays in ``loss_mask`` (for seq/geo the rest of its
-    rollout gets ``min(0, high) = 0`` under trunc, ``low`` under clip; with ``off`` only the
-    token). It stays out of the gradient in every mode (``Correction.out_of_support``) and
-    is counted in ``correction/out_of_support_frac``.
-
-    Named methods: token-level truncated IS, **TIS** = ``token`` + ``trunc`` (F. Yao et al.
-    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
-    https://fengyao.notion.site/off-policy-rl); **IcePop** = ``token`` + ``mask`` (Ling Team,
-    inclusionAI, 2025, introduced with the Ring-1T model: tokens whose train/infer probability
-    ratio leaves ``[alpha, beta]`` are excluded from the gradient); sequence-level masked IS,
-    **Seq-MIS** = ``seq`` + ``mask`` ("When Speed Kills Stability: Demystifying RL Collapse from
-    the Training-Inference Mismatch", Yingru Li and co-authors, 2025 blog,
-    https://yingru.notion.site); ``geo`` + ``mask`` is its length-normalised (geometric-mean) form.
-
-Shapes: ``B`` rows (segments) of ``T`` tokens; ``mask[b, t]`` True on sampled tokens;
-``seq_index[b]`` the rollout of row ``b``.
+"""Policy-version semantics, the single enforcement site: :func:`staleness_gate` (once per step)
+drops a whole rollout whose oldest sampled token is too stale, and :func:`correct` weights each
+kept token by the behaviour -> proximal importance ratio ``rho = pi_prox / pi_behaviour``. Shapes: ``B``
+rows (segments) of ``T`` tokens, ``mask[b, t]`` True on sampled tokens, ``seq_index[b]`` the rollout of
+row ``b``. Semantics and sources: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -69,28 +22,22 @@ class Correction:
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the staleness gate.
-        weights: ``[B, T]`` float32, detached importance weights; 0 on tokens that are not
-            sampled, on dropped rows, on out-of-support tokens and on tokens rejected by
-            ``is_mode = "mask"``.
+        weights: ``[B, T]`` float32, detached importance weights; 0 on tokens not sampled, on
+            dropped rows, out of support or rejected by ``is_mode = "mask"``.
         staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
             row's rollout (0 for a rollout without sampled tokens).
-        metrics: ``invariants/staleness_max`` (over every sampled token, before the gate),
-            ``correction/staleness_max_kept`` (over the rows the gate kept),
-            ``correction/staleness_hist/<k>`` (row counts, all rows with sampled tokens),
-            ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
-            ``correction/gated_frac`` (dropped sampled tokens / all sampled tokens),
-            ``correction/out_of_support_frac`` (sampled tokens with proximal logprob -inf / all
-            sampled tokens), ``correction/tokens`` (sampled tokens of kept rows),
-            ``correction/masked_frac`` and ``correction/clipped_frac`` (fractions of those
-            tokens), ``correction/is_weight_mean``, ``_min``, ``_max`` (over ``loss_mask``
-            tokens), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox - log
-            pi_behaviour|`` over kept in-support tokens, before the band).
-        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens`` denominator):
-            sampled, kept by the gate, not rejected by mask mode (which rejects an
-            out-of-support token at every level). Under trunc/clip an out-of-support token
-            stays here with weight 0.
+        metrics: ``invariants/staleness_max`` (every sampled token, before the gate),
+            ``correction/staleness_max_kept`` (kept rows), ``correction/staleness_hist/<k>`` (row
+            counts), ``correction/gate_dropped`` (rows), ``correction/gate_dropped_tokens``,
+            ``correction/gated_frac`` and ``correction/out_of_support_frac`` (of all sampled
+            tokens), ``correction/tokens`` (sampled tokens of kept rows), ``correction/masked_frac``
+            and ``correction/clipped_frac`` (of those), ``correction/is_weight_mean`` / ``_min`` /
+            ``_max`` (over ``loss_mask``), ``correction/log_ratio_abs_mean`` (mean ``|log pi_prox -
+            log pi_behaviour|`` over kept in-support tokens, before the band).
+        loss_mask: ``[B, T]`` bool, tokens the loss counts (its ``num_tokens``): sampled, kept by the
+            gate, not rejected by mask mode (under trunc/clip an out-of-support token, weight 0).
         out_of_support: ``[B, T]`` bool, sampled tokens whose proximal logprob is -inf; the
-            caller keeps them out of the gradient (their logprob has no finite value).
+            caller keeps them out of the gradient.
     """
 
     keep: Tensor
@@ -163,8 +110,7 @@ class Gate:
 
     Attributes:
         keep: ``[B]`` bool, rows whose rollout passed the gate.
-        staleness: ``[B]`` long, ``current_version - oldest sampled-token version`` of the
-            row's rollout (0 for a rollout without sampled tokens).
+        staleness: ``[B]`` long, as :attr:`Correction.staleness`.
         seq: ``[B]`` long, row -> sequence (rollout). n_seq: number of sequences.
         metrics: the gate's metrics (see :class:`Correction`); empty for a :meth:`rows` slice.
     """
@@ -182,20 +128,16 @@ class Gate:
 
 def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_staleness: int,
                    seq_index: Tensor | None = None) -> Gate:
-    """The sequence gate (module docstring, (a)): a rollout whose oldest sampled token is more
-    than ``max_staleness`` versions behind ``current_version`` is dropped, every row.
+    """The sequence gate: a rollout whose oldest sampled token is more than ``max_staleness`` versions behind
+    ``current_version`` is dropped, every row, and counted in the metrics. Returns a :class:`Gate`.
 
     Args:
         versions: ``[B, T]`` long, policy version that sampled each token, -1 where not sampled.
         mask: ``[B, T]`` bool, sampled tokens.
         current_version: the trainer's policy version (latest published).
-        max_staleness: largest accepted staleness (``async.max_staleness``, validated >= 0 by
-            the config).
-        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``): the gate
-            acts on the whole rollout. None: every row is its own sequence.
-
-    Returns:
-        :class:`Gate`.
+        max_staleness: largest accepted staleness (``async.max_staleness``, >= 0).
+        seq_index: optional ``[B]`` long, row -> rollout (``Batch.rollout_index``); None: every row
+            is its own sequence.
 
     Raises:
         ValueError: shape/dtype mismatch; a sampled token with version -1 or newer than
@@ -232,25 +174,28 @@ def staleness_gate(versions: Tensor, mask: Tensor, current_version: int, max_sta
 
 def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *,
             is_level: str = "token", is_mode: str = "trunc", low: float = 0.0, high: float = 2.0) -> Correction:
-    """Behaviour→proximal importance correction behind the step's ``gate`` (module docstring, (b)).
+    """Behaviour -> proximal importance correction behind the step's ``gate``.
+    Returns a :class:`Correction` (metrics: the gate's, then the weights').
+
+    Level: ``off`` (weight 1), ``token`` (``rho_t``), ``seq`` (``prod_t rho_t`` over the rollout's
+    sampled tokens, on all of them), ``geo`` (``exp(mean_t log rho_t)``). Mode, band ``[low, high]``:
+    ``trunc`` (``min(rho, high)``), ``clip`` (``clamp(rho, low, high)``), ``mask`` (0 and out of
+    ``loss_mask`` outside the band). TIS = token + trunc (Yao et al. 2025); IcePop = token + mask
+    (Ling Team 2025); Seq-MIS = seq + mask (Li et al. 2025); references in docs/architecture.md.
+    A token out of the recomputed support (proximal ``-inf``) has ratio 0 and never raises.
 
     Args:
         gate: the step's :func:`staleness_gate` (or its :meth:`Gate.rows` for a micro-batch).
         behaviour_logprobs: ``[B, T]`` float, logprob each token was sampled with (engine).
-        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at the current version (before
-            the update), ``-inf`` on a token outside the recomputed top-k/top-p support;
-            detached here.
+        proximal_logprobs: ``[B, T]`` float, trainer's logprobs at the current version before the
+            update (``-inf`` outside the recomputed top-k/top-p support); detached here.
         mask: ``[B, T]`` bool, sampled tokens.
         is_level: ``off`` | ``token`` | ``seq`` | ``geo``. is_mode: ``mask`` | ``clip`` | ``trunc``.
         low, high: the band (floats; ``low <= 1 <= high``).
 
-    Returns:
-        :class:`Correction` (its metrics: the gate's, then the weights').
-
     Raises:
-        ValueError: shape mismatch; a non-finite behaviour logprob, or a NaN/+inf proximal
-            logprob, on a sampled token; a band that rejects weight 1 (``high < 1``, or
-            ``low`` outside ``[0, 1]`` for clip/mask); an unknown level or mode.
+        ValueError: shape mismatch; a non-finite behaviour or NaN/+inf proximal logprob on a
+            sampled token; a band that rejects weight 1; an unknown level or mode.
     """
     _check_mask(mask, behaviour_logprobs=behaviour_logprobs, proximal_logprobs=proximal_logprobs)
     _check_weights(is_level, is_mode, low, high, behaviour_logprobs, proximal_logprobs, mask)
@@ -300,7 +245,7 @@ def correct(gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor, m
     loss_mask = live & ~rejected
     weights = torch.where(loss_mask & ~oos, w, 0.0).to(torch.float32)
 
-    # metrics: the gate's first, its staleness histogram last (as ever)
+    # metrics: the gate's first, its staleness histogram last
     n_all = int(mask.sum())
     n_live = int(live.sum())
     aw = weights[loss_mask].double()

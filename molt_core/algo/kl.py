@@ -1,33 +1,8 @@
 """KL-to-reference estimators (k1, k2, k3) and the adaptive KL coefficient controller.
 
-The estimators approximate ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (J. Schulman,
-"Approximating KL Divergence", 2020, http://joschu.net/blog/kl-approx.html). With
-``log r = ref_logprobs - logprobs`` (log of ``pi_ref / pi`` at the sampled token):
-
-* ``k1 = -log r``                -- unbiased, high variance, can be negative;
-* ``k2 = (log r)^2 / 2``         -- biased, low variance, >= 0;
-* ``k3 = (r - 1) - log r``       -- unbiased, low variance, >= 0.
-
-**Bounded log ratio.** ``exp`` of a log ratio overflows (float32: above 88.7 nats; a single
-token at +100 nats made k3, its loss and its gradient ``inf``, poisoning the whole step, also
-through ``kl_as_reward``). k3 therefore evaluates the exponential only up to
-``log r = LOG_RATIO_BOUND`` (20 nats, the bound verl uses for its ``low_var_kl``) and continues
-it beyond by its tangent there: ``exp(x) ~ e^B (1 + x - B)`` for ``x > B``. Exact for
-``log r <= 20`` (a ratio of 4.85e8 -- far outside any KL a run should reach); above, k3 is
-biased low (the tangent lies below the convex exponential) and its gradient is capped at
-``e^20 - 1 = 4.85e8`` per token with the right sign (towards the reference). The tangent is
-linear, so it still overflows float32 far out (``log r`` ~ 7e29), and k2's square overflows at
-``|log r|`` ~ 2.6e19: every estimator therefore first clamps ``log r`` to ``[-LOG_RATIO_MAX,
-LOG_RATIO_MAX]`` (1e4 nats; no pair of finite model logprobs is that far apart in practice --
-a float32 log-softmax spans less than ~200 nats -- and beyond it the estimate is constant, its
-gradient 0). With both bounds every estimator is finite for every pair of finite inputs:
-at most ``k3(1e4) = e^20 (1 + 1e4 - 20) - 1e4 = 4.84e12``, ``k2 = 5e7``, ``|k1| = 1e4``.
-A single token far off the reference still dominates (k3 of +100 nats is 3.9e10): the bound
-keeps the step finite, not balanced. Low-precision inputs (float16/bfloat16) are computed and
-returned in float32, where ``e^20`` is finite.
-
-Use as a per-token reward penalty (``token_rewards = -kl_coef * kl_estimate(...)``, detached)
-or as a loss term (:func:`kl_loss`, aggregated like the policy loss over the global token count).
+With ``log r = ref_logprobs - logprobs`` at the sampled token (J. Schulman, "Approximating KL Divergence",
+2020, http://joschu.net/blog/kl-approx.html): ``k1 = -log r`` (unbiased, any sign), ``k2 = (log r)^2 / 2``
+(biased, >= 0), ``k3 = (r - 1) - log r`` (unbiased, >= 0); for a reward penalty or a loss term (:func:`kl_loss`).
 """
 
 from __future__ import annotations
@@ -41,7 +16,7 @@ from molt_core.algo.losses import LOG_RATIO_BOUND, aggregate_tokens
 
 __all__ = ["kl_estimate", "kl_loss", "AdaptiveKLController", "LOG_RATIO_BOUND", "LOG_RATIO_MAX"]
 
-#: Every estimator clamps ``log r`` to ``[-LOG_RATIO_MAX, LOG_RATIO_MAX]`` nats first (module docstring).
+#: Every estimator clamps ``log r`` to ``[-LOG_RATIO_MAX, LOG_RATIO_MAX]`` nats first.
 LOG_RATIO_MAX = 1e4
 
 
@@ -51,13 +26,12 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
     Args:
         logprobs: ``[B, T]`` float, current-policy logprob (natural log) of each sampled token.
         ref_logprobs: ``[B, T]`` float, reference-policy logprob of the same tokens.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see module docstring).
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (module docstring).
 
     Returns:
-        ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16 inputs);
-        differentiable through both inputs; finite wherever both inputs are finite (``log r``
-        clamped to +-``LOG_RATIO_MAX`` first; k3 beyond ``log r > LOG_RATIO_BOUND`` is the
-        tangent continuation, see the module docstring).
+        ``[B, T]`` in nats, the inputs' dtype (float32 for float16/bfloat16), differentiable, and
+        finite for finite inputs: ``log r`` is clamped to +-``LOG_RATIO_MAX``, and k3 continues by its
+        tangent above ``LOG_RATIO_BOUND`` (20 nats, verl's ``low_var_kl`` bound; at most 4.84e12).
 
     Raises:
         ValueError: unknown estimator or mismatched shapes.
@@ -82,15 +56,12 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -
 
 
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: int, estimator: str = "k3") -> Tensor:
-    """KL loss term: ``sum_{mask} kl_estimate(...) / num_tokens`` (global token mean, like
-    :func:`molt_core.algo.losses.apply_policy_loss`). Multiply by ``kl_coef`` before adding.
+    """KL loss term, a scalar tensor: ``sum_{mask} kl_estimate(...) / num_tokens`` (global token mean,
+    like :func:`molt_core.algo.losses.apply_policy_loss`). Multiply by ``kl_coef`` before adding.
 
     Args:
         logprobs: ``[B, T]`` (requires grad). ref_logprobs: ``[B, T]`` (detached here).
         mask: ``[B, T]`` bool. num_tokens: global action-token count of the optimizer step.
-
-    Returns:
-        Scalar tensor.
 
     Raises:
         ValueError: as :func:`kl_estimate` and :func:`molt_core.algo.losses.aggregate_tokens`.
@@ -101,13 +72,11 @@ def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, num_tokens: in
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, arXiv 1909.08593).
 
-    ``e = clip(KL / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e * n_steps / horizon)``:
-    the coefficient grows when the measured KL is above ``target`` and shrinks below it, by at
-    most 20 % per ``horizon`` steps.
+    ``e = clip(KL / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e * n_steps / horizon)``: at
+    most 20 % per ``horizon`` steps, up when the KL is above ``target``, down below it.
 
     Args:
-        init_coef: starting coefficient (>= 0).
-        target: KL target in nats (> 0).
+        init_coef: starting coefficient (>= 0). target: KL target in nats (> 0).
         horizon: steps over which a full proportional correction applies (> 0).
 
     Raises:
@@ -128,9 +97,8 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int = 1) -> float:
         """Update from the KL measured over the last ``n_steps`` steps; returns the new coefficient.
 
-        A KL of ``+inf`` counts as far above target (error clipped to +0.2, as any large KL);
-        a NaN KL carries no information and leaves the coefficient unchanged (it would
-        otherwise make it NaN for the rest of the run).
+        A KL of ``+inf`` counts as far above target (error clipped to +0.2); a NaN KL leaves the
+        coefficient unchanged.
         """
         kl = float(current_kl)
         if math.isnan(kl):

@@ -1,16 +1,8 @@
 """Policy-gradient losses (PPO clip with dual clip, GSPO, CISPO) with global-token aggregation.
 
-All losses are per-token terms ``l[b, t]`` on sampled tokens, multiplied by the detached
-importance weight ``is_weights[b, t]`` from :mod:`molt_core.algo.correction`, and aggregated as
-
-    loss = sum_{b, t in mask} l[b, t] * w[b, t] / num_tokens
-
-where ``num_tokens`` is the number of action tokens in the **whole optimizer step** (all
-micro-batches, later all data-parallel ranks). Summing the micro-batch losses (gradient
-accumulation) then gives each token the gradient weight ``1 / num_tokens`` however the batch is
-cut (issue 4, case B15). The importance ratio is taken against the *proximal* policy -- the
-trainer's own logprobs at the current version before the update (decoupled PPO, Hilton et al.
-2021, arXiv 2110.00641) -- while behaviour→proximal off-policyness is handled by ``is_weights``.
+Per-token terms ``l[b, t]`` times the detached importance weight ``w[b, t]`` (:mod:`molt_core.algo.correction`)
+are aggregated as ``sum_{mask} l * w / num_tokens``, ``num_tokens`` the action tokens of the whole optimizer
+step; the ratio is against the proximal policy (decoupled PPO, Hilton et al. 2021, arXiv 2110.00641).
 """
 
 from __future__ import annotations
@@ -22,10 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo``
-#: (policy-loss importance ratios here, k3 in :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8``
-#: is finite in float32 and bfloat16, and a ratio that large is far outside any clip band or
-#: trust region. The value follows verl's clamp of the KL log ratio to [-20, 20].
+#: Bound (nats) on every log ratio before it is exponentiated in ``molt_core.algo`` (here and k3 in
+#: :mod:`molt_core.algo.kl`): ``exp(20) = 4.85e8`` is finite in float32/bfloat16; verl clamps to [-20, 20].
 LOG_RATIO_BOUND = 20.0
 
 __all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "apply_policy_loss", "loss_params", "aggregate_tokens", "ppo_token_loss", "gspo_token_loss", "cispo_token_loss"]
@@ -33,15 +23,12 @@ __all__ = ["LOG_RATIO_BOUND", "bounded_ratio", "apply_policy_loss", "loss_params
 
 def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor:
     """``sum(per_token[mask]) / num_tokens`` -- the global-token-mean aggregation.
+    Returns a scalar tensor (differentiable through ``per_token``).
 
     Args:
         per_token: ``[B, T]`` float per-token loss.
         mask: ``[B, T]`` bool, tokens that count.
-        num_tokens: global count of action tokens in the optimizer step (>= 1, and at least
-            ``mask.sum()``).
-
-    Returns:
-        Scalar tensor (differentiable through ``per_token``).
+        num_tokens: global count of action tokens in the optimizer step (>= ``mask.sum()``, >= 1).
 
     Raises:
         ValueError: ``num_tokens`` < 1 or smaller than this micro-batch's own token count.
@@ -57,14 +44,10 @@ def aggregate_tokens(per_token: Tensor, mask: Tensor, num_tokens: int) -> Tensor
 
 
 def bounded_ratio(log_ratio: Tensor) -> Tensor:
-    """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))`` -- an importance ratio that
-    is always finite.
+    """``exp(clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))``: an always finite importance ratio.
 
-    Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound
-    (``e^{+-20}``) and, being clamped, no gradient through the ratio. Without the bound one token
-    at +100 nats gives ``ratio = inf`` (float32 overflows above 88.7): an ``inf`` loss for a
-    negative advantage, and ``0 * inf = NaN`` gradients through the clipped branch of PPO for a
-    positive one -- either way the whole step is poisoned.
+    Bias: a token whose ``|log_ratio|`` exceeds 20 nats gets the ratio at the bound and no
+    gradient through it; unbounded, one such token makes the loss ``inf`` or its gradient NaN.
 
     Args:
         log_ratio: any-shape float tensor (nats), e.g. ``logprobs - proximal_logprobs``.
@@ -79,16 +62,14 @@ def ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Tens
                    clip_high: float, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347, eq. 7).
 
-    ``r = exp(logprobs - proximal_logprobs)`` (log ratio bounded to +-20 nats, :func:`bounded_ratio`),
-    ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (asymmetric band, "clip-higher"
-    of DAPO, arXiv 2503.14476). Dual clip (Ye et al. 2020, arXiv 1912.09729): for
-    ``A < 0`` the loss is capped at ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio on
-    a negative-advantage token cannot blow up the update.
+    ``r = exp(logprobs - proximal_logprobs)`` (:func:`bounded_ratio`), ``l = -min(r A, clip(r,
+    1 - clip_low, 1 + clip_high) A)`` (asymmetric band: DAPO's "clip-higher", arXiv 2503.14476).
+    Dual clip (Ye et al. 2020, arXiv 1912.09729): for ``A < 0`` the loss is capped at
+    ``-dual_clip * A`` (``dual_clip > 1``), so a huge ratio cannot blow up the update.
 
     Returns:
-        ``(l [B, T], flags)`` where ``flags`` holds bool ``[B, T]`` tensors ``clipped_low``,
-        ``clipped_high`` (the clipped branch is active: zero gradient) and ``dual_clipped``,
-        plus the ``ratio``.
+        ``(l [B, T], flags)``: bool ``[B, T]`` ``clipped_low``, ``clipped_high`` (the clipped branch
+        is active: zero gradient), ``dual_clipped``, and the ``ratio``.
     """
     ratio = bounded_ratio(logprobs - proximal_logprobs)
     surr1 = ratio * advantages
@@ -120,17 +101,12 @@ def gspo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Ten
                     clip_low: float, clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO per token (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071).
 
-    Sequence ratio = geometric mean of token ratios over the row's sampled tokens,
-    ``s_b = exp(mean_t (logprobs - proximal_logprobs))``. The GSPO-token form (§4.3) is used so
-    per-token advantages are allowed: ``s_bt = sg[s_b] * pi(y_t) / sg[pi(y_t)]`` (value
-    ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A, clip(s_bt, 1 - clip_low,
-    1 + clip_high) A)``. Each row (segment) is one sequence. ``log s_b`` is bounded to +-20 nats
-    before the exponential (see :func:`bounded_ratio`). Note: aggregation here is the
-    global token mean of the module docstring, so longer sequences weigh more than in the
-    paper's per-sequence mean.
-
-    Returns:
-        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
+    Sequence ratio ``s_b = exp(mean_t (logprobs - proximal_logprobs))`` over the row's sampled
+    tokens, in the GSPO-token form (§4.3) so per-token advantages are allowed: ``s_bt = sg[s_b] *
+    pi(y_t) / sg[pi(y_t)]`` (value ``s_b``, gradient ``s_b * grad log pi(y_t)``), ``l = -min(s_bt A,
+    clip(s_bt, 1 - clip_low, 1 + clip_high) A)``. Each row is one sequence; ``log s_b`` is bounded
+    (:func:`bounded_ratio`). The global token mean weighs longer sequences more than the paper's.
+    Returns ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``ratio`` is ``s_b`` per token).
     """
     log_r = logprobs - proximal_logprobs
     log_s = _seq_mean(log_r.detach(), mask)[:, None].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B, 1]
@@ -151,13 +127,9 @@ def cispo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor, advantages: Te
                      clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO per token (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585).
 
-    ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` with
-    ``r = exp(logprobs - proximal_logprobs)`` (bounded, :func:`bounded_ratio`): the weight is clipped and
-    stop-gradiented, so every token keeps a gradient ``-clip(r) A grad log pi`` (no token is
-    dropped, unlike PPO's clip).
-
-    Returns:
-        ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
+    ``l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logprobs`` (``r`` by :func:`bounded_ratio`):
+    the weight is clipped and stop-gradiented, so every token keeps a gradient (unlike PPO's clip).
+    Returns ``(l [B, T], flags)`` like :func:`ppo_token_loss` (``clipped_*`` = weight was clipped).
     """
     r = bounded_ratio(logprobs.detach() - proximal_logprobs)
     w = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
@@ -209,22 +181,18 @@ def apply_policy_loss(
     Args:
         loss_fn: the registered function; receives, by keyword, only what its signature names.
         logprobs: ``[B, T]`` float, current-policy logprob of each sampled token (requires grad).
-        proximal_logprobs: ``[B, T]`` float, logprob at the current version before the update
-            (treated as a constant: detached here).
-        advantages: ``[B, T]`` float (treated as a constant).
+        proximal_logprobs, advantages: ``[B, T]`` float, the logprob at the current version before
+            the update and the advantage (constants: detached here).
         mask: ``[B, T]`` bool, tokens that count (sampled, kept by the gate).
         is_weights: ``[B, T]`` float, detached importance weights from correction (1 = none).
         num_tokens: global action-token count of the optimizer step (see module docstring).
-        clip_low, clip_high: the clip band ``[1 - clip_low, 1 + clip_high]`` (floats >= 0).
-        dual_clip: the dual-clip cap (> 1) or None.
+        clip_low, clip_high: the band ``[1 - clip_low, 1 + clip_high]``. dual_clip: cap (> 1) or None.
 
     Returns:
-        ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``;
-        metrics over this micro-batch's masked tokens: ``loss/pg`` (the loss value),
-        ``loss/tokens``, ``loss/clip_frac`` (= ``clip_frac_low + clip_frac_high``),
-        ``loss/clip_frac_low``, ``loss/clip_frac_high``, ``loss/dual_clip_frac``,
-        ``loss/ratio_mean``, ``loss/ratio_min``, ``loss/ratio_max``, ``loss/approx_kl``
-        (k3 of proximal vs current, Schulman 2020, log ratio bounded to +-20 nats).
+        ``(loss, metrics)``: scalar loss = ``sum(l * is_weights over mask) / num_tokens``; metrics
+        over this micro-batch's masked tokens: ``loss/pg`` (the loss), ``loss/tokens``,
+        ``loss/clip_frac`` (low + high), ``loss/clip_frac_low`` / ``_high``, ``loss/dual_clip_frac``,
+        ``loss/ratio_mean`` / ``_min`` / ``_max``, ``loss/approx_kl`` (k3 of proximal vs current).
 
     Raises:
         ValueError: ``dual_clip <= 1``, mismatched shapes, bad ``num_tokens``.

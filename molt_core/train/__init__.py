@@ -1,18 +1,7 @@
-"""The trainer, split by job.
-
-* :mod:`molt_core.train.ingress` -- finished rollouts -> a padded :class:`Batch` (checks).
-* :mod:`molt_core.train.trainer` -- :class:`Trainer`: orchestrates a step (recompute,
-  correction, advantages, the update), weight export.
-* :mod:`molt_core.train.forward` -- logprob forwards (:func:`token_logprobs`);
-  :mod:`molt_core.train.update` -- LR schedule (:func:`lr_factor`), policy loss over
-  micro-batches, optimizer steps; :mod:`molt_core.train.critic` -- the GAE critic
-  (:class:`ValueModel`); :mod:`molt_core.train.metrics` -- the metrics of a step. MoE routing
-  replay (R3) is a routing tool's (``molt_register_routing_tools``; molt-sdk's: :mod:`molt_plugins.moe`).
-* :mod:`molt_core.train.checkpoint` -- atomic, Hugging Face-loadable checkpoints
-  (:mod:`molt_core.train.model_files`: one module's weight files).
-* :mod:`molt_core.train.features` -- optional features from plugins: the adapter of
-  ``[trainer.lora]`` (:mod:`molt_plugins.lora`), the sharded backend of ``trainer.world_size > 1``
-  (:mod:`molt_plugins.distributed`: FSDP2 ranks and their ``dcp/`` checkpoints).
+"""The trainer, split by job: ``ingress`` (rollouts -> :class:`Batch`), ``trainer`` (:class:`Trainer`,
+a step and weight export), ``forward`` (logprob forwards), ``update`` (LR schedule, loss, optimizer),
+``critic`` (GAE), ``metrics``, ``checkpoint`` / ``model_files`` (atomic Hugging Face-loadable
+checkpoints) and ``features`` (the plugin-provided adapter and sharded backend).
 """
 
 from molt_core.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints

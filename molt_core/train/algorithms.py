@@ -22,15 +22,13 @@ __all__ = ["Algorithms", "resolve_algorithms", "compute_advantages", "policy_los
 
 @dataclass(frozen=True)
 class Algorithms:
-    """The estimator (``algo.advantage``) and loss (``algo.loss``) a run uses, and what the
-    estimator's signature asks of the trainer.
+    """The estimator and loss a run uses, and what the estimator's signature asks of the trainer.
 
     Attributes:
         advantage, loss: the registered names. estimator, loss_fn: the registered functions.
         needs_critic: the estimator names ``values`` (a GAE-style critic is built).
         needs_teacher: it names ``teacher_logprobs`` (teacher logprobs at ingress).
-        needs_proximal: it names ``student_logprobs`` (the proximal logprobs, before the loss:
-            no fused recompute).
+        needs_proximal: it names ``student_logprobs`` (proximal logprobs before the loss: no fusing).
         group_baseline: it names ``group_index``. token_rewards: it names ``token_rewards``.
     """
 
@@ -50,14 +48,12 @@ def resolve_algorithms(cfg: RunConfig, host: PluginHost | None = None) -> Algori
     validation) and check the options the estimator's signature depends on.
 
     Args:
-        cfg: the run config. host: the plugin host; None builds one from ``cfg.plugins``
-            (entry points too), as every Ray worker does.
+        cfg: the run config. host: the plugin host; None builds one from ``cfg.plugins`` and entry points.
 
     Raises:
-        ConfigError: an unregistered name (listing the registered ones); a registered function
-            whose signature the dispatcher cannot fill; ``algo.kl_as_reward`` with an
-            estimator that takes no ``token_rewards``; a group baseline with
-            ``rollout.n_samples_per_prompt < 2``.
+        ConfigError: an unregistered name (listing the registered ones); a function whose signature
+            the dispatcher cannot fill; ``algo.kl_as_reward`` with an estimator that takes no
+            ``token_rewards``; a group baseline with ``rollout.n_samples_per_prompt < 2``.
     """
     host = load_plugins(cfg.plugins) if host is None else host
     a = cfg.algo
@@ -99,16 +95,13 @@ def compute_advantages(cfg: AlgoSection, rewards: Tensor, group_index: Tensor, r
                        student_logprobs: Tensor | None = None, teacher_logprobs: Tensor | None = None,
                        estimator: Callable[..., Any] | None = None) -> tuple[Tensor, Tensor | None]:
     """Advantages from the estimator ``cfg.advantage`` with the numbers of ``[algo]``.
+    Returns ``(advantages [B, T] float32, returns [B, T] float32 or None)``.
 
     Args:
         cfg: ``[algo]`` (``advantage``, ``gamma``, ``lam``, ``adv_eps``, ``std_tol``, ``distill_coef``).
         rewards, group_index, rollout_index, mask, values, token_rewards, student_logprobs,
             teacher_logprobs: see :func:`molt_core.algo.advantages.estimate_advantages`.
-        estimator: the registered function (:attr:`Algorithms.estimator`); None: the built-in
-            of that name.
-
-    Returns:
-        ``(advantages [B, T] float32, returns [B, T] float32 or None)``.
+        estimator: the registered function (:attr:`Algorithms.estimator`); None: the built-in.
 
     Raises:
         ValueError: as :func:`~molt_core.algo.advantages.estimate_advantages`; an unknown name.
@@ -124,15 +117,13 @@ def policy_loss(cfg: AlgoSection, logprobs: Tensor, proximal_logprobs: Tensor, a
                 is_weights: Tensor, num_tokens: int, loss_fn: Callable[..., Any] | None = None
                 ) -> tuple[Tensor, dict[str, float]]:
     """Policy loss ``cfg.loss`` of one micro-batch with the clip band of ``[algo]``.
+    Returns ``(scalar loss, metrics)`` as :func:`~molt_core.algo.losses.apply_policy_loss`.
 
     Args:
         cfg: ``[algo]`` (``loss``, ``clip_low``, ``clip_high``, ``dual_clip``).
         logprobs, proximal_logprobs, advantages, mask, is_weights, num_tokens: see
             :func:`molt_core.algo.losses.apply_policy_loss` (``[B, T]``; an int).
         loss_fn: the registered function (:attr:`Algorithms.loss_fn`); None: the built-in.
-
-    Returns:
-        ``(scalar loss, metrics)`` as :func:`~molt_core.algo.losses.apply_policy_loss`.
 
     Raises:
         ValueError: as :func:`~molt_core.algo.losses.apply_policy_loss`; an unknown name.
@@ -145,15 +136,13 @@ def policy_loss(cfg: AlgoSection, logprobs: Tensor, proximal_logprobs: Tensor, a
 def apply_correction(cfg: CorrectionSection, behaviour_logprobs: Tensor, versions: Tensor, proximal_logprobs: Tensor,
                      mask: Tensor, current_version: int, max_staleness: int, seq_index: Tensor | None = None
                      ) -> Correction:
-    """Staleness gate, then :func:`correct_tokens` (one call, for callers outside a train step).
+    """Staleness gate, then :func:`correct_tokens`, in one call (for callers outside a train step).
+    Returns a :class:`~molt_core.algo.correction.Correction`.
 
     Args:
         cfg: ``[correction]``. behaviour_logprobs, proximal_logprobs: ``[B, T]`` float.
         versions: ``[B, T]`` long. mask: ``[B, T]`` bool. current_version, max_staleness: ints.
         seq_index: ``[B]`` long or None. See :func:`molt_core.algo.correction.staleness_gate`.
-
-    Returns:
-        :class:`~molt_core.algo.correction.Correction`.
 
     Raises:
         ValueError: as ``staleness_gate`` and ``correct``.
@@ -165,15 +154,13 @@ def apply_correction(cfg: CorrectionSection, behaviour_logprobs: Tensor, version
 def correct_tokens(cfg: CorrectionSection, gate: Gate, behaviour_logprobs: Tensor, proximal_logprobs: Tensor,
                    mask: Tensor) -> Correction:
     """Importance correction behind the step's ``gate`` with the band of ``[correction]``.
+    Returns a :class:`~molt_core.algo.correction.Correction`.
 
     Args:
         cfg: ``[correction]`` (``is_level``, ``is_mode``, ``low``, ``high``).
         gate: the step's :func:`~molt_core.algo.correction.staleness_gate` (or a micro-batch's
             :meth:`~molt_core.algo.correction.Gate.rows`).
         behaviour_logprobs, proximal_logprobs: ``[B, T]`` float. mask: ``[B, T]`` bool.
-
-    Returns:
-        :class:`~molt_core.algo.correction.Correction`.
 
     Raises:
         ValueError: as :func:`molt_core.algo.correction.correct`.

@@ -1,23 +1,8 @@
 """Checkpoints of a :class:`~molt_core.train.trainer.Trainer` on disk.
 
-A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/``: a Hugging Face-loadable
-``model/`` (``save_pretrained`` safetensors, config, tokenizer; a vision-language model's
-image processor), ``ref/`` and ``critic/`` when
-present, ``trainer_state.pt`` (optimizers, schedulers, KL controller, RNG states) and
-``state.json`` (step, version, data cursor). It is written into a temporary directory and
-renamed (a kill leaves the whole checkpoint or none), then pruned to ``checkpoint.keep``.
-
-Integrity: ``checksums.json`` holds the SHA-256 of every other file of the checkpoint,
-written last. :func:`verify_checkpoint` checks it (and that ``state.json`` parses) before
-anything is loaded; a truncated, missing or bit-flipped file raises
-:class:`CheckpointCorrupt` naming the file. :func:`latest_intact_checkpoint` -- what
-``molt run --resume`` uses -- skips corrupt checkpoints, newest first, and says which it
-skipped. A checkpoint written before checksums existed is accepted unverified.
-
-A sharded trainer's checkpoint adds ``dcp/``, written and read by its trainer backend
-(``molt_register_trainer_backends``; first party: :mod:`molt_plugins.distributed`); one module's weight files
-are written and read by :mod:`molt_core.train.model_files`, an adapter's (LoRA) by its plugin
-(``trainer.adapter.save`` / ``load``).
+A checkpoint is ``<run_dir>/checkpoints/step_<step:08d>/`` (layout: :func:`save_checkpoint`), written
+into a temporary directory, renamed and pruned to ``checkpoint.keep``. ``checksums.json`` holds the
+SHA-256 of every other file, checked (:func:`verify_checkpoint`) before anything is loaded.
 """
 
 from __future__ import annotations
@@ -70,15 +55,11 @@ def _write_manifest(d: Path) -> None:
 
 def verify_checkpoint(d: str | Path) -> dict[str, Any]:
     """Check checkpoint directory ``d`` against its ``checksums.json`` (SHA-256 per file) and
-    parse its ``state.json``.
-
-    Returns:
-        The parsed ``state.json``.
+    return its parsed ``state.json``.
 
     Raises:
-        CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json``
-            or ``state.json`` is not valid JSON, or ``state.json`` lacks ``step`` / ``version``
-            -- the message names the file and says to resume from an earlier checkpoint.
+        CheckpointCorrupt: a listed file is missing or its SHA-256 differs, ``checksums.json`` or
+            ``state.json`` is not valid JSON, or ``state.json`` lacks ``step`` / ``version``.
     """
     d = Path(d)
     fix = "resume from an earlier checkpoint (molt run --resume picks the newest intact one)"
@@ -104,8 +85,8 @@ def verify_checkpoint(d: str | Path) -> dict[str, Any]:
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``run_dir/checkpoints``, oldest first (by step).
 
-    A checkpoint is complete once its directory carries its final name (it is written under
-    a temporary name and renamed); temporary directories of a killed writer are ignored.
+    A checkpoint is complete once its directory carries its final name; temporary directories
+    of a killed writer are ignored.
     """
     d = Path(run_dir) / CHECKPOINT_DIR
     if not d.is_dir():
@@ -129,10 +110,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint of ``run_dir`` that passes :func:`verify_checkpoint`, and the
     reasons the newer ones were skipped (one message per corrupt checkpoint, naming the file).
-
-    Returns:
-        ``(path or None, skipped messages)``.
-    """
+    Returns ``(path or None, skipped messages)``."""
     skipped: list[str] = []
     for ck in reversed(list_checkpoints(run_dir)):
         try:
@@ -145,24 +123,16 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 
 
 def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``.
+    """Write a checkpoint of the current state to ``run_dir/checkpoints/step_<step>``; returns it.
 
-    Layout: ``model/`` (``save_pretrained`` safetensors + config + tokenizer -- loadable
-    with ``AutoModelForCausalLM.from_pretrained``; with an adapter (LoRA) the merged weights,
-    plus the adapter's files: ``base/`` and ``adapter/`` for LoRA), ``ref/`` (the frozen reference, if
-    any), ``critic/`` (the GAE critic, if any), ``trainer_state.pt`` (optimizers,
-    schedulers, KL controller, RNG states of torch,
-    numpy and python), ``state.json`` (``step``, ``version``, ``data_cursor``). Written
-    into a temporary directory and renamed, so a kill leaves either the complete
-    checkpoint or none; then all but the newest ``checkpoint.keep`` are deleted.
+    Layout: ``model/`` (``save_pretrained`` safetensors, config, tokenizer, a vision-language
+    model's image processor; with an adapter the merged weights plus its files, ``base/`` and
+    ``adapter/`` for LoRA), ``ref/`` and ``critic/`` if any, ``trainer_state.pt`` (optimizers,
+    schedulers, KL controller, RNG states of torch, numpy and python), ``state.json`` (``step``,
+    ``version``, ``data_cursor``). A kill leaves the complete checkpoint or none.
 
     Args:
-        run_dir: the run directory.
-        data_cursor: JSON-able position of the data stream, returned by
-            :func:`load_checkpoint`.
-
-    Returns:
-        The checkpoint directory.
+        run_dir: the run directory. data_cursor: JSON-able position of the data stream.
 
     Raises:
         TypeError: ``data_cursor`` is not JSON-serialisable.
@@ -204,9 +174,8 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
     ``critic/``, ``trainer_state.pt`` and ``state.json`` (see :func:`save_checkpoint`).
 
     Args:
-        full: the full (gathered) state dicts ``{"model", "ref", "critic"}`` of a sharded
-            trainer, written instead of the live modules' own; its optimizer states are then
-            not in ``trainer_state.pt`` (a sharded trainer keeps them in ``dcp/``).
+        full: a sharded trainer's gathered state dicts ``{"model", "ref", "critic"}``, written
+            instead of the live modules' own; its optimizer states are then in ``dcp/``.
         extra: more ``state.json`` entries (e.g. ``world_size``).
     """
     full = full or {}
@@ -260,17 +229,13 @@ def commit_checkpoint(trainer: Any, run_dir: str | Path, tmp: Path, final: Path)
     return final
 
 def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
-    """Restore weights, reference, optimizer, scheduler, RNG states, step and version
-    from a checkpoint directory (or from the latest checkpoint of a run directory).
-
-    Returns:
-        The ``data_cursor`` saved with it.
+    """Restore weights, reference, optimizer, scheduler, RNG states, step and version from a checkpoint
+    directory (or from the latest checkpoint of a run directory). Returns the ``data_cursor`` saved with it.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        CheckpointCorrupt: a file of the checkpoint is missing, truncated or altered (see
-            :func:`verify_checkpoint`; given a run directory, corrupt checkpoints are skipped
-            for the newest intact one, and only raise when none is intact).
+        CheckpointCorrupt: a file of the checkpoint is missing, truncated or altered
+            (:func:`verify_checkpoint`; given a run directory, only when none is intact).
     """
     p = Path(path)
     if not (p / "state.json").is_file():

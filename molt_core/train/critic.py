@@ -13,12 +13,10 @@ __all__ = ["ValueModel", "critic_values", "update_critic"]
 
 
 class ValueModel(torch.nn.Module):
-    """The critic of GAE: a copy of the policy's decoder (its initial weights) with a scalar
-    value head (zero-initialised, so every value starts at 0).
+    """The critic of GAE: a copy of the policy's decoder with a zero-initialised scalar value head.
 
-    ``forward(input_ids [B, T] int64) -> values [B, T] float32`` where ``values[:, t]`` is the
-    value of the state *before* token ``t`` (read from the hidden state at ``t - 1``; 0 at
-    ``t = 0``) -- aligned with the logprobs, so GAE reads it on sampled tokens.
+    ``forward(input_ids [B, T] int64) -> values [B, T] float32``, ``values[:, t]`` the value of the state
+    *before* token ``t`` (from the hidden state at ``t - 1``; 0 at ``t = 0``), aligned with the logprobs.
 
     Raises:
         ValueError: the policy has no ``get_decoder()`` / ``config.hidden_size``.
@@ -59,10 +57,9 @@ def critic_values(trainer: Any, batch: Batch) -> torch.Tensor:
 
 def update_critic(trainer: Any, batch: Batch, old_values: torch.Tensor, returns: torch.Tensor,
                   train_mask: torch.Tensor, num_tokens: int) -> dict[str, float]:
-    """``ppo_epochs`` critic steps on the clipped value loss (PPO; Schulman et al. 2017,
-    arXiv 1707.06347, with value clipping as in OpenAI baselines ppo2):
-    ``0.5 * max((V - G)^2, (V_old + clip(V - V_old, -c, c) - G)^2)`` summed over the
-    step's action tokens / ``num_tokens`` (c = ``algo.value_clip``; None: unclipped).
+    """``ppo_epochs`` critic steps on the clipped value loss (PPO; Schulman et al. 2017, arXiv 1707.06347,
+    with value clipping as in OpenAI baselines ppo2): ``0.5 * max((V - G)^2, (V_old + clip(V - V_old,
+    -c, c) - G)^2)`` summed over the action tokens / ``num_tokens`` (c = ``algo.value_clip``, None: no clip).
 
     ``old_values`` / ``returns`` ``[B, T]`` float32, ``train_mask`` ``[B, T]`` bool (CPU).
     Returns ``loss/value``, ``critic/grad_norm`` (before clipping), ``critic/value_mean``,

@@ -31,8 +31,7 @@ def trainer_adapter(cfg: RunConfig, host: PluginHost | None = None) -> Any:
     """The registered adapter of ``[trainer.lora]``, or None when it is not set.
 
     Args:
-        host: the plugin host; built from the entry points and ``cfg.plugins`` when None (and
-            only when an adapter option is set).
+        host: the plugin host; built from the entry points and ``cfg.plugins`` when None and needed.
 
     Raises:
         ConfigError: ``trainer.lora`` is set but no plugin registers the ``lora`` adapter.
@@ -47,8 +46,8 @@ def trainer_adapter(cfg: RunConfig, host: PluginHost | None = None) -> Any:
 
 
 def trainer_backend(cfg: RunConfig, host: PluginHost | None = None, option: str | None = None) -> Any:
-    """The registered sharded trainer backend (``fsdp2``), whatever ``trainer.world_size``
-    (a rank builds its trainer with it; a single trainer reads a distributed checkpoint with it).
+    """The registered sharded trainer backend (``fsdp2``), whatever ``trainer.world_size`` (a single
+    trainer reads a distributed checkpoint with it).
 
     Args:
         host: the plugin host; built from the entry points and ``cfg.plugins`` when None.

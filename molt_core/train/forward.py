@@ -1,10 +1,8 @@
 """Policy forwards: the logprob of each sampled token under its span's sampling transform.
 
-:func:`token_logprobs` turns logits into those logprobs (:func:`molt_core.sampling.processed_logprobs`,
-the transform the engine sampled with, so identical weights give a ratio of exactly 1);
-:func:`forward_rows` runs one micro-batch of a :class:`~molt_core.train.ingress.Batch` through a
-model -- sharing the forward of a prompt prefix its rows have in common
-(:func:`shared_prefix`) -- and :func:`recompute_logprobs` a whole batch, no grad.
+:func:`token_logprobs` turns logits into those logprobs (the engine's transform, so identical
+weights give a ratio of exactly 1); :func:`forward_rows` runs one micro-batch through a model,
+sharing a prompt prefix its rows have in common; :func:`recompute_logprobs` a whole batch, no grad.
 """
 
 from __future__ import annotations
@@ -36,16 +34,13 @@ def token_logprobs(
     """Logprob of each sampled token under its span's processed distribution.
 
     Args:
-        logits: ``[B, K, V]`` model outputs for positions ``offset .. offset + K - 1``
-            (logits at position ``t - 1`` predict token ``t``; ``K = T``, ``offset = 0`` for a
-            full forward).
+        logits: ``[B, K, V]`` model outputs for positions ``offset .. offset + K - 1`` (logits at
+            ``t - 1`` predict token ``t``; ``K = T``, ``offset = 0`` for a full forward).
         input_ids: ``[B, T]`` int64 token ids.
         param_ids: ``[B, T]`` int64, index into ``params`` for sampled tokens, -1 elsewhere
             (position 0 must be -1).
-        params: ``(temperature, top_k, top_p)`` per index, applied by
-            :func:`molt_core.sampling.processed_logprobs` (temperature -> top-k -> top-p).
-        with_entropy: also return the entropy (nats) of the processed distribution at each
-            sampled position (computed without grad).
+        params: ``(temperature, top_k, top_p)`` per index (:func:`molt_core.sampling.processed_logprobs`).
+        with_entropy: also return the entropy (nats, no grad) of the processed distribution.
 
     Returns:
         ``(logprobs, entropy)``: ``[B, T]`` float32 (0 where not sampled; differentiable
@@ -99,25 +94,20 @@ def shared_prefix(ids: torch.Tensor, pids: torch.Tensor, min_saving: float = 0.1
                   ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """The prompt prefix a micro-batch's rows share, to run once per distinct prefix.
 
-    A GRPO group samples ``n`` responses to one prompt, so its ``n`` rows start with the same
-    token ids; the forward of those ids is the same computation ``n`` times (Prefix Grouper:
-    Liu et al. 2025, "Efficient GRPO Training through Shared-Prefix Forward", arXiv:2506.05433).
-    The prefix is the first ``L`` columns, with ``L`` one less than the earliest sampled
-    position of any row (so the logits of every sampled token come from the rest of its row,
-    and the prefix holds prompt tokens only) -- the same ``L`` for every row, so the rest runs
-    as one right-padded batch over the prefix's keys/values with no attention mask.
+    A GRPO group's ``n`` rows start with the same prompt ids (Prefix Grouper: Liu et al. 2025,
+    "Efficient GRPO Training through Shared-Prefix Forward", arXiv:2506.05433). The prefix is the
+    first ``L`` columns, ``L`` one less than the earliest sampled position of any row, so the rest
+    runs as one right-padded batch over the prefix's keys/values (docs/architecture.md).
 
     Args:
         ids: ``[R, T]`` int64 token ids (right-padded rows).
-        pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``); a row with no
-            sampled token bounds ``L`` by ``T`` only.
+        pids: ``[R, T]`` int64, >= 0 on sampled tokens (``Batch.param_ids``).
         min_saving: the fraction of the ``R * T`` token positions the sharing must save
-            (``(R - G) * L``, ``G`` distinct prefixes) to be worth a second forward call.
+            (``(R - G) * L``, ``G`` distinct prefixes).
 
     Returns:
         ``(L, prefixes [G, L] int64, row_prefix [R] int64)`` (row ``r``'s prefix is
-        ``prefixes[row_prefix[r]]``), or None when no prefix of >= 1 token is shared enough
-        or no row samples a token.
+        ``prefixes[row_prefix[r]]``), or None when no prefix is shared enough or no row samples.
     """
     R, T = ids.shape
     sampled = pids >= 0
@@ -139,11 +129,8 @@ _NO_SHARE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def _shares(model: torch.nn.Module) -> bool:
-    """Whether the shared-prefix forward of ``model`` can be its full forward: not when a
-    prefix forward's cache was not keys/values alone, nor when the rotary factors depend on a
-    forward's longest position (:func:`molt_core.models.length_dependent_rope`: the prefix's
-    keys would be rotated for length ``L``, the rest of the rows for ``T``). Once false, false
-    for that model object (warned once)."""
+    """Whether ``model``'s shared-prefix forward is its full forward (not with length-dependent rotary
+    factors or a non-key/value cache); once false, false for that model object (warned once)."""
     if model in _NO_SHARE:
         return False
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -155,23 +142,16 @@ def _shares(model: torch.nn.Module) -> bool:
 
 
 def _positions(model: torch.nn.Module, start: int, stop: int, rows: int, device: Any) -> dict[str, torch.Tensor]:
-    """``{"position_ids": [rows, stop - start] int64}`` (``start .. stop - 1`` on every row) for a
-    model that takes them, else ``{}``. Given explicitly so a forward is a function of its
-    inputs alone: a Qwen2-VL-family model otherwise derives a call's positions from the
-    ``rope_deltas`` its last call (a ``generate()``, an image batch) left on the model object."""
+    """``{"position_ids": [rows, stop - start] int64}`` for a model that takes them, else ``{}``:
+    explicit, since a Qwen2-VL-family model otherwise derives them from its last call's ``rope_deltas``."""
     if not accepts(model, "position_ids"):
         return {}
     return {"position_ids": torch.arange(start, stop, device=device).expand(rows, -1)}
 
 
 def _kv_cache(cache: Any) -> bool:
-    """Whether ``cache`` holds per-position keys/values alone (every layer a transformers
-    ``DynamicLayer`` or ``DynamicSlidingWindowLayer``), so selecting rows of it
-    (``batch_select_indices``) gives each row its prefix's state. Not so for a recurrent or
-    convolutional state (Mamba, the linear-attention layers of Qwen3-Next / Qwen3.5: a
-    ``LinearAttentionLayer`` has no ``batch_select_indices``, a hybrid layer's would select
-    the keys/values and leave the recurrent state at the prefixes' batch size), a legacy tuple
-    cache, or none."""
+    """Whether ``cache`` holds per-position keys/values alone (every layer a ``DynamicLayer`` or
+    ``DynamicSlidingWindowLayer``), so selecting its rows gives each row its prefix's state."""
     from transformers import cache_utils
 
     kinds = tuple(getattr(cache_utils, n, None) for n in ("DynamicLayer", "DynamicSlidingWindowLayer"))
@@ -181,19 +161,13 @@ def _kv_cache(cache: Any) -> bool:
 
 def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, torch.Tensor, torch.Tensor],
                    kw: dict[str, Any], cache_kw: str) -> torch.Tensor | None:
-    """Logits of ``ids[:, L:]`` (``[R, T - L]`` ids; ``kw``'s ``logits_to_keep`` in those
-    columns) after one forward of each distinct prefix, whose keys/values each row then reads
-    (:func:`shared_prefix`). Differentiable through both forwards: the backward sums a shared
-    prefix's gradient over its rows, as the full forward of each row would.
-
-    Returns None -- the caller runs the full forward, and this model never shares again -- when
-    the prefix forward's cache is not keys/values alone (:func:`_kv_cache`: a recurrent or
-    hybrid model, a legacy cache).
+    """Logits of ``ids[:, L:]`` after one forward of each distinct prefix, whose keys/values each
+    row then reads (:func:`shared_prefix`); differentiable through both forwards. None (the caller
+    runs in full, and this model never shares again) when the cache is not keys/values alone.
 
     Raises:
-        RuntimeError: the key/value cache does not hold the prefix, or the model did not
-            extend it by the suffix (a model that ignores it, e.g. a checkpointed layer
-            dropping it, would compute every row without its prompt).
+        RuntimeError: the key/value cache does not hold the prefix, or the model did not extend
+            it by the suffix (e.g. a checkpointed layer dropping it).
     """
     L, prefixes, row_prefix = plan
     out = model(input_ids=prefixes.to(ids.device), use_cache=True, logits_to_keep=1,
@@ -218,9 +192,8 @@ def _prefix_logits(model: torch.nn.Module, ids: torch.Tensor, plan: tuple[int, t
 
 def image_inputs(model: torch.nn.Module, vp: Any, rows: Sequence[tuple[Sequence[int], Sequence[bytes]]], width: int,
                  device: Any = None) -> dict[str, torch.Tensor]:
-    """Image kwargs of a right-padded forward (trainer recompute, SFT) over ``rows`` (per row its
-    real ids and its images' encoded bytes, in token order): ``vp.padded_inputs`` of the
-    modality's processor (``position_ids`` ``[3, B, width]``, ``pixel_values``,
+    """Image kwargs of a right-padded forward over ``rows`` (per row its ids and its images' bytes
+    in token order): ``vp.padded_inputs`` (``position_ids`` ``[3, B, width]``, ``pixel_values``,
     ``image_grid_thw`` ``[N, 3]``); ``{}`` when no row has an image.
 
     Raises:
@@ -236,23 +209,15 @@ def image_inputs(model: torch.nn.Module, vp: Any, rows: Sequence[tuple[Sequence[
 def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropy) ``[b, T_rows]`` float32 of the sampled tokens of ``rows`` under
-    ``model``, on ``trainer.device``; right padding needs no attention mask (a causal model
-    never attends to later positions); positions are explicit (:func:`_positions`). Logits are
-    only computed at the positions that predict a sampled token (``logits_to_keep`` as column
-    indices, when the model accepts it).
+    ``model``, on ``trainer.device``. Right padding needs no attention mask (a causal model never
+    attends to later positions); positions are explicit; logits are only computed at positions
+    that predict a sampled token (``logits_to_keep``, when accepted). With ``trainer.shared_prefix``
+    (not for images, routing records, ``lockstep`` or a model :func:`_shares` refuses) a shared
+    prompt prefix runs once per distinct prefix: the same function up to float rounding.
 
-    With ``trainer.shared_prefix`` (``trainer.shared_prefix`` in the recipe; off for images,
-    routing records and ``trainer.lockstep``; a model whose cache is not keys/values alone, or
-    whose rotary factors depend on the length, runs in full: :func:`_shares`) a prompt prefix
-    the rows share runs once per
-    distinct prefix (:func:`shared_prefix`): the same function, up to float rounding (~1e-5
-    nats in float32 on the quickstart's model; ``invariants/logprob_absdiff_max_onpolicy``
-    measures it against the engine on every step).
-
-    ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing
-    replay context (``trainer._routing``), the mixed-precision context (``trainer.autocast``) and
-    ``lockstep`` (then a backward reaches every parameter, even with no sampled token);
-    ``trainer.vision_processor`` the images' processing for rows with images (``batch.images``)."""
+    ``trainer`` (a :class:`~molt_core.train.trainer.Trainer`) gives the device, the routing replay
+    context (``trainer._routing``), ``trainer.autocast``, ``lockstep`` (then a backward reaches every
+    parameter) and ``trainer.vision_processor`` for ``batch.images``."""
     T = int(batch.lengths[rows].max())
     ids = batch.input_ids[rows, :T].to(trainer.device)
     pids = batch.param_ids[rows, :T]
@@ -294,9 +259,8 @@ def forward_rows(trainer: Any, model: torch.nn.Module, batch: Batch, rows: slice
 @torch.no_grad()
 def recompute_logprobs(trainer: Any, batch: Batch, model: torch.nn.Module,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs ``[B, T]`` float32 (CPU) of the batch's sampled tokens under ``model``, in the
-    micro-batches ``trainer._work`` gives (the ones the update uses); 0 where not sampled.
-    Also the entropy ``[B, T]`` when ``with_entropy``."""
+    """Logprobs ``[B, T]`` float32 (CPU, 0 where not sampled) of the batch's sampled tokens under
+    ``model`` in the update's micro-batches (``trainer._work``), and the entropy when asked."""
     lps = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     ents = torch.zeros(batch.input_ids.shape, dtype=torch.float32) if with_entropy else None
     for rows, real in trainer._work(batch, model):

@@ -1,11 +1,8 @@
 """Gradient checkpointing of a Hugging Face decoder that stays in eval mode.
 
-Transformers checkpoints a decoder layer (``GradientCheckpointingLayer``) only when the
-layer's ``training`` flag is set. The trainer keeps its model in ``eval()`` (no dropout, so
-an on-policy importance ratio is exactly 1), so :func:`enable_gradient_checkpointing` turns
-checkpointing on and sets ``training`` on the checkpointed layers alone: their children
-(attention, MLP, any dropout) stay in eval mode, so the forward is the same function with and
-without checkpointing -- only the activations kept for the backward differ.
+Transformers checkpoints a layer only when its ``training`` flag is set, and the trainer keeps its
+model in ``eval()``; :func:`enable_gradient_checkpointing` sets ``training`` on the checkpointed
+layers alone, so the forward is the same function with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -18,15 +15,12 @@ __all__ = ["enable_gradient_checkpointing"]
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     """Checkpoint every decoder layer of ``model`` (a transformers model or a peft model
     wrapping one), non-reentrant (``torch.utils.checkpoint``, ``use_reentrant=False``), so
-    frozen inputs (LoRA) still get gradients.
-
-    Returns:
-        The number of layers checkpointed.
+    frozen inputs (LoRA) still get gradients; returns the number of layers checkpointed.
 
     Raises:
-        ValueError: ``model`` has no ``activation_checkpointing_enable`` (transformers >= 5.x)
-            nor ``gradient_checkpointing_enable`` or no checkpointable
-            layer (set ``trainer.gradient_checkpointing = false`` for this model).
+        ValueError: ``model`` has no ``activation_checkpointing_enable`` (transformers >= 5.x) nor
+            ``gradient_checkpointing_enable``, or no checkpointable layer (set
+            ``trainer.gradient_checkpointing = false``).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 

@@ -1,11 +1,7 @@
-"""Trainer ingress: finished rollouts -> one padded :class:`Batch`.
-
-Rows are segments (a rollout whose context was rewritten has several rows sharing one
-reward), right-padded; per-token lengths, sampled-token spans and token ids are re-checked
-(what the :class:`~molt_core.types.Segment` validators check, plus what only the trainer
-knows), and each row points at its rollout, each rollout at its group (one reward per
-rollout). Token identity against the engine's record is checked before this, by
-:func:`molt_core.identity.screen`.
+"""Trainer ingress: finished rollouts -> one padded :class:`Batch` (rows are segments, each row
+pointing at its rollout, each rollout at its group), re-checking what the
+:class:`~molt_core.types.Segment` validators check plus what only the trainer knows. Token
+identity against the engine's record is checked before this, by :func:`molt_core.identity.screen`.
 """
 
 from __future__ import annotations
@@ -32,10 +28,8 @@ _log = logging.getLogger("molt.ingress")
 class IngressError(ValueError):
     """A trajectory handed to the trainer is malformed (token identity would be violated).
 
-    The message names the rollout, the segment index and the field. ``reason`` is a short
-    machine-readable tag (``"no_span"`` for a sampled token in no sampled span,
-    ``"nonfinite"`` for a sampled token whose behaviour logprob is NaN or infinite, else
-    ``"malformed"``).
+    The message names the rollout, the segment index and the field. ``reason``: ``"no_span"`` (a
+    sampled token in no span), ``"nonfinite"`` (its behaviour logprob not finite) or ``"malformed"``.
     """
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
@@ -44,11 +38,8 @@ class IngressError(ValueError):
 
 
 class NonFiniteLogprobs(RuntimeError):
-    """A recompute of the trainer gave a NaN or ``+inf`` logprob on sampled tokens (raised by
-    :func:`nonfinite_check` inside :meth:`~molt_core.train.Trainer.train_step`, always before
-    its optimizer step; the step refuses those rollouts -- ``ingress/refused_nonfinite``,
-    ``invariants/nonfinite_logprobs`` -- and is redone on the rest, as if they had been refused
-    at ingress). ``-inf`` is not one: it is a token out of the recomputed support.
+    """A trainer recompute gave a NaN or ``+inf`` logprob on sampled tokens (``-inf`` is out of
+    support, not this); the train step refuses those rollouts and redoes the step on the rest.
 
     Attributes:
         rollouts: the affected rollouts, sorted indices into the batch's ``rewards``.
@@ -66,12 +57,10 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
     """Raise :class:`NonFiniteLogprobs` when a sampled token has a NaN or ``+inf`` value.
 
     Args:
-        values: ``[B, T]`` float logprobs of the batch (``rows`` None: the sampled tokens are
-            ``batch.mask``), or ``[N]`` float values of N sampled tokens with ``rows`` ``[N]``
-            long, the batch row of each (:func:`molt_core.train.version_history.stale_absdiff`).
+        values: ``[B, T]`` float logprobs of the batch (sampled where ``batch.mask``), or, with
+            ``rows`` ``[N]`` long (the batch row of each), ``[N]`` values of sampled tokens.
             ``-inf`` (out of the recomputed support) passes.
-        batch: the step's batch (``mask``, ``rollout_index``).
-        where: the computation, for the message.
+        batch: the step's batch (``mask``, ``rollout_index``). where: the computation, for the message.
 
     Raises:
         NonFiniteLogprobs: naming the rollouts (indices into ``batch.rewards``) and the count.
@@ -83,34 +72,25 @@ def nonfinite_check(values: torch.Tensor, batch: Batch, where: str, rows: torch.
         raise NonFiniteLogprobs(sorted(set(batch.rollout_index[rows[bad]].tolist())), int(bad.sum()), where)
 
 
-# ---------------------------------------------------------------------------------------
-# batch construction (trainer ingress)
-# ---------------------------------------------------------------------------------------
-
-
 @dataclass
 class Batch:
     """A padded training batch; rows are segments, ``B`` rows of ``T`` tokens (right-padded).
 
-    Per-token tensors index *tokens* (position ``t`` is token ``t``; its logprob comes from
-    the logits at ``t - 1``, so position 0 is never sampled):
+    Per-token tensors index *tokens* (token ``t``'s logprob comes from the logits at ``t - 1``):
 
     * ``input_ids`` ``[B, T]`` int64 -- token ids, ``pad_id`` past each row's length.
     * ``mask`` ``[B, T]`` bool -- True exactly on sampled tokens.
     * ``behaviour_logprobs`` ``[B, T]`` float32 -- the engine's logprob, 0 where not sampled.
     * ``versions`` ``[B, T]`` int64 -- policy version that sampled the token, -1 elsewhere.
-    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of the sampling transform of
-      each sampled token, -1 elsewhere.
+    * ``param_ids`` ``[B, T]`` int64 -- index into ``params`` of each sampled token, -1 elsewhere.
     * ``params`` -- distinct ``(temperature, top_k, top_p)`` transforms.
     * ``lengths`` ``[B]`` int64 -- unpadded row lengths.
     * ``rollout_index`` ``[B]`` int64 -- row -> rollout (index into ``rewards``).
     * ``rewards`` ``[R]`` float32 -- one reward per rollout.
-    * ``group_index`` ``[R]`` int64 -- rollout -> group (a rollout with an empty
-      ``group_id`` is a group of its own).
+    * ``group_index`` ``[R]`` int64 -- rollout -> group (an empty ``group_id``: a group of its own).
     * ``teacher_logprobs`` ``[B, T]`` float32 or None -- from ``info["teacher_logprobs"]``.
-    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection
-      per position (R3), -1 on padding / unrecorded positions, collated by the routing tool
-      (:func:`molt_core.models.routing_tool`); None if no segment has one or no tool is loaded.
+    * ``routed_experts`` ``[B, T, L, K]`` int64 or None -- the engine's MoE expert selection per
+      position (R3), -1 where unrecorded, collated by the routing tool; None if none is recorded.
     * ``images`` -- per row, the encoded bytes of the segment's images in token order (from
       ``Trajectory.images`` by each ``ImageRef``'s SHA-256); None if no segment has one.
     """
@@ -142,40 +122,28 @@ def build_batch(
     need_teacher: bool = False,
     vision: Any = None,
 ) -> Batch:
-    """Collate usable trajectories into a :class:`Batch` (trainer ingress).
+    """Collate usable trajectories into a padded :class:`Batch` (trainer ingress) and return it.
 
-    Trajectories with ``status == "failed"`` are skipped (excluded, never scored 0); the
-    rest must carry a reward. Re-checks what the :class:`~molt_core.types.Segment`
-    validators check (the objects may have been mutated or built with ``model_construct``)
-    plus what only the trainer knows: ids below ``vocab_size``, no sampled token at position
-    0 (it has no context to be predicted from), and every sampled token inside exactly one
-    sampled span.
+    Trajectories with ``status == "failed"`` are skipped (never scored 0); the rest must carry
+    a reward. Re-checks the :class:`~molt_core.types.Segment` validators (objects may have been
+    mutated or built with ``model_construct``), ids below ``vocab_size``, no sampled token at
+    position 0, and every sampled token inside exactly one sampled span.
 
     Args:
-        trajectories: finished rollouts.
-        pad_id: id used for right padding (never attended to by a causal model).
+        trajectories: finished rollouts. pad_id: id used for right padding.
         vocab_size: the model's vocabulary size; ids must be below it (None skips the check).
-        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): a list
-            with one per-token list per segment, a float on each sampled token.
-        vision: the model's image processor (the modality plugin's): each segment's image
-            runs are checked against its ``images`` (one run per ref, where the ref says, of
-            the length its grid gives; its ``check_segment``), and each image's
-            grid as this processor computes it (what the trainer's forward will use) must
-            equal the recorded ``grid_thw`` (what the engine expanded). None skips those
-            checks (the images' bytes are still checked against their digests).
-
-    Returns:
-        The padded :class:`Batch`.
+        need_teacher: require ``info["teacher_logprobs"]`` (on-policy distillation): one per-token
+            list per segment, a float on each sampled token.
+        vision: the model's image processor: each segment's image runs must match its ``images``
+            and each image's grid the recorded ``grid_thw``. None skips those checks (the bytes
+            are still checked against their digests).
 
     Raises:
         IngressError: no usable trajectory, a missing reward, a duplicate ``rollout_id``, a
-            rollout without sampled tokens, misaligned per-token fields, an id out of range,
-            a sampled token at position 0, a segment with sampled tokens and no span, a
-            sampled token outside every span, conflicting
-            overlapping spans, missing/misaligned teacher logprobs, an image whose bytes are
-            missing, not base64 or do not hash to their key, or (with ``vision``) image runs
-            that do not match a segment's ``images`` or a recorded grid other than the one
-            ``vision`` computes (the engine and trainer processors differ).
+            rollout without sampled tokens, misaligned per-token fields, an id out of range, a
+            sampled token at position 0 or outside every span, conflicting overlapping spans,
+            missing/misaligned teacher logprobs, image bytes missing, not base64 or not hashing to
+            their key, or (with ``vision``) image runs or grids other than ``vision``'s.
     """
     usable = [t for t in trajectories if t.status == "ok"]
     if not usable:
@@ -271,8 +239,8 @@ def build_batch(
             "a non-sampled token neither"
         )
 
-    # sampling transform of each sampled token, from the spans (a plain-list pass: a span
-    # covers a handful of tokens, where per-span tensor ops cost ~10x more; issue 16 item 2)
+    # sampling transform of each sampled token, from the spans (a plain-list pass: a span covers
+    # a handful of tokens, where per-span tensor ops are slower)
     params: list[tuple[float, int, float]] = []
     pindex: dict[tuple[float, int, float], int] = {}
     pid_list = [-1] * len(flat_ids)
@@ -399,15 +367,9 @@ def _row_images(usable: Sequence[Trajectory], rows: Sequence[tuple[int, Any, int
 
 def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_size: int | None = None,
                      need_teacher: bool = False, vision: Any = None) -> tuple[list[Trajectory], dict[str, float], list[str]]:
-    """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject, so
-    one malformed rollout costs only itself, never the step.
-
-    Each ``ok`` rollout is checked alone with :func:`build_batch` (every check it makes: a
-    missing or non-finite reward, no segments, no sampled token, misaligned per-token fields,
-    an id outside the vocabulary, a sampled token at position 0 or outside every sampled span
-    -- e.g. a segment with sampled tokens and no span --, conflicting overlapping spans,
-    missing teacher logprobs); a second rollout with an already seen ``rollout_id`` is refused
-    too. Failed rollouts pass through untouched (the batch builder skips them).
+    """Refuse, one rollout at a time, the ``ok`` rollouts :func:`build_batch` would reject (each
+    checked alone), and a second rollout with an already seen ``rollout_id``, so one malformed
+    rollout costs only itself. Failed rollouts pass through untouched.
 
     Args:
         trajectories: the step's rollouts.
@@ -415,13 +377,10 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
     Returns:
         ``(kept, metrics, reasons)``: the rollouts to train on (order kept); floats
-        ``ingress/refused_malformed`` (rollouts refused here), ``ingress/refused_no_span``
-        (of those, the ones with a sampled token in no sampled span),
-        ``ingress/refused_nonfinite`` (of those, the ones with a NaN / infinite behaviour
-        logprob on a sampled token) and ``invariants/nonfinite_logprobs`` (those rollouts'
-        sampled tokens with a NaN / infinite behaviour logprob); and one message per refused
-        rollout naming it, the segment index and the field (also logged as a warning on the
-        ``molt.ingress`` logger).
+        ``ingress/refused_malformed`` (rollouts refused), of those ``ingress/refused_no_span``
+        (a sampled token in no span) and ``ingress/refused_nonfinite`` (a NaN / infinite
+        behaviour logprob), and ``invariants/nonfinite_logprobs`` (such tokens); one message per
+        refused rollout naming it, the segment and the field (also logged on ``molt.ingress``).
     """
     kept: list[Trajectory] = []
     reasons: list[str] = []
@@ -455,17 +414,13 @@ def refuse_malformed(trajectories: Sequence[Trajectory], pad_id: int = 0, vocab_
 
 def admit(trajectories: Sequence[Trajectory], pad_id: int, vocab_size: int | None, need_teacher: bool,
           refuse_unverified: bool, vision: Any = None) -> tuple[list[Trajectory], Batch | None, dict[str, float]]:
-    """A train step's ingress: refuse malformed rollouts one at a time
-    (:func:`refuse_malformed`; the whole batch first, so the clean case builds once), then
-    rollouts whose action tokens differ from -- or, with ``refuse_unverified``, lack -- the
-    engine's record (:func:`molt_core.identity.screen`).
+    """A train step's ingress: refuse malformed rollouts one at a time (:func:`refuse_malformed`;
+    the whole batch first, so the clean case builds once), then rollouts whose action tokens
+    differ from, or with ``refuse_unverified`` lack, the engine's record (:func:`molt_core.identity.screen`).
 
     Returns:
-        ``(kept trajectories, their Batch or None when it must be rebuilt from them, metrics)``
-        -- the metrics of :func:`molt_core.identity.screen` plus ``ingress/refused_malformed``,
-        ``ingress/refused_no_span``, ``ingress/refused_nonfinite``,
-        ``invariants/nonfinite_logprobs`` (:func:`refuse_malformed`), with
-        ``ingress/refused_rollouts`` counting every refusal.
+        ``(kept trajectories, their Batch or None when it must be rebuilt, metrics)``: those of
+        ``screen`` and :func:`refuse_malformed`, ``ingress/refused_rollouts`` counting every refusal.
     """
     try:
         batch: Batch | None = build_batch(trajectories, pad_id, vocab_size, need_teacher=need_teacher, vision=vision)

@@ -1,51 +1,6 @@
-"""The metrics of one :meth:`~molt_core.train.trainer.Trainer.train_step`.
-
-The ingress metrics of :func:`molt_core.identity.screen`
-(``invariants/tokens_retokenized``, ``invariants/tokens_unverified``,
-``ingress/refused_retokenized``, ``ingress/refused_unverified``,
-``ledger/context_reencoded_tokens``, ``ledger/rewrite_cause/<cause>``), ``ingress/refused_malformed``,
-``ingress/refused_no_span``, ``ingress/refused_nonfinite`` (rollouts refused for a NaN /
-infinite behaviour logprob at ingress, or a NaN / ``+inf`` logprob from a recompute of the
-trainer before its update -- current-version and stale tokens alike: never counted as out of
-support), ``invariants/nonfinite_logprobs`` (those rollouts' non-finite sampled tokens, 0 when
-clean), ``ingress/refused_rollouts`` (all refusals; only these,
-``train/skipped`` = 1, ``train/rollouts`` = 0 and ``train/step`` when nothing is
-left to train on), ``invariants/logprob_absdiff_mean`` / ``_max`` (|behaviour - recomputed| over all
-sampled in-support tokens, before the update: policy drift plus mismatch),
-``invariants/logprob_absdiff_max_onpolicy`` / ``_mean_onpolicy`` (every step,
-async included: each measured token against the weights of the version that
-sampled it -- the proximal logprobs for the current version, a recompute under a
-held older version otherwise; see :mod:`molt_core.train.version_history`; NaN when
-nothing could be measured; finite: an on-policy token outside its own version's
-support counts in ``invariants/onpolicy_out_of_support_tokens`` instead),
-``invariants/onpolicy_tokens`` / ``_stale_tokens``,
-for an MoE policy with recorded routing the R3 metrics of its routing tool
-(:func:`molt_plugins.moe.routing_replay.routing_metrics`: ``invariants/routing_flip_rate``,
-``invariants/routing_replay_mismatch``, ``_noreplay`` logprob variants),
-``invariants/staleness_max`` (over every sampled token, before the gate; see
-:func:`molt_core.algo.correction.correct`), ``correction/*`` (incl.
-``gated_frac`` and ``out_of_support_frac``), ``loss/*`` (``loss/total``,
-``loss/policy``, ``loss/kl``, and the policy loss's own metrics), ``grad_norm``
-(before clipping), ``kl`` (estimator ``algo.kl_estimator`` against the reference,
-0 without one; over sampled tokens inside the reference's top-k / top-p support),
-``kl/ref_out_of_support_frac`` (sampled tokens whose reference logprob is -inf --
-outside the reference's support -- / sampled tokens: left out of the KL term in the
-loss, the per-token reward and ``kl``), ``kl/behaviour_k3`` (current vs behaviour
-policy), ``kl_coef``,
-``distill/reverse_kl`` (``on_policy_distill`` only: the reverse KL
-``KL(pi_student || pi_teacher)`` in nats per token, estimated on the student's
-sampled tokens as the mean of ``log pi_student(y_t) - log pi_teacher(y_t)`` -- the
-k1 estimator, Schulman 2020 -- before the update),
-``entropy`` (mean over sampled tokens, nats, of the processed distribution),
-``lr``, ``tokens_per_s`` (non-pad tokens / step wall time), ``train/*`` counts
-(``train/fused_recompute`` 1 when the proximal logprobs came from the loss
-forward; ``train/shared_prefix_frac`` the fraction of the loss forwards' token positions
-(rows x columns) a shared prompt prefix saved, :func:`molt_core.train.forward.shared_prefix`
--- 0 when no micro-batch shared one), ``time/recompute`` (reference pass + separate recompute pass, if any),
-``time/onpolicy_check`` (the copy of this version's weights kept for later steps'
-check, plus the recompute under older versions -- or, when that overlaps the update
-in a process of its own, the wait for it),
-``time/train`` (loss forwards, backward, optimizer), ``time/step`` (seconds).
+"""The metrics of one :meth:`~molt_core.train.trainer.Trainer.train_step`, measured on its batch
+before the update. Each metric is described in docs/README.md ("Metrics"); the few that table
+leaves out are in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ __all__ = ["load_model", "load_optimizer", "read_weights", "save_model"]
 
 
 def save_model(model: torch.nn.Module, d: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-    """``save_pretrained`` (safetensors) of ``model``, with ``state`` (a gathered full state
-    dict) in place of its own when given; plain modules get one ``model.safetensors``."""
+    """``save_pretrained`` (safetensors) of ``model``, or of ``state`` (a gathered full state dict)
+    when given; a plain module gets one ``model.safetensors``."""
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(d, safe_serialization=True, **({"state_dict": state} if state is not None else {}))
     else:
@@ -49,9 +49,8 @@ def read_weights(d: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: torch.nn.Module, d: Path) -> None:
-    """Load the ``*.safetensors`` of directory ``d`` into ``model``. Keys ``save_pretrained``
-    dropped because they are tied to a saved parameter are accepted (a sharded model's loader
-    is its trainer backend's).
+    """Load the ``*.safetensors`` of directory ``d`` into ``model``; keys that ``save_pretrained``
+    dropped because they are tied to a saved parameter may be missing.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``d``.

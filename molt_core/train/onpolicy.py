@@ -13,32 +13,24 @@ from molt_core.train.version_history import stale_absdiff
 
 __all__ = ["OnPolicyChecks"]
 
-#: the trainer's log (these messages were the trainer module's before the split)
+#: the trainer module's logger (the check is part of the trainer)
 log = logging.getLogger("molt_core.train.trainer")
 
 
 class OnPolicyChecks:
     """The trainer's side of the on-policy check of stale rows (mixed into
-    :class:`molt_core.train.trainer.Trainer`): in line, or in a
-    :class:`~molt_core.train.onpolicy_check.CheckProcess` where that is safe and pays. Reads the trainer's ``cfg``, ``version``, ``history``, ``model``,
-    ``device``, ``compute_dtype``, ``shared_prefix``, ``vision_processor``, ``replay_backend``,
-    ``overlap_onpolicy_check`` and ``recompute_logprobs``; keeps ``_check_proc`` and
-    ``_check_proc_failed``."""
+    :class:`molt_core.train.trainer.Trainer`). Reads the trainer's ``cfg``, ``version``, ``history``,
+    ``model``, ``device``, ``compute_dtype``, ``shared_prefix``, ``vision_processor``,
+    ``replay_backend``, ``overlap_onpolicy_check`` and ``recompute_logprobs``."""
 
     def _onpolicy_stale(self, batch: Batch) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Start measuring |behaviour - recomputed| ``[N]`` of the batch's tokens sampled by
-        older versions, each under its own version's weights (see
-        :mod:`molt_core.train.version_history`); returns a function that waits for its ``(diffs, rows)``.
+        older versions, each under its own version's weights (:mod:`molt_core.train.version_history`);
+        returns a function that waits for its ``(diffs, rows)``.
 
-        Where it is safe (:attr:`overlap_onpolicy_check`: one process, no routing replay, no
-        images -- their processing and replay state live in this process) and pays (a CPU
-        trainer), the recompute runs in a child process beside the update
-        (:class:`molt_core.train.onpolicy_check.CheckProcess`, reading the version history in
-        shared memory): on a multi-core CPU its forward then costs the update nothing (on a
-        thread it would share the interpreter lock with it). On an accelerator it stays in
-        line: a second process's kernels would contend for the same device, and its logits
-        ``[rows, T, V]`` would sit in memory beside the update's activations. The result is
-        the same tensor either way (same weights, rows, micro-batches and thread count).
+        Where it is safe (:attr:`overlap_onpolicy_check`, no routing replay, no images) and pays
+        (a CPU trainer) the recompute runs in the check process beside the update; on an
+        accelerator it stays in line. The result is the same tensor either way.
         """
         seed = self.cfg.run.seed * 1_000_003 + self.version  # a new sample each step
         version = self.version
@@ -53,17 +45,13 @@ class OnPolicyChecks:
 
     def _check_process_ok(self, batch: Batch) -> bool:
         """Whether the on-policy check of ``batch`` may run in the check process."""
-        # (the process exists only for a trainer that may use it: see _start_check_process)
         return (self.overlap_onpolicy_check and self.device.type == "cpu" and batch.images is None
                 and (self.replay_backend is None or batch.routed_experts is None))
 
     def _start_check_process(self) -> None:
-        """Start the on-policy check's process once, when this trainer may use it (a one-process
-        CPU trainer keeping versions, no VL model, no routing replay) -- after the first update,
-        so a trainer that never steps starts none (the run loop starts it earlier, after the
-        warm start: :meth:`start_check_process`). The version history moves to its shared
-        ring now; the checks run in line until the child is ready. A failure to start is logged
-        once and the check stays in line (it measures the same thing)."""
+        """Start the check process once, if this trainer may use it (one CPU process keeping versions,
+        no VL model, no routing replay): the history moves to its shared ring; checks run in line
+        until the child is ready, and for good (logged once) if it cannot start."""
         if (self._check_proc is not None or self._check_proc_failed or not self.overlap_onpolicy_check
                 or self.device.type != "cpu" or self.history.keep == 0 or self.vision_processor is not None
                 or self.replay_backend is not None):
@@ -82,16 +70,13 @@ class OnPolicyChecks:
 
     def start_check_process(self) -> bool:
         """Start the on-policy check's process now rather than after the first update (the run
-        loop calls it once the warm start is done, so the child's start-up -- seconds of
-        imports -- overlaps the first rollouts instead of the first steps' checks, which run
-        in line until it is ready). Returns whether a check process runs (False for a trainer
-        that keeps no versions or may not use one: see :meth:`_start_check_process`)."""
+        loop calls it after the warm start, so the child's start-up overlaps the first rollouts).
+        Returns whether a check process runs (see :meth:`_start_check_process`)."""
         self._start_check_process()
         return self._check_proc is not None
 
     def close(self) -> None:
-        """Stop the on-policy check's process, if one runs (it also stops when the trainer is
-        garbage-collected or the process exits); the check then runs in line. Idempotent."""
+        """Stop the on-policy check's process, if one runs; the check then runs in line. Idempotent."""
         if self._check_proc is not None:
             self._check_proc.close()
             self._check_proc = None

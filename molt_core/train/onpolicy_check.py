@@ -1,33 +1,8 @@
 """The on-policy check of stale rows in a process of its own, beside the update.
 
-An asynchronous step measures its tokens sampled by older versions under those versions'
-weights (:func:`molt_core.train.version_history.stale_absdiff`): one extra no-grad forward per step.
-Run on a thread of the trainer process, that forward shares the interpreter lock with the
-update and lengthens the step (tiny Qwen3 quickstart, 2 CPU cores: about 35-50 ms of a
-~200 ms step). :class:`CheckProcess` runs it in a child process instead, so on a multi-core
-CPU it costs the update nothing but the copy of the weights that
-:meth:`~molt_core.train.version_history.VersionHistory.record` makes anyway:
-
-* the version history's copies live in shared memory: a ring of ``max_staleness + 1`` slots,
-  each one file in ``/dev/shm`` holding a whole state dict, mapped by both processes (the
-  files are unlinked once both have mapped them, so nothing is left behind); the child holds
-  one model per slot whose parameters *are* that slot's tensors, so no weights travel per step;
-* per step the trainer sends the batch, the version it trains and which slot holds each older
-  version; the child runs the same :func:`~molt_core.train.version_history.stale_absdiff` over the
-  same micro-batches, autocast and thread count as the trainer
-  (:func:`molt_core.train.forward.recompute_logprobs`) and sends back the ``[N]`` float64
-  differences and their rows -- bit-identical to the check run in line
-  (tests/test_onpolicy_consistency.py). The trainer takes them before its optimizer step, so
-  a NaN / ``+inf`` recompute here refuses its rollouts exactly as in line
-  (:func:`molt_core.train.ingress.nonfinite_check`).
-
-The child is ``python -m molt_core.train.onpolicy_check`` (not a ``multiprocessing`` spawn,
-which would re-run an unguarded user script's ``__main__``); it gets the model pickled once and
-talks over its stdin / stdout with pickle. Used by :class:`molt_core.train.Trainer` for a
-one-process CPU trainer with no images and no routing replay
-(:meth:`molt_core.train.Trainer._onpolicy_stale`); elsewhere the check stays in line. If the
-child cannot start (a model class the child cannot import, too little shared memory), the
-trainer runs the check in line and logs why, once.
+:class:`CheckProcess` runs :func:`~molt_core.train.version_history.stale_absdiff` in a child
+(``python -m molt_core.train.onpolicy_check``) over version copies in a shared-memory ring, so on a
+multi-core CPU it costs the update nothing; bit-identical to the in-line check (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -58,9 +33,8 @@ def ring_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, torch.dtyp
     """Where each state-dict entry of ``model`` lives in one slot's flat buffer.
 
     Returns:
-        ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage
-        (tied input/output embeddings) get the same offset, so they stay tied; each entry
-        starts on a 64-byte boundary. Raises nothing.
+        ``({name: (byte offset, dtype, shape)}, slot bytes)``; entries that share storage (tied
+        embeddings) get the same offset; each starts on a 64-byte boundary. Raises nothing.
     """
     layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     at: dict[tuple, int] = {}
@@ -78,9 +52,7 @@ def map_slot(path: str, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...
              nbytes: int) -> dict[str, torch.Tensor]:
     """The state dict of one ring slot: views into ``path`` mapped shared (created with
     ``nbytes`` bytes when missing), per :func:`ring_layout`.
-
-    Returns:
-        name -> CPU tensor (the layout's dtype and shape) whose storage is the mapping.
+    Returns name -> CPU tensor (the layout's dtype and shape) whose storage is the mapping.
 
     Raises:
         RuntimeError: ``path`` cannot be opened or mapped (``torch.from_file``).
@@ -100,9 +72,7 @@ def _shm_dir() -> str | None:
 
 def _reserve(path: str, nbytes: int) -> None:
     """Create ``path`` with ``nbytes`` bytes allocated now (``posix_fallocate`` where the OS has
-    it): a full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, instead of SIGBUS -- which kills
-    the trainer -- at the first write into a slot that another user of ``/dev/shm`` (Ray's
-    object store, growing with every publish) has filled meanwhile.
+    it), so a full ``/dev/shm`` is an ``OSError`` here instead of a SIGBUS at a later write.
 
     Raises:
         OSError: no room (ENOSPC), or the file cannot be created.
@@ -130,25 +100,21 @@ class CheckProcess:
     """A child process that runs the on-policy check of stale rows.
 
     Args:
-        model: the policy (pickled once to the child, which builds one copy per ring slot,
-            its parameters replaced by that slot's shared tensors).
+        model: the policy (pickled once; the child builds one copy per ring slot on its tensors).
         slots: ring slots (``async.max_staleness + 1``).
-        micro_batch_size: rows per forward (``trainer.micro_batch_size``: the trainer's split).
-        compute_dtype: the forwards' autocast dtype (``torch.float32``: none).
-        threads: torch threads of the child (the trainer's ``torch.get_num_threads()``, so its
-            kernels reduce in the same order as an in-line check's).
-        shared_prefix: the trainer's ``shared_prefix`` (the same forwards as an in-line check's).
+        micro_batch_size, compute_dtype, threads, shared_prefix: the trainer's micro-batch rows,
+            autocast dtype (``torch.float32``: none), ``torch.get_num_threads()`` and
+            ``shared_prefix``, so the child's forwards are the in-line check's.
 
     Attributes:
         ring: ``slots`` state dicts (name -> CPU tensor in shared memory) for
             :meth:`molt_core.train.version_history.VersionHistory.share`.
 
     Raises:
-        MemoryError: the ring would take more than half of the free space of ``/dev/shm``
-            (a small one is common in containers, and writing past it kills the process with
-            SIGBUS instead of raising).
-        Exception: whatever pickling the model or starting the process raises (a failure
-            inside the child is raised by :meth:`ready`).
+        MemoryError: the ring would take more than half of the free space of ``/dev/shm``, or
+            does not fit in it.
+        Exception: whatever pickling the model or starting the process raises (a failure inside
+            the child is raised by :meth:`ready`).
     """
 
     def __init__(self, model: torch.nn.Module, slots: int, micro_batch_size: int, compute_dtype: torch.dtype,
@@ -174,8 +140,7 @@ class CheckProcess:
         self.ring = [map_slot(p, layout, nbytes) for p in paths]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the trainer's imports
         # Linux: the files are unlinked at once and live on through descriptors the child inherits
-        # (it maps /proc/self/fd/N), so nothing is left in /dev/shm whoever is killed when; else
-        # the child removes them once it has mapped them (or failed to)
+        # (/proc/self/fd/N), so nothing is left whoever is killed when; else the child removes them
         fds = [os.open(p, os.O_RDWR) for p in paths] if os.path.isdir("/proc/self/fd") else []
         if fds:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -187,8 +152,7 @@ class CheckProcess:
         finally:
             for fd in fds:
                 os.close(fd)
-        # the model (more than a pipe holds) goes on a thread: the write ends only once the
-        # child, after seconds of imports, has read it, and the step that starts it goes on
+        # the model (more than a pipe holds) goes on a thread, so the step that starts it goes on
         self._sender = threading.Thread(target=self._send_start, name="molt-onpolicy-start", daemon=True,
                                         args=((blob, paths, layout, nbytes, micro_batch_size, compute_dtype, threads,
                                                shared_prefix),))
@@ -203,12 +167,11 @@ class CheckProcess:
 
     def ready(self, timeout: float = 0.0) -> bool:
         """Whether the child has mapped the ring and built its models (waiting up to ``timeout``
-        seconds for it; the trainer checks in line until then, so the child's start-up -- a
-        few seconds of imports -- never holds a step up).
+        seconds; the trainer checks in line until then).
 
         Raises:
-            RuntimeError: the child could not start (its error's text, e.g. a model class it
-                cannot import -- one defined in a script's ``__main__``) or died.
+            RuntimeError: the child could not start (its error's text, e.g. a model class defined
+                in a script's ``__main__``) or died.
         """
         if not self._ready:
             import select
@@ -254,15 +217,10 @@ class CheckProcess:
 
     def submit(self, batch: Any, version: int, slots: dict[int, int], max_rows: int,
                seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images
-        or routing) at trainer ``version``; ``slots`` maps each held older version to its ring
-        slot; ``max_rows`` and ``seed`` as :func:`stale_absdiff`'s sample. Returns a function
-        that waits for :func:`stale_absdiff`'s ``(diffs, rows)`` (``[N]`` float64, ``[N]`` long).
-
-        The ring slots read must not be written (:meth:`VersionHistory.record`) before the
-        result is taken: the ring's spare slot guarantees it for one check in flight. A check
-        whose result was never taken (its step raised, or was interrupted, after sending it) is
-        waited for here and its reply dropped, so each result is its own check's.
+        """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images or
+        routing) at trainer ``version``; ``slots``: held older version -> ring slot; ``max_rows``,
+        ``seed``: :func:`stale_absdiff`'s sample. Returns a function that waits for its ``(diffs,
+        rows)``. A check whose result was never taken is waited for here and its reply dropped.
 
         Raises:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died
@@ -313,8 +271,7 @@ def _stop(proc: subprocess.Popen, tmp: str, sender: threading.Thread, sent: thre
 
 
 class _Forwarder:
-    """What :func:`molt_core.train.forward.recompute_logprobs` reads of a one-process CPU
-    trainer with no images and no routing replay: its micro-batches, autocast and ``shared_prefix``."""
+    """What ``recompute_logprobs`` reads of a one-process CPU trainer: micro-batches, autocast, ``shared_prefix``."""
 
     device = torch.device("cpu")
     lockstep = False
@@ -357,8 +314,7 @@ class _Slots:
 
 
 def _serve(tmp: str) -> None:
-    """The child: map the ring (then remove its files, in ``tmp``), then one check per
-    message on stdin until it closes."""
+    """The child: map the ring (then remove its files, in ``tmp``), then one check per stdin message."""
     import copy
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle

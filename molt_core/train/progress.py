@@ -24,13 +24,11 @@ class _RateColumn(ProgressColumn):
 
 @contextmanager
 def step_progress(console: Console, label: str, total: int, lines: int = 10) -> Iterator[Callable[[int, str], None]]:
-    """Show the progress of ``total`` steps; yields ``update(done, info)`` (``done`` steps
-    finished so far, ``info`` a short text such as the current loss).
+    """Show the progress of ``total`` steps; yields ``update(done, info)`` (steps done; a text, e.g. the loss).
 
-    On a terminal (``console.is_terminal``): a rich bar with done/total, rate (steps/s),
-    elapsed time and ETA. Otherwise: at most ``lines`` plain lines
-    ``"<label>: <done>/<total> <info> (<rate> steps/s, ETA <s> s)"``, one each time another
-    ``total / lines`` steps are done, and one at the end.
+    On a terminal: a rich bar with done/total, rate, elapsed time and ETA. Otherwise at most
+    ``lines`` plain lines ``"<label>: <done>/<total> <info> (<rate> steps/s, ETA <s> s)"``, one per
+    ``total / lines`` steps and one at the end.
     """
     if console.is_terminal:
         cols = [TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), _RateColumn(),

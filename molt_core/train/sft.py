@@ -1,26 +1,8 @@
 """Supervised fine-tuning (SFT) on the trainer's model: the warm start before RL.
 
-A tiny model from a random init never samples a correct answer, so RL gets no reward; a
-short SFT on (prompt, completion) pairs gives it one. Examples are rendered with the same
-chat template the engine uses (``tokenizer.apply_chat_template(..., add_generation_prompt=
-True)`` for the prompt), and only the completion tokens -- the reply and its end-of-turn
-token, exactly what the engine would have to sample -- enter the loss.
-
-Loss: token-mean cross-entropy over the completion tokens of the whole batch (global token
-count, so it does not depend on the micro-batch cut), AdamW with the ``[trainer]`` betas /
-eps / weight decay at ``sft.lr``, grad-norm clip ``trainer.grad_clip``.
-
-:func:`examples_from_agent` draws examples from an agent's ``tasks("train", seed)`` (dicts
-with ``question`` / ``answer``), optionally with deliberately wrong labels (``label_noise``)
-so the warm start is imperfect and RL has something to improve.
-
-Images (vision-language models): a prompt whose user/tool messages hold image parts
-(``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``,
-:func:`molt_plugins.vision.images.image_part`) is normalized and rendered as the ledger does
-(:func:`molt_core.ledger.messages.normalize_messages`), each placeholder is expanded into the
-image's run (the modality processor's ``expand_placeholders``), and the forward gets the images'
-``pixel_values``, ``image_grid_thw`` and 3D positions (:func:`molt_core.train.forward.image_inputs`)
--- the same inputs the engine and the RL trainer give the model.
+Examples ``(messages, completion)`` are rendered with the engine's chat template and only the
+completion tokens (the reply and its end-of-turn token) enter a token-mean cross-entropy; images
+in a prompt are rendered and fed as the engine and the RL trainer do (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -70,14 +52,13 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
                    chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of one example: ``(prompt_ids, completion_ids)``.
 
-    ``prompt_ids`` is the chat template of ``messages`` with the generation prompt (what the
-    engine is given); ``completion_ids`` is the continuation of the template rendering of
-    ``messages + [assistant: completion]`` up to and including the end-of-turn token
-    (``eos_token`` / ``<|im_end|>``) -- what the engine must sample, nothing after it.
+    ``prompt_ids``: the chat template of ``messages`` with the generation prompt (what the engine
+    is given); ``completion_ids``: the rest of the rendering of ``messages + [assistant: completion]``
+    up to and including the end-of-turn token (``eos_token`` / ``<|im_end|>``).
 
     Raises:
-        ValueError: the full rendering does not start with the prompt rendering (a template
-            that rewrites earlier turns), or the completion renders to no token.
+        ValueError: the full rendering does not start with the prompt's (a template that rewrites
+            earlier turns), or the completion renders to no token.
     """
     kw = dict(chat_template_kwargs or {})
     prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
@@ -103,8 +84,7 @@ def render_example(tokenizer: Any, messages: list[dict[str, Any]], completion: s
 
 
 def _vision_processor(trainer: Any) -> Any:
-    """The trainer's vision processor (``trainer.vision_processor``), else the one of
-    ``cfg.model.path`` for a vision-language model, else None."""
+    """``trainer.vision_processor``, else a VL model's processor from ``cfg.model.path``, else None."""
     vp = getattr(trainer, "vision_processor", None)
     mod = modality()
     if vp is None and mod is not None:
@@ -115,8 +95,7 @@ def _vision_processor(trainer: Any) -> Any:
 def render_with_images(tokenizer: Any, vp: Any, messages: list[dict[str, Any]], completion: str,
                        chat_template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int], list[bytes]]:
     """:func:`render_example` for prompts that may hold images: ``(prompt_ids, completion_ids,
-    images)`` with each image's placeholder expanded into its run and ``images`` the encoded
-    bytes in token order (empty for a text prompt, whose ids are :func:`render_example`'s).
+    images)``, each placeholder expanded into its image's run, ``images`` the bytes in token order.
 
     Raises:
         ValueError: as :func:`render_example`; images for a model without a vision processor;
@@ -143,10 +122,9 @@ def _image_kwargs(model: Any, vp: Any, seqs: Sequence[tuple[list[int], list[int]
 
 
 def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch of rendered examples as ``(input_ids, labels)``, both ``[B, T]`` int64
-    (``T`` the longest ``prompt + completion``): ``input_ids`` right-padded with ``pad_id``;
-    ``labels`` equal to the completion ids at the completion positions and -100 everywhere
-    else (prompt and padding), so only completion tokens enter the loss."""
+    """One micro-batch of rendered examples as ``(input_ids, labels)``, both ``[B, T]`` int64:
+    ``input_ids`` right-padded with ``pad_id``; ``labels`` the completion ids at the completion
+    positions and -100 elsewhere, so only completion tokens enter the loss."""
     T = max(len(p) + len(c) for p, c in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), T), -100, dtype=torch.long)
@@ -159,16 +137,11 @@ def collate(seqs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
 def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
         log: Callable[[int, dict[str, float]], None] | None = None, warmup_steps: int = 0,
         lr_schedule: str = "constant") -> list[float]:
-    """Fine-tune ``trainer.model`` on ``examples`` for ``steps`` optimizer steps: all of
-    :func:`iter_sft` at once.
+    """Fine-tune ``trainer.model`` on ``examples``: all of :func:`iter_sft` at once.
+    Returns the loss of each step (floats, nats per completion token).
 
     Args:
-        log: called as ``log(step, metrics)`` after each step (``step`` 0-based; the metrics
-            of :func:`iter_sft`).
-        others: as :func:`iter_sft`.
-
-    Returns:
-        The loss of each step (floats, nats per completion token).
+        log: called as ``log(step, metrics)`` after each step (0-based). Others: as :func:`iter_sft`.
 
     Raises:
         ValueError: as :func:`iter_sft`.
@@ -188,31 +161,21 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     each step's metrics (so a caller can show progress or stop between steps).
 
     Batches of ``batch_size`` examples are drawn without replacement from a seeded shuffle
-    (reshuffled each pass); each batch is cut into micro-batches of
-    ``trainer.cfg.trainer.micro_batch_size`` rows with gradient accumulation.
-
-    Loss of a step: ``-(1/N) sum log p(y_t | y_<t, prompt)`` over the ``N`` completion tokens
-    of the batch (raw distribution, T = 1).
+    (reshuffled each pass), cut into micro-batches of ``trainer.cfg.trainer.micro_batch_size`` rows.
+    Loss: ``-(1/N) sum log p(y_t | y_<t, prompt)`` over the batch's ``N`` completion tokens (T = 1).
 
     Args:
         trainer: a :class:`molt_core.train.Trainer` (its ``model``, ``tokenizer``, ``cfg``).
-        examples: ``(messages, completion)`` pairs.
-        steps: optimizer steps (0 yields nothing).
-        batch_size: examples per step.
-        lr: peak AdamW learning rate; step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
-            lr_schedule)`` (:func:`molt_core.train.lr_factor`: linear warmup, then constant,
-            linear or cosine decay to 0 at the last step).
-        seed: shuffle seed.
-        warmup_steps: linear-warmup steps.
-        lr_schedule: ``constant``, ``linear`` or ``cosine``.
+        examples: ``(messages, completion)`` pairs. steps: optimizer steps (0 yields nothing).
+        batch_size: examples per step. seed: shuffle seed.
+        lr, warmup_steps, lr_schedule: step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
+            lr_schedule)`` (:func:`molt_core.train.lr_factor`; ``constant``, ``linear`` or ``cosine``).
 
     Yields:
-        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (loss in
-        nats per completion token, time in seconds).
+        Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats/token; s).
 
-    Side effects: before the last step's metrics are yielded, the trainer's frozen reference
-    (if any) is re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged
-    (the runtime publishes the warm-started weights as the initial policy).
+    Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
+    re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
 
     Raises:
         ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
@@ -305,17 +268,13 @@ def noisy_answer(answer: str, rng: random.Random, pool: Sequence[str] = ()) -> s
 def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0) -> list[Example]:
     """Draw ``n`` SFT examples from ``agent.tasks("train", seed)``.
 
-    Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the
-    agent would be shown: for an :class:`~molt_core.agents.Env`, its ``first_messages(task)``
-    (the ``system_prompt``, if any, and ``reset(task)`` as the user message); for a
-    :class:`~molt_core.agents.ChatAgent` that defines ``first_messages(task)`` (the messages its
-    ``run`` sends first, images included), those; otherwise ``task["question"]`` as the user
-    message. A fraction ``label_noise`` of the completions (chosen with a ``seed``-ed RNG) is
-    replaced by :func:`noisy_answer`.
+    Each task dict needs ``answer`` (the completion, ``str()``-ed). The prompt is what the agent
+    would be shown: its ``first_messages(task)`` (an :class:`~molt_core.agents.Env`, or a
+    :class:`~molt_core.agents.ChatAgent` that defines it), else ``task["question"]`` as the user
+    message. A ``label_noise`` fraction of the completions (seeded) is replaced by :func:`noisy_answer`.
 
     Raises:
-        ValueError: a task without ``answer`` (or, for a non-Env agent, without ``question``),
-            or fewer than ``n`` tasks.
+        ValueError: a task without ``answer`` (or, for a non-Env agent, ``question``); fewer than ``n`` tasks.
     """
     rng = random.Random(seed + 7919)
     out: list[tuple[list[dict[str, Any]], str]] = []
@@ -346,15 +305,12 @@ def examples_from_agent(agent: Any, n: int, seed: int, label_noise: float = 0.0)
 def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -> list[Example]:
     """SFT examples from data rows, in order. A row is either
 
-    * ``{"prompt", "completion"}`` -- ``prompt`` a string (sent as the user message) or a
-      list of chat messages, ``completion`` a string or a one-message list
-      ``[{"role": "assistant", "content": ...}]`` (TRL's prompt-completion formats); or
-    * ``{"messages": [...]}`` -- a chat; every assistant message becomes one example whose
-      prompt is the messages before it, so the loss covers all assistant turns and nothing else.
+    * ``{"prompt", "completion"}`` -- ``prompt`` a string (the user message) or chat messages,
+      ``completion`` a string or ``[{"role": "assistant", "content": ...}]`` (TRL's formats); or
+    * ``{"messages": [...]}`` -- a chat; each assistant message becomes one example whose prompt
+      is the messages before it.
 
-    A message's ``content`` is a string, or (vision-language models) a list of
-    ``{"type": "text", "text": ...}`` and ``{"type": "image_url", "image_url": {"url":
-    "data:image/png;base64,..."}}`` parts; the images are checked when rendered.
+    A ``content`` is a string or (VL models) a list of ``text`` and ``image_url`` parts.
 
     Raises:
         ValueError: a row of neither form, malformed messages, or no example at all (names
@@ -406,12 +362,8 @@ EXAMPLE_SEED_OFFSET = 17
 
 
 def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
-    """The recipe's SFT warm start on ``trainer``, all steps at once (see
-    :func:`warm_start_steps`); ``log(step, metrics)`` after each step.
-
-    Returns:
-        Per-step losses (empty when ``sft.steps == 0``).
-    """
+    """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
+    Returns per-step losses (empty when ``sft.steps == 0``)."""
     losses: list[float] = []
     for step, m in enumerate(warm_start_steps(trainer, agent)):
         losses.append(m["sft/loss"])
@@ -421,15 +373,11 @@ def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], 
 
 
 def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
-    """The recipe's SFT warm start on ``trainer``, one step per item: the rows of ``sft.data``
-    when set (:func:`examples_from_rows`, all of them, as they are; ``agent`` is not used and
-    may be None), else ``sft.n_examples`` examples from ``agent`` (seed ``run.seed + 17``,
-    ``sft.label_noise`` wrong); then
-    :func:`iter_sft` for ``sft.steps`` steps of ``sft.batch_size`` at ``sft.lr`` (shuffle
-    seed ``run.seed``). The examples are drawn at once (errors surface here, before any step).
-
-    Returns:
-        An iterator of per-step metrics (empty when ``sft.steps == 0``).
+    """The recipe's SFT warm start on ``trainer``, one step per item: :func:`iter_sft` (``sft.steps``
+    steps of ``sft.batch_size`` at ``sft.lr``, shuffle seed ``run.seed``) on the rows of ``sft.data``
+    when set (``agent`` may then be None), else on ``sft.n_examples`` examples from ``agent`` (seed
+    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step.
+    Returns an iterator of per-step metrics (empty when ``sft.steps == 0``).
 
     Raises:
         ValueError: as :func:`examples_from_agent` / :func:`examples_from_rows`, or ``sft.data``
@@ -452,14 +400,10 @@ def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = 
     """``molt sft``: warm-start the recipe's model (on ``sft.data`` rows when set, else on the
     agent's train tasks) and write it as a Hugging Face directory.
 
-    Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per
-    step: ``step``, ``sft/loss``, ``sft/tokens``, ``sft/grad_norm``, ``time/step``) and
-    ``OUT/model/`` (``save_pretrained`` + tokenizer, + image processor for a vision-language
-    model; use it as ``model.path``).
-    ``OUT`` defaults to ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``.
-
-    Returns:
-        The ``OUT/model`` path.
+    Writes ``OUT/config.toml`` (the resolved recipe), ``OUT/sft_metrics.jsonl`` (one line per step:
+    ``step`` and the metrics of :func:`iter_sft`) and ``OUT/model/`` (``save_pretrained``, tokenizer,
+    a VL model's image processor; use it as ``model.path``). ``OUT`` defaults to
+    ``runs/<recipe>-sft-<YYYYmmdd-HHMMSS>``; returns the ``OUT/model`` path.
 
     Raises:
         ValueError: ``sft.steps`` is 0, the agent cannot be built / has no answers, or

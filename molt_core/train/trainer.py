@@ -1,48 +1,8 @@
 """The single trainable actor: logprob recompute, correction, loss, optimizer, weight export.
 
-One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM`` (plain PyTorch, no
-framework wrapper). A call to :meth:`Trainer.train_step` turns a list of finished
-:class:`~molt_core.types.Trajectory` objects into one policy update:
-
-1. **Ingress**: every action token is checked against the engine's record of what it
-   sampled (:func:`molt_core.identity.screen`; a rollout with a mismatching token is refused,
-   counted in ``invariants/tokens_retokenized``); then :func:`molt_core.train.ingress.build_batch`: rows are segments
-   (a rollout with a rewritten context has several rows sharing one reward), right-padded;
-   per-token lengths, sampled-token spans and token ids are re-checked, and each row points at
-   its rollout, each rollout at its group (one reward per rollout).
-2. **Recompute**: the log-probability of every sampled token under the current weights
-   (the *proximal* policy), through :func:`molt_core.sampling.processed_logprobs` with the
-   temperature / top-k / top-p of the span that sampled it -- the transform the engine used,
-   so with identical weights the importance ratio is exactly 1 (forward consistency,
-   B08/B09). A separate no-grad pass, or -- with one PPO epoch, where the proximal policy is
-   the policy being differentiated -- the loss forward itself (``lp.detach()``, bit-identical;
-   see :meth:`Trainer.fused_recompute_ok`).
-3. **Correction** (:func:`molt_core.algo.correction.staleness_gate`, once per step, then
-   :func:`~molt_core.algo.correction.correct`): the staleness gate
-   and per-token importance weights -- the single policy-version site.
-4. **Advantages** (the registered estimator, :func:`molt_core.train.algorithms.compute_advantages`).
-5. **Update**: micro-batches of ``trainer.micro_batch_size`` rows with gradient
-   accumulation; the policy loss of each micro-batch is already normalised by the *global*
-   action-token count of the optimizer step, so micro-batch losses are summed (B15);
-   optional KL to a frozen reference as a loss term or a per-token reward; AdamW, global
-   grad-norm clip, LR warmup + constant/linear/cosine schedule; ``ppo_epochs`` passes; then
-   ``version += 1`` (the :class:`~molt_core.types.PolicyVersion` the next publish carries).
-   For ``gae`` a critic (:class:`ValueModel`) gives the values and is updated alongside.
-
-The jobs live in their own modules; :class:`Trainer` orchestrates them:
-:mod:`~molt_core.train.ingress` (rollouts -> :class:`Batch`), :mod:`~molt_core.train.forward`
-(logprob forwards), :mod:`~molt_core.train.update` (LR schedule, policy loss, optimizer),
-:mod:`~molt_core.train.critic` (GAE critic), :mod:`~molt_core.train.metrics` (the step's metrics),
-:mod:`~molt_core.train.checkpoint`; MoE routing replay (R3) is a routing tool's
-(:attr:`Trainer.routing`, hook ``molt_register_routing_tools``).
-
-Checkpoints (:meth:`Trainer.save_checkpoint`, :mod:`molt_core.train.checkpoint`) are Hugging Face-loadable directories
-(``save_pretrained``, safetensors, tokenizer) plus optimizer, scheduler, RNG states, step,
-version and the caller's data cursor, written atomically (temp dir + rename) and pruned to
-``checkpoint.keep``.
-
-Dropout is disabled (the model stays in ``eval()`` mode while training): an importance ratio
-is only exactly 1 on-policy if the recompute and the loss forward are the same function.
+One :class:`Trainer` owns one Hugging Face ``AutoModelForCausalLM``; :meth:`Trainer.train_step` turns
+finished :class:`~molt_core.types.Trajectory` objects into one policy update (docs/architecture.md) and
+``version += 1``. The jobs live in the sibling modules (ingress, forward, update, critic, metrics, checkpoint).
 """
 
 from __future__ import annotations
@@ -83,35 +43,26 @@ class Trainer(OnPolicyChecks):
     """The single trainable actor (policy, optional frozen reference, optimizer, schedule).
 
     Args:
-        cfg: the run configuration (sections ``model``, ``trainer``, ``algo``,
-            ``correction``, ``async``, ``checkpoint``, ``run``).
-        model: a causal LM whose ``forward(input_ids=...)`` returns an object with
-            ``.logits`` ``[B, T, V]``; loaded with ``molt_core.models.load_model`` from
-            ``cfg.model`` when None.
-        tokenizer: saved with checkpoints; loaded with ``molt_core.models.load_tokenizer``
-            when None and ``model`` is None.
-        ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0`` a
-            frozen copy of the initial policy is made (:meth:`reset_reference` re-snapshots
-            it, e.g. after an SFT warm start).
-        replay_backend: the MoE routing-replay backend to use instead of the one registered
-            for the model type (``molt_register_replay_backends``).
+        cfg: the run configuration.
+        model: a causal LM whose ``forward(input_ids=...)`` returns ``.logits`` ``[B, T, V]``;
+            loaded from ``cfg.model`` (``molt_core.models.load_model``) when None.
+        tokenizer: saved with checkpoints; loaded from ``cfg.model`` when None and ``model`` is None.
+        ref_model: frozen reference for the KL term; when None and ``algo.kl_coef > 0``, a frozen
+            copy of the initial policy (:meth:`reset_reference` re-snapshots it).
+        replay_backend: the MoE routing-replay backend to use instead of the model type's registered one.
 
     Attributes:
-        version: the policy version of the current weights (0 = initial; +1 per
-            :meth:`train_step` that updated them).
+        version: the policy version of the current weights (0 = initial; +1 per update).
         step: optimizer steps taken (the LR schedule position).
 
-    With ``algo.advantage = "gae"`` a critic (:class:`ValueModel`, a copy of the policy's
-    decoder with a scalar head) is trained alongside, with its own AdamW at
-    ``trainer.critic_lr``; with LoRA the critic copies the plain decoder (no adapter) and trains
-    all of its weights.
+    With ``algo.advantage = "gae"`` a critic (:class:`ValueModel`) is trained alongside with its own
+    AdamW at ``trainer.critic_lr``; with LoRA it copies the plain decoder and trains all its weights.
 
     Raises:
-        ValueError: a bad option combination (KL as reward with a sequence-level estimator,
-            ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy;
-            ``model.routing_replay`` with no replay backend for the MoE model's type;
-            :class:`~molt_core.config.ConfigError`: ``model.routing_replay`` for an MoE model
-            and no routing tool loaded).
+        ValueError: ``trainer.betas`` not of length 2, GAE on a model without a decoder to copy,
+            ``model.routing_replay`` with no replay backend for the MoE model's type.
+        ConfigError: an estimator / loss option refused by :func:`resolve_algorithms`, or
+            ``model.routing_replay`` for an MoE model and no routing tool loaded.
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None,
@@ -185,8 +136,7 @@ class Trainer(OnPolicyChecks):
         self.history = VersionHistory(cfg.async_.history_versions)
         self._check_proc: Any = None  # the on-policy check's process (CheckProcess), started on first use
         self._check_proc_failed = False
-        #: the MoE routing tool (R3 record / replay / metrics, :func:`molt_core.models.routing_tool`)
-        #: serving the policy, None for a dense one; it keeps its state on this trainer
+        #: the MoE routing tool (R3 record / replay / metrics) of the policy, None for a dense one
         self.routing = routing_tool(self.model, cfg.plugins, cfg.model.routing_replay)
         self.replay_backend: Any = None  # set by the routing tool when it replays
         self._routing_used: dict[int, torch.Tensor] = {}  # first row -> the selection its forward used
@@ -194,8 +144,7 @@ class Trainer(OnPolicyChecks):
             self.routing.init_trainer(self, replay_backend)
         #: take proximal logprobs from the loss forward when :meth:`fused_recompute_ok`
         self.fuse_recompute = True
-        #: forwards run a prompt prefix the rows share once (:func:`molt_core.train.forward.shared_prefix`);
-        #: a checkpointed layer drops the KV cache the rest of the rows would read
+        #: forwards run a shared prompt prefix once (not with checkpointing: a layer drops the KV cache)
         self.shared_prefix = cfg.trainer.shared_prefix and not cfg.trainer.gradient_checkpointing
         #: ``[saved, total]`` token positions of the loss forwards while an update runs, else None
         self.prefix_stats: list[int] | None = None
@@ -203,19 +152,16 @@ class Trainer(OnPolicyChecks):
     # -- data-parallel seams, overridden by a trainer backend's subclass (molt_register_trainer_backends) --
     #: the trainer backend of a sharded rank (its checkpoint loaders); None: one process
     backend: Any = None
-    #: every process runs the same forwards/backwards (FSDP2 collectives): a micro-batch with
-    #: nothing to train still runs its forward and a zero backward
+    #: every process runs the same forwards/backwards (FSDP2 collectives), zero ones included
     lockstep = False
-    #: the on-policy check of stale rows may run in a process of its own beside the update
-    #: (:meth:`_onpolicy_stale`, CPU only); a sharded trainer's forwards are collectives, kept in order
+    #: the on-policy check may run in its own process (CPU only); not a sharded trainer's collectives
     overlap_onpolicy_check = True
 
     def _shard(self) -> None:
         """Shard the models across processes, before the optimizers see the parameters."""
 
     def _work(self, batch: Batch, model: torch.nn.Module | None = None) -> list[tuple[slice, bool]]:
-        """Micro-batches this process runs, ``(rows, real)``: all rows, all real (a sharded
-        trainer: its share, then stand-ins with ``real`` False)."""
+        """Micro-batches this process runs as ``(rows, real)`` (sharded: its share, then stand-ins)."""
         return [(rows, True) for rows in self._micro_batches(batch)]
 
     def _combine_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,28 +178,18 @@ class Trainer(OnPolicyChecks):
         gn = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         return float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
 
-    # -- reference ------------------------------------------------------------------------
     def reset_reference(self) -> None:
-        """Make the frozen reference a copy of the current policy weights (no grad); with
-        an adapter (LoRA), the adapter's reference: the policy with its adapter disabled."""
+        """Make the frozen reference a copy of the current policy (no grad); with an adapter
+        (LoRA), the adapter's reference (the policy with its adapter disabled)."""
         if self.adapter is not None:
             self.ref_model = self.adapter.reference(self.model)
             return
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
-    # -- forwards (molt_core.train.forward), R3 (the routing tool) ----------------------------
     def autocast(self) -> Any:
-        """The mixed-precision context of every forward: ``torch.autocast`` to
-        ``model.dtype`` (bfloat16 / float16) on the trainer's device; a no-op for float32.
-
-        Mixed precision as verl (FSDP ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``
-        over fp32 parameters), OpenRLHF (DeepSpeed bf16: bf16 compute, fp32 master weights in
-        the optimizer) and the Hugging Face Trainer (``bf16=True``: fp32 parameters, autocast)
-        do it: parameters, gradients and AdamW moments stay float32; matmuls run in the
-        compute dtype on weights rounded to it -- the weights the engine gets
-        (:meth:`molt_core.runtime.workers.TrainerWorker.weights` casts to ``engine.dtype``).
-        float16 has no loss scaling here (bfloat16 is the supported low precision).
-        """
+        """The mixed-precision context of every forward: ``torch.autocast`` to ``model.dtype``
+        (bfloat16 / float16) on the trainer's device, a no-op for float32. Parameters, gradients
+        and AdamW moments stay float32 (docs/architecture.md); float16 has no loss scaling here."""
         enabled = self.compute_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self.compute_dtype if enabled else None, enabled=enabled)
 
@@ -263,9 +199,8 @@ class Trainer(OnPolicyChecks):
 
     def recompute_logprobs(self, batch: Batch, model: torch.nn.Module | None = None,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[B, T]`` float32 (CPU) of the batch's sampled tokens under ``model``
-        (default: the policy), no grad, and the entropy when ``with_entropy``:
-        :func:`molt_core.train.forward.recompute_logprobs`."""
+        """:func:`molt_core.train.forward.recompute_logprobs` under ``model`` (default: the policy):
+        ``[B, T]`` float32 (CPU) logprobs, no grad, and the entropy when ``with_entropy``."""
         return recompute_logprobs(self, batch, model if model is not None else self.model, with_entropy)
 
     def _routing(self, model: torch.nn.Module, batch: Batch, rows: slice, T: int):
@@ -276,7 +211,6 @@ class Trainer(OnPolicyChecks):
         """The routing tool's R3 metrics, ``{}`` for a dense policy (a sharded trainer merges ranks first)."""
         return self.routing.metrics(self, batch, prox, noreplay) if self.routing is not None else {}
 
-    # -- critic (GAE): molt_core.train.critic ------------------------------------------------
     def critic_values(self, batch: Batch) -> torch.Tensor:
         """The critic's values ``[B, T]`` float32 (CPU) before the update: :func:`molt_core.train.critic.critic_values`."""
         return critic_values(self, batch)
@@ -285,32 +219,23 @@ class Trainer(OnPolicyChecks):
         mb = self.cfg.trainer.micro_batch_size
         return [slice(i, min(i + mb, batch.size)) for i in range(0, batch.size, mb)]
 
-    # -- the RL step ----------------------------------------------------------------------
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One policy update from ``trajectories``; returns the step's metrics.
 
-        Failed trajectories are skipped. Ingress refuses, one rollout at a time (the rest of
-        the step trains): a malformed rollout (:func:`molt_core.train.ingress.refuse_malformed`:
-        e.g. sampled tokens without a sampled span, misaligned fields, an id out of the
-        vocabulary; ``ingress/refused_malformed``, ``ingress/refused_no_span``), a rollout
-        whose action tokens differ from the engine's record, and -- with
-        ``trainer.refuse_unverified`` (default) -- one whose action tokens carry no engine
-        record (:func:`molt_core.identity.screen`); a rollout with a non-finite logprob, at
-        ingress or from any recompute of the trainer before its optimizer step (the step is then
-        redone on the rest), current-version and stale tokens alike (:meth:`_step`). When ingress
-        refuses every ok rollout, or the gate drops every sequence, no optimizer step is taken,
-        ``version`` and ``step`` stay, and ``train/skipped`` is 1.
+        Failed trajectories are skipped. Ingress refuses bad rollouts one at a time and the rest
+        trains (:func:`molt_core.train.ingress.admit`); a non-finite logprob from any recompute before
+        the optimizer step refuses its rollout too (the step is redone on the rest). With nothing
+        left, or every sequence gated, no step is taken and ``train/skipped`` is 1.
 
         Args:
             trajectories: finished, scored rollouts (see :func:`build_batch`).
 
         Returns:
-            ``dict[str, float]``: the metrics listed in :mod:`molt_core.train.metrics` (ingress,
-            invariants, correction, loss, KL, entropy, counts, timings).
+            ``dict[str, float]``: the step's metrics (:mod:`molt_core.train.metrics`).
 
         Raises:
-            IngressError: a step-level fault :func:`build_batch` still finds after the
-                per-rollout refusals (in practice none: each check is made per rollout first).
+            IngressError: a step-level fault :func:`build_batch` still finds after the per-rollout
+                refusals (in practice none).
         """
         cfg = self.cfg
         t_start = time.perf_counter()
@@ -358,10 +283,8 @@ class Trainer(OnPolicyChecks):
         fused = self.fused_recompute_ok(batch)
         t0 = time.perf_counter()
         ref_lp = self.recompute_logprobs(batch, model=self.ref_model)[0] if self.ref_model is not None else None
-        # a sampled token outside the reference's top-k / top-p support (reference logprob -inf):
-        # no finite KL exists for it; it is left out of the KL term (loss, reward and metric) and
-        # counted in kl/ref_out_of_support_frac, with a finite stand-in so no inf/NaN reaches
-        # the loss or its gradient
+        # a sampled token outside the reference's support (logprob -inf) has no finite KL: left out
+        # of the KL term and counted, with a finite stand-in so no inf/NaN reaches the loss
         kl_keep = mask
         if ref_lp is not None:
             nonfinite_check(ref_lp, batch, "the reference recompute")
@@ -471,19 +394,12 @@ class Trainer(OnPolicyChecks):
         return metrics
 
     def fused_recompute_ok(self, batch: Batch | None = None) -> bool:
-        """Whether this step can take the proximal logprobs from the loss forward itself.
-
-        With one PPO epoch the proximal policy *is* the policy being differentiated, so the
-        separate no-grad recompute pass is skipped and ``lp.detach()`` of the loss forward
-        (same weights, same micro-batches: bit-identical) serves as the proximal logprobs.
-        Needs: ``ppo_epochs == 1``; no estimator that needs them before the loss
-        (one naming ``student_logprobs``: ``on_policy_distill``; KL as reward); and a loss-token count that does not depend
-        on them (not ``is_mode = "mask"``, which can reject tokens -- out-of-support ones at
-        every level, ``off`` included). ``fuse_recompute = False``
-        on the instance forces the separate pass. With ``batch`` given, also not for
-        seq/geo weights when a rollout has several rows (its weight needs every row's proximal
-        logprobs, which one micro-batch's forward may not hold).
-        """
+        """Whether this step can take the proximal logprobs from the loss forward itself: with one
+        PPO epoch the proximal policy *is* the policy being differentiated, so ``lp.detach()`` of the
+        loss forward (bit-identical) replaces the no-grad recompute. Needs ``ppo_epochs == 1``; no
+        estimator needing them before the loss (``on_policy_distill``, KL as reward); not ``is_mode =
+        "mask"`` (its token count depends on them); with ``batch``, not seq/geo weights when a rollout
+        has several rows. ``fuse_recompute = False`` forces the separate pass."""
         cfg = self.cfg
         multi_row = batch is not None and bool((torch.bincount(batch.rollout_index) > 1).any())
         return (self.fuse_recompute and cfg.trainer.ppo_epochs == 1
@@ -492,32 +408,27 @@ class Trainer(OnPolicyChecks):
                 and not (cfg.algo.kl_as_reward and self.ref_model is not None)
                 and cfg.correction.is_mode != "mask")
 
-    # -- weights out ----------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's state dict (name -> tensor) for ``engine.load_weights(state, version)``.
 
-        The tensors are the live parameters (no copy): an engine must copy them (as
-        ``load_state_dict`` does) before the next :meth:`train_step` changes them in place.
-        With an adapter (LoRA): its merged weights under the base model's names.
+        The tensors are the live parameters: an engine must copy them (as ``load_state_dict`` does)
+        before the next :meth:`train_step`. With an adapter (LoRA): merged, under the base names.
         """
         if self.adapter is not None:
             return self.adapter.merged_state_dict(self.model)
         return self.model.state_dict()
 
     def publish(self, engines: Iterable[Any]) -> int:
-        """Call ``engine.load_weights(self.weights(), self.version)`` on each engine; returns
-        the version published."""
+        """``engine.load_weights(self.weights(), self.version)`` on each engine; returns the version."""
         state = self.weights()
         for e in engines:
             e.load_weights(state, self.version)
         return self.version
 
-    # -- checkpoints (molt_core.train.checkpoint) -------------------------------------------
     def save_checkpoint(self, run_dir: str | Path, data_cursor: dict[str, Any] | None = None) -> Path:
         """Write this trainer's checkpoint: :func:`molt_core.train.checkpoint.save_checkpoint`."""
         return save_checkpoint(self, run_dir, data_cursor)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore this trainer: :func:`molt_core.train.checkpoint.load_checkpoint`; returns the
-        saved data cursor."""
+        """Restore this trainer (:func:`molt_core.train.checkpoint.load_checkpoint`); returns the data cursor."""
         return load_checkpoint(self, path)

@@ -19,10 +19,9 @@ __all__ = ["in_support", "lr_factor", "merge_loss_metrics", "policy_update"]
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
     """Multiplier of the base LR for optimizer step ``step`` (0-based).
 
-    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (the first
-    step is not wasted at LR 0). After it, with ``p = (step - warmup) / max(1, total - warmup)``
-    clamped to [0, 1]: ``constant`` -> 1; ``linear`` -> ``1 - p``; ``cosine`` ->
-    ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, without restarts).
+    Warmup is linear, ``(step + 1) / warmup_steps`` for ``step < warmup_steps`` (no step at LR 0);
+    then, with ``p = (step - warmup) / max(1, total - warmup)`` clamped to [0, 1]: ``constant`` 1,
+    ``linear`` ``1 - p``, ``cosine`` ``0.5 (1 + cos(pi p))`` (Loshchilov & Hutter 2017, SGDR, no restarts).
 
     Raises:
         ValueError: unknown schedule.
@@ -46,30 +45,22 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                   ) -> tuple[dict[str, float], torch.Tensor | None, torch.Tensor | None]:
     """``ppo_epochs`` optimizer steps of ``trainer``'s policy over the batch's micro-batches.
 
-    Per micro-batch: the registered loss, :func:`molt_core.train.algorithms.policy_loss` (normalised by the step's
-    ``num_tokens``, so micro-batch losses sum, B15) plus ``kl_coef *``
-    :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip
-    and one optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``,
-    ``out_of_support`` are ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
+    Per micro-batch: the registered loss (:func:`molt_core.train.algorithms.policy_loss`,
+    normalised by the step's ``num_tokens``, so micro-batch losses sum) plus ``kl_coef *``
+    :func:`molt_core.algo.kl.kl_loss` when KL is a loss term; then global grad-norm clip and one
+    optimizer step per epoch. ``prox``, ``weights``, ``ref_lp``, ``adv``, ``out_of_support`` are
+    ``[B, T]`` float32 / bool (CPU), ``train_mask`` ``[B, T]`` bool.
 
-    With ``correct`` given (fused recompute), the proximal logprobs and IS weights of each
-    micro-batch come from its own loss forward in epoch 0 via ``correct(prox_mb, rows)``;
-    otherwise ``weights`` and ``out_of_support`` (``[B, T]``) come from the correction.
-    ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers (not the
-    ones outside the reference's support). ``before_step(prox)`` runs once, after epoch 0's
-    backwards and before the first optimizer step, with the fused ``[B, T]`` proximal
-    logprobs (every row filled; None when not fused): whatever it raises leaves the weights
-    untouched (the trainer's non-finite check, :func:`molt_core.train.ingress.nonfinite_check`;
-    a fused NaN / ``+inf`` reaches the correction as ``-inf`` until then).
+    With ``correct`` given (fused recompute), each micro-batch's proximal logprobs and IS weights come from
+    its own epoch-0 loss forward via ``correct(prox_mb, rows)``; otherwise from ``weights`` and
+    ``out_of_support``. ``kl_keep`` (``[B, T]`` bool, None: all) marks the tokens the KL term covers.
+    ``before_step(prox)`` runs once, after epoch 0's backwards and before the first optimizer step, with the
+    fused ``[B, T]`` proximal logprobs (None when not fused): whatever it raises leaves the weights untouched.
 
-    Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token (``train_mask``) --
-    in a later epoch, under weights this update moved -- is no more out of support than the
-    recompute's: it is kept out of that epoch's backward, and at the epoch's end (every
-    process alike: the rows are combined) the weights and AdamW state go back to what they
-    were before the first optimizer step and
-    :class:`~molt_core.train.ingress.NonFiniteLogprobs` is raised (the trainer refuses the
-    rollouts and redoes the step). With ``ppo_epochs > 1`` that costs one copy, on CPU, of
-    this process's trainable parameters and AdamW state per step.
+    Not fused, a loss forward's NaN / ``+inf`` logprob on a trained token in a later epoch is kept
+    out of that epoch's backward; at the epoch's end the weights and AdamW state are restored to
+    before the first optimizer step (a CPU copy per step when ``ppo_epochs > 1``) and
+    :class:`~molt_core.train.ingress.NonFiniteLogprobs` is raised.
 
     Returns:
         ``(loss metrics averaged over epochs, prox [B, T] or None, entropy [B, T] or None)``
@@ -113,11 +104,9 @@ def policy_update(trainer: Any, batch: Batch, prox: torch.Tensor | None, weights
                 w, oos = c.weights, c.out_of_support
             else:
                 w, oos = weights[rows, :T], out_of_support[rows, :T]
-            # an out-of-support token (logprob -inf) stays out of the gradient: weight 0,
-            # finite stand-ins so no NaN reaches backward; it still counts in num_tokens
-            # under trunc/clip (a weight-0 token), see correction.correct. A later PPO epoch
-            # can push a token out of the current support too: same treatment (a NaN / +inf
-            # one too until the epoch's end, where ``bad`` refuses its rollout).
+            # an out-of-support token (logprob -inf) stays out of the gradient (weight 0, finite
+            # stand-ins so no NaN reaches backward) but counts in num_tokens under trunc/clip; a
+            # later epoch may push a token out of support too (a NaN / +inf one: ``bad`` refuses it)
             oos = oos.to(dev) | ~torch.isfinite(lp.detach())
             m = train_mask[rows, :T].to(dev) & ~oos
             lp = torch.where(oos, torch.zeros((), device=dev), lp)
@@ -160,8 +149,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(trainer: Any) -> list[tuple[Any, torch.Tensor, dict[str, Any]]]:
-    """``(parameter, its values, its optimizer state)`` of each of ``trainer.params``, copied
-    to CPU (this process's shards), for :func:`_restore`."""
+    """``(parameter, values, optimizer state)`` of ``trainer.params``, copied to CPU, for :func:`_restore`."""
     def cpu(v: Any) -> Any:
         return _local(v.detach()).to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
 
@@ -171,8 +159,7 @@ def _snapshot(trainer: Any) -> list[tuple[Any, torch.Tensor, dict[str, Any]]]:
 
 @torch.no_grad()
 def _restore(trainer: Any, saved: list[tuple[Any, torch.Tensor, dict[str, Any]]]) -> None:
-    """Put back the parameters and optimizer state :func:`_snapshot` copied (a parameter that
-    had no state yet has none again)."""
+    """Put back the parameters and optimizer state :func:`_snapshot` copied (and no state where none was)."""
     state = trainer.optimizer.state
     for p, w, st in saved:
         _local(p.detach()).copy_(w)
@@ -186,16 +173,14 @@ def _restore(trainer: Any, saved: list[tuple[Any, torch.Tensor, dict[str, Any]]]
 
 
 def in_support(prox: torch.Tensor | None, beh: torch.Tensor, oos: torch.Tensor) -> torch.Tensor | None:
-    """``prox`` ``[B, T]`` with the behaviour logprob in place of ``-inf`` on out-of-support
-    tokens ``oos`` (``[B, T]`` bool), for consumers that need finite values (advantages, KL
-    and logprob-difference metrics over in-support tokens); None passes through."""
+    """``prox`` ``[B, T]`` with the behaviour logprob on out-of-support tokens ``oos`` (``[B, T]``
+    bool), for consumers that need finite values (advantages, KL, metrics); None passes through."""
     return None if prox is None else torch.where(oos, beh, prox)
 
 
 def merge_loss_metrics(acc: dict[str, float], mb: dict[str, float], share: float) -> None:
-    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by
-    min/max, the loss value and token count by sum, the rest (per-token means) weighted by
-    the micro-batch's ``share`` of the step's action tokens."""
+    """Fold one micro-batch's policy-loss metrics into ``acc``: ``*_min``/``*_max`` by min/max, loss
+    and token count by sum, per-token means weighted by its ``share`` of the step's action tokens."""
     for k, v in mb.items():
         v = float(v)
         if k.endswith("_min"):

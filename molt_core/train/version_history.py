@@ -1,36 +1,8 @@
 """Forward consistency on every step, async included: recompute under the behaviour version.
 
-``invariants/logprob_absdiff_max_onpolicy`` compares the engine's behaviour logprob of a
-sampled token with the trainer's logprob of the same token *under the weights that sampled
-it*. On-policy tokens (version = the trainer's current version) use the step's proximal
-logprobs. In an asynchronous run (``async.max_staleness >= 1``) most tokens were sampled by
-an older version, and their difference to the current weights mixes policy drift with
-engine/trainer mismatch; so the trainer keeps CPU copies of the last ``max_staleness``
-published versions (:class:`VersionHistory`) and recomputes the rows of each older version
-under that version's weights, in a shadow model. By default (``async.onpolicy_rows = -1``)
-every stale row is measured; ``onpolicy_rows = n > 0`` measures a uniformly random sample of
-``n`` rows per older version, drawn afresh each step (seeded by run seed and version, so a run
-is reproducible), so a fault confined to some rows is still found over a few steps. The
-difference is then a pure forward-consistency measure: 0 up to float rounding when engine and
-trainer run the same function, and it flags e.g. an engine sampling at a different
-temperature than the span records (tests/test_onpolicy_consistency.py).
-
-Cost, exactly:
-
-* host memory: one CPU copy of the weights per held version (``max_staleness`` of them);
-  tensors that share storage (tied input/output embeddings) are copied once
-  (:meth:`VersionHistory.nbytes`); with the check process below, ``max_staleness + 1``
-  copies in shared memory (``/dev/shm``: the ring's spare slot takes the next version while
-  the process reads the others), plus that process (~270 MB of private memory: an interpreter
-  with torch imported; tiny Qwen3 on CPU);
-* accelerator memory: the shadow model -- a deep copy of the policy on the trainer's device
-  (a second full copy of the weights there), built on the first stale recompute and kept for
-  the run (loading a version into it is a host-to-device copy, no new allocation);
-* time, counted in ``time/onpolicy_check``: the copy of the weights at each step and, per
-  step, one extra no-grad forward over the measured rows of each older version in the batch
-  -- which a one-process CPU trainer runs in a child process beside the update
-  (:mod:`molt_core.train.onpolicy_check`; the copies then live in shared memory,
-  :meth:`VersionHistory.share`), so only the wait for it after the update is counted there.
+``invariants/logprob_absdiff_max_onpolicy`` compares a token's behaviour logprob with the trainer's
+*under the weights that sampled it*: the proximal logprobs for current-version tokens, else a recompute
+under CPU copies of the last ``max_staleness`` versions (:class:`VersionHistory`; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -45,18 +17,9 @@ import torch
 __all__ = ["ONPOLICY_ABSDIFF_TOL", "VersionHistory", "onpolicy_metrics", "sample_rows", "select_rows",
            "stale_absdiff", "storage_key"]
 
-#: Documented bound (nats) of ``invariants/logprob_absdiff_max_onpolicy`` per compute dtype
-#: (``model.dtype`` of the trainer = ``engine.dtype``) when engine and trainer run the same weights:
-#: float32 -- rounding only (tiny Qwen3, CPU: < 1e-6 for the vLLM and transformers engines);
-#: bfloat16 -- 8 mantissa bits (relative step 2^-8): a logit of size ~10 moves by ~0.04 in one
-#: rounding, and a bf16 engine (bf16 activations end to end) and the trainer's bf16 autocast
-#: (norms and softmax in fp32) round differently. Measured on the tiny Qwen3 with bf16 on CPU
-#: (tests/test_bf16.py): max 0.027, mean 0.0089. A reading above the bound means the engine and
-#: the trainer disagree on the weights or the forward, not rounding. The converse does not hold
-#: in bf16: a fault smaller than the rounding stays under the bound. An engine one publish behind
-#: (it kept version v's weights but stamped v + 1) read 1.26 after an lr-1e-3 step, but 0.040 at
-#: lr 1e-5 and 0.023 at lr 1e-6 (recipes/examples/gpu_qwen3.toml's lr) -- under 0.1, where the
-#: float32 bound flags the same fault (0.042 / 0.0042 > 1e-4; review 14, tiny Qwen3 on CPU).
+#: Documented bound (nats) of ``invariants/logprob_absdiff_max_onpolicy`` per compute dtype when
+#: engine and trainer run the same weights: float32 rounding only; bfloat16 rounds a logit of ~10 by
+#: ~0.04. A reading above it means engine and trainer disagree (measurements: docs/architecture.md).
 ONPOLICY_ABSDIFF_TOL = {"float32": 1e-4, "bfloat16": 0.1}
 
 
@@ -67,15 +30,13 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 
 class VersionHistory:
-    """CPU copies of the weights of the last ``keep`` policy versions, and one shadow model
-    to run a forward under any of them.
+    """CPU copies of the last ``keep`` policy versions' weights, and a shadow model to run them.
 
     Args:
         keep: how many versions to hold (``async.max_staleness``; 0 holds none).
 
     Attributes:
-        shadow: the model the weights are loaded into (a deep copy of the policy, built on the
-            first :meth:`load`), or None.
+        shadow: the deep copy of the policy the weights are loaded into (built by :meth:`load`), or None.
     """
 
     def __init__(self, keep: int) -> None:
@@ -91,10 +52,8 @@ class VersionHistory:
     def record(self, version: int, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights (CPU) as policy ``version``; keep only the newest ``keep``.
 
-        Call it with the weights the engines received as ``version`` -- in the trainer, just
-        before the optimizer step that turns them into ``version + 1``. State-dict entries that
-        are views of the same storage (tied weights, e.g. ``lm_head.weight`` and
-        ``embed_tokens.weight``) are copied once and share the copy.
+        Call it with the weights the engines received as ``version``: in the trainer, just before
+        the optimizer step that turns them into ``version + 1``. Tied entries are copied once.
         """
         if self.keep == 0:
             return
@@ -121,13 +80,10 @@ class VersionHistory:
             del self._states[old]
 
     def share(self, ring: list[dict[str, torch.Tensor]]) -> None:
-        """From now on keep the copies in ``ring``: ``keep + 1`` state dicts (same keys as the
-        model's) whose tensors another process maps too (shared memory,
-        :class:`molt_core.train.onpolicy_check.CheckProcess`), so it can read a version without
-        it being sent; :meth:`slots` says which slot holds which version. :meth:`record`
-        writes a new version into the slot no held version uses, so a reader of the held
-        versions is safe until the next :meth:`record`. Versions held before the call are
-        copied into the ring.
+        """From now on keep the copies in ``ring``: ``keep + 1`` state dicts whose tensors another
+        process maps too (:class:`molt_core.train.onpolicy_check.CheckProcess`); :meth:`slots` says
+        which slot holds which version. :meth:`record` writes into the slot no held version uses, so
+        a reader of the held versions is safe until the next :meth:`record`. Held versions are copied in.
 
         Raises:
             ValueError: ``ring`` does not have ``keep + 1`` slots (``keep`` 0 holds nothing).
@@ -179,8 +135,7 @@ class VersionHistory:
 
 
 def select_rows(batch, rows: torch.Tensor):
-    """The :class:`~molt_core.train.Batch` restricted to ``rows`` (``[N]`` long); rewards and
-    groups are kept whole (only the per-row fields are indexed)."""
+    """The :class:`~molt_core.train.Batch` restricted to ``rows`` (``[N]`` long); rewards, groups kept whole."""
     per_row = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)
                if f.name in ("input_ids", "mask", "behaviour_logprobs", "versions", "param_ids", "lengths",
                              "rollout_index", "teacher_logprobs", "routed_experts")
@@ -191,9 +146,8 @@ def select_rows(batch, rows: torch.Tensor):
 
 
 def sample_rows(idx: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """At most ``n`` entries of ``idx`` (``[M]`` long): all of them when ``n < 0`` or
-    ``M <= n``, else ``n`` drawn uniformly without replacement with ``generator`` (kept in
-    ``idx``'s order)."""
+    """At most ``n`` entries of ``idx`` (``[M]`` long): all when ``n < 0`` or ``M <= n``, else ``n``
+    drawn uniformly without replacement with ``generator``, in ``idx``'s order."""
     if n < 0 or idx.numel() <= n:
         return idx
     pick = torch.randperm(idx.numel(), generator=generator)[:n].sort().values
@@ -208,25 +162,18 @@ def stale_absdiff(batch, current_version: int, history: VersionHistory,
     version sampled, for every older version ``history`` holds.
 
     Args:
-        batch: the step's :class:`~molt_core.train.Batch` (``mask``, ``versions``,
-            ``behaviour_logprobs`` ``[B, T]``).
-        current_version: the trainer's version (its tokens are measured with the proximal
-            logprobs instead, see :func:`onpolicy_metrics`).
-        history: weights of older versions.
+        batch: the step's :class:`~molt_core.train.Batch` (``mask``, ``versions``, ``behaviour_logprobs``).
+        current_version: the trainer's version (its tokens use the proximal logprobs instead).
+        history: weights of older versions. like: the policy (template for the shadow model).
         recompute: ``recompute(sub_batch, model) -> [N, T] float32`` logprobs of the sampled
             tokens of ``sub_batch`` under ``model`` (the trainer's ``recompute_logprobs``).
-        like: the policy (template for the shadow model).
-        max_rows: rows recomputed per older version (< 0: all; 0: none; n > 0: a uniformly
-            random sample of n rows, :func:`sample_rows`).
-        generator: the random source of that sample (the trainer seeds one per step).
+        max_rows: rows recomputed per older version (< 0: all; 0: none; n > 0: a uniform sample,
+            :func:`sample_rows`, drawn with ``generator``).
 
     Returns:
-        ``(diffs, rows)``: ``[N]`` float64 absolute differences in nats -- ``inf`` for a token
-        outside the support its own version recomputes (logprob ``-inf``: a forward-consistency
-        violation, counted apart by :func:`onpolicy_metrics`), NaN where the recompute is NaN
-        or ``+inf`` (a broken forward, not out of support: the trainer refuses the rollout,
-        :func:`molt_core.train.ingress.nonfinite_check`) -- and ``[N]`` long, the batch row of
-        each.
+        ``(diffs, rows)``: ``[N]`` float64 absolute differences in nats (``inf`` for a token
+        outside the support its own version recomputes, NaN where the recompute is NaN or
+        ``+inf``: :func:`onpolicy_metrics`) and ``[N]`` long, the batch row of each.
     """
     mask, ver = batch.mask, batch.versions
     out = [torch.zeros(0, dtype=torch.float64)]
@@ -253,29 +200,21 @@ def onpolicy_metrics(current: torch.Tensor, stale: torch.Tensor) -> dict[str, fl
     measured under the version that sampled them.
 
     Args:
-        current: ``[N1]`` float, tokens sampled at the trainer's current version (behaviour vs
-            proximal).
+        current: ``[N1]`` float, current-version tokens (behaviour vs proximal).
         stale: ``[N2]`` float, tokens of older versions (:func:`stale_absdiff`).
 
-    A token whose difference is infinite (the trainer puts it outside the top-k / top-p
-    support of the very version that sampled it: logprob -inf) is a forward-consistency
-    violation with no finite size: it is counted in
-    ``invariants/onpolicy_out_of_support_tokens`` (0 when engine and trainer agree) and left
-    out of the max and mean, which stay finite. A NaN difference (a NaN or ``+inf``
-    recompute) is no measurement at all: the trainer refuses its rollout before the update
-    (``invariants/nonfinite_logprobs``, :func:`molt_core.train.ingress.nonfinite_check`), so
-    one here is an error, never an out-of-support token.
+    An infinite difference (a token outside its own version's top-k / top-p support) is counted
+    in ``invariants/onpolicy_out_of_support_tokens``, not in the max and mean. A NaN one (a NaN or
+    ``+inf`` recompute) is an error: the trainer refuses such rollouts first (``nonfinite_check``).
 
     Raises:
         ValueError: a NaN in ``current`` or ``stale``.
 
     Returns:
         ``invariants/logprob_absdiff_max_onpolicy`` and ``_mean_onpolicy`` over the finite
-        differences (NaN -- logged as null -- when no token could be measured, e.g. on the
-        first step after a resume, whose older versions are not held),
-        ``invariants/onpolicy_out_of_support_tokens``, ``invariants/onpolicy_tokens`` (tokens
-        measured, out-of-support ones included), ``invariants/onpolicy_stale_tokens`` (of
-        those, sampled by an older version).
+        differences (NaN when no token could be measured, e.g. the first step after a resume),
+        ``invariants/onpolicy_out_of_support_tokens``, ``invariants/onpolicy_tokens`` (measured,
+        out-of-support included), ``invariants/onpolicy_stale_tokens`` (of those, older versions).
     """
     d = torch.cat([current.double().flatten(), stale.double().flatten()])
     if bool(torch.isnan(d).any()):
