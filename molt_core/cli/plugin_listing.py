@@ -20,7 +20,7 @@ _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :class:`a.b.C` -> a.b.C; :class:
 
 #: kinds listed as one wrapped line of names: a name is the model family it serves, which a
 #: summary would only repeat (``molt plugins --verbose`` / ``--json`` still show each)
-NAMES_ONLY = ("tool_parsers",)
+NAMES_ONLY = ("tool_parsers", "render_windows", "builtin_models")
 
 
 def summary(obj: Any) -> str:
