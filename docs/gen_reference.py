@@ -289,6 +289,44 @@ def _schema_bounds(f: dict[str, Any]) -> str:
     return ", ".join(f"{op} {f[k]}" for k, op in marks.items() if k in f)
 
 
+#: What each of :data:`molt_core.rewards.RESERVED_KEYS` does and the values ``reward_spec`` accepts
+#: (its checks); the type and default come from :class:`molt_core.rewards.RewardSpec`.
+RESERVED_DOCS = {
+    "weight": ("finite", "Multiplies the reward's score in the rollout's total reward (`reward/NAME/mean` "
+                         "logs the unweighted score)."),
+    "timeout_s": ("> 0", "Bound on one call, in seconds; past it the call fails (`reward/NAME/failed`). A "
+                         "reward's own `molt_timeout(options)` replaces it."),
+    "isolation": ('"thread" | "process"', "Where one call runs: a fresh thread of the rollout worker, or a "
+                  "reward worker process killed at the deadline (see rewards.md). Default: the reward's own `molt_isolation`, else "
+                  "`\"thread\"`."),
+}
+
+
+def reserved_reward_rows() -> list[dict[str, str]]:
+    """One row per reserved key of a ``[rewards.NAME]`` table (:data:`molt_core.rewards.RESERVED_KEYS`):
+    type and default from the :class:`molt_core.rewards.RewardSpec` field of that name, constraints
+    and description from :data:`RESERVED_DOCS`.
+
+    Raises:
+        ReferenceError: a reserved key without an entry in :data:`RESERVED_DOCS` or a ``RewardSpec`` field.
+    """
+    import dataclasses
+
+    from molt_core import rewards
+
+    fields = {f.name: f for f in dataclasses.fields(rewards.RewardSpec)}
+    rows = []
+    for k in rewards.RESERVED_KEYS:
+        if k not in RESERVED_DOCS or k not in fields:
+            raise ReferenceError(f"reserved reward key {k!r} (molt_core.rewards.RESERVED_KEYS) has no "
+                                 f"{'RESERVED_DOCS entry in docs/gen_reference.py' if k in fields else 'RewardSpec field'}"
+                                 f": document it")
+        f = fields[k]
+        rows.append({"key": f"rewards.NAME.{k}", "type": str(f.type), "default": toml_value(f.default),
+                     "constraints": RESERVED_DOCS[k][0], "description": RESERVED_DOCS[k][1]})
+    return rows
+
+
 def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[str, Any]]]) -> str:
     """``options.md``: one table per section of ``model``, then the first-party plugins' option keys."""
     rows = walk_options(model)
@@ -324,6 +362,11 @@ def render_options(model: type[BaseModel], plugins: list[tuple[str, str, dict[st
     notes = validator_notes(model)
     if notes:
         out += ["Checked at load:", ""] + [f"- {n}" for n in notes] + [""]
+    out += ["## `[rewards.NAME]` reserved keys", "",
+            "Every `[rewards.NAME]` table (`--set rewards.NAME.KEY=VALUE`) may hold these keys, which the runtime",
+            "reads and does not pass to the reward (unless its `Options` declares the same name); the rest of",
+            "the table is the reward's options. Checked before any compute. Rewards: [rewards.md](../rewards.md).", ""]
+    out += table_head + [line(r) for r in reserved_reward_rows()] + [""]
     out += ["## Options of first-party plugins", "",
             "A plugin's options are validated by its own `Options` model, so they are set under its table:",
             "`rewards.NAME.OPTION`, `loggers.NAME.OPTION`, `agent.options.OPTION` (for the agent named by",

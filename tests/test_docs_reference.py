@@ -121,6 +121,27 @@ def test_first_party_plugin_options_are_listed(plugins, pages):
     assert "| `rewards.exact_match.strip` | bool | `true` |  |" in pages["options.md"]
 
 
+def test_every_reserved_reward_key_has_a_row(gen, pages, monkeypatch):
+    from molt_core import rewards
+
+    assert rewards.RESERVED_KEYS == ("weight", "timeout_s", "isolation")
+    rows = {r["key"]: r for r in gen.reserved_reward_rows()}
+    assert list(rows) == ["rewards.NAME.weight", "rewards.NAME.timeout_s", "rewards.NAME.isolation"]
+    assert [(r["type"], r["default"], r["constraints"]) for r in rows.values()] == [
+        ("float", "1.0", "finite"), ("float", repr(rewards.DEFAULT_TIMEOUT_S), "> 0"),
+        ("str", '"thread"', '"thread" | "process"')]
+    assert ('| `rewards.NAME.isolation` | str | `"thread"` | "thread" \\| "process" | Where one call runs'
+            in pages["options.md"])
+    # a reserved key dropped from the code: the committed page no longer matches
+    monkeypatch.setattr(rewards, "RESERVED_KEYS", ("weight", "timeout_s"))
+    assert "`rewards.NAME.isolation`" not in gen.render_options(RunConfig, [])
+    assert gen.stale({"options.md": gen.render_all()["options.md"]}, REF) == ["options.md"]
+    # a new reserved key without a description is refused by name
+    monkeypatch.setattr(rewards, "RESERVED_KEYS", ("weight", "timeout_s", "isolation", "retries"))
+    with pytest.raises(gen.ReferenceError, match="reserved reward key 'retries'"):
+        gen.render_options(RunConfig, [])
+
+
 # ---------------------------------------------------------------- hooks
 
 
