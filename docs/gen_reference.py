@@ -453,12 +453,79 @@ def render_hooks(module: Any) -> str:
 # ---------------------------------------------------------------- metrics
 
 
-def load_metrics(path: Path = METRICS_TOML) -> list[dict[str, Any]]:
-    """The metric registry: ``[[metric]]`` tables with ``key``, ``meaning``, ``clean``, ``when``
-    (``always`` or the condition), in file order.
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
+_OPERAND = rf"(?:{_NUM}|`[^`]+`)"
+_EXPR = rf"{_OPERAND}(?:\s*\*\s*{_OPERAND})*"
+
+
+def parse_clean(text: str) -> tuple[str, Any]:
+    """Parse a registry ``clean`` value (what a clean quickstart run's metrics rows read) into
+    ``(form, data)``. The grammar, where EXPR is operands joined by ``*``, an operand a number,
+    a metric of the same row in backticks (`` `step` ``) or a run option in backticks
+    (`` `trainer.lr` ``: a dotted key without ``/``)::
+
+        EXPR              exact: ("exact", expr)               e.g. 0, 1, `step`, `eval.n_problems` * `eval.k`
+        < | <= | > | >= EXPR   bound: ("bound", (op, expr))    e.g. < 1e-4
+        EXPR .. EXPR      range, inclusive: ("range", (lo, hi)) e.g. 0.5..0.8
+        EXPR ± NUMBER     range around a value: ("near", (expr, tol))
+        varies: REASON    not checked: ("varies", reason)     only where the value differs run to run
 
     Raises:
-        ReferenceError: a metric without one of those fields, or a key listed twice.
+        ReferenceError: text that is none of these (the message quotes it).
+    """
+    t = text.strip()
+    m = re.fullmatch(r"varies:\s*(\S.*)", t, re.S)
+    if m:
+        return "varies", m.group(1).strip()
+    m = re.fullmatch(rf"(<=|>=|<|>)\s*({_EXPR})", t)
+    if m:
+        return "bound", (m.group(1), _expr(m.group(2)))
+    m = re.fullmatch(rf"({_EXPR})\s*\.\.\s*({_EXPR})", t)
+    if m:
+        return "range", (_expr(m.group(1)), _expr(m.group(2)))
+    m = re.fullmatch(rf"({_EXPR})\s*±\s*({_NUM})", t)
+    if m:
+        return "near", (_expr(m.group(1)), float(m.group(2)))
+    if re.fullmatch(_EXPR, t):
+        return "exact", _expr(t)
+    raise ReferenceError(f"clean value {text!r} is not EXPR, '< EXPR' (<=, >, >=), 'EXPR..EXPR', 'EXPR ± N' "
+                         f"or 'varies: REASON' (EXPR: numbers and `metric` / `section.option` joined by *)")
+
+
+def _expr(text: str) -> list[float | str]:
+    """Operands of ``a * b * ...``: floats, and the backticked names as strings."""
+    return [x[1:-1] if x.startswith("`") else float(x) for x in re.findall(_OPERAND, text)]
+
+
+def _expr_md(expr: list[float | str]) -> str:
+    return " × ".join(f"`{x}`" if isinstance(x, str) else f"{x:g}" for x in expr)
+
+
+def clean_md(row: dict[str, Any]) -> str:
+    """The page's *clean run* text of a registry row: its parsed ``clean`` value in words, then its ``note``."""
+    form, data = parse_clean(row["clean"])
+    if form == "varies":
+        text = f"varies: {data}"
+    elif form == "exact":
+        text = ("equals " if any(isinstance(x, str) for x in data) else "") + _expr_md(data)
+    elif form == "bound":
+        text = {"<": "below", "<=": "at most", ">": "above", ">=": "at least"}[data[0]] + " " + _expr_md(data[1])
+    elif form == "range":
+        text = f"{_expr_md(data[0])} to {_expr_md(data[1])}"
+    else:
+        text = f"within {data[1]:g} of {_expr_md(data[0])}"
+    note = str(row.get("note", "")).strip()
+    return f"{text} {note}" if note else text
+
+
+def load_metrics(path: Path = METRICS_TOML) -> list[dict[str, Any]]:
+    """The metric registry: ``[[metric]]`` tables with ``key``, ``meaning``, ``clean`` (the value
+    a clean quickstart run reads, in the grammar of :func:`parse_clean`), ``when`` (``always`` or
+    the condition) and an optional ``note`` (conditions in prose, shown after the value), in file order.
+
+    Raises:
+        ReferenceError: a metric without one of those fields, an unparsable ``clean``, an unknown
+            field, or a key listed twice.
     """
     rows = tomllib.loads(path.read_text())["metric"]
     seen: set[str] = set()
@@ -466,10 +533,81 @@ def load_metrics(path: Path = METRICS_TOML) -> list[dict[str, Any]]:
         missing = [k for k in ("key", "meaning", "clean", "when") if not str(r.get(k, "")).strip()]
         if missing:
             raise ReferenceError(f"{path.name}: metric {r.get('key')!r} lacks {', '.join(missing)}")
+        extra = sorted(set(r) - {"key", "meaning", "clean", "when", "note"})
+        if extra:
+            raise ReferenceError(f"{path.name}: metric {r['key']!r} has unknown field(s) {', '.join(extra)}")
         if r["key"] in seen:
             raise ReferenceError(f"{path.name}: metric {r['key']!r} is listed twice")
+        try:
+            parse_clean(r["clean"])
+        except ReferenceError as e:
+            raise ReferenceError(f"{path.name}: metric {r['key']!r}: {e}") from None
         seen.add(r["key"])
     return rows
+
+
+def check_clean(registry: list[dict[str, Any]], rows: list[dict[str, Any]], options: dict[str, Any]) -> list[str]:
+    """Check every metric of ``rows`` (a run's ``metrics.jsonl``) against the ``clean`` value of
+    every registry entry whose key matches it; ``varies`` entries are not checked.
+
+    Args:
+        registry: :func:`load_metrics` rows.
+        rows: the run's metrics rows (dicts; ``None`` for a non-finite value).
+        options: the run's resolved config as a nested dict (``RunConfig.model_dump(by_alias=True)``),
+            for operands such as `` `trainer.lr` ``.
+
+    Returns:
+        One ``"step S: KEY = VALUE, clean run: ..."`` line per failed check (empty when all hold).
+    """
+    def option(name: str) -> Any:
+        cur: Any = options
+        for p in name.split("."):
+            if not isinstance(cur, dict) or p not in cur:
+                raise KeyError(f"no run option {name!r}")
+            cur = cur[p]
+        return cur
+
+    def value(expr: list[float | str], row: dict[str, Any]) -> float:
+        out = 1.0
+        for x in expr:
+            if isinstance(x, float):
+                v: Any = x
+            elif "." in x and "/" not in x:
+                v = option(x)
+            elif x in row:
+                v = row[x]
+            else:
+                raise KeyError(f"no metric {x!r} in the row")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise KeyError(f"{x} = {v!r} is not a number")
+            out *= v
+        return out
+
+    ops = {"<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
+    checks = [(metric_pattern(r["key"]), r, *parse_clean(r["clean"])) for r in registry]
+    bad: list[str] = []
+    for row in rows:
+        for key, v in row.items():
+            for pat, r, form, data in checks:
+                if form == "varies" or not pat.match(key):
+                    continue
+                try:
+                    if isinstance(v, bool) or not isinstance(v, (int, float)):
+                        ok = False
+                    elif form == "exact":
+                        ok = v == value(data, row)
+                    elif form == "bound":
+                        ok = ops[data[0]](v, value(data[1], row))
+                    elif form == "range":
+                        ok = value(data[0], row) <= v <= value(data[1], row)
+                    else:
+                        ok = abs(v - value(data[0], row)) <= data[1]
+                    why = ""
+                except KeyError as e:
+                    ok, why = False, f" ({e.args[0]})"
+                if not ok:
+                    bad.append(f"step {row.get('step')}: {key} = {v!r}, clean run: {r['clean']}{why}")
+    return bad
 
 
 def metric_pattern(key: str) -> re.Pattern[str]:
@@ -492,7 +630,7 @@ def render_metrics(rows: list[dict[str, Any]]) -> str:
         groups.setdefault(r["key"].split("/", 1)[0] if "/" in r["key"] else "(top level)", []).append(r)
     for g, rs in groups.items():
         out += [f"## {g}", "", "| metric | meaning | clean run | written |", "|---|---|---|---|"]
-        out += [f"| `{r['key']}` | {cell(r['meaning'])} | {cell(r['clean'])} | {cell(r['when'])} |" for r in rs]
+        out += [f"| `{r['key']}` | {cell(r['meaning'])} | {cell(clean_md(r))} | {cell(r['when'])} |" for r in rs]
         out.append("")
     return "\n".join(out).rstrip("\n") + "\n"
 

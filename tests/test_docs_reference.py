@@ -262,19 +262,68 @@ def test_registry_faults_are_flagged(gen, tmp_path):
     bad.write_text('[[metric]]\nkey = "a/b"\nmeaning = "x"\nclean = "0"\nwhen = "always"\n' * 2)
     with pytest.raises(gen.ReferenceError, match="metric 'a/b' is listed twice"):
         gen.load_metrics(bad)
+    for clean in ("about 0.5", "varies", "varies:  ", "0 on policy", "< big"):  # prose goes in `note`
+        bad.write_text(f'[[metric]]\nkey = "a/b"\nmeaning = "x"\nclean = "{clean}"\nwhen = "always"\n')
+        with pytest.raises(gen.ReferenceError, match=f"metric 'a/b': clean value '{clean}' is not EXPR"):
+            gen.load_metrics(bad)
+    bad.write_text('[[metric]]\nkey = "a/b"\nmeaning = "x"\nclean = "0"\nnotes = "y"\nwhen = "always"\n')
+    with pytest.raises(gen.ReferenceError, match="metric 'a/b' has unknown field"):
+        gen.load_metrics(bad)
 
 
-def test_a_real_run_writes_exactly_the_registered_metrics(gen, tmp_path):
-    """Two quickstart steps (in this process, no Ray): every key it writes is registered, and
-    every ``always`` metric is in every training row; the clean invariants read exactly 0."""
+def test_the_clean_grammar_parses_renders_and_checks():
+    gen = _gen()
+    assert gen.parse_clean("0") == ("exact", [0.0])
+    assert gen.parse_clean("< 1e-4") == ("bound", ("<", [1e-4]))
+    assert gen.parse_clean("0..1") == ("range", ([0.0], [1.0]))
+    assert gen.parse_clean("0.5..0.8") == ("range", ([0.5], [0.8]))
+    assert gen.parse_clean("1 ± 1e-5") == ("near", ([1.0], 1e-5))
+    assert gen.parse_clean("`eval.n_problems` * `eval.k`") == ("exact", ["eval.n_problems", "eval.k"])
+    assert gen.parse_clean(">= `eval/pass@1`") == ("bound", (">=", ["eval/pass@1"]))
+    assert gen.parse_clean("varies: machine-dependent") == ("varies", "machine-dependent")
+    md = [gen.clean_md({"clean": c, "note": n}) for c, n in [
+        ("0", "on policy"), ("`step`", ""), ("< 1e-4", "in float32"), ("0.5..0.8", ""), ("1 ± 1e-5", ""),
+        ("`a.b` * `c.d`", ""), ("varies: the wall clock", "")]]
+    assert md == ["0 on policy", "equals `step`", "below 0.0001 in float32", "0.5 to 0.8", "within 1e-05 of 1",
+                  "equals `a.b` × `c.d`", "varies: the wall clock"]
+    reg = [{"key": k, "clean": c} for k, c in [
+        ("x/zero", "0"), ("x/ref", "`step`"), ("x/bound", "< 1e-4"), ("x/range", "0..1"), ("x/near", "1 ± 1e-5"),
+        ("x/prod", "`a.n` * `a.k`"), ("y/<k>", ">= 0"), ("x/free", "varies: anything")]]
+    opts = {"a": {"n": 4, "k": 2}}
+    good = {"step": 3, "x/zero": 0.0, "x/ref": 3.0, "x/bound": 5e-5, "x/range": 1.0, "x/near": 1.000004,
+            "x/prod": 8.0, "x/free": -7.0, "y/a": 2.0, "y/b": 0.0}
+    assert gen.check_clean(reg, [good], opts) == []
+    faults = {"y/b": -1.0, "x/zero": 1e-9, "x/ref": 2.0, "x/bound": 1e-4, "x/range": 1.01, "x/near": 1.0001, "x/prod": 6.0}
+    for k, v in faults.items():
+        assert gen.check_clean(reg, [{**good, k: v}], opts) == [
+            f"step 3: {k} = {v!r}, clean run: {next(r['clean'] for r in reg if r['key'] == {'y/b': 'y/<k>'}.get(k, k))}"], k
+    assert gen.check_clean(reg, [{**good, "x/zero": None}], opts) == ["step 3: x/zero = None, clean run: 0"]
+    assert gen.check_clean(reg, [{"x/ref": 1.0}], opts) == [
+        "step None: x/ref = 1.0, clean run: `step` (no metric 'step' in the row)"]
+    assert gen.check_clean(reg, [{**good, "x/prod": 8.0}], {}) == [
+        "step 3: x/prod = 8.0, clean run: `a.n` * `a.k` (no run option 'a.n')"]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """Two quickstart steps (in this process, no Ray): ``(metrics rows, resolved options)``."""
+    import tomllib
+
     from molt_core.cli import main
 
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("docs") / "run"
     r = CliRunner().invoke(main, ["run", "quickstart", "--local", "--steps", "2", "--sft-steps", "0",
                                   "--set", "eval.n_problems=4", "--set", "rollout.prompts_per_step=4",
                                   "--out", str(out)])
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg = RunConfig.model_validate(tomllib.loads((out / "config.toml").read_text()))
+    return rows, cfg.model_dump(by_alias=True)
+
+
+def test_a_real_run_writes_exactly_the_registered_metrics(gen, real_run):
+    """Every key the run writes is registered, and every ``always`` metric is in every training row."""
+    rows, _ = real_run
     assert [x["step"] for x in rows] == [0, 1, 2]
     registry = gen.load_metrics()
     written = set().union(*rows)
@@ -283,12 +332,49 @@ def test_a_real_run_writes_exactly_the_registered_metrics(gen, tmp_path):
     for row in rows[1:]:
         assert sorted(always - set(row)) == [], f"step {row['step']}"
     assert {"eval/pass@1", "eval/reward", "eval/failed", "eval/rollouts"} <= set(rows[0]) & set(rows[2])
-    for row in rows[1:]:
-        for k in ("invariants/tokens_retokenized", "invariants/tokens_unverified", "invariants/staleness_max",
-                  "invariants/nonfinite_logprobs", "ingress/refused_rollouts", "correction/gated_frac",
-                  "rollout/failed", "train/skipped"):
-            assert row[k] == 0.0, k
-        assert row["invariants/logprob_absdiff_max_onpolicy"] < 1e-4
+
+
+# the registry's entries a quickstart run does not write (MoE, critic, distillation, SFT, named
+# rewards, pass@k for k > 1): their clean values are checked only where a run writes them
+NOT_IN_THE_QUICKSTART = [
+    "invariants/routing_flip_rate", "invariants/routing_replay_mismatch", "invariants/routing_replay",
+    "invariants/logprob_absdiff_max_noreplay", "invariants/logprob_absdiff_mean_noreplay", "routing/positions",
+    "loss/value", "distill/reverse_kl", "critic/grad_norm", "critic/value_mean", "critic/return_mean",
+    "critic/explained_variance", "reward/<name>/mean", "reward/<name>/failed", "sft/loss", "sft/tokens",
+    "sft/grad_norm", "sft/lr", "sft/loss_first", "sft/loss_last"]
+
+
+def test_every_clean_value_holds_in_a_real_run(gen, real_run):
+    """Every registered metric the run writes reads its ``clean`` value in every row (exact values,
+    bounds, ranges; ``varies`` entries excepted), and the entries it does not write are exactly the
+    listed ones -- so a ``clean`` value that names a number is checked unless no quickstart writes it."""
+    rows, options = real_run
+    registry = gen.load_metrics()
+    assert gen.check_clean(registry, rows, options) == []
+    written = set().union(*rows)
+    unwritten = [r["key"] for r in registry if not any(gen.metric_pattern(r["key"]).match(k) for k in written)]
+    assert unwritten == NOT_IN_THE_QUICKSTART
+    checked = [r["key"] for r in registry if r["key"] not in unwritten and not r["clean"].startswith("varies:")]
+    assert len(checked) == 68
+    assert rows[1]["loss/ratio_mean"] == 1.0 and rows[1]["invariants/tokens_retokenized"] == 0.0
+
+
+def test_a_wrong_clean_value_fails_against_the_real_run(gen, real_run, tmp_path):
+    rows, options = real_run
+    text = gen.METRICS_TOML.read_text()
+    for key, clean, wrong in [("loss/ratio_mean", '"1"', '"7"'), ("train/shared_prefix_frac", '"0.5..0.8"', '"0.4..0.5"'),
+                              ("train/rollouts", '"`rollout.prompts_per_step` * `rollout.n_samples_per_prompt`"',
+                               '"`rollout.prompts_per_step`"'),
+                              ("invariants/logprob_absdiff_max_onpolicy", '"< 1e-4"', '"< 1e-9"')]:
+        entry = f'key = "{key}"\n'
+        at = text.index(entry)
+        end = text.index("clean = ", at)
+        assert text[end:].startswith(f"clean = {clean}\n"), key
+        bad = tmp_path / "m.toml"
+        bad.write_text(text[:end] + f"clean = {wrong}" + text[end + len(f"clean = {clean}"):])
+        found = gen.check_clean(gen.load_metrics(bad), rows, options)
+        assert found and all(f": {key} = " in x for x in found), (key, found)
+        assert len(found) == 2, found  # steps 1 and 2
 
 
 # ---------------------------------------------------------------- the site's link hook
