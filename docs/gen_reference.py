@@ -297,7 +297,8 @@ RESERVED_DOCS = {
     "timeout_s": ("> 0", "Bound on one call, in seconds; past it the call fails (`reward/NAME/failed`). A "
                          "reward's own `molt_timeout(options)` replaces it."),
     "isolation": ('"thread" | "process"', "Where one call runs: a fresh thread of the rollout worker, or a "
-                  "reward worker process killed at the deadline (see rewards.md). Default: the reward's own `molt_isolation`, else "
+                  "reward worker process killed at the deadline (see rewards.md). Default: the reward's own "
+                  "`molt_isolation`, else "
                   "`\"thread\"`."),
 }
 
@@ -318,9 +319,8 @@ def reserved_reward_rows() -> list[dict[str, str]]:
     rows = []
     for k in rewards.RESERVED_KEYS:
         if k not in RESERVED_DOCS or k not in fields:
-            raise ReferenceError(f"reserved reward key {k!r} (molt_core.rewards.RESERVED_KEYS) has no "
-                                 f"{'RESERVED_DOCS entry in docs/gen_reference.py' if k in fields else 'RewardSpec field'}"
-                                 f": document it")
+            what = "RESERVED_DOCS entry in docs/gen_reference.py" if k in fields else "RewardSpec field"
+            raise ReferenceError(f"reserved reward key {k!r} (molt_core.rewards.RESERVED_KEYS) has no {what}: document it")
         f = fields[k]
         rows.append({"key": f"rewards.NAME.{k}", "type": str(f.type), "default": toml_value(f.default),
                      "constraints": RESERVED_DOCS[k][0], "description": RESERVED_DOCS[k][1]})

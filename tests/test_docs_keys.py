@@ -150,7 +150,8 @@ def check_names(cfg: RunConfig, host: Any, plugin_files: tuple[str, ...] = ()) -
         out.append(refused)
     for name, table in cfg.rewards.items():
         if name in known:  # a key the runtime let through (an Options that ignores extras) is still a typo
-            out += [why for sub in table if (why := reward_subkey(name, sub, host)) and f"rewards.{name}.{sub}" not in refused]
+            out += [why for sub in table
+                    if (why := reward_subkey(name, sub, host)) and f"rewards.{name}.{sub}" not in refused]
             continue
         if not plugin_files:
             out.append(f"rewards.{name}: not a registered reward and no --plugin file to register it")

@@ -293,10 +293,12 @@ def test_the_clean_grammar_parses_renders_and_checks():
     good = {"step": 3, "x/zero": 0.0, "x/ref": 3.0, "x/bound": 5e-5, "x/range": 1.0, "x/near": 1.000004,
             "x/prod": 8.0, "x/free": -7.0, "y/a": 2.0, "y/b": 0.0}
     assert gen.check_clean(reg, [good], opts) == []
-    faults = {"y/b": -1.0, "x/zero": 1e-9, "x/ref": 2.0, "x/bound": 1e-4, "x/range": 1.01, "x/near": 1.0001, "x/prod": 6.0}
+    faults = {"y/b": -1.0, "x/zero": 1e-9, "x/ref": 2.0, "x/bound": 1e-4, "x/range": 1.01, "x/near": 1.0001,
+              "x/prod": 6.0}
+    clean = {r["key"]: r["clean"] for r in reg}
     for k, v in faults.items():
         assert gen.check_clean(reg, [{**good, k: v}], opts) == [
-            f"step 3: {k} = {v!r}, clean run: {next(r['clean'] for r in reg if r['key'] == {'y/b': 'y/<k>'}.get(k, k))}"], k
+            f"step 3: {k} = {v!r}, clean run: {clean[{'y/b': 'y/<k>'}.get(k, k)]}"], k
     assert gen.check_clean(reg, [{**good, "x/zero": None}], opts) == ["step 3: x/zero = None, clean run: 0"]
     assert gen.check_clean(reg, [{"x/ref": 1.0}], opts) == [
         "step None: x/ref = 1.0, clean run: `step` (no metric 'step' in the row)"]
@@ -362,7 +364,8 @@ def test_every_clean_value_holds_in_a_real_run(gen, real_run):
 def test_a_wrong_clean_value_fails_against_the_real_run(gen, real_run, tmp_path):
     rows, options = real_run
     text = gen.METRICS_TOML.read_text()
-    for key, clean, wrong in [("loss/ratio_mean", '"1"', '"7"'), ("train/shared_prefix_frac", '"0.5..0.8"', '"0.4..0.5"'),
+    for key, clean, wrong in [("loss/ratio_mean", '"1"', '"7"'),
+                              ("train/shared_prefix_frac", '"0.5..0.8"', '"0.4..0.5"'),
                               ("train/rollouts", '"`rollout.prompts_per_step` * `rollout.n_samples_per_prompt`"',
                                '"`rollout.prompts_per_step`"'),
                               ("invariants/logprob_absdiff_max_onpolicy", '"< 1e-4"', '"< 1e-9"')]:
