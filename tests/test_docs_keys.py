@@ -207,8 +207,8 @@ def check_table_key(item: str, host: Any) -> str | None:
     a value is accepted by the recipe loader on the defaults, with registered names; else why not."""
     key = item.split("=", 1)[0].strip()
     why = resolve(key.removeprefix("~"), host)
-    if why or "=" not in item or "<" in key or _placeholder(key.split(".")[1] if "." in key else key):
-        return why
+    if why or "=" not in item or any(_placeholder(p) for p in key.split(".")):
+        return why  # a key with a placeholder (rewards.<name>=...) has no value to try
     try:
         cfg = validate_config(apply_overrides({}, [item]), source=f"--set {item}")
     except ConfigError as e:

@@ -1,5 +1,6 @@
 """docs/reference/*.md are generated from the code (docs/gen_reference.py) and cannot drift; the
-metric registry docs/metrics.toml covers every metric the source names and a real run writes."""
+metric registry docs/metrics.toml covers every metric the source names and a real run writes, and
+every clean-run value it states (exact, bound, range) holds in a real quickstart run."""
 
 from __future__ import annotations
 
