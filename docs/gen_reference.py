@@ -497,23 +497,24 @@ def _expr(text: str) -> list[float | str]:
     return [x[1:-1] if x.startswith("`") else float(x) for x in re.findall(_OPERAND, text)]
 
 
-def _expr_md(expr: list[float | str]) -> str:
-    return " × ".join(f"`{x}`" if isinstance(x, str) else f"{x:g}" for x in expr)
-
-
 def clean_md(row: dict[str, Any]) -> str:
-    """The page's *clean run* text of a registry row: its parsed ``clean`` value in words, then its ``note``."""
-    form, data = parse_clean(row["clean"])
+    """The page's *clean run* text of a registry row: its ``clean`` value in words (numbers as
+    written, ``*`` as ×), then its ``note``."""
+    form, _ = parse_clean(row["clean"])
+    t = re.sub(r"\s*\*\s*", " × ", row["clean"].strip())
     if form == "varies":
-        text = f"varies: {data}"
+        text = row["clean"].strip()
     elif form == "exact":
-        text = ("equals " if any(isinstance(x, str) for x in data) else "") + _expr_md(data)
+        text = ("equals " if "`" in t else "") + t
     elif form == "bound":
-        text = {"<": "below", "<=": "at most", ">": "above", ">=": "at least"}[data[0]] + " " + _expr_md(data[1])
+        op, rest = re.fullmatch(r"(<=|>=|<|>)\s*(.*)", t, re.S).groups()
+        text = {"<": "below", "<=": "at most", ">": "above", ">=": "at least"}[op] + " " + rest
     elif form == "range":
-        text = f"{_expr_md(data[0])} to {_expr_md(data[1])}"
+        lo, hi = re.split(r"\s*\.\.\s*", t, maxsplit=1)
+        text = f"{lo} to {hi}"
     else:
-        text = f"within {data[1]:g} of {_expr_md(data[0])}"
+        value, tol = (x.strip() for x in t.rsplit("±", 1))
+        text = f"within {tol} of {value}"
     note = str(row.get("note", "")).strip()
     return f"{text} {note}" if note else text
 

@@ -285,7 +285,7 @@ def test_the_clean_grammar_parses_renders_and_checks():
     md = [gen.clean_md({"clean": c, "note": n}) for c, n in [
         ("0", "on policy"), ("`step`", ""), ("< 1e-4", "in float32"), ("0.5..0.8", ""), ("1 ± 1e-5", ""),
         ("`a.b` * `c.d`", ""), ("varies: the wall clock", "")]]
-    assert md == ["0 on policy", "equals `step`", "below 0.0001 in float32", "0.5 to 0.8", "within 1e-05 of 1",
+    assert md == ["0 on policy", "equals `step`", "below 1e-4 in float32", "0.5 to 0.8", "within 1e-5 of 1",
                   "equals `a.b` × `c.d`", "varies: the wall clock"]
     reg = [{"key": k, "clean": c} for k, c in [
         ("x/zero", "0"), ("x/ref", "`step`"), ("x/bound", "< 1e-4"), ("x/range", "0..1"), ("x/near", "1 ± 1e-5"),
