@@ -27,7 +27,8 @@ def test_without_the_plugin_its_builtins_are_refused_by_name(monkeypatch):
         load_tokenizer("builtin:tiny-qwen2.5-vl")
     assert str(e.value) == ("model.path 'builtin:tiny-qwen2.5-vl' is not a builtin model; choose one of "
                             "builtin:tiny-qwen3, builtin:tiny-qwen3-moe, builtin:tiny-qwen3-large or give a local "
-                            "Hugging Face model directory")
+                            "Hugging Face model directory (a plugin's builtin needs its plugin loaded: molt-sdk's "
+                            "molt_tiny_models registers more)")
     assert load_tokenizer("builtin:tiny-qwen3").vocab_size == 512  # the kernel's own need no plugin
 
 
@@ -57,3 +58,28 @@ def test_a_third_party_builtin_builds_under_the_seeded_rng(tmp_path, monkeypatch
         assert not torch.equal(load_model("builtin:lin", seed=4).weight, want.weight)
     finally:
         use_run_plugins([])
+
+
+@pytest.mark.parametrize("disabled, overrides, needle", [
+    ("molt_tiny_models", ["model.path=builtin:tiny-qwen3-bigvocab"], "molt_tiny_models registers more"),
+    ("molt_moe", ["model.path=builtin:tiny-qwen3-moe"], "no loaded plugin registers an MoE routing tool"),
+    ("", ["algo.advantage=bogus"], "algo.advantage = 'bogus'"),
+    ("molt_vision", ["images.max_pixels=1000"], "images: the recipe sets [images] but no modality plugin is loaded"),
+])
+def test_a_missing_feature_is_refused_before_the_run_directory(tmp_path, disabled, overrides, needle):
+    """Review of issue 26: each refusal came after ``run directory:`` (MoE, algorithms: inside the
+    trainer actor; [images]: a raw traceback). Now exit 2, one ``error:`` line, no directory, and
+    ``--dry-run`` refuses the plugin ones too."""
+    from click.testing import CliRunner
+
+    from molt_core.cli import main
+
+    env = {"MOLT_DISABLE_PLUGINS": disabled}
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = CliRunner().invoke(main, ["run", "quickstart", "--local", "--steps", "1", "--sft-steps", "0", *sets,
+                                  "--out", str(tmp_path / "run")], env=env)
+    assert r.exit_code == 2 and needle in " ".join(r.output.split()), r.output
+    assert "run directory" not in r.output and not (tmp_path / "run").exists()
+    if disabled != "molt_tiny_models" and disabled != "molt_moe":  # the model checks are not --dry-run's
+        d = CliRunner().invoke(main, ["run", "quickstart", "--dry-run", *sets], env=env)
+        assert d.exit_code == 2 and needle in " ".join(d.output.split()), d.output

@@ -137,12 +137,13 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
-    if dry_run:
-        click.echo(cfg.to_toml(), nl=False)
-        return
     from molt_core import runtime
 
     try:
+        if dry_run:  # the plugin checks of a run, no model file read, nothing started
+            runtime.preflight(cfg, host, local, model=False)
+            click.echo(cfg.to_toml(), nl=False)
+            return
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
     except KeyboardInterrupt as e:  # a Ctrl-C: say how to go on (click alone prints "Aborted!")
@@ -157,7 +158,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
         if _is_ray_error(e):  # a Ray task or actor raised (a RayTaskError may also be a ValueError): exit 1,
             # its remote traceback without Ray's colour codes
             _fail(with_install_hint(f"a Ray worker failed: {e}", e), code=1)
-        if isinstance(e, (ValueError, FileNotFoundError, ImportError)):  # configuration problems found before compute
+        if isinstance(e, (ValueError, FileNotFoundError, ImportError, PluginError)):  # found before compute
             _fail(with_install_hint(_agent_error(str(e), agent), e))
         if isinstance(e, runtime.RunFailed):
             _fail(with_install_hint(str(e), e), code=1)
