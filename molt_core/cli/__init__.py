@@ -317,7 +317,7 @@ def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
     except ValueError as e:
         _fail(str(e))
     click.echo(str(out))
-    console.print(f"next: pip install -e {out} && pytest {out} && molt plugins --check", highlight=False)
+    console.print(f"next: pip install -e '{out}[test]' && pytest {out} && molt plugins --check", highlight=False)
 
 
 def _check_plugins(host: PluginHost, as_json: bool) -> None:
@@ -460,7 +460,7 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
         if not parsers:
             _fail(f"--tool-parser {tool_parser}: no tool-parser plugin is loaded (molt_register_tool_parsers; first "
                   "party: molt_plugins.parsers, loaded by the molt_engines entry point: unset "
-                  "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk)")
+                  "MOLT_DISABLE_PLUGINS=molt_engines, or reinstall molt-sdk from its checkout)")
         if tool_parser not in parsers:
             _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(parsers)}")
 

@@ -534,7 +534,8 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             if last_eval:
                 info += f"  eval {_eval_summary(last_eval)}"
             progress.update(bar, advance=1, info=info)
-    log.plot()
+    if log.plot() is None:  # matplotlib missing: say so rather than leave reward.png out silently
+        console.print("note: reward.png not drawn: pip install -e '.[plot]' (matplotlib)", highlight=False, markup=False)
     log.close()
     if cfg.run.steps > start_step and skipped_steps == cfg.run.steps - start_step:
         ray.shutdown()
