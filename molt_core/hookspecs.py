@@ -170,7 +170,8 @@ def molt_register_modalities(register: Register) -> None:
     offset)`` -> ``(ids, [ImageRef])``, ``extra_tokens(shas, pool)``, ``expand_placeholders(ids,
     images)``, ``check_segment(ids, refs, images)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
     [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
-    ``pixel_values``, ``image_grid_thw [N, 3]``; ``row_images(model, processor, ids, images,
+    ``pixel_values``, ``image_grid_thw [N, 3]``, and ``image_processor`` (a transformers image
+    processor: checkpoints and SFT save it with ``save_pretrained(dir)``); ``row_images(model, processor, ids, images,
     is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` (embedded engine);
     ``rope_index(model)`` -> its ``get_rope_index``; ``wire_images(policy, processor)`` -> a
     request's collector (``openai_part``, ``anthropic_block``, ``responses_part``, ``remote``,
