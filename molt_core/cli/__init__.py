@@ -459,8 +459,8 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
             _fail(str(e))
         if not parsers:
             _fail(f"--tool-parser {tool_parser}: no tool-parser plugin is loaded (molt_register_tool_parsers; first "
-                  "party: molt_plugins.parsers, loaded by the molt_engines entry point: unset "
-                  "MOLT_DISABLE_PLUGINS=molt_engines, or reinstall molt-sdk from its checkout)")
+                  "party: molt_plugins.parsers, entry point molt_parsers: unset "
+                  "MOLT_DISABLE_PLUGINS=molt_parsers, or reinstall molt-sdk from its checkout)")
         if tool_parser not in parsers:
             _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(parsers)}")
 

@@ -384,8 +384,8 @@ def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None
     if name not in reg:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(reg)) or '(none)'}. A model "
                          "family's tool parser comes from a plugin (molt_register_tool_parsers; first party: "
-                         "molt_plugins.parsers, loaded by the molt_engines entry point: unset "
-                         "MOLT_DISABLE_PLUGINS=molt_engines, or reinstall molt-sdk from its checkout) or --plugin")
+                         "molt_plugins.parsers, entry point molt_parsers: unset "
+                         "MOLT_DISABLE_PLUGINS=molt_parsers, or reinstall molt-sdk from its checkout) or --plugin")
     return make_tool_parser(name, tokenizer, {name: reg[name].obj})
 
 

@@ -172,7 +172,7 @@ def install_http_error_handlers(app: FastAPI) -> None:
             msg, code = _not_found_hint(path), "not_found"
         elif exc.status_code == 404 and missing:
             msg = (f"no route {path}: the {missing} wire is not loaded (no plugin registered it through "
-                   "molt_register_wires); enable molt_plugins.wires (unset MOLT_DISABLE_PLUGINS=molt_engines, or "
+                   "molt_register_wires); enable molt_plugins.wires (unset MOLT_DISABLE_PLUGINS=molt_wires, or "
                    "reinstall molt-sdk from its checkout) or use /v1/chat/completions")
             code = "not_found"
         elif exc.status_code == 404:
