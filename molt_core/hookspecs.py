@@ -91,7 +91,9 @@ def molt_register_sandbox_backends(register: Register) -> None:
 @hookspec
 def molt_register_weight_sync_transports(register: Register) -> None:
     """Register weight-sync transports: ``register(name, factory)``; ``factory()`` is the transport of
-    ``engine.weight_sync = name`` (``ray`` is built in). Rank 0 is the trainer's rank 0, then each
+    ``engine.weight_sync = name`` (``ray`` is built in; the option's values today are ``auto`` / ``ray`` /
+    ``collective``, so a plugin provides or replaces ``collective``; a new name needs a schema
+    change). Rank 0 is the trainer's rank 0, then each
     worker's engine members. Each call blocks until every member is done:
 
     * ``free_address() -> (host, port)``: where rank 0 hosts the group;
@@ -132,8 +134,9 @@ def molt_register_losses(register: Register) -> None:
 
 @hookspec
 def molt_register_adapters(register: Register) -> None:
-    """Register trainer adapters: ``register(name, adapter)``, selected by ``[trainer.<name>]`` (first
-    party: ``lora``). Each method takes the policy ``model`` (an ``nn.Module``):
+    """Register trainer adapters: ``register(name, adapter)``. The schema has one adapter section,
+    ``[trainer.lora]``, served by the adapter registered as ``lora`` (first party:
+    :mod:`molt_plugins.lora`; a plugin may provide its own ``lora``). Each method takes the policy ``model`` (an ``nn.Module``):
 
     * ``wrap(model, options) -> nn.Module``: the trained policy (``options``: the section), before the optimizer;
     * ``reference(model) -> nn.Module``: the frozen KL reference (e.g. the adapter disabled);
@@ -145,8 +148,8 @@ def molt_register_adapters(register: Register) -> None:
 
 @hookspec
 def molt_register_trainer_backends(register: Register) -> None:
-    """Register data-parallel trainer backends: ``register(name, backend)``; ``fsdp2`` (first party)
-    runs ``trainer.world_size > 1``. The backend provides:
+    """Register data-parallel trainer backends: ``register(name, backend)``; the backend registered as
+    ``fsdp2`` (first party: :mod:`molt_plugins.distributed`) runs ``trainer.world_size > 1``. The backend provides:
 
     * ``init_process_group(rank: int, world_size: int, init_method: str) -> str``: join (a ``tcp://``
       or ``file://`` rendezvous); returns the collective backend (``gloo`` / ``nccl``);
@@ -167,7 +170,8 @@ def molt_register_modalities(register: Register) -> None:
     offset)`` -> ``(ids, [ImageRef])``, ``extra_tokens(shas, pool)``, ``expand_placeholders(ids,
     images)``, ``check_segment(ids, refs, images)``, ``process(bytes)`` -> ``(pixels [n, D] float32,
     [t, h, w])``, ``padded_inputs(model, rows, width, device)`` -> ``position_ids [3, B, T]``,
-    ``pixel_values``, ``image_grid_thw [N, 3]``; ``row_images(model, processor, ids, images,
+    ``pixel_values``, ``image_grid_thw [N, 3]``, and ``image_processor`` (a transformers image
+    processor: checkpoints and SFT save it with ``save_pretrained(dir)``); ``row_images(model, processor, ids, images,
     is_vision)`` and ``forward_kwargs(model, rows, spans, n, pos2d [B, n])`` (embedded engine);
     ``rope_index(model)`` -> its ``get_rope_index``; ``wire_images(policy, processor)`` -> a
     request's collector (``openai_part``, ``anthropic_block``, ``responses_part``, ``remote``,

@@ -27,7 +27,8 @@ def test_without_the_plugin_its_builtins_are_refused_by_name(monkeypatch):
         load_tokenizer("builtin:tiny-qwen2.5-vl")
     assert str(e.value) == ("model.path 'builtin:tiny-qwen2.5-vl' is not a builtin model; choose one of "
                             "builtin:tiny-qwen3, builtin:tiny-qwen3-moe, builtin:tiny-qwen3-large or give a local "
-                            "Hugging Face model directory")
+                            "Hugging Face model directory (a plugin's builtin needs its plugin loaded: molt-sdk's "
+                            "molt_tiny_models registers more)")
     assert load_tokenizer("builtin:tiny-qwen3").vocab_size == 512  # the kernel's own need no plugin
 
 
@@ -57,3 +58,4 @@ def test_a_third_party_builtin_builds_under_the_seeded_rng(tmp_path, monkeypatch
         assert not torch.equal(load_model("builtin:lin", seed=4).weight, want.weight)
     finally:
         use_run_plugins([])
+

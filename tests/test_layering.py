@@ -5,6 +5,7 @@ importing an engine, an import up the layers, and a cycle."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,3 +84,32 @@ def test_the_kernel_contract_names_every_kernel_module():
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name) for n in ast.walk(tree)
                 if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     assert {m for m in imported if m and m.startswith("molt")} == {"molt_core"}  # from molt_core import _moved
+
+
+def _spine_rows(text: str) -> list[tuple[list[str], int]]:
+    """(files, lines) of each spine row of docs/architecture.md; a cell ``a/b.py``, ``c.py``
+    names ``a/b.py`` and ``a/c.py``."""
+    rows = []
+    for line in text.splitlines():
+        cells = line.split("|")
+        if not re.match(r"^\| \d+ \| `molt_core/", line):
+            continue
+        base, files = "", []
+        for name in re.findall(r"`([^`]+)`", cells[2]):
+            base = name.rsplit("/", 1)[0] if "/" in name else base
+            files.append(name if "/" in name else f"{base}/{name}")
+        rows.append((files, int(cells[3])))
+    return rows
+
+
+def test_the_spine_table_gives_each_files_size_as_of_this_tree():
+    """docs/architecture.md's spine lists the files a token crosses with their ``wc -l`` sizes:
+    a file that grows or shrinks without the table fails here (a stale size is injected too)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = _spine_rows(text)
+    assert len(rows) == 18
+    for files, n in rows:
+        assert n == sum(len((ROOT / f).read_text().splitlines()) for f in files), files
+    stale = text.replace(f"| {rows[0][1]} |", f"| {rows[0][1] + 1} |", 1)
+    files, n = _spine_rows(stale)[0]
+    assert n != sum(len((ROOT / f).read_text().splitlines()) for f in files)

@@ -32,7 +32,7 @@ def session(app):
 def test_first_party_wires_register_through_the_hook():
     assert REGISTRATION_HOOKS["wires"] == "molt_register_wires"
     reg = shared_host().registries["wires"]
-    assert list(reg) == ["responses", "anthropic"] and {r.plugin for r in reg.values()} == {"molt_engines"}
+    assert list(reg) == ["responses", "anthropic"] and {r.plugin for r in reg.values()} == {"molt_wires"}
     got = wires()
     assert isinstance(got["responses"], ResponsesWire) and isinstance(got["anthropic"], AnthropicWire)
 

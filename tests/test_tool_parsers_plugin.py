@@ -33,7 +33,7 @@ def test_the_plugin_registers_every_family_through_the_hook():
     host = load_plugins()
     assert host.names("tool_parsers") == FAMILIES
     assert {n: host.get("tool_parsers", n) for n in FAMILIES} == TOOL_PARSERS
-    assert all(r.plugin == "molt_engines" for r in host.registries["tool_parsers"].values())
+    assert all(r.plugin == "molt_parsers" for r in host.registries["tool_parsers"].values())
     assert type(tool_parser("llama3_json", host=host)) is Llama3JsonParser
     assert type(tool_parser("qwen", host=host)) is HermesParser
     # auto: chosen per model from its tokenizer (for_tokenizer); bare, it is Hermes
@@ -57,7 +57,7 @@ def test_a_family_without_its_plugin_is_refused_naming_it_and_the_plugin():
 
 
 def test_server_without_the_parsers_plugin_refuses_a_named_family(tok, monkeypatch):
-    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_engines")
+    monkeypatch.setenv("MOLT_DISABLE_PLUGINS", "molt_parsers")
     with pytest.raises(ValueError, match="unknown tool parser 'qwen3_coder'.*molt_plugins.parsers"):
         create_app(ScriptedEngine(tok, ["x"]), tok, tool_parser="qwen3_coder")
 
@@ -68,11 +68,11 @@ def test_molt_serve_without_the_parsers_plugin_refuses_before_loading_a_model(mo
     loaded = []
     monkeypatch.setattr(te, "TransformersEngine", lambda *a, **k: loaded.append(a))
     r = CliRunner().invoke(main, ["serve", "--model", "m", "--tool-parser", "hermes"],
-                           env={"MOLT_DISABLE_PLUGINS": "molt_engines"})
+                           env={"MOLT_DISABLE_PLUGINS": "molt_parsers"})
     assert r.exit_code == 2 and loaded == []
     out = " ".join(r.output.split())
     assert "--tool-parser hermes: no tool-parser plugin is loaded (molt_register_tool_parsers; first party: " \
-           "molt_plugins.parsers, loaded by the molt_engines entry point" in out
+           "molt_plugins.parsers, entry point molt_parsers" in out
 
 
 def test_the_ledger_and_a_server_with_no_parser_named_look_nothing_up(tok, monkeypatch):

@@ -137,12 +137,13 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
     cfg, host = prepare(recipe, plugin, tuple(extra))
     if agent:  # --agent replaces the recipe's agent (and its options, which belong to that agent)
         cfg = cfg.model_copy(update={"agent": AgentSection(path=str(Path(agent).resolve()))})
-    if dry_run:
-        click.echo(cfg.to_toml(), nl=False)
-        return
     from molt_core import runtime
 
     try:
+        if dry_run:  # the plugin checks of a run, no model file read, nothing started
+            runtime.preflight(cfg, host, local, model=False)
+            click.echo(cfg.to_toml(), nl=False)
+            return
         runtime.main_job(cfg, host, out_dir=out, ray_address=ray_address, resume=resume is not None,
                          recipe_name=Path(recipe).stem, local=local)
     except KeyboardInterrupt as e:  # a Ctrl-C: say how to go on (click alone prints "Aborted!")
@@ -157,7 +158,7 @@ def run(recipe: str | None, plugin: tuple[str, ...], overrides: tuple[str, ...],
         if _is_ray_error(e):  # a Ray task or actor raised (a RayTaskError may also be a ValueError): exit 1,
             # its remote traceback without Ray's colour codes
             _fail(with_install_hint(f"a Ray worker failed: {e}", e), code=1)
-        if isinstance(e, (ValueError, FileNotFoundError, ImportError)):  # configuration problems found before compute
+        if isinstance(e, (ValueError, FileNotFoundError, ImportError, PluginError)):  # found before compute
             _fail(with_install_hint(_agent_error(str(e), agent), e))
         if isinstance(e, runtime.RunFailed):
             _fail(with_install_hint(str(e), e), code=1)
@@ -316,7 +317,7 @@ def plugin_new(kind: str, name: str, out_dir: str | None) -> None:
     except ValueError as e:
         _fail(str(e))
     click.echo(str(out))
-    console.print(f"next: pip install -e {out} && pytest {out} && molt plugins --check", highlight=False)
+    console.print(f"next: pip install -e '{out}[test]' && pytest {out} && molt plugins --check", highlight=False)
 
 
 def _check_plugins(host: PluginHost, as_json: bool) -> None:
@@ -458,8 +459,8 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
             _fail(str(e))
         if not parsers:
             _fail(f"--tool-parser {tool_parser}: no tool-parser plugin is loaded (molt_register_tool_parsers; first "
-                  "party: molt_plugins.parsers, loaded by the molt_engines entry point: unset "
-                  "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk)")
+                  "party: molt_plugins.parsers, entry point molt_parsers: unset "
+                  "MOLT_DISABLE_PLUGINS=molt_parsers, or reinstall molt-sdk from its checkout)")
         if tool_parser not in parsers:
             _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(parsers)}")
 

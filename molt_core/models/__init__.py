@@ -32,13 +32,13 @@ from __future__ import annotations
 # re-exported: ``molt_core.models`` is the import path of every name below
 from molt_core import _moved
 from molt_core.models.builtin import BUILTINS, TINY_TOKENIZER_DIR, cache_dir, is_builtin, registered_builtin
-from molt_core.models.checks import (MOE_KEYS, cache_keyword, check_model_positions, declares_experts,
+from molt_core.models.checks import (MOE_KEYS, cache_keyword, check_model_positions, declares_experts, model_config,
                                      length_dependent_rope, returned_cache, routing_tool)
 from molt_core.models.hub import check_model_source, hub_kwargs, hub_offline, local_model_dir, resolve_path
 from molt_core.models.load import (DTYPES, VISION_TOKEN_LOGIT, declares_vision, device_for, load_model, load_tokenizer,
                                    mask_vision_tokens, vision_token_ids)
 
-__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "cache_dir", "cache_keyword", "registered_builtin", "check_model_positions", "check_model_source", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
+__all__ = ["BUILTINS", "DTYPES", "TINY_TOKENIZER_DIR", "cache_dir", "cache_keyword", "registered_builtin", "check_model_positions", "check_model_source", "model_config", "hub_kwargs", "length_dependent_rope", "returned_cache", "hub_offline", "is_builtin",
            "load_model", "load_tokenizer", "local_model_dir",
            "MOE_KEYS", "declares_experts", "routing_tool",
            "VISION_TOKEN_LOGIT", "declares_vision", "device_for", "mask_vision_tokens", "resolve_path", "vision_token_ids"]

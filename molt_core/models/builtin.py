@@ -35,7 +35,8 @@ def _builtin_name(path: str) -> str:
     if name not in BUILTINS and registered_builtin(name) is None:
         known = [*BUILTINS, *shared_host().registries["builtin_models"]]
         raise ValueError(f"model.path {path!r} is not a builtin model; choose one of "
-                         + ", ".join(f"builtin:{b}" for b in known) + " or give a local Hugging Face model directory")
+                         + ", ".join(f"builtin:{b}" for b in known) + " or give a local Hugging Face model directory (a "
+                         "plugin's builtin needs its plugin loaded: molt-sdk's molt_tiny_models registers more)")
     return name
 
 

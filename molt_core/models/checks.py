@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from molt_core.config import ConfigError
-from molt_core.models.builtin import is_builtin
+from molt_core.models.builtin import BUILTINS, _builtin_config, _builtin_name, is_builtin
 from molt_core.models.hub import hub_kwargs, resolve_path
 from molt_core.plugins import shared_host
 
-__all__ = ["MOE_KEYS", "cache_keyword", "check_model_positions", "declares_experts", "length_dependent_rope",
+__all__ = ["MOE_KEYS", "cache_keyword", "check_model_positions", "declares_experts", "length_dependent_rope", "model_config",
            "returned_cache", "routing_tool"]
 
 
@@ -110,6 +110,22 @@ def length_dependent_rope(config: Any) -> str | None:
     return None
 
 
+def model_config(path: str) -> Any:
+    """``path``'s model config from its name or ``config.json`` alone (no weights), for the checks
+    a run makes before it starts; None for a plugin's builtin.
+
+    Raises:
+        ValueError: an unknown ``builtin:`` name (the message lists the registered ones).
+    """
+    if is_builtin(path):
+        name = _builtin_name(path)
+        return _builtin_config(name, 512, 0, 0) if name in BUILTINS else None
+    from transformers import AutoConfig
+
+    name, kw = hub_kwargs(resolve_path(path))
+    return AutoConfig.from_pretrained(name, **kw)
+
+
 def check_model_positions(path: str, config: Any = None) -> None:
     """Refuse, before an RL run trains, a model whose rotary factors depend on the total
     length (:func:`length_dependent_rope`): the engine's cached decode, the trainer's full
@@ -120,14 +136,8 @@ def check_model_positions(path: str, config: Any = None) -> None:
     Raises:
         ValueError: naming the rope type and the fix.
     """
-    if config is None:
-        if is_builtin(path):
-            return
-        from transformers import AutoConfig
-
-        name, kw = hub_kwargs(resolve_path(path))
-        config = AutoConfig.from_pretrained(name, **kw)
-    why = length_dependent_rope(config)
+    config = model_config(path) if config is None else config
+    why = length_dependent_rope(config) if config is not None else None
     if why:
         raise ValueError(
             f"model.path {path!r}: {why}, so the engine (prefill, then cached decode) and the trainer (one full "

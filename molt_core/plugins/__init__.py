@@ -384,8 +384,8 @@ def tool_parser(name: Any, tokenizer: Any = None, host: PluginHost | None = None
     if name not in reg:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(reg)) or '(none)'}. A model "
                          "family's tool parser comes from a plugin (molt_register_tool_parsers; first party: "
-                         "molt_plugins.parsers, loaded by the molt_engines entry point: unset "
-                         "MOLT_DISABLE_PLUGINS=molt_engines, or pip install molt-sdk) or --plugin")
+                         "molt_plugins.parsers, entry point molt_parsers: unset "
+                         "MOLT_DISABLE_PLUGINS=molt_parsers, or reinstall molt-sdk from its checkout) or --plugin")
     return make_tool_parser(name, tokenizer, {name: reg[name].obj})
 
 
@@ -402,5 +402,5 @@ def check_modality_options(config: Any, host: PluginHost) -> None:
     """
     if "images" in config.model_fields_set and config.images != type(config.images)() and modality(host) is None:
         raise PluginError("images: the recipe sets [images] but no modality plugin is loaded (images need one); "
-                          "enable molt_plugins.vision (unset MOLT_DISABLE_PLUGINS=molt_vision, or pip install molt-sdk) "
+                          "enable molt_plugins.vision (unset MOLT_DISABLE_PLUGINS=molt_vision, or reinstall molt-sdk from its checkout) "
                           "or remove the [images] section")

@@ -13,10 +13,12 @@ import time
 from collections import deque
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from molt_core.config import ConfigError, RunConfig
-from molt_core.models import check_model_positions, check_model_source, declares_vision, load_tokenizer
+from molt_core.models import (check_model_positions, check_model_source, declares_vision, load_tokenizer, model_config,
+                              routing_tool)
 from molt_core.rollout.evalstats import eval_metrics
 from molt_core.plugins import PluginHost, check_modality_options, modality
 from molt_core.train.progress import step_progress
@@ -31,6 +33,7 @@ from molt_core.agents import load_agent
 from molt_core.runtime.workers import RolloutWorker, TrainerWorker, check_rewards
 from molt_core.rollout.tasks import TaskStream, check_train_split
 from molt_core.train.checkpoint import latest_intact_checkpoint
+from molt_core.train.algorithms import resolve_algorithms
 from molt_core.train.features import check_trainer_features
 from molt_core.types import Group, Trajectory
 
@@ -283,6 +286,44 @@ def main_job(cfg: RunConfig, host: PluginHost, out_dir: str | None = None, ray_a
         raise
 
 
+def preflight(cfg: RunConfig, host: PluginHost, local: bool, model: bool = True) -> tuple[Any, str]:
+    """Validate what the workers will build, before any compute and before the run directory
+    exists (``molt run --dry-run`` too, with ``model`` False: no model file is read): the agent,
+    rewards, loggers, algorithms, trainer features, options of plugins not loaded, the weight
+    sync, the engine, and with ``model`` the model's source, rotary factors, vision and MoE needs.
+    Returns ``(agent, weight-sync mode)``.
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError / PluginError: naming the option and the fix.
+    """
+    agent = load_agent(cfg, host)
+    check_rewards(cfg, host)
+    check_loggers(cfg, host)
+    resolve_algorithms(cfg, host)
+    check_trainer_features(cfg, host)
+    check_modality_options(cfg, host)
+    if cfg.trainer.world_size > 1 and local:
+        raise ValueError(f"trainer.world_size = {cfg.trainer.world_size} needs Ray (one actor per rank); drop --local")
+    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
+    if cfg.engine.name not in host.names("engines"):
+        raise ConfigError(f"engine.name = {cfg.engine.name!r}: no loaded plugin registers that engine (registered: "
+                          f"{', '.join(host.names('engines')) or '(none)'}). molt-sdk's plugin molt_engines "
+                          "(molt_plugins.engines) registers 'transformers' and 'vllm': do not disable it with "
+                          "MOLT_DISABLE_PLUGINS, or load a plugin that registers the engine with --plugin")
+    config = None
+    if model and not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
+        check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
+        config = model_config(cfg.model.path)
+        check_model_positions(cfg.model.path, config)  # rotary factors the engine and trainer compute alike
+        if config is not None:  # an MoE model without a routing tool: refused here, not in the trainer actor
+            routing_tool(SimpleNamespace(config=config), cfg.plugins, cfg.model.routing_replay)
+    if modality(host) is None and (declares_vision(cfg.model.path) or getattr(config, "vision_config", None)):
+        raise ConfigError(f"model.path = {cfg.model.path!r} is a vision-language model, but no loaded plugin registers a "
+                          "modality (molt_register_modalities). molt-sdk's plugin molt_vision (molt_plugins.vision) "
+                          "does: do not disable it with MOLT_DISABLE_PLUGINS, or load one with --plugin")
+    return agent, sync_mode
+
+
 def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str | None, resume: bool,
               local: bool) -> Path:
     """:func:`main_job` in ``run_dir`` (absolute); ``cfg`` with absolute paths."""
@@ -290,25 +331,7 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True, soft_wrap=True)  # colour only on a terminal; long paths stay on one line
-    # validate what a worker will build before any compute and before the run directory exists
-    agent = load_agent(cfg, host)
-    check_rewards(cfg, host)
-    check_loggers(cfg, host)
-    check_trainer_features(cfg, host)
-    check_modality_options(cfg, host)
-    sync_mode = resolve_weight_sync(cfg, local, host)  # a transport's plugin missing: refused here, by name
-    if cfg.engine.name not in host.names("engines"):
-        raise ConfigError(f"engine.name = {cfg.engine.name!r}: no loaded plugin registers that engine (registered: "
-                          f"{', '.join(host.names('engines')) or '(none)'}). molt-sdk's plugin molt_engines "
-                          "(molt_plugins.engines) registers 'transformers' and 'vllm': do not disable it with "
-                          "MOLT_DISABLE_PLUGINS, or load a plugin that registers the engine with --plugin")
-    if not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
-        check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
-        check_model_positions(cfg.model.path)  # rotary factors the engine and trainer compute alike
-    if modality(host) is None and declares_vision(cfg.model.path):
-        raise ConfigError(f"model.path = {cfg.model.path!r} is a vision-language model, but no loaded plugin registers a "
-                          "modality (molt_register_modalities). molt-sdk's plugin molt_vision (molt_plugins.vision) "
-                          "does: do not disable it with MOLT_DISABLE_PLUGINS, or load one with --plugin")
+    agent, sync_mode = preflight(cfg, host, local)
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}", highlight=False, markup=False)
     agent_name = cfg.agent.name or cfg.agent.path
@@ -330,8 +353,6 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     Trainer_ = ray.remote(TrainerWorker).options(num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus)
     Worker_ = ray.remote(RolloutWorker).options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus,
                                                 resources=dict(cfg.engine.resources) or None, max_concurrency=1000)
-    if cfg.trainer.world_size > 1 and local:
-        raise ValueError(f"trainer.world_size = {cfg.trainer.world_size} needs Ray (one actor per rank); drop --local")
     if cfg.trainer.world_size > 1:  # N ranks in a placement group behind one actor-like handle
         trainer = start_trainer_group(ray, cfg, cfg_dict)
     else:
@@ -513,7 +534,8 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
             if last_eval:
                 info += f"  eval {_eval_summary(last_eval)}"
             progress.update(bar, advance=1, info=info)
-    log.plot()
+    if log.plot() is None:  # matplotlib missing: say so rather than leave reward.png out silently
+        console.print("note: reward.png not drawn: pip install -e '.[plot]' (matplotlib)", highlight=False, markup=False)
     log.close()
     if cfg.run.steps > start_step and skipped_steps == cfg.run.steps - start_step:
         ray.shutdown()

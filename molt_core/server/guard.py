@@ -172,8 +172,8 @@ def install_http_error_handlers(app: FastAPI) -> None:
             msg, code = _not_found_hint(path), "not_found"
         elif exc.status_code == 404 and missing:
             msg = (f"no route {path}: the {missing} wire is not loaded (no plugin registered it through "
-                   "molt_register_wires); enable molt_plugins.wires (unset MOLT_DISABLE_PLUGINS=molt_engines, or "
-                   "pip install molt-sdk) or use /v1/chat/completions")
+                   "molt_register_wires); enable molt_plugins.wires (unset MOLT_DISABLE_PLUGINS=molt_wires, or "
+                   "reinstall molt-sdk from its checkout) or use /v1/chat/completions")
             code = "not_found"
         elif exc.status_code == 404:
             msg, code = f"no route {path} (a session serves {', '.join(served[:-1])} and {served[-1]})", "not_found"

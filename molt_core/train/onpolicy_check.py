@@ -220,7 +220,8 @@ class CheckProcess:
         """Start the check of ``batch`` (a :class:`~molt_core.train.ingress.Batch` without images or
         routing) at trainer ``version``; ``slots``: held older version -> ring slot; ``max_rows``,
         ``seed``: :func:`stale_absdiff`'s sample. Returns a function that waits for its ``(diffs,
-        rows)``. A check whose result was never taken is waited for here and its reply dropped.
+        rows)`` (``[N]`` float64, ``[N]`` long). The ring slots read must not be written before the
+        result is taken (the ring's spare slot guarantees it for one check in flight). A check whose result was never taken is waited for here and its reply dropped.
 
         Raises:
             RuntimeError: the child is dead (here), or it failed (its error's text) or died

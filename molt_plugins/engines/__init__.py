@@ -1,13 +1,9 @@
 """First-party rollout engines: ``transformers`` (embedded default) and ``vllm`` (extra
-``molt-sdk[vllm]``), the vLLM engine's ``collective`` weight-sync transport, the model families'
-tool-call parsers (:mod:`molt_plugins.parsers`); this entry point also carries the server's wire
-plugins (:mod:`molt_plugins.wires`: Responses, Anthropic)."""
+``molt-sdk[vllm]``), and the vLLM engine's ``collective`` weight-sync transport."""
 
 from __future__ import annotations
 
 from molt_core.hookspecs import hookimpl
-from molt_plugins.parsers import TOOL_PARSERS
-from molt_plugins.wires import molt_register_wires  # noqa: F401 -- the server's wire plugins ride this entry point
 
 
 def _transformers_engine(**kwargs):
@@ -52,11 +48,3 @@ def molt_register_engines(register):
 def molt_register_weight_sync_transports(register):
     """Register ``collective`` (imported lazily, on first use)."""
     register("collective", _collective_transport)
-
-
-@hookimpl
-def molt_register_tool_parsers(register):
-    """Register the tool-call parsers of :data:`molt_plugins.parsers.TOOL_PARSERS` (``auto``,
-    ``hermes``, ``qwen``, ``qwen3_coder``, ``llama3_json``, ``mistral``)."""
-    for name, parser_cls in TOOL_PARSERS.items():
-        register(name, parser_cls)

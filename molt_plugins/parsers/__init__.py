@@ -1,5 +1,5 @@
 """First-party tool-call parsers of the model families, registered through
-``molt_register_tool_parsers`` (by the ``molt_engines`` entry point, :mod:`molt_plugins.engines`).
+``molt_register_tool_parsers`` (entry point ``molt_parsers``).
 
 Each finds the calls in an assistant turn's visible text (the :class:`~molt_core.ledger.toolcall.ToolParser`
 protocol); a block that is not a well-formed call stays content. Families, chosen by name:
@@ -24,6 +24,7 @@ import json
 import re
 from typing import Any
 
+from molt_core.hookspecs import Register, hookimpl
 from molt_core.ledger.toolcall import (HermesParser, ParsedCall, ToolParser, call_of, calls_in, json_values, scan_blocks,
                                        skip_ws)
 from molt_core.plugins import make_tool_parser
@@ -190,3 +191,11 @@ def get_tool_parser(name: str | ToolParser, tokenizer: Any = None) -> ToolParser
         ValueError: unknown name (the message lists the known ones).
     """
     return make_tool_parser(name, tokenizer, TOOL_PARSERS)
+
+
+@hookimpl
+def molt_register_tool_parsers(register: Register) -> None:
+    """Register the parsers of :data:`TOOL_PARSERS` (``auto``, ``hermes``, ``qwen``,
+    ``qwen3_coder``, ``llama3_json``, ``mistral``)."""
+    for name, parser_cls in TOOL_PARSERS.items():
+        register(name, parser_cls)

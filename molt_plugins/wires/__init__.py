@@ -1,6 +1,6 @@
 """First-party wire plugins of the loopback server (``molt_register_wires``): the OpenAI Responses
 wire (:mod:`molt_plugins.wires.responses`) and the Anthropic Messages wire
-(:mod:`molt_plugins.wires.anthropic`). The kernel serves OpenAI chat completions itself."""
+(:mod:`molt_plugins.wires.anthropic`). The kernel serves OpenAI chat completions itself. Entry point ``molt_wires``."""
 
 from __future__ import annotations
 
