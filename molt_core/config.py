@@ -440,8 +440,8 @@ class RunConfig(_Section):
     Attributes:
         plugins: ``--plugin`` specs to load (dotted module paths or ``.py`` files).
         rewards: A registered reward name to its table: the reward's options plus the reserved keys ``weight``
-            (default 1.0) and ``timeout_s`` (default 60), which the runtime reads and does not pass on
-            (:mod:`molt_core.rewards`).
+            (default 1.0), ``timeout_s`` (default 60) and ``isolation`` (``thread`` / ``process``), which the
+            runtime reads and does not pass on (:mod:`molt_core.rewards`).
         loggers: A registered logger name to its options (``[loggers.wandb]`` / ``mode = "online"``), validated by
             that logger's ``Options`` model before any compute (:func:`molt_core.runtime.rundir.check_loggers`); the
             list form ``loggers = ["wandb"]`` means the same loggers with default options. The JSONL metrics file is
