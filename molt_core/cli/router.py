@@ -170,7 +170,7 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
         async def trace(event: str, _: Any) -> None:  # httpcore's hook (async client: a coroutine)
             if event == "connection.retry.started":  # a failed connect tried again
                 b.connect_retries += 1
-            elif event == "connection.connect_tcp.complete":
+            elif event == "connection.connect_tcp.started":  # not a pooled connection
                 opened.append(event)
 
         b.in_flight += 1  # until the response head arrives: a molt server answers once generated
