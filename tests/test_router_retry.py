@@ -24,7 +24,8 @@ from molt_core.cli.router import start_router
 class FakeUpstream:
     """A molt-shaped HTTP/1.1 server on its own event loop thread. ``POST /sessions`` opens
     session ``s<n>``; any other request is counted in ``requests`` (path, body) and then handled
-    as ``mode`` says: ``"ok"`` (200 JSON, keep-alive, after ``delay`` s), ``"close"`` (close the
+    as ``mode`` says: ``"ok"`` (200 JSON, keep-alive, after ``delay`` s), ``"once"`` (200 JSON,
+    then the idle connection is closed, as a keep-alive timeout does), ``"close"`` (close the
     connection without answering), ``"reset"`` (close with an RST) or ``"hang"`` (never answer).
     ``listening=False`` binds the port without listening, so every connect is refused until
     :meth:`listen`; ``port`` reuses a port (an engine restarted on it). ``connections`` counts
@@ -86,6 +87,8 @@ class FakeUpstream:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                              + str(len(data)).encode() + b"\r\n\r\n" + data)
                 await writer.drain()
+                if self.mode == "once" and self.requests:
+                    return
         except asyncio.CancelledError:  # close() ends every handler
             pass
         finally:
@@ -174,6 +177,19 @@ def _listen_after(backend, retries: int, up: FakeUpstream) -> None:
     while backend.connect_retries < retries and time.monotonic() - t0 < 20:
         time.sleep(0.002)
     up.listen()
+
+
+def test_pooled_connection_closed_by_the_backend_is_not_used(make):
+    """The backend closes each connection after answering (its keep-alive ended): the pool
+    drops it before use, so the next turn opens a new one and nothing fails or is sent twice."""
+    up = FakeUpstream("once")
+    router = make([up], connect_retries=0)
+    sid = open_session(router)
+    for n in range(3):
+        assert chat(router, sid, n).status_code == 200
+        time.sleep(0.05)  # the backend's FIN arrives
+    assert [b["messages"][0]["content"] for _, b in up.requests] == ["turn 0", "turn 1", "turn 2"]
+    assert up.connections == 3 and router.backends[0].connect_retries == 0  # turn 0 on the session's connection
 
 
 ANTHROPIC = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

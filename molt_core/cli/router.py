@@ -24,8 +24,9 @@ session's owner: affinity is kept) up to ``connect_retries`` times by httpx's ow
 before use. A request that may have reached the backend (an error or a timeout while reading
 its answer) is never replayed: it gets a 502 in the wire's shape, and the backend's ledger,
 which commits a turn only once it is answered, stays the judge. Each :class:`Backend` counts
-its connect retries (``connect_retries``). Connections are pooled and kept alive for up to
-``max_connections`` requests in flight (all backends together); more wait for a free one.
+its connect retries (``connect_retries``). Up to ``max_connections`` connections (all backends
+together) are pooled, all kept alive for 20 s idle (a molt server keeps them 30 s); more
+requests in flight wait for a free one.
 """
 
 from __future__ import annotations
@@ -131,7 +132,11 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # every pooled connection kept alive: httpcore 1.0 can close a surplus idle connection it has
+        # already handed to a request (encode/httpcore#1110), a read error under a burst; idle ones
+        # expire after 20 s, before a molt server's 30 s keep-alive ends them
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                              keepalive_expiry=20.0)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                             transport=httpx.AsyncHTTPTransport(retries=connect_retries, limits=limits))
         yield
