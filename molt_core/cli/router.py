@@ -25,8 +25,8 @@ before use. A request that may have reached the backend (an error or a timeout w
 its answer) is never replayed: it gets a 502 in the wire's shape, and the backend's ledger,
 which commits a turn only once it is answered, stays the judge. Each :class:`Backend` counts
 its connect retries (``connect_retries``). Up to ``max_connections`` connections (all backends
-together) are pooled, all kept alive for 20 s idle (a molt server keeps them 30 s); more
-requests in flight wait for a free one.
+together) are pooled and kept alive until the backend ends them (a molt server: 30 s idle);
+more requests in flight wait for a free one.
 """
 
 from __future__ import annotations
@@ -132,11 +132,13 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
-        # every pooled connection kept alive: httpcore 1.0 can close a surplus idle connection it has
-        # already handed to a request (encode/httpcore#1110), a read error under a burst; idle ones
-        # expire after 20 s, before a molt server's 30 s keep-alive ends them
+        # httpcore 1.0.9 can close an idle connection it has already handed to a request
+        # (encode/httpcore#1110): a read error, with the request half sent, when the pool closes
+        # surplus or expired connections during a burst. So every connection is kept and none
+        # expires here: the backend's own keep-alive (a molt server's: 30 s) ends an idle one,
+        # which the pool then drops before use.
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                              keepalive_expiry=20.0)
+                              keepalive_expiry=None)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                             transport=httpx.AsyncHTTPTransport(retries=connect_retries, limits=limits))
         yield
