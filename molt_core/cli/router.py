@@ -25,8 +25,8 @@ before use. A request that may have reached the backend (an error or a timeout w
 its answer) is never replayed: it gets a 502 in the wire's shape, and the backend's ledger,
 which commits a turn only once it is answered, stays the judge. Each :class:`Backend` counts
 its connect retries (``connect_retries``). Up to ``max_connections`` connections (all backends
-together) are pooled and kept alive until the backend ends them (a molt server: 30 s idle);
-more requests in flight wait for a free one.
+together) are pooled, all kept alive up to 5 s idle (a molt server keeps them 30 s); more
+requests in flight wait for a free one.
 """
 
 from __future__ import annotations
@@ -133,12 +133,12 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         # httpcore 1.0.9 can close an idle connection it has already handed to a request
-        # (encode/httpcore#1110): a read error, with the request half sent, when the pool closes
-        # surplus or expired connections during a burst. So every connection is kept and none
-        # expires here: the backend's own keep-alive (a molt server's: 30 s) ends an idle one,
-        # which the pool then drops before use.
+        # (encode/httpcore#1110): a read error, the request half sent. Its surplus rule closes every
+        # idle connection once more than max_keepalive_connections are open, so all are kept.
+        # Idle ones expire after 5 s, well before a molt server's 30 s keep-alive (a connection
+        # the server closes as the router reuses it fails the same way).
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                              keepalive_expiry=None)
+                              keepalive_expiry=5.0)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                             transport=httpx.AsyncHTTPTransport(retries=connect_retries, limits=limits))
         yield
