@@ -162,7 +162,9 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "invalid_api_key")
 
     def fate(e: Exception) -> str:
-        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+        if isinstance(e, httpx.PoolTimeout):
+            return f"the request was not sent: all {max_connections} pooled connections stayed busy (max_connections)"
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
             return f"the request was not received (connection tried {connect_retries + 1} times)"
         # it may have been received: a replay could run the turn twice
         return "the request may have been received and was not replayed; the session commits only answered turns"
