@@ -183,7 +183,7 @@ def test_pooled_connection_closed_by_the_backend_is_not_used(make):
     """The backend closes each connection after answering (its keep-alive ended): the pool
     drops it before use, so the next turn opens a new one and nothing fails or is sent twice."""
     up = FakeUpstream("once")
-    router = make([up], connect_retries=0)
+    router = make([up], connect_retries=0, keepalive_connections=4)
     sid = open_session(router)
     for n in range(3):
         assert chat(router, sid, n).status_code == 200
@@ -259,11 +259,13 @@ def test_refused_until_the_retries_run_out(make):
         gone.close()
 
 
-def test_pool_bounded_and_kept_alive(make):
-    """``max_connections=2``: six concurrent turns share two connections (never more open at
-    once), and a second burst reuses them (kept alive, none opened)."""
+@pytest.mark.parametrize("keep,opened", [(0, 13), (2, 2)])
+def test_pool_bounded(make, keep, opened):
+    """``max_connections=2``: six concurrent turns, never more than two connections open at once;
+    by default each request opens its own (13: the session's POST and 12 turns); with
+    ``keepalive_connections=2`` a second burst reuses the first's two (kept alive)."""
     up = FakeUpstream(delay=0.2)
-    router = make([up], max_connections=2)
+    router = make([up], max_connections=2, keepalive_connections=keep)
     sid = open_session(router)
 
     async def burst(k: int) -> list[int]:
@@ -273,9 +275,8 @@ def test_pool_bounded_and_kept_alive(make):
         return [r.status_code for r in rs]
 
     assert asyncio.run(burst(0)) == [200] * 6
-    assert (up.connections, up.peak) == (2, 2)
     assert asyncio.run(burst(6)) == [200] * 6
-    assert (up.connections, up.peak, len(up.requests)) == (2, 2, 12)
+    assert (up.connections, up.peak, len(up.requests)) == (opened, 2, 12)
     assert sorted(b["n"] for _, b in up.requests) == list(range(12))
 
 
@@ -284,6 +285,8 @@ def test_pool_bounded_and_kept_alive(make):
     ({"connect_retries": 11}, "connect_retries is 11: give an integer from 0 to 10 (default 3)"),
     ({"connect_timeout": 0}, "connect_timeout is 0: give seconds > 0 (default 5.0)"),
     ({"max_connections": 0}, "max_connections is 0: give an integer >= 1, at least the sessions in flight (default 1024)"),
+    ({"max_connections": 8, "keepalive_connections": 9}, "keepalive_connections is 9: give an integer from 0 to "
+     "max_connections (8); 0 (default): a new connection per request"),
 ])
 def test_bad_options_refused_by_name(kw, msg):
     with pytest.raises(ValueError) as ei:

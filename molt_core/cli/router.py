@@ -25,8 +25,11 @@ before use. A request that may have reached the backend (an error or a timeout w
 its answer) is never replayed: it gets a 502 in the wire's shape, and the backend's ledger,
 which commits a turn only once it is answered, stays the judge. Each :class:`Backend` counts
 its connect retries (``connect_retries``). Up to ``max_connections`` connections (all backends
-together) are pooled, all kept alive up to 5 s idle (a molt server keeps them 30 s); more
-requests in flight wait for a free one.
+together) are open at once; more requests in flight wait for a free one. By default each request
+opens its own connection (a loopback connect): httpcore 1.0.9's pool can close an idle
+connection it has already handed to a request (encode/httpcore#1110), which kills that request
+half sent, and a backend can close one as it is reused. ``keepalive_connections`` > 0 keeps
+that many idle for reuse (5 s), for backends where a connect costs more than that risk.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def _error(wire: Any, status: int, message: str, code: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
-def _check_client_options(connect_timeout: float, connect_retries: int, max_connections: int) -> None:
+def _check_client_options(connect_timeout: float, connect_retries: int, max_connections: int,
+                          keepalive_connections: int) -> None:
     if not (isinstance(connect_timeout, (int, float)) and connect_timeout > 0):
         raise ValueError(f"connect_timeout is {connect_timeout!r}: give seconds > 0 (default 5.0)")
     if not (isinstance(connect_retries, int) and 0 <= connect_retries <= 10):
@@ -99,11 +103,15 @@ def _check_client_options(connect_timeout: float, connect_retries: int, max_conn
     if not (isinstance(max_connections, int) and max_connections >= 1):
         raise ValueError(f"max_connections is {max_connections!r}: give an integer >= 1, at least the sessions "
                          f"in flight (default 1024)")
+    if not (isinstance(keepalive_connections, int) and 0 <= keepalive_connections <= max_connections):
+        raise ValueError(f"keepalive_connections is {keepalive_connections!r}: give an integer from 0 to "
+                         f"max_connections ({max_connections}); 0 (default): a new connection per request")
 
 
 def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None,
                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, connect_timeout: float = 5.0,
-                      connect_retries: int = 3, max_connections: int = 1024) -> FastAPI:
+                      connect_retries: int = 3, max_connections: int = 1024,
+                      keepalive_connections: int = 0) -> FastAPI:
     """The router's ASGI app over ``backends`` (see the module docstring for the routes).
 
     Args:
@@ -116,8 +124,10 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
         connect_retries: tries again after a failed connect, on the same backend (0: none); the
             longest wait before a 502 is ``(connect_retries + 1) * connect_timeout`` plus the
             backoff (1.5 s for 3 retries).
-        max_connections: pooled connections to the backends (all together), all kept alive
-            between requests: size it for the sessions in flight; more requests wait for one.
+        max_connections: connections open to the backends at once (all together): size it for
+            the sessions in flight; more requests wait for one.
+        keepalive_connections: idle connections kept for reuse, up to 5 s (0: a new connection
+            per request; see the module docstring).
 
     Returns:
         A FastAPI app; ``app.state.owner`` maps session id -> backend index.
@@ -127,17 +137,14 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
     """
     if not backends:
         raise ValueError("backends is empty: give at least one ServerHandle or (base_url, admin_key)")
-    _check_client_options(connect_timeout, connect_retries, max_connections)
+    _check_client_options(connect_timeout, connect_retries, max_connections, keepalive_connections)
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
-        # httpcore 1.0.9 can close an idle connection it has already handed to a request
-        # (encode/httpcore#1110): a read error, the request half sent. Its surplus rule closes every
-        # idle connection once more than max_keepalive_connections are open, so all are kept.
-        # Idle ones expire after 5 s, well before a molt server's 30 s keep-alive (a connection
-        # the server closes as the router reuses it fails the same way).
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+        # with no idle connection kept, the pool never hands one out, so it cannot close one
+        # under a request (encode/httpcore#1110); 5 s is well before a molt server's 30 s keep-alive
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive_connections,
                               keepalive_expiry=5.0)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                             transport=httpx.AsyncHTTPTransport(retries=connect_retries, limits=limits))
@@ -325,11 +332,13 @@ class RouterHandle:
 
 def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str | None = None, port: int = 0,
                  host: str = "127.0.0.1", timeout: float | None = None, connect_timeout: float = 5.0,
-                 connect_retries: int = 3, max_connections: int = 1024) -> RouterHandle:
+                 connect_retries: int = 3, max_connections: int = 1024,
+                 keepalive_connections: int = 0) -> RouterHandle:
     """Serve a router over ``backends`` (running :class:`ServerHandle` s, or
     ``(base_url, admin_key)`` pairs of servers elsewhere) on ``host:port`` (0: a free random
     port) in a daemon thread; returns once it accepts connections. ``timeout``,
-    ``connect_timeout``, ``connect_retries`` and ``max_connections``: see :func:`create_router_app`.
+    ``connect_timeout``, ``connect_retries``, ``max_connections`` and ``keepalive_connections``:
+    see :func:`create_router_app`.
 
     Raises:
         ValueError: ``backends`` is empty or holds something else, or an option is out of range.
@@ -345,7 +354,8 @@ def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str 
         else:
             raise ValueError(f"backends[{j}] is {b!r}: give a ServerHandle or a (base_url, admin_key) pair")
     app = create_router_app(bs, admin_key, timeout, connect_timeout=connect_timeout,
-                            connect_retries=connect_retries, max_connections=max_connections)
+                            connect_retries=connect_retries, max_connections=max_connections,
+                            keepalive_connections=keepalive_connections)
     server, thread, base_url = serve_in_thread(app, host, port, "molt-router", lifespan="on",
                                                on_bind=lambda url: setattr(app.state, "base_url", url))
     return RouterHandle(app, server, thread, base_url)
