@@ -2,8 +2,8 @@
 a connect the backend refuses is tried again on the same backend (session affinity kept) and
 the turn succeeds with the backend seeing it once; a request the backend read and then dropped
 (closed, reset, or left unanswered past the timeout) is answered with a 502 in the wire's shape
-and never replayed; the connection pool is bounded by ``max_connections`` and keeps its
-connections alive; bad options are refused by name."""
+and never replayed; no more than ``max_connections`` connections are open at once, a new one
+per request unless ``keepalive_connections`` keeps some; bad options are refused by name."""
 
 from __future__ import annotations
 
