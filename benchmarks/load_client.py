@@ -12,9 +12,11 @@ message), one request at a time (an agent waits for its answer). All workers run
 ``len(workers)`` sessions are in flight. Request ``t`` of session ``s`` of worker ``w`` carries
 seed ``w * 10000 + s * 100 + t``, so two runs of the same job sample the same tokens.
 
-A result: ``{"wall_s", "cpu_s", "latencies_s": [...], "tokens": N, "errors": [...]}`` (wall time
-from the first request sent to the last answer, this process's CPU time over it, per-request
-latency in seconds, sampled tokens).
+A result: ``{"wall_s", "cpu_s", "latencies_s": [...], "tokens": N, "errors": [...], "failed": F,
+"turns_lost": L}`` (wall time from the first request sent to the last answer, this process's CPU
+time over it, per-request latency in seconds, sampled tokens, the first 5 error messages, the
+requests that failed, and the turns not completed because of them: a session ends at its first
+failed turn, as an agent's conversation would).
 """
 
 from __future__ import annotations
@@ -106,10 +108,10 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run one job (see the module docstring) and return its result."""
     lat: list[float] = []
     errors: list[str] = []
-    tokens = 0
+    tokens = lost = 0
 
     async def worker(w: int, sessions: list[dict[str, str]]) -> None:
-        nonlocal tokens
+        nonlocal tokens, lost
         c = Connection()  # one keep-alive connection per agent, as an SDK client keeps
         try:
             for s, session in enumerate(sessions):
@@ -121,6 +123,7 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
                         text, n = await _request(c, job["wire"], session, msgs, job["max_tokens"], seed_of(w, s, t))
                     except Exception as e:  # noqa: BLE001 - reported, the run is then invalid
                         errors.append(f"{type(e).__name__}: {e}")
+                        lost += job["turns"] - t + job["turns"] * (len(sessions) - s - 1)
                         return
                     lat.append(time.perf_counter() - t0)
                     tokens += n
@@ -131,7 +134,8 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*[worker(w, ss) for w, ss in enumerate(job["workers"])])
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"wall_s": wall, "cpu_s": cpu, "latencies_s": lat, "tokens": tokens, "errors": errors[:5]}
+    return {"wall_s": wall, "cpu_s": cpu, "latencies_s": lat, "tokens": tokens, "errors": errors[:5],
+            "failed": len(errors), "turns_lost": lost}
 
 
 def main() -> None:

@@ -211,7 +211,8 @@ def test_unknown_session_and_keys(tok, stack):
 
 
 def test_backend_down_is_a_clean_5xx(tok, stack):
-    router, backends = stack([EchoEngine(tok), EchoEngine(tok)], admin_key="adm")
+    # one connect retry (tried at once, no backoff): the defaults would wait 1.5 s per request
+    router, backends = stack([EchoEngine(tok), EchoEngine(tok)], admin_key="adm", connect_retries=1)
     a, b = router.create_session(), router.create_session()
     assert [router.owner[a.session_id], router.owner[b.session_id]] == [0, 1]
     backends[1].stop()

@@ -15,6 +15,21 @@ Unknown session or route, wrong method: 404/405 in the wire's error shape (Anthr
 ``.../v1/messages``, OpenAI otherwise). A client that disconnects closes the forwarded request,
 so the backend aborts the generation and commits nothing. A backend that cannot be reached: 502 naming the backend and the cause (503 when
 no backend can open a session) -- never a 500.
+
+Retries: a request the backend never received -- its connection could not be opened (refused,
+reset during the handshake, ``connect_timeout`` passed) -- is retried on the same backend (the
+session's owner: affinity is kept) up to ``connect_retries`` times by httpx's own transport
+(``httpx.AsyncHTTPTransport(retries=...)``: connect errors and connect timeouts only, after 0,
+0.5, 1, 2, ... s). A pooled keep-alive connection the backend closed is dropped by the pool
+before use. A request that may have reached the backend (an error or a timeout while reading
+its answer) is never replayed: it gets a 502 in the wire's shape, and the backend's ledger,
+which commits a turn only once it is answered, stays the judge. Each :class:`Backend` counts
+its connect retries (``connect_retries``). Up to ``max_connections`` connections (all backends
+together) are open at once; more requests in flight wait for a free one. By default each request
+opens its own connection (a loopback connect): httpcore 1.0.9's pool can close an idle
+connection it has already handed to a request (encode/httpcore#1110), which kills that request
+half sent, and a backend can close one as it is reused. ``keepalive_connections`` > 0 keeps
+that many idle for reuse (5 s), for backends where a connect costs more than that risk.
 """
 
 from __future__ import annotations
@@ -55,13 +70,15 @@ _HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive
 class Backend:
     """One loopback server behind the router: ``base_url``, its ``admin_key``, the local
     ``handle`` (None for a remote one), ``sessions`` open through the router and the router's
-    ``in_flight`` requests to it (sent, response head not yet back)."""
+    ``in_flight`` requests to it (sent, response head not yet back) and its ``connect_retries``
+    (connections that failed to open and were tried again)."""
 
     base_url: str
     admin_key: str
     handle: ServerHandle | None = None
     sessions: int = 0
     in_flight: int = 0
+    connect_retries: int = 0
 
     @property
     def load(self) -> int:
@@ -77,32 +94,60 @@ def _error(wire: Any, status: int, message: str, code: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
+def _check_client_options(connect_timeout: float, connect_retries: int, max_connections: int,
+                          keepalive_connections: int) -> None:
+    if not (isinstance(connect_timeout, (int, float)) and connect_timeout > 0):
+        raise ValueError(f"connect_timeout is {connect_timeout!r}: give seconds > 0 (default 5.0)")
+    if not (isinstance(connect_retries, int) and 0 <= connect_retries <= 10):
+        raise ValueError(f"connect_retries is {connect_retries!r}: give an integer from 0 to 10 (default 3)")
+    if not (isinstance(max_connections, int) and max_connections >= 1):
+        raise ValueError(f"max_connections is {max_connections!r}: give an integer >= 1, at least the sessions "
+                         f"in flight (default 1024)")
+    if not (isinstance(keepalive_connections, int) and 0 <= keepalive_connections <= max_connections):
+        raise ValueError(f"keepalive_connections is {keepalive_connections!r}: give an integer from 0 to "
+                         f"max_connections ({max_connections}); 0 (default): a new connection per request")
+
+
 def create_router_app(backends: list[Backend], admin_key: str | None = None, timeout: float | None = None,
-                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, connect_timeout: float = 5.0,
+                      connect_retries: int = 3, max_connections: int = 1024,
+                      keepalive_connections: int = 0) -> FastAPI:
     """The router's ASGI app over ``backends`` (see the module docstring for the routes).
 
     Args:
         backends: at least one :class:`Backend`.
         admin_key: key for the router's ``/sessions`` routes (random when None; read
             ``app.state.admin_key``).
-        timeout: seconds to wait for a backend's response (None: no limit; connecting is
-            limited to 5 s).
+        timeout: seconds to wait for a backend's response (None: no limit).
         max_body_bytes: request body limit on session routes, enforced while reading (413).
+        connect_timeout: seconds to open one connection to a backend.
+        connect_retries: tries again after a failed connect, on the same backend (0: none); the
+            longest wait before a 502 is ``(connect_retries + 1) * connect_timeout`` plus the
+            backoff (1.5 s for 3 retries).
+        max_connections: connections open to the backends at once (all together): size it for
+            the sessions in flight; more requests wait for one.
+        keepalive_connections: idle connections kept for reuse, up to 5 s (0: a new connection
+            per request; see the module docstring).
 
     Returns:
         A FastAPI app; ``app.state.owner`` maps session id -> backend index.
 
     Raises:
-        ValueError: ``backends`` is empty.
+        ValueError: ``backends`` is empty, or an option is out of range (the message names it).
     """
     if not backends:
         raise ValueError("backends is empty: give at least one ServerHandle or (base_url, admin_key)")
+    _check_client_options(connect_timeout, connect_retries, max_connections, keepalive_connections)
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
-                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        # with no idle connection kept, the pool never hands one out, so it cannot close one
+        # under a request (encode/httpcore#1110); 5 s is well before a molt server's 30 s keep-alive
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive_connections,
+                              keepalive_expiry=5.0)
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout),
+                                            transport=httpx.AsyncHTTPTransport(retries=connect_retries, limits=limits))
         yield
         await state["client"].aclose()
 
@@ -123,16 +168,36 @@ def create_router_app(backends: list[Backend], admin_key: str | None = None, tim
         return _error("openai", 401, "missing or wrong admin key: send the router's admin key as "
                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'", "invalid_api_key")
 
+    def fate(e: Exception) -> str:
+        if isinstance(e, httpx.PoolTimeout):
+            return f"the request was not sent: all {max_connections} pooled connections stayed busy (max_connections)"
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return f"the request was not received (connection tried {connect_retries + 1} times)"
+        # it may have been received: a replay could run the turn twice
+        return "the request may have been received and was not replayed; the session commits only answered turns"
+
     def down(wire: Any, i: int, e: Exception, what: str) -> JSONResponse:
         return _error(wire, 502, f"backend {i} at {backends[i].base_url} ({what}) is unreachable: "
-                                 f"{type(e).__name__}: {str(e) or 'no response'}", "backend_unreachable")
+                                 f"{type(e).__name__}: {str(e) or 'no response'}; {fate(e)}", "backend_unreachable")
 
     async def forward(i: int, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> httpx.Response:
-        b = backends[i]
+        b, opened = backends[i], []
+
+        async def trace(event: str, _: Any) -> None:  # httpcore's hook (async client: a coroutine)
+            if event == "connection.retry.started":  # a failed connect tried again
+                b.connect_retries += 1
+            elif event == "connection.connect_tcp.started":  # not a pooled connection
+                opened.append(event)
+
         b.in_flight += 1  # until the response head arrives: a molt server answers once generated
         try:
-            req = state["client"].build_request(method, b.base_url + path, headers=headers, content=body)
+            req = state["client"].build_request(method, b.base_url + path, headers=headers, content=body,
+                                                extensions={"trace": trace})
             return await state["client"].send(req, stream=True)
+        except httpx.TransportError as e:
+            log.warning("backend %d at %s, %s %s on a %s connection: %r; %s", i, b.base_url, method, path,
+                        "new" if opened else "pooled", e, fate(e))
+            raise
         finally:
             b.in_flight -= 1
 
@@ -266,13 +331,17 @@ class RouterHandle:
 
 
 def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str | None = None, port: int = 0,
-                 host: str = "127.0.0.1", timeout: float | None = None) -> RouterHandle:
+                 host: str = "127.0.0.1", timeout: float | None = None, connect_timeout: float = 5.0,
+                 connect_retries: int = 3, max_connections: int = 1024,
+                 keepalive_connections: int = 0) -> RouterHandle:
     """Serve a router over ``backends`` (running :class:`ServerHandle` s, or
     ``(base_url, admin_key)`` pairs of servers elsewhere) on ``host:port`` (0: a free random
-    port) in a daemon thread; returns once it accepts connections.
+    port) in a daemon thread; returns once it accepts connections. ``timeout``,
+    ``connect_timeout``, ``connect_retries``, ``max_connections`` and ``keepalive_connections``:
+    see :func:`create_router_app`.
 
     Raises:
-        ValueError: ``backends`` is empty or holds something else.
+        ValueError: ``backends`` is empty or holds something else, or an option is out of range.
         OSError: the port cannot be bound.
         RuntimeError: the router did not start within 30 s.
     """
@@ -284,7 +353,9 @@ def start_router(backends: list[ServerHandle | tuple[str, str]], admin_key: str 
             bs.append(Backend(b[0].rstrip("/"), b[1]))
         else:
             raise ValueError(f"backends[{j}] is {b!r}: give a ServerHandle or a (base_url, admin_key) pair")
-    app = create_router_app(bs, admin_key, timeout)
+    app = create_router_app(bs, admin_key, timeout, connect_timeout=connect_timeout,
+                            connect_retries=connect_retries, max_connections=max_connections,
+                            keepalive_connections=keepalive_connections)
     server, thread, base_url = serve_in_thread(app, host, port, "molt-router", lifespan="on",
                                                on_bind=lambda url: setattr(app.state, "base_url", url))
     return RouterHandle(app, server, thread, base_url)
