@@ -26,7 +26,7 @@ def resolve_source(source: str) -> Path | str:
         name = source.split(":", 1)[1]
         p = BUILTIN_DATASETS_DIR / name
         if ".." in Path(name).parts or not p.exists():
-            have = sorted(d.name for d in BUILTIN_DATASETS_DIR.iterdir() if d.is_dir()) if BUILTIN_DATASETS_DIR.is_dir() else []
+            have = sorted(d.name for d in BUILTIN_DATASETS_DIR.glob("[!_.]*") if d.is_dir())  # not __pycache__
             raise ValueError(f"{source!r}: no shipped dataset {name!r}; shipped: {', '.join(have) or 'none'}")
         return p
     p = Path(source).expanduser()
