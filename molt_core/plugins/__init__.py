@@ -344,16 +344,21 @@ def _shared_host(local: tuple[str, ...], _disabled: str | None, _allowed: str | 
     return load_plugins(local)
 
 
-def modality(host: PluginHost | None = None) -> Any:
-    """The first registered modality by name, or None (text only); ``host``: default :func:`shared_host`."""
-    reg = (host or shared_host()).registries["modalities"]
+def _first(kind: str, host: PluginHost | None) -> Any:
+    reg = (host or shared_host()).registries[kind]
     return reg[min(reg)].obj if reg else None
+
+
+def modality(host: PluginHost | None = None) -> Any:
+    """The first registered modality by name, or None (text only); ``host``: default :func:`shared_host`.
+    Raises: PluginError -- as :func:`load_plugins` when the shared host is built."""
+    return _first("modalities", host)
 
 
 def window_prover(host: PluginHost | None = None) -> Any:
-    """The first registered window prover by name, or None (full renders); ``host`` as :func:`modality`."""
-    reg = (host or shared_host()).registries["render_windows"]
-    return reg[min(reg)].obj if reg else None
+    """The first registered window prover by name, or None (full renders); ``host`` as :func:`modality`.
+    Raises: PluginError -- as :func:`load_plugins` when the shared host is built."""
+    return _first("render_windows", host)
 
 
 def make_tool_parser(name: Any, tokenizer: Any, parsers: dict[str, Any]) -> Any:

@@ -313,9 +313,9 @@ def preflight(cfg: RunConfig, host: PluginHost, local: bool, model: bool = True)
     config = None
     if model and not cfg.model.gguf_file:  # (a GGUF repo has no config.json; its file is fetched by the workers)
         check_model_source(cfg.model.path)  # here, not as a cause deep in a Ray worker's traceback
-        config = model_config(cfg.model.path)
-        check_model_positions(cfg.model.path, config)  # rotary factors the engine and trainer compute alike
-        if config is not None:  # an MoE model without a routing tool: refused here, not in the trainer actor
+        config = model_config(cfg.model.path)  # None: a plugin's builtin (its own checks)
+        if config is not None:  # rotary factors the engine and trainer compute alike; an MoE model without
+            check_model_positions(cfg.model.path, config)  # a routing tool: refused here, not in the trainer actor
             routing_tool(SimpleNamespace(config=config), cfg.plugins, cfg.model.routing_replay)
     if modality(host) is None and (declares_vision(cfg.model.path) or getattr(config, "vision_config", None)):
         raise ConfigError(f"model.path = {cfg.model.path!r} is a vision-language model, but no loaded plugin registers a "
