@@ -69,11 +69,14 @@ def test_async_run_learns_with_staleness_one(tmp_path):
         # forward consistency, measured under the version that sampled each token
         assert r["invariants/logprob_absdiff_max_onpolicy"] <= 1e-5
         assert r["invariants/onpolicy_tokens"] == r["train/action_tokens"]
-        assert r["correction/gated_frac"] == 0.0  # --local: every group exactly one version old
+        assert r["correction/gated_frac"] == 0.0  # --local: no token more than one version old
     assert rows[0]["invariants/staleness_max"] == 0.0 and rows[0]["async/start_lag_max"] == 0.0
     for r in rows[1:]:
         assert r["invariants/staleness_max"] == 1.0 and r["async/start_lag_max"] == 1.0
-        assert r["invariants/onpolicy_stale_tokens"] == r["train/action_tokens"]
+        # the weights a step publishes load between decode steps: a group still decoding then samples its
+        # last tokens under the new version (staleness 0), so how many tokens are stale depends on timing;
+        # every token is measured under its own version either way (onpolicy_tokens above)
+        assert 0 < r["invariants/onpolicy_stale_tokens"] <= r["train/action_tokens"]
         # stale tokens are importance-corrected: weights differ from 1 (TIS, token level)
         assert r["correction/is_weight_min"] < 1.0 < r["correction/is_weight_max"]
         # ... and the all-token difference (drift + mismatch) is far above the on-policy one
