@@ -444,15 +444,16 @@ class TrainerWorker:
         return {"sft/loss_first": ms[0]["sft/loss"] if ms else float("nan"),
                 "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
-    def sft_begin(self) -> int:
-        """Prepare the warm start (:func:`molt_core.train.sft.warm_start_steps`, as ``molt sft``); returns
-        the number of steps to run with :meth:`sft_next`.
+    def sft_begin(self, start: int = 0) -> int:
+        """Prepare the warm start (:func:`molt_core.train.sft.warm_start_steps`, as ``molt sft``), from step
+        ``start`` of a restored mid-warm-start checkpoint; returns its total steps (``sft.steps``): run the
+        remaining ones with :meth:`sft_next`.
 
         Raises:
             ValueError: the agent cannot be built or its tasks have no answers.
         """
         agent = load_agent(self.cfg, load_plugins(self.cfg.plugins))
-        self._sft = warm_start_steps(self.trainer, agent)
+        self._sft = warm_start_steps(self.trainer, agent, start)
         return max(0, self.cfg.sft.steps)
 
     def sft_next(self, k: int) -> list[dict[str, float]]:

@@ -156,7 +156,8 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
 
 
 def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
-             warmup_steps: int = 0, lr_schedule: str = "constant") -> Iterator[dict[str, float]]:
+             warmup_steps: int = 0, lr_schedule: str = "constant", start: int = 0,
+             opt_state: dict[str, Any] | None = None) -> Iterator[dict[str, float]]:
     """Fine-tune ``trainer.model`` on ``examples``, one optimizer step per item drawn: yields
     each step's metrics (so a caller can show progress or stop between steps).
 
@@ -170,18 +171,25 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         batch_size: examples per step. seed: shuffle seed.
         lr, warmup_steps, lr_schedule: step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
             lr_schedule)`` (:func:`molt_core.train.lr_factor`; ``constant``, ``linear`` or ``cosine``).
+        start, opt_state: resume at step ``start`` (0-based) with the AdamW ``state_dict`` saved there
+            (``trainer.sft_optimizer`` at that step): the batches of the steps before it are drawn again
+            without compute, so the run continues bit-exact with an uninterrupted one.
 
     Yields:
         Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats/token; s).
 
-    Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
-    re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
+    Side effects: ``trainer.sft_optimizer`` is the AdamW while steps remain (None after the last: what
+    a checkpoint saves, :mod:`molt_core.train.checkpoint`); before the last step's metrics are yielded,
+    the frozen reference (if any) is re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
 
     Raises:
-        ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
-            (raised when the first step is drawn, before any compute).
+        ValueError: no examples, the trainer has no tokenizer, an unknown ``lr_schedule``, or a
+            ``start`` past ``steps`` / without ``opt_state`` (raised when the first step is drawn, before any compute).
     """
     lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
+    if start and not (start < steps and opt_state):
+        raise ValueError(f"sft: resuming at step {start} needs sft.steps > {start} (it is {steps}) and the warm "
+                         "start's optimizer state (a checkpoint written during it)")
     if steps <= 0:
         return
     if not examples:
@@ -198,6 +206,9 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     model, params = scope.__enter__()
     tc = cfg.trainer
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
+    if start:
+        opt.load_state_dict(opt_state)
+    trainer.sft_optimizer = opt
     rng = random.Random(seed)
     order: list[int] = []
     mb = tc.micro_batch_size
@@ -211,6 +222,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
                 order = list(range(len(rendered)))
                 rng.shuffle(order)
             idx.append(order.pop())
+        if step < start:  # a resume: the steps before it only advance the shuffle
+            continue
         seqs = [rendered[i][:2] for i in idx]
         imgs = [rendered[i][2] for i in idx]
         n_tok = sum(len(c) for _, c in seqs)
@@ -239,6 +252,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         m = {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn), "sft/lr": step_lr,
              "time/step": time.perf_counter() - t0}
         if step == steps - 1:
+            trainer.sft_optimizer = None
             scope.__exit__(None, None, None)
             model.zero_grad(set_to_none=True)
             if trainer.ref_model is not None:
@@ -372,11 +386,12 @@ def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], 
     return losses
 
 
-def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
+def warm_start_steps(trainer: Any, agent: Any, start: int = 0) -> Iterator[dict[str, float]]:
     """The recipe's SFT warm start on ``trainer``, one step per item: :func:`iter_sft` (``sft.steps``
     steps of ``sft.batch_size`` at ``sft.lr``, shuffle seed ``run.seed``) on the rows of ``sft.data``
     when set (``agent`` may then be None), else on ``sft.n_examples`` examples from ``agent`` (seed
-    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step.
+    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step. ``start``
+    > 0 resumes at that step with ``trainer.sft_resume_state`` (the AdamW state a checkpoint restored).
     Returns an iterator of per-step metrics (empty when ``sft.steps == 0``).
 
     Raises:
@@ -393,7 +408,8 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
         examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
                                        label_noise=s.label_noise)
     return iter_sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed,
-                    warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
+                    warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule, start=start,
+                    opt_state=getattr(trainer, "sft_resume_state", None))
 
 
 def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:
