@@ -224,8 +224,7 @@ def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any, every: int 
     a checkpoint every ``every`` steps (0: none; cursor ``"sft"`` = steps done) and a step-0 checkpoint at the end."""
     total = int(ray.get(trainer.sft_begin.remote(start)))
     chunk = max(1, total // 100)
-    first = last = float("nan")
-    done = start
+    first, last, done = float("nan"), float("nan"), start
     with step_progress(console, "SFT warm start", total) as update:
         while done < total:
             ms = ray.get(trainer.sft_next.remote(min(chunk, total - done, every - done % every if every else total)))

@@ -439,8 +439,7 @@ class TrainerWorker:
 
     def sft(self) -> dict[str, float]:
         """The whole warm start in one call; returns ``sft/loss_first``, ``sft/loss_last`` (NaN with no step)."""
-        total = self.sft_begin()
-        ms = self.sft_next(total)
+        ms = self.sft_next(self.sft_begin())
         return {"sft/loss_first": ms[0]["sft/loss"] if ms else float("nan"),
                 "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
@@ -459,11 +458,9 @@ class TrainerWorker:
     def sft_next(self, k: int) -> list[dict[str, float]]:
         """Run up to ``k`` more warm-start steps; returns their metrics (``sft/loss``, ...).
         Raises: RuntimeError -- :meth:`sft_begin` was not called."""
-        import itertools
-
         if getattr(self, "_sft", None) is None:
             raise RuntimeError("sft_next before sft_begin")
-        return list(itertools.islice(self._sft, max(0, k)))
+        return [m for _, m in zip(range(k), self._sft)]  # range first: no step drawn past the k-th
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One optimizer step; returns the trainer's metrics and ``policy_version``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from contextlib import contextmanager
+import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -25,16 +25,10 @@ from molt_core.train.trainer import Trainer
 from molt_core.train.update import lr_factor
 
 __all__ = ["Example", "render_example", "render_with_images", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
-           "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
+           "noisy_answer", "warm_start_steps", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
-
-
-@contextmanager
-def _trainable(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
-    """The warm start's scope without an adapter: ``(model, its trainable parameters)``."""
-    yield model, [p for p in model.parameters() if p.requires_grad]
 
 
 def _end_of_turn_ids(tokenizer: Any) -> set[int]:
@@ -197,23 +191,20 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     tok = trainer.tokenizer
     if tok is None:
         raise ValueError("sft: the trainer has no tokenizer to render examples with")
-    cfg = trainer.cfg
-    kw = cfg.model.chat_template_kwargs
     vp = _vision_processor(trainer)
-    rendered = [render_with_images(tok, vp, m, c, kw) for m, c in examples]
-    adapter = trainer.adapter
-    scope = adapter.base_training(trainer.model) if adapter is not None else _trainable(trainer.model)  # LoRA: the base
+    rendered = [render_with_images(tok, vp, m, c, trainer.cfg.model.chat_template_kwargs) for m, c in examples]
+    model = trainer.model  # LoRA: its base, with the adapter disabled
+    scope = (trainer.adapter.base_training(model) if trainer.adapter is not None
+             else contextlib.nullcontext((model, [p for p in model.parameters() if p.requires_grad])))
     model, params = scope.__enter__()
-    tc = cfg.trainer
+    tc = trainer.cfg.trainer
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
     if start:
         opt.load_state_dict(opt_state)
     trainer.sft_optimizer = opt
     rng = random.Random(seed)
     order: list[int] = []
-    mb = tc.micro_batch_size
-    dev = trainer.device
-    pad = trainer.pad_id
+    mb, dev, pad = tc.micro_batch_size, trainer.device, trainer.pad_id
     for step in range(steps):
         t0 = time.perf_counter()
         idx = []
@@ -236,8 +227,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         work = (trainer.row_work(len(seqs), 0) if hasattr(trainer, "row_work")
                 else [(slice(s, s + mb), True) for s in range(0, len(seqs), mb)])
         for rows, real in work:
-            ids, labels = collate(seqs[rows], pad)
-            ids, labels = ids.to(dev), labels.to(dev)
+            ids, labels = (t.to(dev) for t in collate(seqs[rows], pad))
             vision = _image_kwargs(model, vp, seqs[rows], imgs[rows], ids.shape[1], dev)
             with trainer.autocast():
                 logits = model(input_ids=ids, use_cache=False, **vision).logits.float()
@@ -373,17 +363,6 @@ def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -
 
 #: Offset of the example-drawing seed from ``run.seed`` (examples differ from RL's task stream).
 EXAMPLE_SEED_OFFSET = 17
-
-
-def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
-    """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
-    Returns per-step losses (empty when ``sft.steps == 0``)."""
-    losses: list[float] = []
-    for step, m in enumerate(warm_start_steps(trainer, agent)):
-        losses.append(m["sft/loss"])
-        if log is not None:
-            log(step, m)
-    return losses
 
 
 def warm_start_steps(trainer: Any, agent: Any, start: int = 0) -> Iterator[dict[str, float]]:
