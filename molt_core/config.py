@@ -411,7 +411,7 @@ class SftSection(_Section):
         n_examples: Examples drawn from the agent's train split (when ``data`` is unset).
         checkpoint_every: Inside ``molt run``, write a checkpoint every this many SFT steps (its AdamW state
             and step included; ``--resume`` continues the warm start from it, bit-exact), as
-            ``checkpoint.every`` does for RL steps (0: only the one after the warm start; one trainer rank only).
+            ``[checkpoint] every`` does for RL steps (0: only the one after the warm start; one trainer rank only).
     """
 
     steps: int = Field(0, ge=0)
