@@ -409,6 +409,9 @@ class SftSection(_Section):
         batch_size: Examples per step.
         label_noise: Fraction of deliberately wrong targets.
         n_examples: Examples drawn from the agent's train split (when ``data`` is unset).
+        checkpoint_every: Inside ``molt run``, write a checkpoint every this many SFT steps (its AdamW state
+            and step included; ``--resume`` continues the warm start from it, bit-exact), as
+            ``[checkpoint] every`` does for RL steps (0: only the one after the warm start; one trainer rank only).
     """
 
     steps: int = Field(0, ge=0)
@@ -419,6 +422,7 @@ class SftSection(_Section):
     batch_size: int = Field(32, ge=1)
     label_noise: float = Field(0.0, ge=0, le=1)
     n_examples: int = Field(2000, ge=1)
+    checkpoint_every: int = Field(50, ge=0)
 
 
 class TeacherSection(_Section):

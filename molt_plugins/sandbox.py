@@ -53,7 +53,9 @@ timeout, and more where the caller is not root -- is listed in ``docs/plugins/sa
 
 Not isolated anywhere: CPU cores and memory bandwidth (no cgroup), reading world-readable
 files, kernel attack surface (no seccomp filter). ``process`` as root where the interpreter is
-not readable by uid 65534 runs the program as root (no uid drop; see ``describe()``).
+not readable by uid 65534 runs the program as root (no uid drop; see ``describe()``); as root,
+``process`` runs only with ``MOLT_SANDBOX_PROCESS_AS_ROOT=1`` (else ``PermissionError``). A run on
+``unshare`` or ``process`` logs once (``molt.sandbox``, per process) what it does not isolate (:data:`GAPS`).
 Labs can plug in a remote sandbox service with the ``molt_register_sandbox_backends`` hook.
 """
 
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -77,6 +80,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = [
     "SandboxResult", "SandboxRequest", "SandboxBackend", "LocalBackend", "run_python", "network_isolation",
     "MEMORY_EXIT_CODE", "SANDBOX_UID", "TESTS_UID", "RETURN_MARGIN_S", "sandbox_backend", "available_backends", "get_backend", "BACKEND_ENV",
+    "ALLOW_ROOT_PROCESS_ENV", "GAPS",
 ]
 
 #: Exit code the child uses when the user's code dies of ``MemoryError``.
@@ -94,6 +98,13 @@ RETURN_MARGIN_S = 15.0
 _BACKSTOP_S = 10.0
 #: Environment variable naming the backend (``bwrap``, ``unshare``, ``process`` or a plugin's).
 BACKEND_ENV = "MOLT_SANDBOX_BACKEND"
+#: Set to ``1`` to let the ``process`` backend run model code when the caller is root (refused otherwise).
+ALLOW_ROOT_PROCESS_ENV = "MOLT_SANDBOX_PROCESS_AS_ROOT"
+#: What the backends weaker than ``bwrap`` do not isolate (logged once per process and backend).
+GAPS = {"unshare": "no IPC or UTS namespace (SysV/POSIX IPC shared with the host), the host's /dev and /dev/shm "
+                   "(read-only)",
+        "process": "no PID namespace (the program sees every host process), no mount namespace (it writes wherever "
+                   "its uid may: /tmp, /dev/shm; anywhere when it runs as root)"}
 
 Status = Literal["ok", "error", "timeout", "memory", "output_limit"]
 Isolation = Literal["auto", "namespace", "audit"]
@@ -926,6 +937,7 @@ class LocalBackend:
         Raises:
             ValueError: a ``files`` path escaping the working dir; ``isolation="namespace"``
                 where no network namespace is available.
+            PermissionError: ``process`` as root without ``MOLT_SANDBOX_PROCESS_AS_ROOT=1``.
             OSError: the sandbox could not be started, or its supervisor gave no verdict.
         """
         if req.network:
@@ -940,6 +952,12 @@ class LocalBackend:
             raise ValueError("isolation='namespace' requested but no network namespace works here "
                              "(`unshare -n`); use 'auto' or 'audit'")
         drop = self._drops_uid(req.python)
+        if self.name == "process" and os.geteuid() == 0 and os.environ.get(ALLOW_ROOT_PROCESS_ENV) != "1":
+            raise PermissionError(
+                f"sandbox backend 'process' as root: neither bubblewrap nor unshare works here, so model code would "
+                f"run with {GAPS['process']}, as " + (f"uid {SANDBOX_UID}" if drop else "root (the interpreter is not "
+                f"readable for uid {SANDBOX_UID})") + "; install bubblewrap (apt-get install bubblewrap), run as a "
+                f"non-root user, or accept it with {ALLOW_ROOT_PROCESS_ENV}=1")
         work = Path(tempfile.mkdtemp(prefix="molt-sbx-"))
         io_dir = Path(tempfile.mkdtemp(prefix="molt-sbx-io-"))
         fds: list[int] = []
@@ -1023,6 +1041,14 @@ class LocalBackend:
                     pass
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(io_dir, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_weaker(name: str, what: str) -> None:
+    """Log once per process and backend that ``name`` is weaker than ``bwrap`` and what it leaves open."""
+    net = "" if name != "process" or "net namespace" in what else "; a network cut by an audit hook only (ctypes bypasses it)"
+    logging.getLogger("molt.sandbox").warning(
+        "sandbox backend %r (%s) is weaker than bubblewrap: %s%s", name, what, GAPS[name], net)
 
 
 def _read_fd(fd: int, limit: int) -> bytes:
@@ -1220,6 +1246,9 @@ def run_python(
         OSError: the sandbox could not be started, or its supervisor died without a verdict
             (e.g. killed by a program that runs as the same uid under ``process``).
         KeyError / RuntimeError: an unknown or unavailable ``backend``.
+        PermissionError: the ``process`` backend as root without ``MOLT_SANDBOX_PROCESS_AS_ROOT=1``.
+
+    Logs (``molt.sandbox``, once per process and backend): what ``unshare`` / ``process`` do not isolate.
     """
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -1231,4 +1260,6 @@ def run_python(
     req = SandboxRequest(code=code, tests=tests, keep_names=tuple(keep_names), timeout_s=timeout_s,
                          memory_mb=memory_mb, network=network, isolation=isolation, files=dict(files or {}),
                          stdin=stdin, max_output_bytes=max_output_bytes, max_processes=max_processes, python=python)
+    if isinstance(b, LocalBackend) and b.name in GAPS:  # once per process (not in the availability probes)
+        _warn_weaker(b.name, b._what())
     return b.run(req)

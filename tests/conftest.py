@@ -8,6 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# the tests run their own code, not a model's: the sandbox's process fallback may run it as root (a CI
+# container without bubblewrap or unshare); tests/test_sandbox.py checks the refusal without it
+os.environ.setdefault("MOLT_SANDBOX_PROCESS_AS_ROOT", "1")
 
 try:
     import torch

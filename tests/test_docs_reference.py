@@ -84,7 +84,7 @@ def test_every_option_is_listed_under_its_set_key(gen, pages):
                 out += leaves(sub, key + ".")
         return out
     assert list(rows) == leaves(RunConfig)
-    assert len(rows) == 99
+    assert len(rows) == 100
     for key in rows:
         assert f"| `{key}` |" in pages["options.md"]
     assert "| `trainer.lr` | float | `0.0003` | > 0 | Peak AdamW learning rate. |" in pages["options.md"]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from rich.console import Console
 
@@ -118,6 +119,57 @@ def test_kill_after_the_sft_warm_start_then_resume_skips_it(tmp_path):
     assert "SFT warm start:" not in r.stderr  # no progress line, no loss line: the warm start did not run
     assert "\x1b[" not in r.stderr
     assert steps_of(run) == [0, 1, 2]
+
+
+def _final_weights(run):
+    from safetensors.torch import load_file
+
+    d = run / "checkpoints" / "step_00000000" / "model"
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_kill_during_the_sft_warm_start_then_resume_continues_it_bit_exact(tmp_path, monkeypatch):
+    """Issue 28 item 5: a run killed during its warm start (sft.checkpoint_every = 2 of 6 steps; the
+    driver dies in step 4) resumes from step 2's checkpoint with its AdamW state and data cursor: the
+    losses of steps 3..6 and the final weights equal an uninterrupted warm start's, bit for bit."""
+    from molt_core.runtime.workers import TrainerWorker
+
+    real, losses, die_after = TrainerWorker.sft_next, [], [None]
+
+    def sft_next(self, k):
+        if die_after[0] is not None and len(losses) >= die_after[0]:
+            raise RuntimeError("killed")
+        ms = real(self, k)
+        losses.extend(m["sft/loss"] for m in ms)
+        return ms
+
+    monkeypatch.setattr(TrainerWorker, "sft_next", sft_next)
+    args = ["run", "quickstart", "--local", "--sft-steps", "6", *SMALL, "--set", "run.steps=0",
+            "--set", "sft.checkpoint_every=2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    res = CliRunner().invoke(main, [*args, "--out", str(whole)])
+    assert res.exit_code == 0, res.output
+    full, losses[:] = list(losses), []
+    assert len(full) == 6
+    die_after[0] = 3  # steps 1..3 run, step 2's checkpoint written, the kill comes before step 4
+    res = CliRunner().invoke(main, [*args, "--out", str(cut)])
+    assert res.exit_code != 0 and "SFT warm start: loss" not in res.output
+    state = json.loads((cut / "checkpoints" / "step_00000000" / "state.json").read_text())
+    assert state["data_cursor"] == {"step": 0, "tasks": 0, "untrained": [], "sft": 2}
+    assert losses == full[:3]
+    die_after[0], losses[:] = None, []
+    res = CliRunner().invoke(main, ["run", "--resume", str(cut), "--local"])
+    assert res.exit_code == 0, res.output
+    assert "from step_00000000 (step 2 of the SFT warm start)" in res.output
+    assert losses == full[2:]  # step 3 is redone (it was lost with the kill), then 4..6
+    assert f"SFT warm start: loss {full[2]:.3f} -> {full[-1]:.3f}" in res.output
+    state = json.loads((cut / "checkpoints" / "step_00000000" / "state.json").read_text())
+    assert state["data_cursor"] == {"step": 0, "tasks": 0, "untrained": []}  # the warm start's own, complete
+    a, b = _final_weights(whole), _final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    res = CliRunner().invoke(main, ["run", "--resume", str(cut), "--local"])  # now: no warm start again
+    assert res.exit_code == 0 and "from step_00000000 (the SFT warm start)" in res.output
+    assert "SFT warm start:" not in res.output and len(losses) == 4
 
 
 RAISING_AGENT = '''

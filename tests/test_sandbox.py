@@ -597,3 +597,42 @@ def test_solution_objects_reach_the_tests_through_proxies():
            "import math\nassert fact(3000) == math.factorial(3000)\nassert neg(-(2 ** 20000)) == 2 ** 20000\n"
            "assert neg(5) == -5 and neg(2 ** 62) == -(2 ** 62)")
     assert run_python(big[0], tests=big[1]).tests_completed is True
+
+
+# -- issue 28 item 7: the process fallback as root needs an explicit option; weaker backends say so ---
+
+def test_process_backend_as_root_is_refused_without_the_option(monkeypatch):
+    from molt_plugins import sandbox
+
+    monkeypatch.delenv(sandbox.ALLOW_ROOT_PROCESS_ENV, raising=False)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)  # root, whoever runs the tests
+    with pytest.raises(PermissionError, match="sandbox backend 'process' as root: neither bubblewrap nor unshare "
+                                              "works here.*MOLT_SANDBOX_PROCESS_AS_ROOT=1"):
+        run_python("print(1)", backend="process")
+    monkeypatch.setenv("MOLT_SANDBOX_BACKEND", "process")
+    with pytest.raises(RewardFailed, match="sandbox could not start: sandbox backend 'process' as root"):
+        code_tests(RIGHT, TASK)
+
+
+def test_process_backend_as_root_runs_with_the_option(monkeypatch):
+    monkeypatch.setenv("MOLT_SANDBOX_PROCESS_AS_ROOT", "1")
+    assert run_python("print(6 * 7)", backend="process").stdout == "42\n"
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare", "process"])
+def test_a_weaker_backend_than_bwrap_is_logged_once_per_process(backend, caplog, monkeypatch):
+    from molt_plugins import sandbox
+
+    if backend not in BACKENDS:
+        pytest.skip(f"{backend} does not work here")
+    monkeypatch.setenv("MOLT_SANDBOX_PROCESS_AS_ROOT", "1")
+    sandbox._warn_weaker.cache_clear()
+    with caplog.at_level("WARNING", logger="molt.sandbox"):
+        for _ in range(3):
+            assert run_python("print(1)", backend=backend).stdout == "1\n"
+    got = [r.getMessage() for r in caplog.records if r.name == "molt.sandbox"]
+    if backend == "bwrap":
+        assert got == []
+        return
+    assert len(got) == 1 and got[0].startswith(f"sandbox backend {backend!r} (")
+    assert f"is weaker than bubblewrap: {sandbox.GAPS[backend]}" in got[0]

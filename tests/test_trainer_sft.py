@@ -191,3 +191,28 @@ def test_in_run_warm_start_is_molt_sft(tmp_path):
     assert got == [3, 1, 0]
     state = chunked.trainer.model.state_dict()
     assert all(torch.equal(standalone[k], state[k]) for k in standalone)
+
+
+def test_iter_sft_resume_matches_uninterrupted_and_refuses_without_optimizer_state(base):
+    """Issue 28 item 5 at the function level: steps 0..1, then a fresh trainer resumed at step 2 with
+    the weights and ``trainer.sft_optimizer``'s state of step 2 runs steps 2..3 exactly as one run;
+    ``trainer.sft_optimizer`` is None once the last step ran; a resume without the state is refused."""
+    from molt_core.train.sft import iter_sft
+
+    model, tok = base
+    kw = dict(steps=4, batch_size=3, lr=1e-2, seed=5)
+    whole = Trainer(tiny_cfg(), model=copy.deepcopy(model), tokenizer=tok)
+    want = [m["sft/loss"] for m in iter_sft(whole, add_examples(8), **kw)]
+    assert whole.sft_optimizer is None
+    first = Trainer(tiny_cfg(), model=copy.deepcopy(model), tokenizer=tok)
+    it = iter_sft(first, add_examples(8), **kw)
+    got = [next(it)["sft/loss"], next(it)["sft/loss"]]
+    opt_state = copy.deepcopy(first.sft_optimizer.state_dict())
+    second = Trainer(tiny_cfg(), model=copy.deepcopy(first.model), tokenizer=tok)
+    got += [m["sft/loss"] for m in iter_sft(second, add_examples(8), **kw, start=2, opt_state=opt_state)]
+    assert got == want
+    a, b = whole.model.state_dict(), second.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for start, state in ((2, None), (4, opt_state)):
+        with pytest.raises(ValueError, match=f"resuming at step {start} needs sft.steps > {start} \\(it is 4\\)"):
+            next(iter_sft(second, add_examples(8), **kw, start=start, opt_state=state))

@@ -219,22 +219,23 @@ def _no_checkpoint_message(run_dir: Path, cfg: RunConfig, corrupt: bool) -> str:
             f"molt run {run_dir / 'config.toml'} --out {run_dir.with_name(run_dir.name + '-restart')}")
 
 
-def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any) -> None:
-    """The SFT warm start on the trainer actor, in chunks behind a progress bar; then a step-0 checkpoint."""
-    total = int(ray.get(trainer.sft_begin.remote()))
+def _warm_start(ray: Any, trainer: Any, run_dir: Path, console: Any, every: int = 0, start: int = 0) -> None:
+    """The SFT warm start on the trainer actor from step ``start`` (a resume), in chunks behind a progress bar;
+    a checkpoint every ``every`` steps (0: none; cursor ``"sft"`` = steps done) and a step-0 checkpoint at the end."""
+    total = int(ray.get(trainer.sft_begin.remote(start)))
     chunk = max(1, total // 100)
-    first = last = float("nan")
-    done = 0
+    first, last, done = float("nan"), float("nan"), start
     with step_progress(console, "SFT warm start", total) as update:
         while done < total:
-            ms = ray.get(trainer.sft_next.remote(min(chunk, total - done)))
+            ms = ray.get(trainer.sft_next.remote(min(chunk, total - done, every - done % every if every else total)))
             if not ms:
                 break
-            if done == 0:
-                first = ms[0]["sft/loss"]
+            first = ms[0]["sft/loss"] if done == start else first
             done += len(ms)
             last = ms[-1]["sft/loss"]
             update(done, f"loss {last:.3f}")
+            if every and done % every == 0 and done < total:
+                ray.get(trainer.save.remote(str(run_dir), {"step": 0, "tasks": 0, "untrained": [], "sft": done}))
     console.print(f"SFT warm start: loss {first:.3f} -> {last:.3f}", highlight=False)
     ray.get(trainer.save.remote(str(run_dir), {"step": 0, "tasks": 0, "untrained": []}))
 
@@ -366,11 +367,13 @@ def _main_job(cfg: RunConfig, host: PluginHost, run_dir: Path, ray_address: str 
     cursor = {"step": 0, "tasks": 0}
     if ckpt is not None:
         cursor = dict(ray.get(trainer.restore.remote(str(ckpt))))
-        what = "the SFT warm start" if cursor["step"] == 0 else f"step {cursor['step']}"
+        what = (f"step {cursor['sft']} of the SFT warm start" if "sft" in cursor else
+                "the SFT warm start" if cursor["step"] == 0 else f"step {cursor['step']}")
         console.print(f"[bold]resuming[/] {run_dir} from {ckpt.name} ({what})")
     log = RunLog(run_dir, cfg, host, resume_step=cursor["step"] if resume else None)
-    if not resume and cfg.sft.steps > 0:
-        _warm_start(ray, trainer, run_dir, console)
+    if cfg.sft.steps > 0 and (not resume or "sft" in cursor):  # a resume: only one killed during the warm start
+        every = cfg.sft.checkpoint_every if cfg.trainer.world_size == 1 else 0  # sharded: no SFT optimizer saved
+        _warm_start(ray, trainer, run_dir, console, every, int(cursor.get("sft", 0)))
     # the on-policy check's process, if the trainer uses one; its start-up overlaps the first rollouts
     trainer.start_check_process.remote()
 

@@ -439,30 +439,28 @@ class TrainerWorker:
 
     def sft(self) -> dict[str, float]:
         """The whole warm start in one call; returns ``sft/loss_first``, ``sft/loss_last`` (NaN with no step)."""
-        total = self.sft_begin()
-        ms = self.sft_next(total)
+        ms = self.sft_next(self.sft_begin())
         return {"sft/loss_first": ms[0]["sft/loss"] if ms else float("nan"),
                 "sft/loss_last": ms[-1]["sft/loss"] if ms else float("nan")}
 
-    def sft_begin(self) -> int:
-        """Prepare the warm start (:func:`molt_core.train.sft.warm_start_steps`, as ``molt sft``); returns
-        the number of steps to run with :meth:`sft_next`.
+    def sft_begin(self, start: int = 0) -> int:
+        """Prepare the warm start (:func:`molt_core.train.sft.warm_start_steps`, as ``molt sft``), from step
+        ``start`` of a restored mid-warm-start checkpoint; returns its total steps (``sft.steps``): run the
+        remaining ones with :meth:`sft_next`.
 
         Raises:
             ValueError: the agent cannot be built or its tasks have no answers.
         """
         agent = load_agent(self.cfg, load_plugins(self.cfg.plugins))
-        self._sft = warm_start_steps(self.trainer, agent)
+        self._sft = warm_start_steps(self.trainer, agent, start)
         return max(0, self.cfg.sft.steps)
 
     def sft_next(self, k: int) -> list[dict[str, float]]:
         """Run up to ``k`` more warm-start steps; returns their metrics (``sft/loss``, ...).
         Raises: RuntimeError -- :meth:`sft_begin` was not called."""
-        import itertools
-
         if getattr(self, "_sft", None) is None:
             raise RuntimeError("sft_next before sft_begin")
-        return list(itertools.islice(self._sft, max(0, k)))
+        return [m for _, m in zip(range(k), self._sft)]  # range first: no step drawn past the k-th
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One optimizer step; returns the trainer's metrics and ``policy_version``."""

@@ -127,9 +127,9 @@ def save_checkpoint(trainer: Any, run_dir: str | Path, data_cursor: dict[str, An
 
     Layout: ``model/`` (``save_pretrained`` safetensors, config, tokenizer, a vision-language
     model's image processor; with an adapter the merged weights plus its files, ``base/`` and
-    ``adapter/`` for LoRA), ``ref/`` and ``critic/`` if any, ``trainer_state.pt`` (optimizers,
-    schedulers, KL controller, RNG states of torch, numpy and python), ``state.json`` (``step``,
-    ``version``, ``data_cursor``). A kill leaves the complete checkpoint or none.
+    ``adapter/`` for LoRA), ``ref/`` and ``critic/`` if any, ``trainer_state.pt`` (optimizers (the
+    SFT warm start's too while it runs), schedulers, KL controller, RNG states of torch, numpy and
+    python), ``state.json`` (``step``, ``version``, ``data_cursor``). A kill leaves the complete checkpoint or none.
 
     Args:
         run_dir: the run directory. data_cursor: JSON-able position of the data stream.
@@ -200,6 +200,7 @@ def write_checkpoint_files(trainer: Any, tmp: Path, cursor_json: str, full: dict
         "critic_scheduler": trainer.critic_scheduler.state_dict() if trainer.critic is not None else None,
         "kl_coef": trainer.kl_coef,
         "kl_controller": trainer.kl_controller.state_dict() if trainer.kl_controller is not None else None,
+        "sft_optimizer": sft.state_dict() if (sft := getattr(trainer, "sft_optimizer", None)) and own_optim else None,
         "rng": {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -293,6 +294,7 @@ def _load_checkpoint_files(trainer: Any, p: Path) -> None:
     trainer.kl_coef = float(st["kl_coef"])
     if trainer.kl_controller is not None and st.get("kl_controller") is not None:
         trainer.kl_controller.load_state_dict(st["kl_controller"])
+    trainer.sft_resume_state = st.get("sft_optimizer")  # what molt_core.train.sft.warm_start_steps resumes with
     rng = st["rng"]
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") is not None and torch.cuda.is_available():

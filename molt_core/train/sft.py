@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from contextlib import contextmanager
+import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -25,16 +25,10 @@ from molt_core.train.trainer import Trainer
 from molt_core.train.update import lr_factor
 
 __all__ = ["Example", "render_example", "render_with_images", "collate", "sft", "iter_sft", "examples_from_agent", "examples_from_rows",
-           "noisy_answer", "warm_start", "warm_start_steps", "run_sft"]
+           "noisy_answer", "warm_start_steps", "run_sft"]
 
 #: ``(messages, completion)``: OpenAI-format chat messages (the prompt) and the reply text.
 Example = tuple[list[dict[str, Any]], str]
-
-
-@contextmanager
-def _trainable(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
-    """The warm start's scope without an adapter: ``(model, its trainable parameters)``."""
-    yield model, [p for p in model.parameters() if p.requires_grad]
 
 
 def _end_of_turn_ids(tokenizer: Any) -> set[int]:
@@ -156,7 +150,8 @@ def sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: in
 
 
 def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_size: int, lr: float, seed: int = 0,
-             warmup_steps: int = 0, lr_schedule: str = "constant") -> Iterator[dict[str, float]]:
+             warmup_steps: int = 0, lr_schedule: str = "constant", start: int = 0,
+             opt_state: dict[str, Any] | None = None) -> Iterator[dict[str, float]]:
     """Fine-tune ``trainer.model`` on ``examples``, one optimizer step per item drawn: yields
     each step's metrics (so a caller can show progress or stop between steps).
 
@@ -170,18 +165,25 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         batch_size: examples per step. seed: shuffle seed.
         lr, warmup_steps, lr_schedule: step ``i`` uses ``lr * lr_factor(i, warmup_steps, steps,
             lr_schedule)`` (:func:`molt_core.train.lr_factor`; ``constant``, ``linear`` or ``cosine``).
+        start, opt_state: resume at step ``start`` (0-based) with the AdamW ``state_dict`` saved there
+            (``trainer.sft_optimizer`` at that step): the batches of the steps before it are drawn again
+            without compute, so the run continues bit-exact with an uninterrupted one.
 
     Yields:
         Per step ``{"sft/loss", "sft/tokens", "sft/grad_norm", "sft/lr", "time/step"}`` (nats/token; s).
 
-    Side effects: before the last step's metrics are yielded, the frozen reference (if any) is
-    re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
+    Side effects: ``trainer.sft_optimizer`` is the AdamW while steps remain (None after the last: what
+    a checkpoint saves, :mod:`molt_core.train.checkpoint`); before the last step's metrics are yielded,
+    the frozen reference (if any) is re-snapshotted to the fine-tuned weights; ``trainer.version`` is unchanged.
 
     Raises:
-        ValueError: no examples, the trainer has no tokenizer, or an unknown ``lr_schedule``
-            (raised when the first step is drawn, before any compute).
+        ValueError: no examples, the trainer has no tokenizer, an unknown ``lr_schedule``, or a
+            ``start`` past ``steps`` / without ``opt_state`` (raised when the first step is drawn, before any compute).
     """
     lr_factor(0, warmup_steps, steps, lr_schedule)  # unknown schedule: fail before any compute
+    if start and not (start < steps and opt_state):
+        raise ValueError(f"sft: resuming at step {start} needs sft.steps > {start} (it is {steps}) and the warm "
+                         "start's optimizer state (a checkpoint written during it)")
     if steps <= 0:
         return
     if not examples:
@@ -189,20 +191,20 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
     tok = trainer.tokenizer
     if tok is None:
         raise ValueError("sft: the trainer has no tokenizer to render examples with")
-    cfg = trainer.cfg
-    kw = cfg.model.chat_template_kwargs
     vp = _vision_processor(trainer)
-    rendered = [render_with_images(tok, vp, m, c, kw) for m, c in examples]
-    adapter = trainer.adapter
-    scope = adapter.base_training(trainer.model) if adapter is not None else _trainable(trainer.model)  # LoRA: the base
+    rendered = [render_with_images(tok, vp, m, c, trainer.cfg.model.chat_template_kwargs) for m, c in examples]
+    model = trainer.model  # LoRA: its base, with the adapter disabled
+    scope = (trainer.adapter.base_training(model) if trainer.adapter is not None
+             else contextlib.nullcontext((model, [p for p in model.parameters() if p.requires_grad])))
     model, params = scope.__enter__()
-    tc = cfg.trainer
+    tc = trainer.cfg.trainer
     opt = torch.optim.AdamW(params, lr=lr, betas=(tc.betas[0], tc.betas[1]), eps=tc.eps, weight_decay=tc.weight_decay)
+    if start:
+        opt.load_state_dict(opt_state)
+    trainer.sft_optimizer = opt
     rng = random.Random(seed)
     order: list[int] = []
-    mb = tc.micro_batch_size
-    dev = trainer.device
-    pad = trainer.pad_id
+    mb, dev, pad = tc.micro_batch_size, trainer.device, trainer.pad_id
     for step in range(steps):
         t0 = time.perf_counter()
         idx = []
@@ -211,6 +213,8 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
                 order = list(range(len(rendered)))
                 rng.shuffle(order)
             idx.append(order.pop())
+        if step < start:  # a resume: the steps before it only advance the shuffle
+            continue
         seqs = [rendered[i][:2] for i in idx]
         imgs = [rendered[i][2] for i in idx]
         n_tok = sum(len(c) for _, c in seqs)
@@ -223,8 +227,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         work = (trainer.row_work(len(seqs), 0) if hasattr(trainer, "row_work")
                 else [(slice(s, s + mb), True) for s in range(0, len(seqs), mb)])
         for rows, real in work:
-            ids, labels = collate(seqs[rows], pad)
-            ids, labels = ids.to(dev), labels.to(dev)
+            ids, labels = (t.to(dev) for t in collate(seqs[rows], pad))
             vision = _image_kwargs(model, vp, seqs[rows], imgs[rows], ids.shape[1], dev)
             with trainer.autocast():
                 logits = model(input_ids=ids, use_cache=False, **vision).logits.float()
@@ -239,6 +242,7 @@ def iter_sft(trainer: Any, examples: Sequence[Example], *, steps: int, batch_siz
         m = {"sft/loss": total, "sft/tokens": float(n_tok), "sft/grad_norm": float(gn), "sft/lr": step_lr,
              "time/step": time.perf_counter() - t0}
         if step == steps - 1:
+            trainer.sft_optimizer = None
             scope.__exit__(None, None, None)
             model.zero_grad(set_to_none=True)
             if trainer.ref_model is not None:
@@ -361,22 +365,12 @@ def examples_from_rows(rows: Sequence[dict[str, Any]], what: str = "sft.data") -
 EXAMPLE_SEED_OFFSET = 17
 
 
-def warm_start(trainer: Any, agent: Any, log: Callable[[int, dict[str, float]], None] | None = None) -> list[float]:
-    """:func:`warm_start_steps`, all at once; ``log(step, metrics)`` after each step.
-    Returns per-step losses (empty when ``sft.steps == 0``)."""
-    losses: list[float] = []
-    for step, m in enumerate(warm_start_steps(trainer, agent)):
-        losses.append(m["sft/loss"])
-        if log is not None:
-            log(step, m)
-    return losses
-
-
-def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
+def warm_start_steps(trainer: Any, agent: Any, start: int = 0) -> Iterator[dict[str, float]]:
     """The recipe's SFT warm start on ``trainer``, one step per item: :func:`iter_sft` (``sft.steps``
     steps of ``sft.batch_size`` at ``sft.lr``, shuffle seed ``run.seed``) on the rows of ``sft.data``
     when set (``agent`` may then be None), else on ``sft.n_examples`` examples from ``agent`` (seed
-    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step.
+    ``run.seed + 17``). The examples are drawn at once, so errors surface before any step. ``start``
+    > 0 resumes at that step with ``trainer.sft_resume_state`` (the AdamW state a checkpoint restored).
     Returns an iterator of per-step metrics (empty when ``sft.steps == 0``).
 
     Raises:
@@ -393,7 +387,8 @@ def warm_start_steps(trainer: Any, agent: Any) -> Iterator[dict[str, float]]:
         examples = examples_from_agent(agent, s.n_examples, seed=cfg.run.seed + EXAMPLE_SEED_OFFSET,
                                        label_noise=s.label_noise)
     return iter_sft(trainer, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=cfg.run.seed,
-                    warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
+                    warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule, start=start,
+                    opt_state=getattr(trainer, "sft_resume_state", None))
 
 
 def run_sft(cfg: Any, host: Any, out_dir: str | None = None, recipe_name: str = "run") -> Any:
