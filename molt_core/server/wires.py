@@ -8,6 +8,7 @@ wire applies (:func:`check_fields`). Every wire decodes into OpenAI-style messag
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Iterator
@@ -18,7 +19,7 @@ from molt_core import _moved
 from molt_core.ledger import AssistantTurn
 
 __all__ = ["WireError", "WireRequest", "ChatCompletionRequest", "openai_response", "openai_stream", "openai_error",
-           "validation_message", "check_fields", "sse", "token_logprobs", "SEED"]
+           "validation_message", "check_fields", "shown", "one_call_stop", "refuse_forced_tool", "sse", "token_logprobs", "SEED"]
 
 
 class WireError(Exception):
@@ -83,7 +84,6 @@ REFUSED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": (([],), _NO_EFFECT),
     "allowed_token_ids": (([],), _NO_EFFECT),
     "response_format": (({"type": "text"},), "constrained decoding is not applied"),
-    "parallel_tool_calls": ((True,), "every call the model writes is returned"),
     "reasoning_effort": ((), "reasoning is set per session: POST /sessions with chat_template_kwargs "
                              "(e.g. {\"enable_thinking\": false})"),
     "chat_template_kwargs": ((), "template variables are set per session: POST /sessions with chat_template_kwargs"),
@@ -114,7 +114,8 @@ def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
 
     Raises:
         WireError: 400 naming the first field that is refused with a non-neutral value
-            (``code`` ``unsupported_parameter``) or unknown (``code`` ``unknown_parameter``).
+            (``code`` ``unsupported_parameter``) or unknown (``code`` ``unknown_parameter``), the value
+            sent (:func:`shown`) and what to send instead.
     """
     for name, value in (extra or {}).items():
         if name in ignored:
@@ -123,20 +124,59 @@ def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
             neutrals, why = refused[name]
             if _neutral(value, neutrals):
                 continue
-            shown = json.dumps(value, ensure_ascii=True)[:80] if _jsonable(value) else repr(value)[:80]
             omit = "omit it" + (f" or send {json.dumps(neutrals[0])}" if neutrals else "")
-            raise WireError(400, f"{name}={shown} is not supported here: {why}; {omit}", name, "unsupported_parameter")
-        raise WireError(400, f"unknown field {name!r}: this server refuses fields it does not know. It honours "
-                             f"{', '.join(honoured)}; see docs/README.md (Loopback server) for the fields it ignores "
-                             "or refuses", name, "unknown_parameter")
+            raise WireError(400, f"{name}={shown(value)} is not supported here: {why}; {omit}", name,
+                            "unsupported_parameter")
+        raise WireError(400, f"unknown field {name!r} (sent {shown(value)}): this server refuses fields it does not "
+                             f"know; omit it. It honours {', '.join(honoured)}; see docs/README.md (Loopback server) "
+                             "for the fields it ignores or refuses", name, "unknown_parameter")
 
 
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+#: one JSON token of ``json.dumps`` output: a string, a punctuation mark, a run of blanks, a scalar
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},:]|\s+|[^\s\[\]{},:"]+')
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """``value`` (decoded JSON) as JSON for an error message: whole up to ``limit`` characters, else cut
+    after the last whole JSON token that fits (never inside a string or a number) and ``" ..."`` appended."""
+    text = json.dumps(value, ensure_ascii=True)
+    if len(text) <= limit:
+        return text
+    out = ""
+    for tok in _JSON_TOKEN.findall(text):
+        if len(out) + len(tok) > limit:
+            break
+        out += tok
+    return out.rstrip() + " ..."
+
+
+def one_call_stop(parser: Any, tokenizer: Any, field: str = "parallel_tool_calls", sent: str = "false") -> int:
+    """The token id that closes one tool call in ``parser``'s syntax (its ``close`` tag, e.g. Qwen's
+    ``</tool_call>``): ``parallel_tool_calls: false`` passes it to the engine as a stop token, so
+    sampling stops after the first complete call (recorded like any stop; the ids stay the sampled ones).
+
+    Raises:
+        WireError: 400 (``param`` ``field``, ``code`` ``unsupported_value``) when the syntax has no
+            close tag that is one token (Llama 3 JSON, Mistral, a tokenizer's response schema).
+    """
+    close = getattr(parser, "close", None)
+    ids = tokenizer.encode(close, add_special_tokens=False) if isinstance(close, str) and close else []
+    if len(ids) != 1:
+        raise WireError(400, f"{field}={sent} is not supported for this model's tool-call syntax "
+                             f"({type(parser).__name__}): no one-token tag closes a call, so sampling cannot stop "
+                             f"after the first one; omit {field} (every call the model writes is returned)", field,
+                        "unsupported_value")
+    return ids[0]
+
+
+def refuse_forced_tool(choice: Any, field: str, send: str) -> None:
+    """Raise the 400 for a forced tool choice ``choice`` at ``field`` (``send``: the values allowed).
+
+    Raises:
+        WireError: always: ``code`` ``unsupported_value``, naming the field and the value sent.
+    """
+    raise WireError(400, f"{field}={shown(choice)} is not supported: forcing a tool is not applied here; send {send} "
+                         "(or omit it) and ask for the tool in the prompt", field, "unsupported_value")
 
 
 #: the ``seed`` field every wire declares: None or an int in [0, 2**63)
@@ -176,26 +216,28 @@ class ChatCompletionRequest(WireRequest):
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         """Refuse what the server cannot honour (:func:`check_fields` and the declared fields' limits).
 
         Raises:
-            WireError: 400 naming the field (``n`` > 1, top_logprobs, a refused or unknown field, a forced
-                tool choice, empty stop strings).
+            WireError: 400 naming the field and the value sent (``n`` > 1, top_logprobs, a refused or unknown
+                field, a forced tool choice, empty stop strings).
         """
         if self.n not in (None, 1):
             raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
-                                 "(or omit it) and make one request per sample", "n")
+                                 "(or omit it) and make one request per sample", "n", "unsupported_value")
         if self.top_logprobs:
-            raise WireError(400, "top_logprobs > 0 is not supported (the engine reports the sampled token's logprob "
-                            "only, in logprobs.content); omit it or set it to 0", "top_logprobs")
+            raise WireError(400, f"top_logprobs={self.top_logprobs} is not supported (the engine reports the sampled "
+                            "token's logprob only, in logprobs.content); omit it or send 0", "top_logprobs",
+                            "unsupported_value")
         check_fields(self.model_extra, IGNORED_OPENAI, REFUSED_OPENAI, list(type(self).model_fields))
         if self.tool_choice not in (None, "auto", "none"):
-            raise WireError(400, "tool_choice may only be 'auto' or 'none' here (forcing a tool is not supported)",
-                            "tool_choice")
-        if isinstance(self.stop, list) and not all(s for s in self.stop):
-            raise WireError(400, "stop strings must be non-empty", "stop")
+            refuse_forced_tool(self.tool_choice, "tool_choice", '"auto" or "none"')
+        if isinstance(self.stop, list) and not all(self.stop):
+            raise WireError(400, f"stop={shown(self.stop)}: stop strings must be non-empty; drop the empty ones",
+                            "stop", "invalid_value")
 
     @property
     def allow_tool_calls(self) -> bool:
@@ -227,9 +269,8 @@ class ChatCompletionRequest(WireRequest):
         return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
 
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) and self.stop else [s for s in self.stop if s] if isinstance(self.stop, list) else []
+        """The stop strings (``stop`` as a list; none for null)."""
+        return [self.stop] if isinstance(self.stop, str) and self.stop else list(self.stop or []) if isinstance(self.stop, list) else []
 
 
 def _now() -> int:
