@@ -208,7 +208,7 @@ def test_refusal_repeats_the_value_with_its_code(make):
                    json={"messages": [{"role": "user", "content": "hi"}], "response_format": long})
     assert r.status_code == 400 and r.json() == {"error": {
         "message": 'response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": '
-                   '"object", ... is not supported here: constrained decoding is not applied; omit it or send '
+                   '"object", "properties": ... is not supported here: constrained decoding is not applied; omit it or send '
                    '{"type": "text"}',
         "type": "invalid_request_error", "param": "response_format", "code": "unsupported_parameter"}}
     r = httpx.post(info.openai_base_url + "/chat/completions", headers={"x-api-key": info.api_key},
