@@ -136,7 +136,7 @@ def test_lone_surrogate_is_a_400_naming_the_field_before_tokenizing(tok, stack, 
                           "messages[1].tool_calls[0].function.arguments.text", "invalid_unicode")
     else:
         got = post(info, wire, {**body_of(wire), "system": "a\ud800b"})
-        assert_wire_error(got, wire, 400, SURROGATE_MSG.format("system"))
+        assert_wire_error(got, wire, 400, SURROGATE_MSG.format("system"), None, "invalid_unicode")
     got = post(info, wire, {**body_of(wire), "metadata": {"a\ud800b": 1}})
     assert_wire_error(got, wire, 400, SURROGATE_MSG.format("metadata"),
                       *(("metadata", "invalid_unicode") if wire == "openai" else (None, "invalid_unicode")))

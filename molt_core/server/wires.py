@@ -11,6 +11,7 @@ import json
 import re
 import time
 import uuid
+from itertools import accumulate
 from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,12 +47,8 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One readable line per Pydantic error (``field: problem``) and the first field's name."""
-    parts, first = [], None
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
-        first = first or loc
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts), first
+    locs = [".".join(str(x) for x in err["loc"]) or "body" for err in e.errors()[:5]]
+    return "; ".join(f"{loc}: {err['msg']}" for loc, err in zip(locs, e.errors())), (locs or [None])[0]
 
 
 class WireRequest(BaseModel):
@@ -70,35 +67,24 @@ _NO_EFFECT = ("it would change the sampling distribution or the length, and neit
               "logprob recompute applies it")
 #: OpenAI chat fields refused unless neutral: name -> (neutral values, why); None is always neutral
 REFUSED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
-    "presence_penalty": ((0,), _NO_EFFECT),
-    "frequency_penalty": ((0,), _NO_EFFECT),
-    "repetition_penalty": ((1,), _NO_EFFECT),
-    "logit_bias": (({},), _NO_EFFECT),
-    "min_p": ((0,), _NO_EFFECT),
-    "min_tokens": ((0,), _NO_EFFECT),
-    "ignore_eos": ((False,), _NO_EFFECT),
-    "length_penalty": ((1,), _NO_EFFECT),
+    **{name: (neutral, _NO_EFFECT) for name, neutral in (
+        ("presence_penalty", (0,)), ("frequency_penalty", (0,)), ("repetition_penalty", (1,)), ("logit_bias", ({},)),
+        ("min_p", (0,)), ("min_tokens", (0,)), ("ignore_eos", (False,)), ("length_penalty", (1,)),
+        ("use_beam_search", (False,)), ("bad_words", ([],)), ("allowed_token_ids", ([],)), ("verbosity", ()))},
     "best_of": ((1,), "each sample would be its own rollout"),
-    "use_beam_search": ((False,), _NO_EFFECT),
     "stop_token_ids": (([],), "the session's stop tokens come from the chat template; use 'stop' strings"),
-    "bad_words": (([],), _NO_EFFECT),
-    "allowed_token_ids": (([],), _NO_EFFECT),
     "response_format": (({"type": "text"},), "constrained decoding is not applied"),
     "reasoning_effort": ((), "reasoning is set per session: POST /sessions with chat_template_kwargs "
                              "(e.g. {\"enable_thinking\": false})"),
     "chat_template_kwargs": ((), "template variables are set per session: POST /sessions with chat_template_kwargs"),
-    "functions": ((), "use 'tools'"),
-    "function_call": ((), "use 'tools' and 'tool_choice'"),
-    "modalities": ((["text"],), "only text is generated"),
-    "audio": ((), "only text is generated"),
-    "prediction": ((), "predicted outputs are not supported"),
-    "web_search_options": ((), "web search is not supported"),
-    "verbosity": ((), _NO_EFFECT),
-    "skip_special_tokens": ((True,), "the reply's text is decoded one way"),
-    "include_stop_str_in_output": ((False,), "the reply's text is decoded one way"),
-    "echo": ((False,), "the prompt is not echoed"),
-    "add_generation_prompt": ((True,), "the ledger renders the prompt"),
-    "continue_final_message": ((False,), "the ledger renders the prompt"),
+    "functions": ((), "use 'tools'"), "function_call": ((), "use 'tools' and 'tool_choice'"),
+    "modalities": ((["text"],), "only text is generated"), "audio": ((), "only text is generated"),
+    "prediction": ((), "predicted outputs are not supported"), "web_search_options": ((), "web search is not supported"),
+    **{name: ((neutral,), why) for name, neutral, why in (
+        ("skip_special_tokens", True, "the reply's text is decoded one way"),
+        ("include_stop_str_in_output", False, "the reply's text is decoded one way"),
+        ("echo", False, "the prompt is not echoed"), ("add_generation_prompt", True, "the ledger renders the prompt"),
+        ("continue_final_message", False, "the ledger renders the prompt"))},
 }
 
 
@@ -118,12 +104,10 @@ def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
             sent (:func:`shown`) and what to send instead.
     """
     for name, value in (extra or {}).items():
-        if name in ignored:
+        neutrals, why = refused.get(name, ((), ""))
+        if name in ignored or (name in refused and _neutral(value, neutrals)):
             continue
         if name in refused:
-            neutrals, why = refused[name]
-            if _neutral(value, neutrals):
-                continue
             omit = "omit it" + (f" or send {json.dumps(neutrals[0])}" if neutrals else "")
             raise WireError(400, f"{name}={shown(value)} is not supported here: {why}; {omit}", name,
                             "unsupported_parameter")
@@ -142,12 +126,9 @@ def shown(value: Any, limit: int = 100) -> str:
     text = json.dumps(value, ensure_ascii=True)
     if len(text) <= limit:
         return text
-    out = ""
-    for tok in _JSON_TOKEN.findall(text):
-        if len(out) + len(tok) > limit:
-            break
-        out += tok
-    return out.rstrip() + " ..."
+    toks = _JSON_TOKEN.findall(text)
+    n = sum(end <= limit for end in accumulate(map(len, toks)))  # the whole tokens that fit
+    return "".join(toks[:n]).rstrip() + " ..."
 
 
 def one_call_stop(parser: Any, tokenizer: Any, field: str = "parallel_tool_calls", sent: str = "false") -> int:
@@ -273,10 +254,6 @@ class ChatCompletionRequest(WireRequest):
         return [self.stop] if isinstance(self.stop, str) and self.stop else list(self.stop or []) if isinstance(self.stop, list) else []
 
 
-def _now() -> int:
-    return int(time.time())
-
-
 def token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
     """OpenAI ``logprobs.content`` of ``turn``: ``{token, logprob (nats), bytes (UTF-8), top_logprobs: []}`` each."""
     out = []
@@ -309,7 +286,7 @@ def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str
     if turn.reasoning is not None:
         msg["reasoning_content"] = turn.reasoning
     return {
-        "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": _now(), "model": model,
+        "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": msg, "finish_reason": _openai_finish(turn),
                      "logprobs": {"content": token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
         "usage": _usage(turn),
@@ -324,7 +301,7 @@ def sse(data: Any, event: str | None = None) -> str:
 
 def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage: bool = False) -> Iterator[str]:
     """``chat.completion.chunk`` events for ``turn`` (generated in full first), usage optional, then ``[DONE]``."""
-    cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
