@@ -48,7 +48,7 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One readable line per Pydantic error (``field: problem``) and the first field's name."""
     locs = [".".join(str(x) for x in err["loc"]) or "body" for err in e.errors()[:5]]
-    return "; ".join(f"{loc}: {err['msg']}" for loc, err in zip(locs, e.errors())), (locs or [None])[0]
+    return "; ".join(f"{loc}: {err['msg']}" for loc, err in zip(locs, e.errors())), locs[0] if locs else None
 
 
 class WireRequest(BaseModel):
