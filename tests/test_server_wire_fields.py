@@ -218,3 +218,12 @@ def test_refusal_repeats_the_value_with_its_code(make):
                    '"none" (or omit it) and ask for the tool in the prompt',
         "type": "invalid_request_error", "param": "tool_choice", "code": "unsupported_value"}}
     assert eng.calls == 0
+
+
+def test_qwen3_coder_block_ended_by_the_stop_counts():
+    from molt_plugins.parsers import ParsedCall, Qwen3CoderParser
+    body = "<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+    p = Qwen3CoderParser()
+    # the stop on </tool_call> drops it from the text: the block the text ends in after </function> counts
+    assert p.parse("ok <tool_call>\n" + body) == [ParsedCall("add", {"a": 1}, (3, 3 + len("<tool_call>\n" + body)))]
+    assert p.parse("ok <tool_call>\n" + body[:-13]) == []  # cut before </function>: not a call, stays content
