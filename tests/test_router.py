@@ -293,5 +293,6 @@ def test_router_body_limit_while_reading(tok, stack):
     with TestClient(app) as tc:
         r = tc.post(f"/s/{info.session_id}/v1/messages", content=b"x" * 101, headers={"x-api-key": info.api_key})
         assert r.status_code == 413 and r.json() == {"type": "error", "error": {
-            "type": "request_too_large", "message": "request body is 101 bytes; the limit is 100"}}
+            "type": "request_too_large", "message": "request body is 101 bytes; the limit is 100",
+            "details": {"error_code": "request_too_large"}}}
     assert backends[0].trajectory(info.session_id).segments == [] and backends[0].app.state.engine.calls == 0

@@ -84,7 +84,9 @@ def assert_wire_error(r, wire, status, message=None, param=None, code=None):
         assert (j["error"]["param"], j["error"]["code"]) == (param, code)
         got = j["error"]["message"]
     else:
-        assert j["type"] == "error" and set(j["error"]) == {"type", "message"}
+        # the code is Anthropic's error.details.error_code (where the SDK reads a cause)
+        assert j["type"] == "error" and set(j["error"]) == {"type", "message"} | ({"details"} if code else set())
+        assert j["error"].get("details") == ({"error_code": code} if code else None)
         got = j["error"]["message"]
     if message is not None:
         assert got == message
@@ -121,7 +123,7 @@ def test_lone_surrogate_is_a_400_naming_the_field_before_tokenizing(tok, stack, 
     assert b'"a\\ud800b"' in raw  # sent with the JSON escape
     got = post(info, wire, None, raw=raw)
     assert_wire_error(got, wire, 400, SURROGATE_MSG.format("messages[0].content"),
-                      *(("messages[0].content", "invalid_unicode") if wire == "openai" else (None, None)))
+                      *(("messages[0].content", "invalid_unicode") if wire == "openai" else (None, "invalid_unicode")))
     # deeper fields: a tool call's arguments, the Anthropic system prompt, a dict key
     if wire == "openai":
         msgs = [{"role": "user", "content": "x"},
@@ -134,10 +136,10 @@ def test_lone_surrogate_is_a_400_naming_the_field_before_tokenizing(tok, stack, 
                           "messages[1].tool_calls[0].function.arguments.text", "invalid_unicode")
     else:
         got = post(info, wire, {**body_of(wire), "system": "a\ud800b"})
-        assert_wire_error(got, wire, 400, SURROGATE_MSG.format("system"))
+        assert_wire_error(got, wire, 400, SURROGATE_MSG.format("system"), None, "invalid_unicode")
     got = post(info, wire, {**body_of(wire), "metadata": {"a\ud800b": 1}})
     assert_wire_error(got, wire, 400, SURROGATE_MSG.format("metadata"),
-                      *(("metadata", "invalid_unicode") if wire == "openai" else (None, None)))
+                      *(("metadata", "invalid_unicode") if wire == "openai" else (None, "invalid_unicode")))
     assert calls == [] and eng.calls == 0 and traj(h, info["session_id"]).segments == []
     # a proper surrogate pair is one character: accepted
     ok = post(info, wire, body_of(wire, "smile \ud83d\ude00"))
@@ -168,14 +170,16 @@ def test_404_and_405_in_the_wires_shape_with_a_base_url_hint(tok, stack, target)
     with pytest.raises(anthropic.NotFoundError) as ei:
         anthropic.Anthropic(base_url=base, api_key="k", max_retries=0).messages.create(
             model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    assert ei.value.body == {"type": "error", "error": {"type": "not_found_error", "message": HINT.format("/v1/messages")}}
+    assert ei.value.body == {"type": "error", "error": {"type": "not_found_error", "message": HINT.format("/v1/messages"),
+                                                        "details": {"error_code": "not_found"}}}
     assert_wire_error(httpx.get(f"{base}/"), "openai", 404, HINT.format("/"), None, "not_found")
     # wrong method on a session route: 405 in that route's wire shape
     key = {"x-api-key": info["api_key"]}
     assert_wire_error(httpx.get(f"{s}/v1/chat/completions", headers=key), "openai", 405,
                       f"method GET is not allowed on /s/{info['session_id']}/v1/chat/completions", None, "method_not_allowed")
     got = httpx.get(f"{s}/v1/messages", headers=key)
-    assert_wire_error(got, "anthropic", 405, f"method GET is not allowed on /s/{info['session_id']}/v1/messages")
+    assert_wire_error(got, "anthropic", 405, f"method GET is not allowed on /s/{info['session_id']}/v1/messages",
+                      None, "method_not_allowed")
     assert got.json()["error"]["type"] == "invalid_request_error"
     assert_wire_error(httpx.get(f"{base}/sessions", headers={"x-api-key": "adm"}), "openai", 405,
                       "method GET is not allowed on /sessions", None, "method_not_allowed")
@@ -189,7 +193,7 @@ def test_404_and_405_in_the_wires_shape_with_a_base_url_hint(tok, stack, target)
 NON_NEUTRAL = {"presence_penalty": 0.5, "frequency_penalty": -0.2, "repetition_penalty": 1.1, "logit_bias": {"5": 10},
                "min_p": 0.05, "min_tokens": 3, "ignore_eos": True, "length_penalty": 0.5, "best_of": 2,
                "use_beam_search": True, "stop_token_ids": [7], "bad_words": ["x"], "allowed_token_ids": [1, 2],
-               "response_format": {"type": "json_object"}, "parallel_tool_calls": False, "reasoning_effort": "low",
+               "response_format": {"type": "json_object"}, "reasoning_effort": "low", "thread": {"type": "create"},
                "chat_template_kwargs": {"enable_thinking": False}, "functions": [{"name": "f"}], "function_call": "auto",
                "modalities": ["text", "audio"], "audio": {"voice": "x"}, "prediction": {"type": "content"},
                "web_search_options": {}, "verbosity": "low", "skip_special_tokens": False,
@@ -197,7 +201,7 @@ NON_NEUTRAL = {"presence_penalty": 0.5, "frequency_penalty": -0.2, "repetition_p
                "continue_final_message": True, "thinking": {"type": "enabled", "budget_tokens": 1024}}
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {}, "min_p": 0.0,
            "min_tokens": 0, "ignore_eos": False, "length_penalty": 1, "best_of": 1, "use_beam_search": False,
-           "stop_token_ids": [], "parallel_tool_calls": True, "response_format": {"type": "text"},
+           "stop_token_ids": [], "response_format": {"type": "text"},
            "reasoning_effort": None, "modalities": ["text"], "skip_special_tokens": True, "echo": False,
            "thinking": {"type": "disabled"}}
 
@@ -218,14 +222,18 @@ def test_sampling_fields_one_rule(tok, stack, wire, stream):
     refused = REFUSED_OPENAI if wire == "openai" else REFUSED_ANTHROPIC
     for name in refused:
         got = post(info, wire, body_of(wire, **{name: NON_NEUTRAL[name]}), stream)
-        msg = assert_wire_error(got, wire, 400, None, *((name, "unsupported_parameter") if wire == "openai" else (None, None)))
-        assert msg.startswith(f"{name}={json.dumps(NON_NEUTRAL[name])} is not supported here: {refused[name][1]}; omit it")
+        code = "thread_unsupported_request" if name == "thread" else "unsupported_parameter"  # the SDK's fallback code
+        msg = assert_wire_error(got, wire, 400, None, *((name, code) if wire == "openai" else (None, code)))
+        assert msg.startswith(f"{name}={json.dumps(NON_NEUTRAL[name])} is not supported here: {refused[name][1]}")
+        assert name == "thread" or msg[len(f"{name}={json.dumps(NON_NEUTRAL[name])} is not supported here: "
+                                          f"{refused[name][1]}"):].startswith("; omit it")
     assert eng.calls == 0 and traj(h, info["session_id"]).segments == []
     # an unknown field is refused, naming it; so is one of the other wire's refused fields
     for name in ("frobnicate", "top_a"):
         got = post(info, wire, body_of(wire, **{name: 1}), stream)
-        msg = assert_wire_error(got, wire, 400, None, *((name, "unknown_parameter") if wire == "openai" else (None, None)))
-        assert msg.startswith(f"unknown field {name!r}: this server refuses fields it does not know. It honours model, ")
+        msg = assert_wire_error(got, wire, 400, None, *((name, "unknown_parameter") if wire == "openai" else (None, "unknown_parameter")))
+        assert msg.startswith(f"unknown field {name!r} (sent 1): this server refuses fields it does not know; omit it. "
+                              "It honours model, ")
     # neutral values, documented-ignored fields and honoured fields: 200, applied as sent
     ignored = IGNORED_OPENAI if wire == "openai" else IGNORED_ANTHROPIC
     neutral = {k: v for k, v in NEUTRAL.items() if k in refused}
@@ -432,7 +440,8 @@ def test_body_limit_enforced_while_reading(tok, stack):
     got = post(info, "anthropic", body)
     n = len(json.dumps({**body, "stream": False}))
     assert n == 2095
-    assert_wire_error(got, "anthropic", 413, f"request body is {n} bytes; the limit is 1000")  # refused from Content-Length
+    assert_wire_error(got, "anthropic", 413, f"request body is {n} bytes; the limit is 1000", None,
+                      "request_too_large")  # refused from Content-Length
     assert got.json()["error"]["type"] == "request_too_large"
 
     def chunks():  # no Content-Length: the limit trips while reading

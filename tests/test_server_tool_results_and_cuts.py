@@ -151,7 +151,8 @@ def test_tool_result_matching_no_call_is_a_400_naming_the_field(server, wire, ca
         _send(wire, info, payload, stream)
     assert e.value.status_code == 400
     if wire == "anthropic":
-        assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+        assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message,
+                                                           "details": {"error_code": "invalid_tool_result"}}}
     else:
         assert e.value.body == {"message": message, "type": "invalid_request_error", "param": field,
                                 "code": "invalid_tool_result"}

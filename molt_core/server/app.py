@@ -39,7 +39,8 @@ from molt_core.server.guard import (
 )
 from molt_core.server.images import ImagePartRefused, request_images
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import ChatCompletionRequest, WireError, openai_response, openai_stream, validation_message
+from molt_core.server.wires import (ChatCompletionRequest, WireError, one_call_stop, openai_response, openai_stream,
+                                    validation_message)
 from molt_core.types import GenerationOutput, SamplingParams, Trajectory
 
 __all__ = ["SessionInfo", "SessionStore", "WireServer", "create_app", "start_server", "ServerHandle"]
@@ -168,7 +169,8 @@ class WireServer:
       checked; ``.ledger``, ``.state`` a per-session dict) and the body validated as ``Model``, ``check()`` run.
     * ``images()`` -> a request's image collector (``openai_part``, ``anthropic_block``,
       ``responses_part``); ``await checked(collector, body_bytes)`` runs its checks.
-    * ``params_of(temperature, top_p, top_k, seed, stop)`` -> :class:`~molt_core.types.SamplingParams`.
+    * ``params_of(temperature, top_p, top_k, seed, stop, stop_token_ids=())`` -> :class:`~molt_core.types.SamplingParams`
+      (``stop_token_ids``: e.g. :func:`~molt_core.server.wires.one_call_stop` for ``parallel_tool_calls: false``).
     * ``await run_turn(session, request, messages, tools, params, max_tokens, allow_tool_calls, body_bytes)``
       -> :class:`~molt_core.ledger.AssistantTurn`: one turn under the session's lock, committed on return.
     * ``await guarded(wire, handle)`` -- ``await handle()``, each error in ``wire``'s ``error_body`` shape.
@@ -310,9 +312,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
         return turn
 
     def params_of(temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-                  stop: list[str]) -> SamplingParams:
+                  stop: list[str], stop_token_ids: Any = ()) -> SamplingParams:
         return SamplingParams(temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
-                              top_k=-1 if top_k is None else top_k, stop=stop, seed=seed)
+                              top_k=-1 if top_k is None else top_k, stop=stop, seed=seed, stop_token_ids=list(stop_token_ids))
 
     async def checked(pending: Any, body_bytes: int) -> None:
         if not pending:  # decoded (and, if allowed, fetched) off the event loop unless small
@@ -364,7 +366,9 @@ def create_app(engine: Any, tokenizer: Any | None = None, admin_key: str | None 
     async def chat_completions(sid: str, request: Request) -> Any:
         async def handle() -> Any:
             s, req, size = await session_request(request, sid, ChatCompletionRequest)
-            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops())
+            one = req.parallel_tool_calls is False and req.tools and req.allow_tool_calls  # stop after the first call
+            params = params_of(req.temperature, req.top_p, req.top_k, req.seed, req.stops(),
+                               [one_call_stop(s.ledger.tool_parser, tokenizer)] if one else ())
             pending = request_images(modality, policy, vision)
             msgs = req.internal_messages(pending)
             await checked(pending, size)

@@ -8,8 +8,10 @@ wire applies (:func:`check_fields`). Every wire decodes into OpenAI-style messag
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from itertools import accumulate
 from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -18,7 +20,7 @@ from molt_core import _moved
 from molt_core.ledger import AssistantTurn
 
 __all__ = ["WireError", "WireRequest", "ChatCompletionRequest", "openai_response", "openai_stream", "openai_error",
-           "validation_message", "check_fields", "sse", "token_logprobs", "SEED"]
+           "validation_message", "check_fields", "shown", "one_call_stop", "refuse_forced_tool", "sse", "token_logprobs", "SEED"]
 
 
 class WireError(Exception):
@@ -45,12 +47,8 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One readable line per Pydantic error (``field: problem``) and the first field's name."""
-    parts, first = [], None
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
-        first = first or loc
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts), first
+    locs = [".".join(str(x) for x in err["loc"]) or "body" for err in e.errors()[:5]]
+    return "; ".join(f"{loc}: {err['msg']}" for loc, err in zip(locs, e.errors())), locs[0] if locs else None
 
 
 class WireRequest(BaseModel):
@@ -69,36 +67,24 @@ _NO_EFFECT = ("it would change the sampling distribution or the length, and neit
               "logprob recompute applies it")
 #: OpenAI chat fields refused unless neutral: name -> (neutral values, why); None is always neutral
 REFUSED_OPENAI: dict[str, tuple[tuple[Any, ...], str]] = {
-    "presence_penalty": ((0,), _NO_EFFECT),
-    "frequency_penalty": ((0,), _NO_EFFECT),
-    "repetition_penalty": ((1,), _NO_EFFECT),
-    "logit_bias": (({},), _NO_EFFECT),
-    "min_p": ((0,), _NO_EFFECT),
-    "min_tokens": ((0,), _NO_EFFECT),
-    "ignore_eos": ((False,), _NO_EFFECT),
-    "length_penalty": ((1,), _NO_EFFECT),
+    **{name: (neutral, _NO_EFFECT) for name, neutral in (
+        ("presence_penalty", (0,)), ("frequency_penalty", (0,)), ("repetition_penalty", (1,)), ("logit_bias", ({},)),
+        ("min_p", (0,)), ("min_tokens", (0,)), ("ignore_eos", (False,)), ("length_penalty", (1,)),
+        ("use_beam_search", (False,)), ("bad_words", ([],)), ("allowed_token_ids", ([],)), ("verbosity", ()))},
     "best_of": ((1,), "each sample would be its own rollout"),
-    "use_beam_search": ((False,), _NO_EFFECT),
     "stop_token_ids": (([],), "the session's stop tokens come from the chat template; use 'stop' strings"),
-    "bad_words": (([],), _NO_EFFECT),
-    "allowed_token_ids": (([],), _NO_EFFECT),
     "response_format": (({"type": "text"},), "constrained decoding is not applied"),
-    "parallel_tool_calls": ((True,), "every call the model writes is returned"),
     "reasoning_effort": ((), "reasoning is set per session: POST /sessions with chat_template_kwargs "
                              "(e.g. {\"enable_thinking\": false})"),
     "chat_template_kwargs": ((), "template variables are set per session: POST /sessions with chat_template_kwargs"),
-    "functions": ((), "use 'tools'"),
-    "function_call": ((), "use 'tools' and 'tool_choice'"),
-    "modalities": ((["text"],), "only text is generated"),
-    "audio": ((), "only text is generated"),
-    "prediction": ((), "predicted outputs are not supported"),
-    "web_search_options": ((), "web search is not supported"),
-    "verbosity": ((), _NO_EFFECT),
-    "skip_special_tokens": ((True,), "the reply's text is decoded one way"),
-    "include_stop_str_in_output": ((False,), "the reply's text is decoded one way"),
-    "echo": ((False,), "the prompt is not echoed"),
-    "add_generation_prompt": ((True,), "the ledger renders the prompt"),
-    "continue_final_message": ((False,), "the ledger renders the prompt"),
+    "functions": ((), "use 'tools'"), "function_call": ((), "use 'tools' and 'tool_choice'"),
+    "modalities": ((["text"],), "only text is generated"), "audio": ((), "only text is generated"),
+    "prediction": ((), "predicted outputs are not supported"), "web_search_options": ((), "web search is not supported"),
+    **{name: ((neutral,), why) for name, neutral, why in (
+        ("skip_special_tokens", True, "the reply's text is decoded one way"),
+        ("include_stop_str_in_output", False, "the reply's text is decoded one way"),
+        ("echo", False, "the prompt is not echoed"), ("add_generation_prompt", True, "the ledger renders the prompt"),
+        ("continue_final_message", False, "the ledger renders the prompt"))},
 }
 
 
@@ -114,29 +100,64 @@ def check_fields(extra: dict[str, Any] | None, ignored: frozenset[str],
 
     Raises:
         WireError: 400 naming the first field that is refused with a non-neutral value
-            (``code`` ``unsupported_parameter``) or unknown (``code`` ``unknown_parameter``).
+            (``code`` ``unsupported_parameter``) or unknown (``code`` ``unknown_parameter``), the value
+            sent (:func:`shown`) and what to send instead.
     """
     for name, value in (extra or {}).items():
-        if name in ignored:
+        neutrals, why = refused.get(name, ((), ""))
+        if name in ignored or (name in refused and _neutral(value, neutrals)):
             continue
         if name in refused:
-            neutrals, why = refused[name]
-            if _neutral(value, neutrals):
-                continue
-            shown = json.dumps(value, ensure_ascii=True)[:80] if _jsonable(value) else repr(value)[:80]
             omit = "omit it" + (f" or send {json.dumps(neutrals[0])}" if neutrals else "")
-            raise WireError(400, f"{name}={shown} is not supported here: {why}; {omit}", name, "unsupported_parameter")
-        raise WireError(400, f"unknown field {name!r}: this server refuses fields it does not know. It honours "
-                             f"{', '.join(honoured)}; see docs/README.md (Loopback server) for the fields it ignores "
-                             "or refuses", name, "unknown_parameter")
+            raise WireError(400, f"{name}={shown(value)} is not supported here: {why}; {omit}", name,
+                            "unsupported_parameter")
+        raise WireError(400, f"unknown field {name!r} (sent {shown(value)}): this server refuses fields it does not "
+                             f"know; omit it. It honours {', '.join(honoured)}; see docs/README.md (Loopback server) "
+                             "for the fields it ignores or refuses", name, "unknown_parameter")
 
 
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+#: one JSON token of ``json.dumps`` output: a string, a punctuation mark, a run of blanks, a scalar
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{},:]|\s+|[^\s\[\]{},:"]+')
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """``value`` (decoded JSON) as JSON for an error message: whole up to ``limit`` characters, else cut
+    after the last whole JSON token that fits (never inside a string or a number) and ``" ..."`` appended."""
+    text = json.dumps(value, ensure_ascii=True)
+    if len(text) <= limit:
+        return text
+    toks = _JSON_TOKEN.findall(text)
+    n = sum(end <= limit for end in accumulate(map(len, toks)))  # the whole tokens that fit
+    return "".join(toks[:n]).rstrip() + " ..."
+
+
+def one_call_stop(parser: Any, tokenizer: Any, field: str = "parallel_tool_calls", sent: str = "false") -> int:
+    """The token id that closes one tool call in ``parser``'s syntax (its ``close`` tag, e.g. Qwen's
+    ``</tool_call>``): ``parallel_tool_calls: false`` passes it to the engine as a stop token, so
+    sampling stops after the first complete call (recorded like any stop; the ids stay the sampled ones).
+
+    Raises:
+        WireError: 400 (``param`` ``field``, ``code`` ``unsupported_value``) when the syntax has no
+            close tag that is one token (Llama 3 JSON, Mistral, a tokenizer's response schema).
+    """
+    close = getattr(parser, "close", None)
+    ids = tokenizer.encode(close, add_special_tokens=False) if isinstance(close, str) and close else []
+    if len(ids) != 1:
+        raise WireError(400, f"{field}={sent} is not supported for this model's tool-call syntax "
+                             f"({type(parser).__name__}): no one-token tag closes a call, so sampling cannot stop "
+                             f"after the first one; omit {field} (every call the model writes is returned)", field,
+                        "unsupported_value")
+    return ids[0]
+
+
+def refuse_forced_tool(choice: Any, field: str, send: str) -> None:
+    """Raise the 400 for a forced tool choice ``choice`` at ``field`` (``send``: the values allowed).
+
+    Raises:
+        WireError: always: ``code`` ``unsupported_value``, naming the field and the value sent.
+    """
+    raise WireError(400, f"{field}={shown(choice)} is not supported: forcing a tool is not applied here; send {send} "
+                         "(or omit it) and ask for the tool in the prompt", field, "unsupported_value")
 
 
 #: the ``seed`` field every wire declares: None or an int in [0, 2**63)
@@ -176,26 +197,28 @@ class ChatCompletionRequest(WireRequest):
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         """Refuse what the server cannot honour (:func:`check_fields` and the declared fields' limits).
 
         Raises:
-            WireError: 400 naming the field (``n`` > 1, top_logprobs, a refused or unknown field, a forced
-                tool choice, empty stop strings).
+            WireError: 400 naming the field and the value sent (``n`` > 1, top_logprobs, a refused or unknown
+                field, a forced tool choice, empty stop strings).
         """
         if self.n not in (None, 1):
             raise WireError(400, f"n={self.n} is not supported: each choice would be its own rollout; send n=1 "
-                                 "(or omit it) and make one request per sample", "n")
+                                 "(or omit it) and make one request per sample", "n", "unsupported_value")
         if self.top_logprobs:
-            raise WireError(400, "top_logprobs > 0 is not supported (the engine reports the sampled token's logprob "
-                            "only, in logprobs.content); omit it or set it to 0", "top_logprobs")
+            raise WireError(400, f"top_logprobs={self.top_logprobs} is not supported (the engine reports the sampled "
+                            "token's logprob only, in logprobs.content); omit it or send 0", "top_logprobs",
+                            "unsupported_value")
         check_fields(self.model_extra, IGNORED_OPENAI, REFUSED_OPENAI, list(type(self).model_fields))
         if self.tool_choice not in (None, "auto", "none"):
-            raise WireError(400, "tool_choice may only be 'auto' or 'none' here (forcing a tool is not supported)",
-                            "tool_choice")
-        if isinstance(self.stop, list) and not all(s for s in self.stop):
-            raise WireError(400, "stop strings must be non-empty", "stop")
+            refuse_forced_tool(self.tool_choice, "tool_choice", '"auto" or "none"')
+        if isinstance(self.stop, list) and not all(self.stop):
+            raise WireError(400, f"stop={shown(self.stop)}: stop strings must be non-empty; drop the empty ones",
+                            "stop", "invalid_value")
 
     @property
     def allow_tool_calls(self) -> bool:
@@ -227,13 +250,8 @@ class ChatCompletionRequest(WireRequest):
         return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
 
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) and self.stop else [s for s in self.stop if s] if isinstance(self.stop, list) else []
-
-
-def _now() -> int:
-    return int(time.time())
+        """The stop strings (``stop`` as a list; none for null)."""
+        return [self.stop] if isinstance(self.stop, str) and self.stop else list(self.stop or []) if isinstance(self.stop, list) else []
 
 
 def token_logprobs(tokenizer: Any, turn: AssistantTurn) -> list[dict[str, Any]]:
@@ -268,7 +286,7 @@ def openai_response(turn: AssistantTurn, tokenizer: Any, model: str) -> dict[str
     if turn.reasoning is not None:
         msg["reasoning_content"] = turn.reasoning
     return {
-        "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": _now(), "model": model,
+        "id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": msg, "finish_reason": _openai_finish(turn),
                      "logprobs": {"content": token_logprobs(tokenizer, turn)}, "token_ids": list(turn.token_ids)}],
         "usage": _usage(turn),
@@ -283,7 +301,7 @@ def sse(data: Any, event: str | None = None) -> str:
 
 def openai_stream(turn: AssistantTurn, tokenizer: Any, model: str, include_usage: bool = False) -> Iterator[str]:
     """``chat.completion.chunk`` events for ``turn`` (generated in full first), usage optional, then ``[DONE]``."""
-    cid, created = "chatcmpl-" + uuid.uuid4().hex, _now()
+    cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,

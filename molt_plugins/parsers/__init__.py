@@ -7,7 +7,8 @@ protocol); a block that is not a well-formed call stays content. Families, chose
 * ``hermes`` / ``qwen`` (Hermes, Qwen2.5, Qwen3): the ledger's own default,
   :class:`~molt_core.ledger.toolcall.HermesParser`, ``<tool_call>{json}</tool_call>``.
 * ``qwen3_coder`` (Qwen3-Coder XML): ``<tool_call><function=NAME><parameter=P>VALUE</parameter>
-  ...</function></tool_call>``; a value is JSON-decoded unless the tool's schema declares the
+  ...</function></tool_call>`` (a block the generation ends in right after ``</function>`` counts,
+  as a Hermes block cut after its JSON does: a stop on the close tag drops it from the text); a value is JSON-decoded unless the tool's schema declares the
   parameter a string (then the raw text, one leading/trailing newline removed).
 * ``llama3_json`` (Llama 3.x): the whole visible text (after an optional ``<|python_tag|>``) is
   one JSON object ``{"name", "parameters"}`` or several separated by ``;``.
@@ -95,8 +96,12 @@ class Qwen3CoderParser:
         b = a + len(self.open)
         while True:
             c = text.find(self.close, b)
-            if c < 0:
-                return None
+            if c < 0:  # the generation ended right after a </function> (a stop on the close tag): the block counts
+                c = len(text)
+                if not text.rstrip(_WS).endswith("</function>"):
+                    return None
+                call = self._function(text[a + len(self.open):], tools)
+                return None if call is None else ([call], c)
             if text[:c].rstrip(_WS).endswith("</function>"):
                 call = self._function(text[a + len(self.open): c], tools)
                 return None if call is None else ([call], c + len(self.close))

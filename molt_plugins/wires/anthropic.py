@@ -18,10 +18,10 @@ from pydantic import Field
 from molt_core.ledger import AssistantTurn
 from molt_core.server.images import convert_checked
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import SEED, WireError, WireRequest, sse, check_fields
+from molt_core.server.wires import SEED, WireError, WireRequest, check_fields, one_call_stop, refuse_forced_tool, shown, sse
 from molt_plugins.wires.common import joined
 
-__all__ = ["AnthropicWire", "MessagesRequest", "IGNORED_ANTHROPIC", "REFUSED_ANTHROPIC", "anthropic_error",
+__all__ = ["AnthropicWire", "MessagesRequest", "IGNORED_ANTHROPIC", "REFUSED_ANTHROPIC", "ERROR_PREFIX", "anthropic_error",
            "anthropic_response", "anthropic_stream"]
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -29,16 +29,24 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 #: Anthropic messages fields accepted and ignored
 IGNORED_ANTHROPIC = frozenset({"metadata", "service_tier"})
+_THREAD = ("message threads are not kept (the session's ledger holds the conversation); send the whole "
+           "conversation in messages without thread")
 #: Anthropic messages fields refused unless neutral
 REFUSED_ANTHROPIC: dict[str, tuple[tuple[Any, ...], str]] = {
     "thinking": (({"type": "disabled"},), "thinking is set per session: POST /sessions with chat_template_kwargs "
                                           "(e.g. {\"enable_thinking\": true}); a token budget is not applied"),
+    "thread": ((), _THREAD),
 }
 
 
 def anthropic_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """Anthropic error body: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
+    """Anthropic error body: ``{"type": "error", "error": {"type", "message"}}``, with
+    ``error.details.error_code`` = ``code`` when there is one (where the Anthropic SDK reads a cause,
+    e.g. ``thread_unsupported_request``, on which its tool runner resends without ``thread``)."""
+    err: dict[str, Any] = {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}
+    if code:
+        err["details"] = {"error_code": code}
+    return {"type": "error", "error": err}
 
 
 class AnthropicTool(WireRequest):
@@ -70,13 +78,23 @@ class MessagesRequest(WireRequest):
 
     def check(self) -> None:
         """Raises: WireError (400) for a forced tool choice, empty stop sequences, a refused
-        field with a non-neutral value or an unknown field (:func:`check_fields`)."""
+        field with a non-neutral value or an unknown field (:func:`check_fields`); a ``thread``
+        (the message-threads beta) with ``error.details.error_code`` ``thread_unsupported_request``."""
+        thread = (self.model_extra or {}).get("thread")
+        if thread is not None:  # the code the SDK's fallback to sending the whole history looks for
+            raise WireError(400, f"thread={shown(thread)} is not supported here: {_THREAD}", "thread",
+                            "thread_unsupported_request")
         check_fields(self.model_extra, IGNORED_ANTHROPIC, REFUSED_ANTHROPIC, list(type(self).model_fields))
         if self.tool_choice and self.tool_choice.get("type") not in ("auto", "none"):
-            raise WireError(400, "tool_choice.type may only be 'auto' or 'none' here (forcing a tool is not supported)",
-                            "tool_choice")
+            refuse_forced_tool(self.tool_choice, "tool_choice", '{"type": "auto"} or {"type": "none"}')
         if self.stop_sequences is not None and not all(self.stop_sequences):
-            raise WireError(400, "stop_sequences must be non-empty strings", "stop_sequences")
+            raise WireError(400, f"stop_sequences={shown(self.stop_sequences)}: stop sequences must be non-empty "
+                                 "strings; drop the empty ones", "stop_sequences", "invalid_value")
+
+    @property
+    def one_call(self) -> bool:
+        """``tool_choice.disable_parallel_tool_use: true`` with tools the reply is parsed for: at most one call."""
+        return bool(self.tools) and self.allow_tool_calls and (self.tool_choice or {}).get("disable_parallel_tool_use") is True
 
     @property
     def allow_tool_calls(self) -> bool:
@@ -140,6 +158,7 @@ class MessagesRequest(WireRequest):
                     elif kind == "tool_result":
                         c = b.get("content", "")
                         content = c if isinstance(c, str) else _block_content(c, f"{where}.content[{j}].content", pending)
+                        content = _failed(content, b.get("is_error", False), f"{where}.content[{j}].is_error")
                         out.append({"role": "tool", "content": content, "tool_call_id": str(b.get("tool_use_id", ""))})
                     else:
                         raise WireError(400, f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
@@ -184,6 +203,24 @@ def _block_content(blocks: Any, where: str, pending: Any) -> str | list[Any]:
         else:
             raise WireError(400, f"{where}[{j}] must be a text or image block", where)
     return joined(parts)
+
+
+#: what a failed tool's result starts with (``tool_result.is_error: true``): the Qwen and Hermes
+#: templates render a tool message's content only, with no field for a failure
+ERROR_PREFIX = "Error: "
+
+
+def _failed(content: str | list[Any], is_error: Any, where: str) -> str | list[Any]:
+    """``content`` of a tool result, prefixed with :data:`ERROR_PREFIX` when ``is_error`` is true (a
+    content list gets it as a leading text part). Raises: WireError -- ``is_error`` not a boolean."""
+    if is_error is None or is_error is False:
+        return content
+    if is_error is not True:
+        raise WireError(400, f"{where}={shown(is_error)} is not a boolean: send true (a failed tool), false or omit it",
+                        where, "invalid_value")
+    if isinstance(content, str):
+        return ERROR_PREFIX + content if content else ERROR_PREFIX.rstrip()
+    return [{"type": "text", "text": ERROR_PREFIX}, *content]
 
 
 def _block_text(blocks: list[dict[str, Any]], where: str) -> str:
@@ -272,7 +309,9 @@ class AnthropicWire:
         async def messages(sid: str, request: Request) -> Any:
             async def handle() -> Any:
                 s, req, size = await server.session_request(request, sid, MessagesRequest)
-                params = server.params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []))
+                params = server.params_of(req.temperature, req.top_p, req.top_k, req.seed, list(req.stop_sequences or []),
+                                          [one_call_stop(s.ledger.tool_parser, server.tokenizer, "tool_choice.disable_parallel_tool_use",
+                                                         "true")] if req.one_call else ())
                 pending = server.images()
                 msgs = req.openai_messages(pending)
                 await server.checked(pending, size)

@@ -28,7 +28,8 @@ from pydantic import Field
 from molt_core.ledger import AssistantTurn
 from molt_core.server.images import convert_checked
 from molt_core.server.tool_results import match_tool_results
-from molt_core.server.wires import SEED, WireError, WireRequest, sse, token_logprobs, check_fields
+from molt_core.server.wires import (SEED, WireError, WireRequest, check_fields, one_call_stop, refuse_forced_tool, shown,
+                                    sse, token_logprobs)
 from molt_plugins.wires.common import joined
 from molt_plugins.wires.response_store import ResponseStore
 
@@ -48,7 +49,6 @@ REFUSED_RESPONSES: dict[str, tuple[tuple[Any, ...], str]] = {
                       "(e.g. {\"enable_thinking\": false})"),
     "text": (({"format": {"type": "text"}},), "constrained decoding is not applied"),
     "truncation": (("disabled",), "a prompt that does not fit is refused, never truncated"),
-    "parallel_tool_calls": ((True,), "every call the model writes is returned"),
     "top_logprobs": ((0,), "the engine reports the sampled token's logprob only"),
     "max_tool_calls": ((), "every call the model writes is returned"),
     "background": ((False,), "responses are answered synchronously"),
@@ -71,18 +71,19 @@ class ResponsesRequest(WireRequest):
     seed: int | None = SEED
     previous_response_id: str | None = None
     store: bool | None = None  # None: true (OpenAI's default)
+    parallel_tool_calls: bool | None = None  # false: sampling stops after the first complete call
 
     def check(self) -> None:
         """Raises: WireError (400 naming the field) for a refused or unknown field, a forced tool
         choice, or a tool that is not a function tool."""
         check_fields(self.model_extra, IGNORED_RESPONSES, REFUSED_RESPONSES, list(type(self).model_fields))
         if self.tool_choice not in (None, "auto", "none"):
-            raise WireError(400, "tool_choice may only be 'auto' or 'none' here (forcing a tool is not supported)",
-                            "tool_choice")
+            refuse_forced_tool(self.tool_choice, "tool_choice", '"auto" or "none"')
         for i, t in enumerate(self.tools or []):
             if t.get("type") != "function" or not isinstance(t.get("name"), str) or not t["name"]:
-                raise WireError(400, f"tools[{i}] must be a function tool {{'type': 'function', 'name': ..., "
-                                     f"'parameters': ...}} (built-in tools are not supported)", f"tools[{i}]")
+                raise WireError(400, f"tools[{i}]={shown(t)} is not supported: only function tools are (built-in "
+                                     "tools are not); send {\"type\": \"function\", \"name\": ..., \"parameters\": "
+                                     "...} and run the tool in your agent", f"tools[{i}]", "unsupported_value")
 
     @property
     def allow_tool_calls(self) -> bool:
@@ -226,7 +227,8 @@ def responses_response(turn: AssistantTurn, tokenizer: Any, model: str, req: Res
         "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()), "model": model,
         "status": "incomplete" if cut else "completed", "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "instructions": req.instructions, "output": _items(turn, tokenizer), "parallel_tool_calls": True,
+        "instructions": req.instructions, "output": _items(turn, tokenizer),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
         "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto", "tools": req.tools or [],
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
@@ -290,7 +292,9 @@ class ResponsesWire:
             async def handle() -> Any:
                 s, req, size = await server.session_request(request, sid, ResponsesRequest)
                 store = s.state.setdefault("responses", ResponseStore())
-                params = server.params_of(req.temperature, req.top_p, req.top_k, req.seed, [])
+                one = req.parallel_tool_calls is False and req.tools and req.allow_tool_calls  # stop after one call
+                params = server.params_of(req.temperature, req.top_p, req.top_k, req.seed, [],
+                                          [one_call_stop(s.ledger.tool_parser, server.tokenizer)] if one else ())
                 pending = server.images()
                 msgs = store.continued(req, req.openai_messages(pending))  # 404: previous_response_id not stored
                 await server.checked(pending, size)
