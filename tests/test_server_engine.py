@@ -162,3 +162,24 @@ def test_molt_serve_bad_model(capsys):
     r = CliRunner().invoke(main, ["serve", "--model", "builtin:nope"])
     assert r.exit_code == 2
     assert "--model builtin:nope" in capsys.readouterr().err + r.output
+
+
+def test_molt_serve_prefix_cache_mb_reaches_every_engine(monkeypatch, capsys):
+    """--prefix-cache-mb sizes each engine's prefix cache (default 256 MiB); a negative value is refused."""
+    from click.testing import CliRunner
+
+    import molt_core.engines.transformers_engine as te
+    from molt_core.cli import main
+
+    seen = []
+
+    def fake(model, **kw):
+        seen.append(kw["prefix_cache_mb"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(te, "TransformersEngine", fake)
+    assert CliRunner().invoke(main, ["serve", "--model", "m", "--prefix-cache-mb", "32"]).exit_code == 2
+    assert CliRunner().invoke(main, ["serve", "--model", "m"]).exit_code == 2
+    assert seen == [32.0, 256.0]
+    r = CliRunner().invoke(main, ["serve", "--model", "m", "--prefix-cache-mb", "-1"])
+    assert r.exit_code == 2 and "--prefix-cache-mb" in r.output and seen == [32.0, 256.0]

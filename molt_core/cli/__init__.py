@@ -433,9 +433,11 @@ def recipes() -> None:
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), help="Parameter dtype.")
 @click.option("--enable-thinking/--disable-thinking", default=None, help="Set the chat template's enable_thinking for every session.")
 @click.option("--num-engines", default=1, type=click.IntRange(1), help="Engines in-process, each with its own server, behind one request router (session affinity, least-loaded placement).")
+@click.option("--prefix-cache-mb", default=256.0, type=click.FloatRange(0), show_default=True,
+              help="MiB of finished generations' keys/values each engine keeps for a later prompt with the same prefix (0: off); bounds the server's memory.")
 @click.option("--tool-parser", default=None, help="Tool-call parser of the model family: hermes (default; Qwen), qwen3_coder, llama3_json, mistral, or auto (the tokenizer's response schema, else the family its chat template writes).")
 def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_size: int, dtype: str,
-          enable_thinking: bool | None, num_engines: int, tool_parser: str | None) -> None:
+          enable_thinking: bool | None, num_engines: int, prefix_cache_mb: float, tool_parser: str | None) -> None:
     """Serve MODEL (on 127.0.0.1 unless --host says otherwise) for any OpenAI or Anthropic SDK,
     recording every session token-exactly.
 
@@ -465,7 +467,8 @@ def serve(model: str, host: str, port: int, admin_key: str | None, max_batch_siz
             _fail(f"--tool-parser {tool_parser}: unknown; known: {', '.join(parsers)}")
 
     try:
-        engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype) for _ in range(num_engines)]
+        engines = [TransformersEngine(model, max_batch_size=max_batch_size, dtype=dtype, prefix_cache_mb=prefix_cache_mb)
+                   for _ in range(num_engines)]
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(f"--model {model}: {e}")
     engine = engines[0]
