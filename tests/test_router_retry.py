@@ -253,7 +253,8 @@ def test_refused_until_the_retries_run_out(make):
         r = httpx.post(f"{router.base_url}/s/{sid}/v1/messages", json=ANTHROPIC, timeout=30)
         assert r.status_code == 502 and r.json() == {"type": "error", "error": {"type": "api_error", "message": (
             f"backend 0 at {up.base_url} (owner of session {sid}) is unreachable: ConnectError: All connection "
-            f"attempts failed; the request was not received (connection tried 2 times)")}}
+            f"attempts failed; the request was not received (connection tried 2 times)"),
+            "details": {"error_code": "backend_unreachable"}}}
         assert router.backends[0].connect_retries == 1 and gone.requests == []
     finally:
         gone.close()
